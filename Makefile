@@ -1,0 +1,37 @@
+# One-command entry points. `make serve` and `make test` set everything up on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The CPU build of torch lies on this machine's disk; install it first so pip never resolves a
+# bare `torch` (a multi-GB CUDA download).
+FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
+TORCH ?= torch==2.13.0
+
+.PHONY: install serve test lint unit bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(FIND_LINKS) $(TORCH)
+	$(BIN)/pip install -q $(FIND_LINKS) -e '.[dev,ptb]'
+	touch $@
+
+serve: install
+	$(BIN)/lsa serve
+
+lint: install
+	$(BIN)/ruff check lsa_models api_schemas service tests bench
+	$(BIN)/mypy
+
+unit: install
+	$(BIN)/python -m pytest -q
+
+test: lint unit
+
+bench: install
+	$(BIN)/python bench/attention_speed.py
+
+clean:
+	rm -rf $(VENV) var .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,0 +1,81 @@
+"""The bound report: the one object `lsa bound --json` prints and `POST /bound` returns."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Norm = Literal["2", "inf"]
+Verdict = Literal["certified", "not_lipschitz", "not_certified"]
+
+
+class LayerBoundOut(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(description="Module path (native) or layer name (ONNX)")
+    kind: str = Field(description="Layer family, e.g. l2_mha, layernorm, linear, block")
+    upper: float | None = Field(description="Certified Lipschitz upper bound; null if none")
+    status: Verdict = "certified"
+    reason: str | None = None
+    nodes: list[str] = Field(default_factory=list, description="ONNX nodes making up the layer")
+
+
+class GrowthPoint(BaseModel):
+    scale: float
+    jacobian_norm: float
+
+
+class Witness(BaseModel):
+    """The input that achieved the empirical lower bound, reproducible from the seed."""
+
+    seed: int | None = None
+    value: float | None = None
+    input_shape: list[int] | None = None
+    input: list[float] | None = Field(default=None, description="Flattened witness input")
+    growth: list[GrowthPoint] | None = Field(
+        default=None, description="(scale, ||J||) pairs growing without bound (DP attention)")
+
+
+class BoundReport(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [
+                {
+                    "model_sha256": "9f2c" + "0" * 60,
+                    "norm": "2",
+                    "seq_len": 128,
+                    "radius": None,
+                    "lipschitz": True,
+                    "verdict": "certified",
+                    "upper": 412.7,
+                    "reason": None,
+                    "layers": [{"name": "blocks.0.attn", "kind": "l2_mha", "upper": 37.1,
+                                "status": "certified", "reason": None, "nodes": []}],
+                    "method": "analytic: Theorem 3.2 ...",
+                    "lsa_version": "0.1.0",
+                    "lower": None,
+                    "ratio": None,
+                    "witness": None,
+                }
+            ]
+        },
+    )
+
+    model_sha256: str
+    norm: Norm
+    seq_len: int
+    radius: float | None = None
+    lipschitz: bool | None = Field(
+        description="true: certified finite constant; false: not Lipschitz on the domain "
+        "(dot-product attention); null: not certified (e.g. untied L2 attention)")
+    verdict: Verdict
+    upper: float | None = Field(description="Certified upper bound; never below the truth")
+    reason: str | None = None
+    layers: list[LayerBoundOut]
+    method: str
+    lsa_version: str
+    lower: float | None = Field(default=None, description="Empirical lower bound (max ||J||)")
+    ratio: float | None = Field(default=None, description="upper / lower")
+    witness: Witness | None = None

@@ -1,0 +1,36 @@
+"""lsa_models: attention layers, certified Lipschitz bounds, estimators, native checkpoints.
+
+Pure torch/onnx: never imports the web, database or service layers.
+"""
+
+from .attention import DotProductMHA, L2MHA, build_attention
+from .blocks import FeedForward, Transformer, TransformerBlock
+from .bounds import BoundResult, LayerBound, certify
+from .checkpoint import CheckpointError, from_bytes, load, register_model_kind, save, to_bytes
+from .config import AttentionConfig, BlockConfig, ConfigError, FFNConfig, TransformerConfig
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AttentionConfig",
+    "BlockConfig",
+    "BoundResult",
+    "CheckpointError",
+    "ConfigError",
+    "DotProductMHA",
+    "FFNConfig",
+    "FeedForward",
+    "L2MHA",
+    "LayerBound",
+    "Transformer",
+    "TransformerBlock",
+    "TransformerConfig",
+    "__version__",
+    "build_attention",
+    "certify",
+    "from_bytes",
+    "load",
+    "register_model_kind",
+    "save",
+    "to_bytes",
+]

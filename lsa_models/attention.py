@@ -1,0 +1,160 @@
+"""Multi-head self-attention: dot-product (DP-MHA) and L2 (L2-MHA), as in science.md.
+
+Weights follow torch's `nn.Linear` layout (out, in); the row-vector matrices of the paper are
+their transposes: `W^Q = q_proj.weight.T` (D x D), and head h owns columns h*d:(h+1)*d.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .config import AttentionConfig
+
+
+def _split_heads(x: Tensor, n_heads: int) -> Tensor:
+    b, n, dm = x.shape
+    return x.view(b, n, n_heads, dm // n_heads).transpose(1, 2)  # (B, H, N, d)
+
+
+def _merge_heads(x: Tensor) -> Tensor:
+    b, h, n, d = x.shape
+    return x.transpose(1, 2).reshape(b, n, h * d)  # (B, N, D)
+
+
+class DotProductMHA(nn.Module):
+    """`F(X) = [softmax(X W^Q_h (X W^K_h)^T / sqrt(d)) X W^V_h]_h W^O`: not Lipschitz on R^{N x D}."""
+
+    def __init__(self, config: AttentionConfig) -> None:
+        super().__init__()
+        if config.kind != "dp":
+            raise ValueError(f"DotProductMHA needs kind='dp', got {config.kind!r}")
+        self.config = config
+        d_model = config.d_model
+        self.q_proj = nn.Linear(d_model, d_model, bias=False)
+        self.k_proj = nn.Linear(d_model, d_model, bias=False)
+        self.v_proj = nn.Linear(d_model, d_model, bias=False)
+        self.out_proj = nn.Linear(d_model, d_model, bias=True)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        std = self.config.d_model ** -0.5
+        for lin in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
+            nn.init.normal_(lin.weight, mean=0.0, std=std)
+        nn.init.zeros_(self.out_proj.bias)
+
+    def forward(self, x: Tensor) -> Tensor:  # x: (B, N, D)
+        h = self.config.n_heads
+        q = _split_heads(self.q_proj(x), h)  # (B, H, N, d)
+        k = _split_heads(self.k_proj(x), h)  # (B, H, N, d)
+        v = _split_heads(self.v_proj(x), h)  # (B, H, N, d)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.config.causal)  # (B, H, N, d)
+        return self.out_proj(_merge_heads(y))  # (B, N, D)
+
+
+class L2MHA(nn.Module):
+    """L2 multi-head self-attention (Kim et al. 2021), efficient form.
+
+    Logits `-||q_i - k_j||^2 / sqrt(d)` equal `(2 q_i.k_j - ||k_j||^2) / sqrt(d)` up to a
+    per-row constant, so they are a scaled dot product of augmented vectors
+    `[2 q_i, 1] . [k_j, -||k_j||^2]`, which `scaled_dot_product_attention` runs unmasked.
+    The value path `X A_h W^V_h` with `A_h = W^Q_h W^K_h^T / sqrt(d)` equals
+    `Q_h (W^K_h^T W^V_h) / sqrt(d)`; the d x d factor is folded into the output projection,
+    so the values are the queries themselves and no value projection runs per token.
+    """
+
+    def __init__(self, config: AttentionConfig) -> None:
+        super().__init__()
+        if config.kind != "l2":
+            raise ValueError(f"L2MHA needs kind='l2', got {config.kind!r}")
+        self.config = config
+        d_model = config.d_model
+        self.q_proj = nn.Linear(d_model, d_model, bias=False)
+        # Untied keys are allowed for experiments; the bound analyser refuses to certify them.
+        self.k_proj: nn.Linear | None = (
+            None if config.tied else nn.Linear(d_model, d_model, bias=False)
+        )
+        self.v_proj = nn.Linear(d_model, d_model, bias=False)
+        self.out_proj = nn.Linear(d_model, d_model, bias=True)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        std = self.config.d_model ** -0.5
+        for lin in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
+            if lin is not None:
+                nn.init.normal_(lin.weight, mean=0.0, std=std)
+        nn.init.zeros_(self.out_proj.bias)
+
+    # Per-head matrices in the paper's row-vector convention.
+    def query_weights(self) -> Tensor:
+        """`W^{Q,h}` for every head: (H, D, d)."""
+        return _head_columns(self.q_proj.weight, self.config.n_heads)
+
+    def key_weights(self) -> Tensor:
+        """`W^{K,h}` for every head: (H, D, d); the query weights when tied."""
+        lin = self.q_proj if self.k_proj is None else self.k_proj
+        return _head_columns(lin.weight, self.config.n_heads)
+
+    def value_weights(self) -> Tensor:
+        """`W^{V,h}` for every head: (H, D, d)."""
+        return _head_columns(self.v_proj.weight, self.config.n_heads)
+
+    def output_weight(self) -> Tensor:
+        """`W^O`: (D, D), row-vector convention."""
+        return self.out_proj.weight.T
+
+    def folded_output_weight(self) -> Tensor:
+        """`blockdiag_h(W^K_h^T W^V_h / sqrt(d)) W^O`: (D, D), applied to the merged queries."""
+        h, d = self.config.n_heads, self.config.head_dim
+        wk = self.key_weights()  # (H, D, d)
+        wv = self.value_weights()  # (H, D, d)
+        m = torch.einsum("hke,hkf->hef", wk, wv) / math.sqrt(d)  # (H, d, d)
+        wo = self.output_weight().reshape(h, d, -1)  # (H, d, D)
+        return torch.bmm(m, wo).reshape(h * d, -1)  # (D, D)
+
+    def forward(self, x: Tensor) -> Tensor:  # x: (B, N, D)
+        cfg = self.config
+        d = cfg.head_dim
+        q = _split_heads(self.q_proj(x), cfg.n_heads)  # (B, H, N, d)
+        k = q if self.k_proj is None else _split_heads(self.k_proj(x), cfg.n_heads)
+        ones = torch.ones_like(q[..., :1])  # (B, H, N, 1)
+        q_aug = torch.cat([2.0 * q, ones], dim=-1)  # (B, H, N, d+1)
+        k_aug = torch.cat([k, -(k * k).sum(-1, keepdim=True)], dim=-1)  # (B, H, N, d+1)
+        y = F.scaled_dot_product_attention(
+            q_aug, k_aug, q, is_causal=cfg.causal, scale=1.0 / math.sqrt(d)
+        )  # (B, H, N, d)
+        out = _merge_heads(y) @ self.folded_output_weight()  # (B, N, D)
+        return out + self.out_proj.bias
+
+    def forward_reference(self, x: Tensor) -> Tensor:
+        """The definition, written out with explicit pairwise differences; for tests only."""
+        cfg = self.config
+        b, n, _ = x.shape
+        d = cfg.head_dim
+        wq, wk, wv = self.query_weights(), self.key_weights(), self.value_weights()
+        heads = []
+        for h in range(cfg.n_heads):
+            q = x @ wq[h]  # (B, N, d)
+            k = x @ wk[h]  # (B, N, d)
+            diff = q[:, :, None, :] - k[:, None, :, :]  # (B, N, N, d)
+            logits = -(diff * diff).sum(-1) / math.sqrt(d)  # (B, N, N)
+            if cfg.causal:
+                mask = torch.ones(n, n, dtype=torch.bool, device=x.device).triu(1)
+                logits = logits.masked_fill(mask, float("-inf"))
+            p = torch.softmax(logits, dim=-1)  # (B, N, N)
+            a = wq[h] @ wk[h].T / math.sqrt(d)  # (D, D)
+            heads.append(p @ (x @ a @ wv[h]))  # (B, N, d)
+        return torch.cat(heads, dim=-1) @ self.output_weight() + self.out_proj.bias
+
+
+def _head_columns(weight: Tensor, n_heads: int) -> Tensor:
+    """torch (out, in) weight -> per-head row-vector matrices (H, in, out/H)."""
+    out_features, in_features = weight.shape
+    return weight.T.reshape(in_features, n_heads, out_features // n_heads).permute(1, 0, 2)
+
+
+def build_attention(config: AttentionConfig) -> DotProductMHA | L2MHA:
+    return L2MHA(config) if config.kind == "l2" else DotProductMHA(config)

@@ -1,0 +1,56 @@
+"""The analyser's result, as plain dataclasses (the wire schema lives in `api_schemas`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+Verdict = Literal["certified", "not_lipschitz", "not_certified"]
+NormName = Literal["2", "inf"]
+
+
+@dataclass(frozen=True)
+class Domain:
+    """What is perturbed: sequences of `seq_len` tokens, each token's 2-norm <= radius
+    (None: unbounded, all of R^{N x D})."""
+
+    seq_len: int
+    radius: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {self.seq_len}")
+        if self.radius is not None and not self.radius >= 0:
+            raise ValueError(f"radius must be >= 0, got {self.radius}")
+
+    def with_radius(self, radius: float | None) -> Domain:
+        return Domain(self.seq_len, radius)
+
+
+@dataclass
+class LayerBound:
+    """One layer's certified constant. `upper` is None when no finite bound is certified."""
+
+    name: str
+    kind: str
+    upper: float | None
+    status: Verdict = "certified"
+    reason: str | None = None
+    nodes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class BoundResult:
+    norm: NormName
+    seq_len: int
+    radius: float | None
+    verdict: Verdict
+    upper: float | None
+    layers: list[LayerBound]
+    method: str
+    reason: str | None = None
+
+    @property
+    def lipschitz(self) -> bool | None:
+        """True: certified finite constant. False: not Lipschitz on the domain. None: unknown."""
+        return {"certified": True, "not_lipschitz": False}.get(self.verdict)

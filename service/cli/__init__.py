@@ -1,0 +1,27 @@
+"""The `lsa` command line. Each command group lives in its own module and registers on `app`."""
+
+from __future__ import annotations
+
+import typer
+
+app = typer.Typer(
+    name="lsa",
+    help="Certified Lipschitz bounds for self-attention models.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+
+@app.callback()
+def _root() -> None:
+    """Certified Lipschitz bounds for self-attention models."""
+
+
+# Command modules register themselves on import.
+from . import bound as _bound  # noqa: E402,F401
+
+
+def main() -> None:
+    app()

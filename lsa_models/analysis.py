@@ -34,6 +34,8 @@ class LoadedModel:
     summary: dict[str, Any] = field(default_factory=dict)
     # Graph models fix N in their input shape; None: the caller must choose.
     seq_len: int | None = None
+    # Token width D of the continuous input (B, N, D).
+    d_model: int | None = None
     # For formats with their own analyser (ONNX): (module, norm, seq_len, radius) -> result.
     certify_fn: Callable[[NormName, int, float | None], BoundResult] | None = None
 
@@ -84,7 +86,7 @@ def load_native(data: bytes, filename: str = "") -> LoadedModel:
         "parameters": sum(p.numel() for p in module.parameters()),
         "d_model": d_model,
     }
-    return LoadedModel("native", sha256_hex(data), module, _jsonable(summary))
+    return LoadedModel("native", sha256_hex(data), module, _jsonable(summary), d_model=d_model)
 
 
 def _jsonable(obj: Any) -> Any:

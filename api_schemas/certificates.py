@@ -1,0 +1,73 @@
+"""Certificates: a signed statement that a model's certified bound is (not) below a threshold."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .bounds import Norm
+
+CERTIFICATE_EXAMPLE: dict[str, Any] = {
+    "id": "c0ffee00-0000-4000-8000-000000000001",
+    "model_sha256": "9f2c" + "0" * 60,
+    "norm": "2",
+    "seq_len": 128,
+    "radius": None,
+    "threshold": 1000.0,
+    "upper": 412.7,
+    "lower": None,
+    "passed": True,
+    "method": "analytic: Theorem 3.2 ...",
+    "lsa_version": "0.1.0",
+    "issued_at": "2026-12-02T12:00:00Z",
+}
+
+
+class CertificateBody(BaseModel):
+    """Every signed field. The signature covers `canonical_bytes(body)`."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [CERTIFICATE_EXAMPLE]})
+
+    id: str
+    model_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    norm: Norm
+    seq_len: int
+    radius: float | None = None
+    threshold: float
+    upper: float | None = Field(description="Certified upper bound; null if none exists")
+    lower: float | None = Field(default=None, description="Empirical lower bound, if measured")
+    passed: bool = Field(description="upper is finite and upper <= threshold")
+    method: str
+    lsa_version: str
+    issued_at: datetime
+
+
+class Certificate(CertificateBody):
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={"examples": [{**CERTIFICATE_EXAMPLE, "signature": "base64..."}]},
+    )
+
+    signature: str = Field(description="Ed25519 signature (base64) of the canonical body")
+
+
+def canonical_bytes(body: CertificateBody | dict[str, Any]) -> bytes:
+    """Deterministic bytes of the signed fields: compact JSON, sorted keys, UTC 'Z' times.
+
+    Parsing through the model first means equal certificates serialise identically whatever
+    form (dict, JSON text, model) they arrived in.
+    """
+    if isinstance(body, dict):
+        fields = {k: v for k, v in body.items() if k != "signature"}
+        body = CertificateBody.model_validate(fields)
+    fields = body.model_dump(exclude={"signature"})
+    data = CertificateBody.model_validate(fields).model_dump(mode="json")
+    return json.dumps(data, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+class VerifyResult(BaseModel):
+    valid: bool
+    reason: str = Field(description="Why the certificate is (in)valid")

@@ -14,6 +14,7 @@ import torch
 
 from .numerics import (
     add_up,
+    frobenius_upper,
     inf_norm_upper,
     inv_sqrt_up,
     mul_up,
@@ -45,18 +46,28 @@ def _two_norm_lead(n: int) -> float:
 
 
 def _two_norm_weights(wq: ArrayLike, wv: ArrayLike, wo: ArrayLike) -> float:
-    """`(1/sqrt(d)) sqrt(sum_h ||W^{Q,h}||_2^2 ||W^{V,h}||_2^2) ||W^O||_2`, rounded up."""
+    """`(1/sqrt(d)) sqrt(sum_h ||W^{Q,h}||_2^4 ||W^{V,h}||_2^2) ||W^O||_2`, rounded up.
+
+    The fourth power is not a typo. science.md (like some copies of the paper) writes
+    `||W^{Q,h}||_2^2` here, but that statement is unsound: scaling W^Q by t scales the map as
+    F_t(X) = t G(tX), so its Lipschitz constant grows like t^2 while the stated bound grows like
+    t. The proof bounds each head's Jacobian by `sqrt(N) (4 phi^{-1}(N-1) + 1) ||A_h||_2` with
+    `A_h = W^{Q,h} W^{Q,h T} / sqrt(d)`, and `||A_h||_2 = ||W^{Q,h}||_2^2 / sqrt(d)`, which gives
+    the square of `||W^{Q,h}||_2^2 ||W^{V,h}||_2` under the root. The property test
+    (tests/test_bounds_soundness.py) finds counterexamples to the stated form (D = H = 1, N = 2)
+    and none to this one.
+    """
     heads, _, d = wq.shape
     terms = []
     for h in range(heads):
         sq, sv = spectral_norm_upper(wq[h]), spectral_norm_upper(wv[h])
-        terms.append(mul_up(sq, sq, sv, sv))
+        terms.append(mul_up(sq, sq, sq, sq, sv, sv))
     return mul_up(inv_sqrt_up(d), sqrt_up(add_up(*terms)), spectral_norm_upper(wo))
 
 
 def l2_mha_two_bound(wq: ArrayLike, wv: ArrayLike, wo: ArrayLike, n: int) -> float:
-    """Theorem 3.2, 2-norm, unmasked, N >= 2:
-    `sqrt(N)/sqrt(d) (4 phi^{-1}(N-1) + 1) sqrt(sum_h ||W^{Q,h}||_2^2 ||W^{V,h}||_2^2) ||W^O||_2`."""
+    """Theorem 3.2, 2-norm, unmasked, N >= 2 (corrected, see `_two_norm_weights`):
+    `sqrt(N)/sqrt(d) (4 phi^{-1}(N-1) + 1) sqrt(sum_h ||W^{Q,h}||_2^4 ||W^{V,h}||_2^2) ||W^O||_2`."""
     return mul_up(_two_norm_lead(max(int(n), 2)), _two_norm_weights(wq, wv, wo))
 
 
@@ -117,3 +128,66 @@ def layernorm_bound(gamma: ArrayLike, eps: float, norm: str) -> float:
 
 def up_ratio(a: float, b: float) -> float:
     return math.nextafter(a / b, math.inf)
+
+
+def _dp_head_terms(wq: ArrayLike, wk: ArrayLike, wv: ArrayLike, n: int, radius: float,
+                   scale: float, bq: ArrayLike | None) -> list[float]:
+    """Per-head `sqrt(N)||W^V|| + s (||W^V|| R) ||W^K|| (R ||W^Q|| + sqrt(N) Qmax)`,
+    `Qmax = R ||W^Q|| + ||b^Q||` (docs/bounds.md, "Dot-product attention on a ball")."""
+    heads = wq.shape[0]
+    root_n = sqrt_up(n)
+    terms = []
+    for h in range(heads):
+        sq, sk, sv = (spectral_norm_upper(w[h]) for w in (wq, wk, wv))
+        bq_norm = 0.0 if bq is None else frobenius_upper(_head_bias(bq, h, heads))
+        q_max = add_up(mul_up(sq, radius), bq_norm)
+        sigma_v = mul_up(sv, radius)
+        logit = mul_up(scale, sigma_v, sk, add_up(mul_up(radius, sq), mul_up(root_n, q_max)))
+        terms.append(add_up(mul_up(root_n, sv), logit))
+    return terms
+
+
+def _head_bias(b: ArrayLike, h: int, heads: int) -> np.ndarray:
+    arr = np.asarray(b.detach().double().cpu() if isinstance(b, torch.Tensor) else b,
+                     dtype=np.float64)
+    return arr.reshape(heads, -1)[h]
+
+
+def dp_mha_radius_bound(wq: ArrayLike, wk: ArrayLike, wv: ArrayLike, wo: ArrayLike, n: int,
+                        radius: float, norm: str, scale: float | None = None,
+                        bq: ArrayLike | None = None) -> float:
+    """Certified Lipschitz bound of dot-product MHA on `{X : ||x_i||_2 <= R for every i}`.
+
+    Per head, logits `s (x_i W^Q_h + b^Q_h).(x_j W^K_h + b^K_h)` (any constant additive mask,
+    causal included, and any key bias), values `x_j W^V_h + b^V_h`; output
+    `[f^1, ..., f^H] W^O + b^O`. With `J_h` from `_dp_head_terms`:
+    `Lip_2 <= ||W^O||_2 sqrt(sum_h J_h^2)` and `Lip_inf <= sqrt(N D) Lip_2`.
+    Weights (H, D, d) and `W^O` (D, D) in the row-vector convention; `scale` defaults to
+    1/sqrt(d). Derivation: docs/bounds.md.
+    """
+    if not radius >= 0 or not math.isfinite(radius):
+        raise ValueError(f"radius must be finite and >= 0, got {radius}")
+    heads, dim, d = wq.shape
+    s = inv_sqrt_up(d) if scale is None else abs(float(scale))
+    terms = _dp_head_terms(wq, wk, wv, max(int(n), 1), float(radius), s, bq)
+    lip2 = mul_up(spectral_norm_upper(wo), sqrt_up(add_up(*(mul_up(t, t) for t in terms))))
+    if norm == "2":
+        return lip2
+    if norm == "inf":
+        return mul_up(sqrt_up(mul_up(float(n), float(dim))), lip2)
+    raise ValueError(f"unknown norm {norm!r}; use '2' or 'inf'")
+
+
+def dp_mha_out_radius(wv: ArrayLike, wo: ArrayLike, radius: float,
+                      bv: ArrayLike | None = None, bo: ArrayLike | None = None) -> float:
+    """Token 2-norm bound of the DP-MHA output: each head's row is a convex combination of
+    values, so `||f^h_i|| <= R ||W^V_h||_2 + ||b^V_h||`; then the output projection."""
+    heads = wv.shape[0]
+    per_head = []
+    for h in range(heads):
+        vmax = add_up(mul_up(spectral_norm_upper(wv[h]), radius),
+                      0.0 if bv is None else frobenius_upper(_head_bias(bv, h, heads)))
+        per_head.append(mul_up(vmax, vmax))
+    out = mul_up(spectral_norm_upper(wo), sqrt_up(add_up(*per_head)))
+    return add_up(out, 0.0 if bo is None else frobenius_upper(
+        np.asarray(bo.detach().double().cpu() if isinstance(bo, torch.Tensor) else bo)))

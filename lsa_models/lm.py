@@ -1,0 +1,103 @@
+"""A causal character-level Transformer language model (science.md, "The language-modelling
+experiment"): token + learned position embeddings, a trunk of residual blocks, a final
+LayerNorm and a linear read-out.
+
+Attention kinds:
+- `dp`: dot-product attention, pre-norm blocks;
+- `l2`: L2 attention with untied query/key weights (not certifiable), pre-norm blocks;
+- `l2_tied`: L2 attention with tied weights (Theorem 3.2), pre-norm blocks;
+- `contractive_l2`: the certified invertible trunk of `invertible.ContractiveTrunk`
+  (no LayerNorm inside the residual branches: its Lipschitz bound 1/sqrt(eps) would force the
+  branch scale towards zero).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from .blocks import Transformer
+from .checkpoint import register_model_kind
+from .config import ConfigError, TransformerConfig
+from .invertible import ContractiveTrunk, ContractiveTrunkConfig
+
+LMAttention = Literal["dp", "l2", "l2_tied", "contractive_l2"]
+LM_ATTENTION_KINDS: tuple[str, ...] = ("dp", "l2", "l2_tied", "contractive_l2")
+
+
+def _positive(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(name, f"must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class LMConfig:
+    vocab_size: int
+    d_model: int = 64
+    n_heads: int = 4
+    n_layers: int = 2
+    d_ff: int = 256
+    seq_len: int = 64
+    attention: LMAttention = "contractive_l2"
+    c: float = 0.9
+    activation: Literal["relu", "gelu", "tanh", "sigmoid"] = "relu"
+    ln_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "n_heads", "n_layers", "d_ff", "seq_len"):
+            _positive(name, getattr(self, name))
+        if self.attention not in LM_ATTENTION_KINDS:
+            raise ConfigError("attention", f"unknown attention {self.attention!r}; use one of "
+                              f"{', '.join(LM_ATTENTION_KINDS)}")
+        self.trunk_config()  # validates the shared fields (heads divide width, c in (0,1), ...)
+
+    def trunk_config(self) -> TransformerConfig | ContractiveTrunkConfig:
+        if self.attention == "contractive_l2":
+            return ContractiveTrunkConfig(self.d_model, self.n_heads, self.n_layers, self.d_ff,
+                                          self.seq_len, self.c, True, self.activation)
+        kind: Literal["dp", "l2"] = "dp" if self.attention == "dp" else "l2"
+        return TransformerConfig(self.d_model, self.n_heads, self.n_layers, self.d_ff,
+                                 attention=kind, tied=self.attention != "l2", causal=True,
+                                 activation=self.activation, norm_first=True,
+                                 ln_eps=self.ln_eps, final_norm=False)
+
+
+class CharTransformerLM(nn.Module):
+    """(B, N) int64 character ids -> (B, N, V) next-character logits, N <= seq_len."""
+
+    def __init__(self, config: LMConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
+        self.pos_emb = nn.Parameter(torch.zeros(config.seq_len, config.d_model))
+        trunk_cfg = config.trunk_config()
+        self.trunk: Transformer | ContractiveTrunk = (
+            ContractiveTrunk(trunk_cfg) if isinstance(trunk_cfg, ContractiveTrunkConfig)
+            else Transformer(trunk_cfg)
+        )
+        self.ln_f = nn.LayerNorm(config.d_model, eps=config.ln_eps)
+        self.head = nn.Linear(config.d_model, config.vocab_size)
+        nn.init.normal_(self.tok_emb.weight, std=1.0)
+        nn.init.normal_(self.pos_emb, std=0.1)
+        nn.init.normal_(self.head.weight, std=config.d_model ** -0.5)
+        nn.init.zeros_(self.head.bias)
+
+    def embed(self, idx: Tensor) -> Tensor:  # (B, N) -> (B, N, D)
+        n = idx.shape[1]
+        if n > self.config.seq_len:
+            raise ValueError(f"sequence of {n} characters exceeds seq_len={self.config.seq_len}")
+        return self.tok_emb(idx) + self.pos_emb[:n]  # (B, N, D)
+
+    def readout(self, h: Tensor) -> Tensor:  # (B, N, D) -> (B, N, V)
+        return self.head(self.ln_f(h))
+
+    def forward(self, idx: Tensor) -> Tensor:  # (B, N) -> (B, N, V)
+        return self.readout(self.trunk(self.embed(idx)))
+
+
+register_model_kind("char_lm", CharTransformerLM, LMConfig)
+
+__all__ = ["LM_ATTENTION_KINDS", "CharTransformerLM", "LMConfig"]

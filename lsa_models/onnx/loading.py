@@ -1,0 +1,410 @@
+"""Safe loading of uploaded ONNX graphs (bytes of an .onnx, or a .zip with its external data).
+
+Nothing outside the upload is ever read: external data may only come from members of the
+same zip, named by relative paths that stay inside it. Sizes are checked before anything is
+allocated; the torch evaluation is compared with onnxruntime before the model is used.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import posixpath
+import stat
+import zipfile
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+import torch
+from google.protobuf.message import DecodeError
+
+from .graph import GraphModule, GraphSpec
+from .ops import FLOAT_TYPES, Node, unsupported_ops
+
+ZIP_MAGIC = b"PK\x03\x04"
+MIN_OPSET, MAX_OPSET = 13, onnx.defs.onnx_opset_version()
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """Limits of the loader. `max_bytes` caps the upload and everything unpacked from it;
+    `max_elements` caps any one declared tensor (inputs, outputs, intermediates, weights)."""
+
+    max_bytes: int = int(os.environ.get("LSA_ONNX_MAX_BYTES", 1 << 30))
+    max_elements: int = 1 << 28
+    check_ort: bool = True
+    check_seq_len: int = 8  # N used for the onnxruntime check when the graph's N is dynamic
+    rtol: float = 1e-4
+
+
+class OnnxLoadError(ValueError):
+    """Base class: the upload is not an ONNX model this service can analyse."""
+
+
+class OnnxTooLargeError(OnnxLoadError):
+    pass
+
+
+class OnnxParseError(OnnxLoadError):
+    pass
+
+
+class OnnxExternalDataError(OnnxLoadError):
+    pass
+
+
+class OnnxCheckError(OnnxLoadError):
+    pass
+
+
+class OnnxShapeError(OnnxLoadError):
+    pass
+
+
+class OnnxInputError(OnnxLoadError):
+    pass
+
+
+class OnnxMismatchError(OnnxLoadError):
+    pass
+
+
+class UnsupportedOpsError(OnnxLoadError):
+    def __init__(self, counts: dict[str, int]) -> None:
+        listing = ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()))
+        super().__init__(f"the graph uses ops this service cannot evaluate or bound: {listing}. "
+                         "Export the model with standard ONNX ops (opset 17-20)")
+        self.counts = counts
+
+
+class DynamicSeqLenError(OnnxLoadError):
+    pass
+
+
+@dataclass
+class OnnxModel:
+    spec: GraphSpec
+    module: GraphModule
+    format: str  # "onnx" | "onnx-zip"
+    max_abs_diff: float | None  # torch vs onnxruntime on random inputs
+
+
+def is_onnx(data: bytes, filename: str = "") -> bool:
+    """Content sniffing: a zip holding an .onnx member, or a protobuf that parses as a model
+    with a graph. A file named .onnx is claimed even when it does not parse, so that the user
+    gets the ONNX loader's error rather than 'unrecognised format'."""
+    if data[:4] == ZIP_MAGIC:
+        try:
+            with zipfile.ZipFile(io.BytesIO(data)) as zf:
+                return any(n.lower().endswith(".onnx") for n in zf.namelist())
+        except zipfile.BadZipFile:
+            return False
+    if filename.lower().endswith(".onnx"):
+        return True
+    if data[:1] not in (b"\x08", b"\x12", b"\x1a", b"\x22", b"\x3a", b"\x42", b"\x52"):
+        return False  # first field of a ModelProto: ir_version, producer, graph, opsets...
+    try:
+        m = onnx.ModelProto()
+        m.ParseFromString(data)
+        return m.HasField("graph") and len(m.graph.node) > 0
+    except (DecodeError, ValueError, RuntimeError):
+        return False
+
+
+def _safe_member(name: str) -> str | None:
+    """The normalised member name, or None when it could escape the archive."""
+    if not name or name.startswith(("/", "\\")) or "\\" in name or ":" in name.split("/")[0]:
+        return None
+    norm = posixpath.normpath(name)
+    if norm.startswith("../") or norm == ".." or "/../" in f"/{norm}/":
+        return None
+    if any(part == ".." for part in name.split("/")):
+        return None
+    return norm
+
+
+def _read_zip(data: bytes, opts: LoadOptions) -> tuple[bytes, dict[str, bytes], str]:
+    try:
+        zf = zipfile.ZipFile(io.BytesIO(data))
+    except zipfile.BadZipFile as exc:
+        raise OnnxParseError(f"not a valid zip archive: {exc}") from None
+    members: dict[str, zipfile.ZipInfo] = {}
+    total = 0
+    with zf:
+        for info in zf.infolist():
+            if info.is_dir():
+                continue
+            mode = (info.external_attr >> 16) & 0xFFFF
+            if stat.S_ISLNK(mode):
+                raise OnnxExternalDataError(f"zip member {info.filename!r} is a symbolic link; "
+                                            "links are not accepted, store the file itself")
+            safe = _safe_member(info.filename)
+            if safe is None:
+                raise OnnxExternalDataError(
+                    f"zip member {info.filename!r} has an absolute path or '..'; store files "
+                    "under relative paths inside the archive")
+            total += info.file_size
+            if total > opts.max_bytes:
+                raise OnnxTooLargeError(f"the zip unpacks to more than {opts.max_bytes} bytes "
+                                        "(the upload size limit)")
+            members[safe] = info
+        graphs = [n for n in members if n.lower().endswith(".onnx")]
+        if len(graphs) != 1:
+            raise OnnxParseError(f"the zip must hold exactly one .onnx file, found {len(graphs)}"
+                                 + (f": {', '.join(sorted(graphs))}" if graphs else ""))
+        contents = {name: zf.read(info) for name, info in members.items()}
+    main = graphs[0]
+    return contents[main], contents, main
+
+
+def _parse(raw: bytes) -> onnx.ModelProto:
+    model = onnx.ModelProto()
+    try:
+        model.ParseFromString(raw)
+    except (DecodeError, ValueError, RuntimeError) as exc:
+        raise OnnxParseError(f"not a valid ONNX protobuf (truncated or corrupt file?): "
+                             f"{exc}") from None
+    if not model.HasField("graph") or not model.graph.node:
+        raise OnnxParseError("the file parses but holds no ONNX graph (truncated, corrupt or "
+                             "not an ONNX model)")
+    return model
+
+
+def _elem_size(data_type: int) -> int:
+    try:
+        return int(np.dtype(onnx.helper.tensor_dtype_to_np_dtype(data_type)).itemsize)
+    except (KeyError, TypeError, ValueError):
+        raise OnnxParseError(f"unsupported tensor element type {data_type}") from None
+
+
+def _check_tensor_size(t: onnx.TensorProto, opts: LoadOptions, where: str) -> int:
+    n = 1
+    for d in t.dims:
+        if d < 0:
+            raise OnnxShapeError(f"{where} {t.name!r} has a negative dimension")
+        n *= int(d)
+    if n > opts.max_elements:
+        raise OnnxShapeError(f"{where} {t.name!r} declares {n} elements (limit "
+                             f"{opts.max_elements}); the model is too large for this service")
+    return n
+
+
+def _resolve_external(model: onnx.ModelProto, files: dict[str, bytes] | None, main: str,
+                      opts: LoadOptions) -> None:
+    """Inline every external tensor from the upload's own files, after checking its path."""
+    tensors = list(model.graph.initializer)
+    for node in model.graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.TENSOR:
+                tensors.append(attr.t)
+    for t in tensors:
+        n = _check_tensor_size(t, opts, "tensor")
+        if t.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        info = {e.key: e.value for e in t.external_data}
+        location = info.get("location", "")
+        safe = _safe_member(location)
+        if safe is None or posixpath.isabs(location):
+            raise OnnxExternalDataError(
+                f"tensor {t.name!r} points at external data {location!r}: absolute paths and "
+                "'..' are not accepted; keep data files next to the .onnx inside the zip")
+        if files is None:
+            raise OnnxExternalDataError(
+                f"tensor {t.name!r} keeps its data in {location!r}, which was not uploaded; "
+                "upload a .zip holding the .onnx file and its data files")
+        path = posixpath.normpath(posixpath.join(posixpath.dirname(main), safe))
+        if path not in files:
+            raise OnnxExternalDataError(
+                f"tensor {t.name!r} keeps its data in {location!r}, which is not in the zip")
+        blob = files[path]
+        try:
+            offset = int(info.get("offset", 0))
+            length = int(info["length"]) if "length" in info else len(blob) - offset
+        except ValueError:
+            raise OnnxExternalDataError(f"tensor {t.name!r}: bad offset/length") from None
+        expected = n * _elem_size(t.data_type)
+        if offset < 0 or length != expected or offset + length > len(blob):
+            raise OnnxExternalDataError(
+                f"tensor {t.name!r}: external data {location!r} [{offset}, +{length}) does not "
+                f"hold the {expected} bytes its shape needs")
+        t.raw_data = blob[offset:offset + length]
+        del t.external_data[:]
+        t.data_location = onnx.TensorProto.DEFAULT
+
+
+def _check_declared_shapes(model: onnx.ModelProto, opts: LoadOptions) -> None:
+    g = model.graph
+    for vi in list(g.input) + list(g.output) + list(g.value_info):
+        if not vi.type.HasField("tensor_type"):
+            continue
+        n = 1
+        for d in vi.type.tensor_type.shape.dim:
+            if d.HasField("dim_value"):
+                if d.dim_value < 0:
+                    raise OnnxShapeError(f"tensor {vi.name!r} declares a negative dimension")
+                n *= d.dim_value
+        if n > opts.max_elements:
+            raise OnnxShapeError(f"tensor {vi.name!r} declares a shape of {n} elements (limit "
+                                 f"{opts.max_elements}); the model is too large for this service")
+
+
+def _dims(vi: onnx.ValueInfoProto) -> list[int | None]:
+    return [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None
+            for d in vi.type.tensor_type.shape.dim]
+
+
+def _select_input(model: onnx.ModelProto, nodes: list[Node]) -> tuple[
+        str, int, int | None, int | None, int, set[str], str | None]:
+    """(input tensor, D, fixed N, fixed batch, rank, skipped nodes, ids input)."""
+    g = model.graph
+    inits = {t.name: t for t in g.initializer}
+    inputs = [vi for vi in g.input if vi.name not in inits]
+    floats = [vi for vi in inputs if vi.type.tensor_type.elem_type in FLOAT_TYPES]
+    if len(floats) > 1:
+        raise OnnxInputError("the graph has several float inputs ("
+                             + ", ".join(v.name for v in floats)
+                             + "); export a model with one input of shape (batch, N, D)")
+    if floats:
+        vi = floats[0]
+        dims = _dims(vi)
+        if len(dims) not in (2, 3):
+            raise OnnxInputError(f"input {vi.name!r} has rank {len(dims)}; expected "
+                                 "(batch, N, D) or (N, D)")
+        if dims[-1] is None:
+            raise OnnxInputError(f"input {vi.name!r} has a dynamic feature dimension; export "
+                                 "with a fixed D")
+        n = dims[-2]
+        batch = dims[0] if len(dims) == 3 else None
+        return vi.name, int(dims[-1]), n, batch, len(dims), set(), None
+    # No float input: an embedding lookup may start the continuous part.
+    for vi in inputs:
+        users = [nd for nd in nodes if vi.name in nd.inputs]
+        gathers = [nd for nd in users if nd.op_type == "Gather" and nd.inputs[1] == vi.name
+                   and nd.inputs[0] in inits
+                   and inits[nd.inputs[0]].data_type in FLOAT_TYPES
+                   and len(inits[nd.inputs[0]].dims) == 2]
+        others = [nd for nd in users if nd not in gathers and nd.op_type != "Shape"]
+        dims = _dims(vi)
+        if len(gathers) == 1 and not others and len(dims) == 2:
+            gnode = gathers[0]
+            d_model = int(inits[gnode.inputs[0]].dims[1])
+            return (gnode.outputs[0], d_model, dims[1], dims[0], 3, {gnode.name}, vi.name)
+    raise OnnxInputError("the graph has no float input (and no embedding lookup whose output "
+                         "could serve as one); the analyser needs a continuous input of shape "
+                         "(batch, N, D)")
+
+
+def load_onnx(data: bytes, filename: str = "", opts: LoadOptions | None = None,
+              seq_len: int | None = None) -> OnnxModel:
+    opts = opts or LoadOptions()
+    if len(data) > opts.max_bytes:
+        raise OnnxTooLargeError(f"the upload has {len(data)} bytes, above the limit of "
+                                f"{opts.max_bytes}")
+    if data[:4] == ZIP_MAGIC:
+        raw, files, main = _read_zip(data, opts)
+        fmt = "onnx-zip"
+    else:
+        raw, files, main, fmt = data, None, "model.onnx", "onnx"
+    model = _parse(raw)
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    if not MIN_OPSET <= opset <= MAX_OPSET:
+        raise OnnxCheckError(f"opset {opset} is not supported; export with opset "
+                             f"{MIN_OPSET}..{MAX_OPSET} (17-20 recommended)")
+    _check_declared_shapes(model, opts)
+    _resolve_external(model, files, main, opts)
+    nodes = [Node.from_proto(n, i) for i, n in enumerate(model.graph.node)]
+    bad = unsupported_ops(nodes)
+    if bad:
+        raise UnsupportedOpsError(bad)
+    try:
+        onnx.checker.check_model(model)
+        model = onnx.shape_inference.infer_shapes(model, strict_mode=True)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError,
+            RuntimeError) as exc:
+        msg = " ".join(str(exc).split())[:500]
+        raise OnnxCheckError(f"the ONNX checker rejected the graph: {msg}") from None
+    _check_declared_shapes(model, opts)
+    if not model.graph.output:
+        raise OnnxCheckError("the graph has no output")
+    name, d_model, n, batch, rank, skipped, ids = _select_input(model, nodes)
+    spec = GraphSpec(model, nodes, name, model.graph.output[0].name, d_model, n, batch, rank,
+                     skipped, ids, opset)
+    try:
+        module = GraphModule(spec)
+    except (RuntimeError, ValueError, IndexError, NotImplementedError, KeyError) as exc:
+        raise OnnxCheckError(f"the graph's constants could not be evaluated: {exc}") from None
+    diff = compare_with_onnxruntime(spec, module, opts, seq_len) if opts.check_ort else None
+    return OnnxModel(spec, module, fmt, diff)
+
+
+def _ort_session(model: onnx.ModelProto):  # type: ignore[no-untyped-def]
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    so.inter_op_num_threads = 1
+    so.log_severity_level = 3
+    return ort.InferenceSession(model.SerializeToString(), so,
+                                providers=["CPUExecutionProvider"])
+
+
+def ort_run(spec: GraphSpec, x: np.ndarray, session=None) -> np.ndarray:  # type: ignore[no-untyped-def]
+    """The graph output on onnxruntime for a continuous input x (B, N, D) (embedding graphs
+    are not replayable from x: their input is token ids)."""
+    if spec.ids_name:
+        raise OnnxInputError("the model's input is token ids; onnxruntime cannot be fed the "
+                             "continuous input of its embedding")
+    sess = session or _ort_session(spec.model)
+    outs = []
+    xs = [x[b] for b in range(x.shape[0])] if spec.rank == 2 else (
+        [x] if spec.batch in (None, x.shape[0]) else np.split(x, x.shape[0] // spec.batch))
+    for xb in xs:
+        outs.append(sess.run([spec.output_name], {spec.input_name: xb.astype(np.float32)})[0])
+    return np.stack(outs) if spec.rank == 2 else np.concatenate(outs)
+
+
+def compare_with_onnxruntime(spec: GraphSpec, module: GraphModule, opts: LoadOptions,
+                             seq_len: int | None) -> float:
+    n = spec.seq_len or seq_len or opts.check_seq_len
+    batch = spec.batch or 2
+    gen = torch.Generator().manual_seed(0)
+    try:
+        sess = _ort_session(spec.model)
+    except Exception as exc:  # onnxruntime raises its own exception types
+        msg = " ".join(str(exc).split())[:400]
+        raise OnnxCheckError(f"onnxruntime cannot load the graph: {msg}") from None
+    if spec.ids_name:
+        table_name = next(nd.inputs[0] for nd in spec.nodes if nd.name in spec.skipped)
+        table = module.consts[table_name]
+        ids = torch.randint(0, table.shape[0], (batch, n), generator=gen)
+        x = table[ids]
+        try:
+            ref = sess.run([spec.output_name], {spec.ids_name: ids.numpy()})[0]
+        except Exception as exc:
+            raise OnnxCheckError(f"onnxruntime failed on the graph: {exc}") from None
+    else:
+        shape = (batch, n, spec.d_model) if spec.rank == 3 else (n, spec.d_model)
+        x = torch.randn(*shape, generator=gen)
+        try:
+            ref = sess.run([spec.output_name], {spec.input_name: x.numpy()})[0]
+        except Exception as exc:
+            msg = " ".join(str(exc).split())[:400]
+            raise OnnxCheckError(f"onnxruntime failed on the graph with input shape "
+                                 f"{tuple(shape)}: {msg}") from None
+    try:
+        with torch.no_grad():
+            env = module.run_env(x, stop=spec.output_name)
+        got = env[spec.output_name].numpy()
+    except (RuntimeError, ValueError, IndexError, KeyError, TypeError) as exc:
+        raise OnnxCheckError(f"the torch evaluation of the graph failed: {exc}") from None
+    if got.shape != ref.shape:
+        raise OnnxMismatchError(f"torch evaluation gives shape {got.shape}, onnxruntime "
+                                f"{ref.shape}")
+    diff = float(np.max(np.abs(got.astype(np.float64) - ref))) if ref.size else 0.0
+    scale = 1.0 + float(np.max(np.abs(ref))) if ref.size else 1.0
+    if not diff <= opts.rtol * scale:
+        raise OnnxMismatchError(f"the torch evaluation differs from onnxruntime by {diff:.3g} "
+                                f"(tolerance {opts.rtol * scale:.3g}); the graph uses op "
+                                "semantics this service does not reproduce")
+    return diff

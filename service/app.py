@@ -1,0 +1,78 @@
+"""The app factory. `create_app(settings)` wires settings, database, job queue and routes.
+
+Start-up: the embedded default (SQLite) migrates itself; any other database must already be
+at the latest migration, else start-up fails naming `lsa db upgrade`. Then the signing key is
+loaded (created on first start), and without Redis a worker thread starts in this process
+and picks up jobs an earlier process left queued or running.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from lsa_models import __version__
+
+from .db import ensure_migrated, upgrade
+from .errors import BodyLimitMiddleware, install_error_handlers
+from .metrics import Metrics, MetricsMiddleware
+from .runtime import Runtime
+from .settings import Settings
+
+log = logging.getLogger("lsa.service")
+
+# Multipart framing around the file part.
+UPLOAD_OVERHEAD = 1024 * 1024
+
+DESCRIPTION = """Certified Lipschitz bounds for self-attention models.
+
+Upload a model (`POST /models`), get its certified bound (`POST /bound`), ask for a signed
+certificate (`POST /certify`) and verify it (`POST /certificates/verify`). Long work runs as
+jobs (`GET /jobs/{id}`). Errors are `{"error": code, "detail": message}`.
+"""
+
+
+def prepare_database(runtime: Runtime) -> None:
+    if runtime.settings.should_migrate_on_start:
+        upgrade(runtime.settings.database_url)
+    else:
+        ensure_migrated(runtime.engine)
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+    runtime = Runtime(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        prepare_database(runtime)
+        runtime.signing_key  # noqa: B018  (created on first start)
+        if runtime.queue.embedded:
+            runtime.queue.start_worker()
+        try:
+            yield
+        finally:
+            runtime.close()
+
+    app = FastAPI(
+        title="lsa",
+        version=__version__,
+        description=DESCRIPTION,
+        lifespan=lifespan,
+    )
+    app.state.runtime = runtime
+    metrics = Metrics(runtime)
+    app.state.metrics = metrics
+    runtime.metrics = metrics
+    install_error_handlers(app)
+
+    from .routes import bound, certificates, health, jobs, models
+
+    for module in (models, bound, certificates, jobs, health):
+        app.include_router(module.router)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_upload_bytes + UPLOAD_OVERHEAD)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    return app

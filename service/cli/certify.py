@@ -1,0 +1,373 @@
+"""`lsa certify MODEL --max-lipschitz L`: the CI gate.
+
+Exit 0: the certified bound is at most L. Exit 1: it is above L, or none exists (not
+Lipschitz on the domain, or not certified). Exit 2: bad input or the server could not be used.
+Without `--server` everything runs here and the certificate is signed with a local key, so
+`lsa verify` checks local and server certificates alike.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+
+from api_schemas.bounds import BoundReport
+from api_schemas.certificates import Certificate
+from api_schemas.ci import CertifyReport, Outcome
+
+from . import app
+from .common import EXIT_ERROR, EXIT_FAILED, EXIT_OK, set_threads
+
+LOCAL_STEPS = ("loading and bounding the model", "signing the certificate")
+SERVER_STEPS = ("uploading the model", "computing the bound", "issuing the certificate")
+
+
+class CertifyError(Exception):
+    """Bad input or an unusable server: exit 2, and the message goes to every report."""
+
+
+# --- progress ------------------------------------------------------------------------------
+
+
+class StageProgress:
+    """A rich progress bar on a terminal; one plain line per stage otherwise (CI logs keep
+    every line, and carriage-return redraws turn into noise there)."""
+
+    def __init__(self, total: int, console: Console | None = None) -> None:
+        self.console = console or Console(stderr=True)
+        self.total = total
+        self.done = 0
+        self._bar: Progress | None = None
+        self._task: TaskID | None = None
+        if self.console.is_terminal:
+            self._bar = Progress(TextColumn("[bold]lsa certify[/]"), BarColumn(),
+                                 TextColumn("{task.description}"), TimeElapsedColumn(),
+                                 console=self.console, transient=True)
+            self._task = self._bar.add_task("starting", total=total)
+            self._bar.start()
+
+    def stage(self, text: str) -> None:
+        """Begin the next stage."""
+        if self._bar is not None and self._task is not None:
+            self._bar.update(self._task, completed=self.done, description=text)
+        else:
+            print(f"lsa certify: [{self.done + 1}/{self.total}] {text}", file=sys.stderr,
+                  flush=True)
+        self.done += 1
+
+    def job(self, stage: str, fraction: float | None) -> None:
+        """Progress reported by a server job within the current stage."""
+        frac = min(max(float(fraction), 0.0), 1.0) if fraction is not None else None
+        if self._bar is not None and self._task is not None:
+            self._bar.update(self._task, description=stage,
+                             completed=self.done - 1 + (frac or 0.0))
+        else:
+            pct = "" if frac is None else f" {100 * frac:.0f}%"
+            print(f"lsa certify:       {stage}{pct}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+
+# --- the decision --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Request:
+    model: Path
+    threshold: float
+    norm: str
+    seq_len: int | None
+    radius: float | None
+
+
+def check_request(req: Request) -> None:
+    if req.norm not in ("2", "inf"):
+        raise CertifyError(f"--norm must be 2 or inf, got {req.norm!r}")
+    if not (math.isfinite(req.threshold) and req.threshold > 0):
+        raise CertifyError(f"--max-lipschitz must be a finite number > 0, got {req.threshold}")
+    if req.seq_len is not None and req.seq_len < 1:
+        raise CertifyError(f"--seq-len must be >= 1, got {req.seq_len}")
+    if req.radius is not None and not (math.isfinite(req.radius) and req.radius > 0):
+        raise CertifyError(f"--radius must be a finite number > 0, got {req.radius}")
+    if not req.model.is_file():
+        raise CertifyError(f"{req.model}: no such file; pass a .safetensors (lsa_models.save) "
+                           f"or .onnx model")
+
+
+def decision_message(cert: Certificate, bound: BoundReport) -> str:
+    where = f"{cert.norm}-norm, N={cert.seq_len}" + (
+        f", radius {cert.radius:g}" if cert.radius is not None else "")
+    if cert.upper is not None and cert.passed:
+        return f"certified Lipschitz bound {cert.upper:.6g} <= {cert.threshold:g} ({where})"
+    if cert.upper is not None:
+        return (f"certified Lipschitz bound {cert.upper:.6g} exceeds the threshold "
+                f"{cert.threshold:g} ({where})")
+    if bound.verdict == "not_lipschitz":
+        return f"not Lipschitz ({where}): {bound.reason or 'no finite constant exists'}"
+    return f"no certified bound ({where}): {bound.reason or 'not certified'}"
+
+
+def certify_local(req: Request, key_path: Path | None, progress: StageProgress
+                  ) -> tuple[Certificate, BoundReport]:
+    from service.certificates import (
+        KeyError_,
+        load_or_create_signing_key,
+        new_certificate_body,
+        sign_certificate,
+    )
+
+    from .bound import compute_report
+
+    set_threads()
+    progress.stage(LOCAL_STEPS[0])
+    try:
+        bound = compute_report(req.model, req.norm, req.seq_len, req.radius)
+    except (ValueError, TypeError, OSError) as exc:
+        raise CertifyError(str(exc)) from None
+    progress.stage(LOCAL_STEPS[1])
+    path = key_path if key_path is not None else default_key_path()
+    try:
+        key = load_or_create_signing_key(path)
+    except (KeyError_, OSError) as exc:
+        raise CertifyError(f"signing key: {exc}; pass --key FILE (an Ed25519 PEM private "
+                           f"key, created if missing)") from None
+    upper = bound.upper
+    passed = upper is not None and math.isfinite(upper) and upper <= req.threshold
+    body = new_certificate_body(
+        model_sha256=bound.model_sha256, norm=bound.norm, seq_len=bound.seq_len,
+        radius=bound.radius, threshold=req.threshold, upper=upper, lower=bound.lower,
+        passed=passed, method=bound.method, lsa_version=bound.lsa_version)
+    return sign_certificate(body, key), bound
+
+
+def default_key_path() -> Path:
+    """The service settings' signing key (LSA_SIGNING_KEY_PATH), so a local certificate is
+    signed with the same key a server on this machine uses."""
+    from pydantic import ValidationError
+
+    from service.settings import Settings
+
+    try:
+        return Settings().signing_key_path
+    except ValidationError as exc:
+        raise CertifyError(f"settings: {exc.errors()[0]['msg']}") from None
+
+
+def certify_server(req: Request, server: str, api_key: str | None, timeout_s: float,
+                   retries: int, progress: StageProgress) -> tuple[Certificate, BoundReport]:
+    from service.client import ClientConfig, ClientError, LSAClient
+
+    try:
+        config = ClientConfig(base_url=server, api_key=api_key, timeout_s=timeout_s,
+                              retries=retries)
+    except ValueError as exc:
+        raise CertifyError(str(exc)) from None
+    try:
+        with LSAClient(config) as client:
+            progress.stage(SERVER_STEPS[0])
+            model = client.upload_model(req.model)
+            progress.stage(SERVER_STEPS[1])
+            bound = client.bound(model["id"], req.norm, req.seq_len, req.radius,
+                                 progress=progress.job)
+            progress.stage(SERVER_STEPS[2])
+            cert = client.certify(model["id"], req.norm, req.threshold, req.seq_len,
+                                  req.radius, progress=progress.job)
+    except (ClientError, KeyError, ValueError) as exc:
+        # pydantic's ValidationError is a ValueError: the server's answer did not match the
+        # API schema, which is as unusable as no answer.
+        raise CertifyError(f"server {server}: {exc}") from None
+    except OSError as exc:
+        raise CertifyError(str(exc)) from None
+    if cert.model_sha256 != model.get("sha256", cert.model_sha256):
+        raise CertifyError(f"server {server}: certificate is for sha256 {cert.model_sha256}, "
+                           f"not the uploaded {model.get('sha256')}")
+    return cert, bound
+
+
+# --- reports -------------------------------------------------------------------------------
+
+
+def junit_xml(req: Request, outcome: str, message: str, elapsed_s: float,
+              cert: Certificate | None = None) -> bytes:
+    """One test suite with one test case; `failure` for exit 1, `error` for exit 2."""
+    failures = int(outcome == "failed")
+    errors = int(outcome == "error")
+    counts = {"tests": "1", "failures": str(failures), "errors": str(errors),
+              "skipped": "0", "time": f"{elapsed_s:.3f}"}
+    root = ET.Element("testsuites", {"name": "lsa certify", **counts})
+    suite = ET.SubElement(root, "testsuite", {
+        "name": "lsa certify", **counts,
+        "timestamp": datetime.now(UTC).replace(microsecond=0).isoformat()})
+    props = ET.SubElement(suite, "properties")
+    fields: dict[str, Any] = {"model": str(req.model), "threshold": req.threshold,
+                              "norm": req.norm, "seq_len": req.seq_len, "radius": req.radius}
+    if cert is not None:
+        fields.update(seq_len=cert.seq_len, upper=cert.upper, model_sha256=cert.model_sha256,
+                      certificate_id=cert.id, lsa_version=cert.lsa_version)
+    for name, value in fields.items():
+        if value is not None:
+            ET.SubElement(props, "property", {"name": name, "value": str(value)})
+    case = ET.SubElement(suite, "testcase", {
+        "classname": "lsa.certify",
+        "name": f"{req.model}: Lipschitz bound <= {req.threshold:g} ({req.norm}-norm)",
+        "time": f"{elapsed_s:.3f}"})
+    if outcome == "failed":
+        kind = "LipschitzBoundExceeded" if cert is not None and cert.upper is not None \
+            else "NotCertified"
+        ET.SubElement(case, "failure", {"message": message, "type": kind}).text = message
+    elif outcome == "error":
+        ET.SubElement(case, "error", {"message": message, "type": "CertifyError"}).text = message
+    ET.SubElement(case, "system-out").text = message
+    ET.indent(root)
+    return ET.tostring(root, encoding="utf-8", xml_declaration=True) + b"\n"
+
+
+def _md(text: object) -> str:
+    """Table-cell safe: no pipes or newlines, and no raw HTML (`<model>` would vanish)."""
+    return (str(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+            .replace("|", "\\|").replace("\n", " "))
+
+
+def summary_markdown(req: Request, outcome: str, message: str, cert: Certificate | None,
+                     bound: BoundReport | None) -> str:
+    icon = {"passed": "✅", "failed": "❌", "error": "⚠️"}[outcome]
+    title = {"passed": "passed", "failed": "failed", "error": "error"}[outcome]
+    lines = [f"### {icon} lsa certify {title}: `{req.model}`", "", _md(message), "",
+             "| | |", "|---|---|", f"| threshold | {req.threshold:g} |",
+             f"| norm | {req.norm} |"]
+    if cert is not None:
+        upper = "none" if cert.upper is None else f"{cert.upper:.6g}"
+        lines += [f"| sequence length | {cert.seq_len} |",
+                  f"| radius | {'unbounded' if cert.radius is None else f'{cert.radius:g}'} |",
+                  f"| certified upper bound | {upper} |",
+                  f"| model sha256 | `{cert.model_sha256}` |",
+                  f"| certificate | `{cert.id}` |",
+                  f"| lsa version | {cert.lsa_version} |"]
+    if bound is not None and bound.layers:
+        lines += ["", "<details><summary>Per-layer bounds</summary>", "",
+                  "| layer | kind | upper | status |", "|---|---|---:|---|"]
+        for lb in bound.layers:
+            upper = "-" if lb.upper is None else f"{lb.upper:.6g}"
+            lines.append(f"| {_md(lb.name)} | {_md(lb.kind)} | {upper} | {lb.status} |")
+        lines += ["", "</details>"]
+    return "\n".join(lines) + "\n\n"
+
+
+def write_reports(req: Request, outcome: str, message: str, elapsed_s: float,
+                  report: CertifyReport | None, json_path: Path | None,
+                  junit_path: Path | None, summary_path: Path | None) -> None:
+    cert = report.certificate if report is not None else None
+    bound = report.bound if report is not None else None
+    if json_path is not None and report is not None:
+        _write(json_path, report.model_dump_json(indent=2).encode() + b"\n")
+    if junit_path is not None:
+        _write(junit_path, junit_xml(req, outcome, message, elapsed_s, cert))
+    if summary_path is not None:
+        # Appended: a CI job summary file ($GITHUB_STEP_SUMMARY) collects every step's output.
+        summary_path.parent.mkdir(parents=True, exist_ok=True)
+        with summary_path.open("a", encoding="utf-8") as fh:
+            fh.write(summary_markdown(req, outcome, message, cert, bound))
+
+
+def _write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+
+
+# --- the command ---------------------------------------------------------------------------
+
+
+def run_certify(req: Request, *, server: str | None, api_key: str | None, key_path: Path | None,
+                timeout_s: float, retries: int, json_path: Path | None,
+                junit_path: Path | None, summary_path: Path | None,
+                echo: Callable[[str], None]) -> int:
+    """Everything `lsa certify` does; returns the exit code."""
+    start = time.monotonic()
+    progress = StageProgress(len(SERVER_STEPS) if server else len(LOCAL_STEPS))
+    report: CertifyReport | None = None
+    outcome: str  # passed | failed | error
+    try:
+        check_request(req)
+        if server:
+            cert, bound = certify_server(req, server, api_key, timeout_s, retries, progress)
+        else:
+            cert, bound = certify_local(req, key_path, progress)
+        decided: Outcome = "passed" if cert.passed else "failed"
+        outcome, message = decided, decision_message(cert, bound)
+        report = CertifyReport(model_file=str(req.model), threshold=req.threshold,
+                               outcome=decided, message=message,
+                               source="server" if server else "local", server=server,
+                               certificate=cert, bound=bound)
+        code = EXIT_OK if cert.passed else EXIT_FAILED
+    except CertifyError as exc:
+        outcome, message, code = "error", str(exc), EXIT_ERROR
+    except Exception as exc:  # noqa: BLE001
+        # A traceback exits 1, which a pipeline would read as "bound too high": say error.
+        outcome, message = "error", f"internal error: {type(exc).__name__}: {exc}"
+        code = EXIT_ERROR
+    finally:
+        progress.close()
+    try:
+        write_reports(req, outcome, message, time.monotonic() - start, report, json_path,
+                      junit_path, summary_path)
+    except OSError as exc:
+        print(f"lsa: error: cannot write a report: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    if code == EXIT_ERROR:
+        print(f"lsa: error: {' '.join(message.split())}", file=sys.stderr)
+    else:
+        echo(f"{'PASSED' if code == EXIT_OK else 'FAILED'}: {req.model}: {message}")
+        if report is not None:
+            echo(f"certificate {report.certificate.id} (model sha256 "
+                 f"{report.certificate.model_sha256})")
+    return code
+
+
+@app.command()
+def certify(
+    model: Annotated[Path, typer.Argument(help="Model file: .safetensors (lsa_models.save), "
+                                          ".onnx, or a .zip of an .onnx with external data")],
+    max_lipschitz: Annotated[float, typer.Option(
+        "--max-lipschitz", help="Fail (exit 1) when the certified bound is above this")],
+    norm: Annotated[str, typer.Option("--norm", help="2 (Frobenius) or inf")] = "2",
+    seq_len: Annotated[int | None, typer.Option("--seq-len", help="Sequence length N")] = None,
+    radius: Annotated[float | None, typer.Option(
+        "--radius", help="Bound every input token's 2-norm by R (bounded domain)")] = None,
+    server: Annotated[str | None, typer.Option(
+        "--server", envvar="LSA_SERVER", help="lsa server URL; unset: compute locally")] = None,
+    api_key: Annotated[str | None, typer.Option(
+        "--api-key", envvar="LSA_API_KEY", help="API key for --server")] = None,
+    key: Annotated[Path | None, typer.Option(
+        "--key", help="Local signing key (Ed25519 PEM, created if missing); default: "
+        "LSA_SIGNING_KEY_PATH or ./var/signing_key.pem")] = None,
+    json_out: Annotated[Path | None, typer.Option(
+        "--json", help="Write the report (certificate + bound) as JSON")] = None,
+    junit: Annotated[Path | None, typer.Option("--junit", help="Write JUnit XML")] = None,
+    summary: Annotated[Path | None, typer.Option(
+        "--summary", help="Append a Markdown summary (e.g. $GITHUB_STEP_SUMMARY)")] = None,
+    timeout: Annotated[float, typer.Option(
+        "--timeout", help="Seconds per HTTP request to --server")] = 120.0,
+    retries: Annotated[int, typer.Option(
+        "--retries", help="Retries on 5xx and connection errors")] = 4,
+) -> None:
+    """Gate a model on its certified Lipschitz bound: exit 0 passed, 1 failed, 2 error."""
+    req = Request(model=model, threshold=max_lipschitz, norm=norm, seq_len=seq_len,
+                  radius=radius)
+    code = run_certify(req, server=server, api_key=api_key, key_path=key, timeout_s=timeout,
+                       retries=retries, json_path=json_out, junit_path=junit,
+                       summary_path=summary, echo=typer.echo)
+    raise typer.Exit(code)

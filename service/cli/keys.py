@@ -1,0 +1,84 @@
+"""`lsa keys create|list|revoke`: API keys (needed when LSA_AUTH_REQUIRED=true)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from . import app
+from .common import fail
+
+keys_app = typer.Typer(help="API keys for the REST API.", no_args_is_help=True)
+app.add_typer(keys_app, name="keys")
+
+
+def _runtime():  # type: ignore[no-untyped-def]
+    from pydantic import ValidationError
+
+    from service.db import NotMigratedError, ensure_migrated, make_engine, make_session_factory
+    from service.settings import Settings
+
+    from .serve import _settings_error
+
+    try:
+        settings = Settings()
+    except ValidationError as exc:
+        fail(_settings_error(exc))
+    engine = make_engine(settings.database_url)
+    try:
+        ensure_migrated(engine)
+    except NotMigratedError as exc:
+        fail(str(exc))
+    return engine, make_session_factory(engine)
+
+
+@keys_app.command("create")
+def keys_create(
+    scope: Annotated[str, typer.Option("--scope", help="read (GET endpoints) or write (all)")],
+    name: Annotated[str | None, typer.Option("--name", help="A label for the key")] = None,
+) -> None:
+    """Create a key; it is printed once and stored only as a hash."""
+    from service.auth import create_key
+    from service.db import transaction
+
+    if scope not in ("read", "write"):
+        fail(f"--scope must be read or write, got {scope!r}")
+    engine, sessions = _runtime()
+    with transaction(sessions) as s:
+        row, key = create_key(s, scope, name)
+        prefix = row.prefix
+    engine.dispose()
+    typer.echo(key)
+    typer.echo(f"lsa: created {scope} key {prefix}; it is not shown again", err=True)
+
+
+@keys_app.command("list")
+def keys_list() -> None:
+    """List keys (prefix, scope, name, state); never the keys themselves."""
+    from sqlalchemy import select
+
+    from service.models import ApiKey
+
+    engine, sessions = _runtime()
+    with sessions() as s:
+        for row in s.scalars(select(ApiKey).order_by(ApiKey.created_at)):
+            state = "revoked" if row.revoked_at else "active"
+            typer.echo(f"{row.prefix}  {row.scope:5}  {state:7}  {row.name or ''}")
+    engine.dispose()
+
+
+@keys_app.command("revoke")
+def keys_revoke(prefix: Annotated[str, typer.Argument(help="The key's prefix (lsa keys list)")]
+                ) -> None:
+    """Revoke a key by its prefix."""
+    from service.auth import revoke_key
+    from service.db import transaction
+
+    engine, sessions = _runtime()
+    with transaction(sessions) as s:
+        done = revoke_key(s, prefix)
+    engine.dispose()
+    if not done:
+        fail(f"no active key with prefix {prefix!r}")
+    typer.echo(f"lsa: revoked {prefix}")

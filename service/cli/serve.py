@@ -1,0 +1,56 @@
+"""`lsa serve`: the REST API with its OpenAPI UI."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from . import app
+from .common import fail
+
+
+@app.command()
+def serve(
+    host: Annotated[str, typer.Option("--host", help="Interface to listen on")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="TCP port", min=1, max=65535)] = 8000,
+    log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level")] = "info",
+) -> None:
+    """Run the API server (embedded default: SQLite under ./var, jobs in-process)."""
+    from pydantic import ValidationError
+
+    from service.settings import Settings
+
+    try:
+        settings = Settings()
+    except ValidationError as exc:
+        fail(_settings_error(exc))
+    import uvicorn
+
+    from service.app import create_app, prepare_database
+    from service.db import NotMigratedError
+    from service.runtime import Runtime
+
+    runtime = Runtime(settings)
+    try:
+        prepare_database(runtime)
+    except NotMigratedError as exc:
+        fail(str(exc))
+    finally:
+        runtime.engine.dispose()
+    shown = "localhost" if host in ("0.0.0.0", "::") else host
+    typer.echo(f"lsa: serving on http://{shown}:{port}  (OpenAPI UI: http://{shown}:{port}/docs)")
+    typer.echo(f"lsa: database {settings.database_url}; jobs "
+               + ("in-process" if settings.redis_url is None else f"via {settings.redis_url}"))
+    uvicorn.run(create_app(settings), host=host, port=port, log_level=log_level)
+
+
+def _settings_error(exc: object) -> str:
+    from pydantic import ValidationError
+
+    assert isinstance(exc, ValidationError)
+    parts = []
+    for err in exc.errors():
+        name = "LSA_" + "_".join(str(p) for p in err["loc"]).upper()
+        parts.append(f"{name}: {err['msg']}")
+    return "bad settings: " + "; ".join(parts)

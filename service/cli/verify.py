@@ -1,0 +1,187 @@
+"""`lsa verify CERT.json [MODEL]`: check a certificate offline.
+
+Three checks, each can only fail closed: the Ed25519 signature over every field, the model
+file's sha256 against the certificate's, and (`--recompute`) the analytic bound recomputed
+here and compared with the certified one. Exit 0 valid, 1 invalid, 2 error.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from . import app
+from .common import EXIT_FAILED, EXIT_OK, fail, set_threads
+
+REL_TOL = 1e-9
+
+
+def read_certificate(path: Path) -> dict[str, Any]:
+    """The certificate object from a certificate file or an `lsa certify --json` report."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: cannot read ({exc})") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object (a certificate or an lsa certify "
+                         f"--json report)")
+    if "signature" not in data and isinstance(data.get("certificate"), dict):
+        return dict(data["certificate"])
+    return data
+
+
+def read_public_key_file(path: Path) -> Any:
+    """An Ed25519 public key PEM, or a private key PEM (its public half is used: handy for
+    certificates signed locally with `lsa certify --key`)."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from service.certificates import KeyError_, load_public_key
+
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read the key ({exc.strerror or exc})") from None
+    if b"PRIVATE KEY" in data:
+        try:
+            key = serialization.load_pem_private_key(data, password=None)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"{path}: not a PEM key ({exc})") from None
+        if not isinstance(key, Ed25519PrivateKey):
+            raise ValueError(f"{path}: not an Ed25519 key")
+        return key.public_key()
+    try:
+        return load_public_key(data)
+    except KeyError_ as exc:
+        raise ValueError(f"{path}: {exc}") from None
+
+
+def server_public_key(server: str, api_key: str | None) -> Any:
+    from service.certificates import KeyError_, load_public_key
+    from service.client import ClientConfig, ClientError, LSAClient
+
+    with LSAClient(ClientConfig(base_url=server, api_key=api_key)) as client:
+        try:
+            pem = client.public_key()
+        except ClientError as exc:
+            raise ValueError(f"server {server}: {exc}") from None
+    try:
+        return load_public_key(pem)
+    except KeyError_ as exc:
+        raise ValueError(f"server {server}: public key: {exc}") from None
+
+
+def local_public_key() -> Any:
+    from pydantic import ValidationError
+
+    from service.settings import Settings
+
+    try:
+        path = Settings().signing_key_path
+    except ValidationError as exc:
+        raise ValueError(f"settings: {exc.errors()[0]['msg']}") from None
+    if not path.is_file():
+        raise ValueError(f"no key given and no local signing key at {path}: pass "
+                         f"--public-key FILE or --server URL")
+    return read_public_key_file(path)
+
+
+def same_bound(certified: float | None, recomputed: float | None) -> bool:
+    if certified is None or recomputed is None:
+        return certified is None and recomputed is None
+    if not (math.isfinite(certified) and math.isfinite(recomputed)):
+        return certified == recomputed
+    return abs(certified - recomputed) <= REL_TOL * max(abs(certified), abs(recomputed))
+
+
+@app.command()
+def verify(
+    certificate: Annotated[Path, typer.Argument(
+        help="Certificate JSON (from the server, or an `lsa certify --json` report)")],
+    model: Annotated[Path | None, typer.Argument(
+        help="The model file; its sha256 must match the certificate's")] = None,
+    public_key: Annotated[Path | None, typer.Option(
+        "--public-key", help="Ed25519 public key PEM (a private key PEM works too)")] = None,
+    server: Annotated[str | None, typer.Option(
+        "--server", help="Fetch the public key from this lsa server")] = None,
+    api_key: Annotated[str | None, typer.Option(
+        "--api-key", envvar="LSA_API_KEY", help="API key for --server")] = None,
+    recompute: Annotated[bool, typer.Option(
+        "--recompute", help="Recompute the analytic bound from MODEL and compare "
+        f"(relative {REL_TOL:g})")] = False,
+) -> None:
+    """Check a certificate's signature, model hash and (--recompute) bound offline."""
+    from service.certificates import verify_certificate
+
+    if public_key is not None and server is not None:
+        fail("give --public-key or --server, not both")
+    if recompute and model is None:
+        fail("--recompute needs the MODEL file: lsa verify CERT.json MODEL --recompute")
+    try:
+        cert_data = read_certificate(certificate)
+        if public_key is not None:
+            pub = read_public_key_file(public_key)
+        elif server is not None:
+            pub = server_public_key(server, api_key)
+        else:
+            pub = local_public_key()
+    except ValueError as exc:
+        fail(str(exc))
+    if model is not None and not model.is_file():
+        fail(f"{model}: no such file")
+
+    result = verify_certificate(cert_data, pub)
+    if not result.valid:
+        typer.echo(f"INVALID: {certificate}: {result.reason}")
+        raise typer.Exit(EXIT_FAILED)
+    typer.echo("signature: valid")
+
+    from api_schemas.certificates import Certificate
+    from lsa_models.analysis import sha256_hex
+
+    cert = Certificate.model_validate(cert_data)
+    if model is not None:
+        try:
+            digest = sha256_hex(model.read_bytes())
+        except OSError as exc:
+            fail(f"{model}: cannot read ({exc.strerror or exc})")
+        if digest != cert.model_sha256:
+            typer.echo(f"INVALID: {model} has sha256 {digest}, the certificate is for "
+                       f"{cert.model_sha256}")
+            raise typer.Exit(EXIT_FAILED)
+        typer.echo(f"model sha256: matches ({digest})")
+
+    if recompute:
+        assert model is not None
+        from .bound import compute_report
+
+        set_threads()
+        try:
+            report = compute_report(model, cert.norm, cert.seq_len, cert.radius)
+        except (ValueError, TypeError, OSError) as exc:
+            fail(f"recomputing the bound: {exc}")
+        if not same_bound(cert.upper, report.upper):
+            typer.echo(f"INVALID: recomputed bound {report.upper} differs from the certified "
+                       f"{cert.upper} (lsa {report.lsa_version} here, {cert.lsa_version} in "
+                       f"the certificate)")
+            raise typer.Exit(EXIT_FAILED)
+        upper = report.upper
+        passed = upper is not None and math.isfinite(upper) and upper <= cert.threshold
+        if passed != cert.passed:
+            typer.echo(f"INVALID: the certificate says passed={cert.passed}, but the bound "
+                       f"{upper} against the threshold {cert.threshold:g} gives {passed}")
+            raise typer.Exit(EXIT_FAILED)
+        typer.echo(f"bound: recomputed {upper} matches the certified {cert.upper}")
+
+    verdict = "passed" if cert.passed else "failed"
+    typer.echo(f"VALID: certificate {cert.id} ({verdict}: upper {cert.upper} vs threshold "
+               f"{cert.threshold:g}, {cert.norm}-norm, N={cert.seq_len})")
+    raise typer.Exit(EXIT_OK)

@@ -1,0 +1,58 @@
+"""`lsa worker [--queues ...]`: consume jobs from Redis (LSA_REDIS_URL)."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Annotated
+
+import typer
+
+from . import app
+from .common import fail
+
+
+@app.command()
+def worker(
+    queues: Annotated[list[str] | None, typer.Option(
+        "--queues", "-Q", help="Queues to consume: bound, training (default: both). "
+        "GPU machines: --queues training")] = None,
+) -> None:
+    """Process jobs from Redis on this machine (needs LSA_REDIS_URL)."""
+    from pydantic import ValidationError
+
+    from service.db import NotMigratedError, ensure_migrated
+    from service.jobs import QUEUES
+    from service.runtime import Runtime
+    from service.settings import Settings
+
+    from .common import set_threads
+    from .serve import _settings_error
+
+    try:
+        settings = Settings()
+    except ValidationError as exc:
+        fail(_settings_error(exc))
+    if settings.redis_url is None:
+        fail("LSA_REDIS_URL is not set: without Redis, jobs run inside `lsa serve` and no "
+             "separate worker is needed")
+    names = {q.strip() for item in (queues or []) for q in item.split(",") if q.strip()}
+    unknown = names - set(QUEUES)
+    if unknown:
+        fail(f"unknown queue(s) {', '.join(sorted(unknown))}; use {', '.join(QUEUES)}")
+    set_threads()
+    runtime = Runtime(settings)
+    try:
+        ensure_migrated(runtime.engine)
+    except NotMigratedError as exc:
+        fail(str(exc))
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    runtime.queue.start_worker(names or None)
+    typer.echo(f"lsa: worker consuming {', '.join(sorted(names or QUEUES))} from "
+               f"{settings.redis_url}", err=True)
+    try:
+        stop.wait()
+    finally:
+        runtime.close()

@@ -1,0 +1,70 @@
+"""The `bound` job: the analytic bound plus an empirical lower bound (gradient ascent)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from api_schemas.requests import EmpiricalParams
+
+from ..bounding import analytic_report, find_result, load_model, store_result
+from ..models import Model
+from .registry import JobKind, register_job_kind
+from .runner import JobContext
+
+
+class BoundJobParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model_id: str
+    norm: str
+    seq_len: int
+    radius: float | None
+    empirical: EmpiricalParams
+    request_key: str
+
+
+def run_bound(ctx: JobContext) -> dict[str, Any]:
+    p = BoundJobParams.model_validate(ctx.params)
+    with ctx.session() as s:
+        # A re-run after a crash finds the result its first run stored.
+        done = find_result(s, p.request_key)
+        if done is not None:
+            return dict(done.report)
+        model = s.get(Model, p.model_id)
+        if model is None:
+            raise ValueError(f"model {p.model_id} no longer exists")
+        s.expunge(model)
+    ctx.progress(0.02, "loading model", force=True)
+    loaded = load_model(ctx.runtime, model)
+    ctx.progress(0.05, "analytic bound", force=True)
+    report = analytic_report(ctx.runtime, model, p.norm, p.seq_len, p.radius, loaded)
+    ctx.progress(0.1, "empirical lower bound", force=True)
+
+    from lsa_models.empirical import estimate
+
+    from ..reports import with_empirical
+
+    d_model = loaded.d_model or model.d_model
+    if d_model is None:
+        raise ValueError("the model does not state its token width d_model; an empirical "
+                         "bound needs it")
+
+    def progress(fraction: float, *_: Any, **__: Any) -> None:
+        # The estimator reports its own 0..1; map it onto 0.1..0.95 of the job.
+        ctx.progress(0.1 + 0.85 * float(fraction), "empirical lower bound")
+
+    est = estimate(loaded.module, input_shape=(p.seq_len, d_model), norm=p.norm,
+                   restarts=p.empirical.restarts, steps=p.empirical.steps, seed=p.empirical.seed,
+                   time_budget_s=p.empirical.time_budget_s, progress=progress)
+    report = with_empirical(report, est)
+    ctx.progress(0.97, "storing result", force=True)
+    with ctx.session() as s:
+        model = s.merge(model, load=True)
+        row = store_result(s, model, p.request_key, report, p.empirical.model_dump(mode="json"))
+        return dict(row.report)
+
+
+register_job_kind(JobKind("bound", queue="bound", handler=run_bound,
+                          params_schema=BoundJobParams))

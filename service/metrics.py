@@ -1,0 +1,85 @@
+"""Prometheus metrics, on a registry per app (tests build many apps in one process)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+from sqlalchemy import func, select
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .models import JOB_STATUSES, Job, Model
+
+if TYPE_CHECKING:
+    from .runtime import Runtime
+
+
+class Metrics:
+    def __init__(self, runtime: Runtime) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("lsa_http_requests", "HTTP requests by route and status",
+                                ["method", "route", "status"], registry=self.registry)
+        self.latency = Histogram("lsa_http_request_duration_seconds", "HTTP request latency",
+                                 ["method", "route"], registry=self.registry)
+        self.bounds = Counter("lsa_bounds_computed", "Analytic bounds computed in requests",
+                              registry=self.registry)
+        self.certificates = Counter("lsa_certificates_issued", "Certificates signed",
+                                    registry=self.registry)
+        self.registry.register(_StoreCollector(runtime))
+
+
+class _StoreCollector(Collector):
+    """Job counts by status and the number of models, read from the database on scrape."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        jobs = GaugeMetricFamily("lsa_jobs", "Jobs by status", labels=["status"])
+        models = GaugeMetricFamily("lsa_models", "Models stored")
+        try:
+            with self.runtime.sessions() as s:
+                counts = dict(s.execute(select(Job.status, func.count()).group_by(Job.status))
+                              .tuples().all())
+                n_models = s.scalar(select(func.count()).select_from(Model)) or 0
+        except Exception:
+            return
+        for status in JOB_STATUSES:
+            jobs.add_metric([status], counts.get(status, 0))
+        models.add_metric([], n_models)
+        yield jobs
+        yield models
+
+
+class MetricsMiddleware:
+    """Counts requests by route template (not raw path: ids would explode the label set)."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 500
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            route: Any = scope.get("route")
+            label = getattr(route, "path", None) or "<unmatched>"
+            self.metrics.requests.labels(scope["method"], label, str(status)).inc()
+            self.metrics.latency.labels(scope["method"], label).observe(
+                time.perf_counter() - start)

@@ -1,0 +1,133 @@
+"""POST /models (upload), GET /models, GET /models/{id}, GET /models/{id}/file."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import PurePath
+from typing import Annotated, Any
+
+from fastapi import APIRouter, File, Query, Response, UploadFile
+from fastapi.responses import FileResponse
+from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError
+
+from api_schemas.models import ModelList, ModelOut
+
+from ..artifacts import TooLarge
+from ..bounding import _one_thread, get_model
+from ..deps import ReadAccess, RuntimeDep, SessionDep, WriteAccess
+from ..errors import InvalidModel, PayloadTooLarge, responses
+from ..models import Artifact, Model
+
+log = logging.getLogger("lsa.service")
+router = APIRouter(tags=["models"])
+
+
+def model_out(m: Model) -> ModelOut:
+    return ModelOut(id=m.id, sha256=m.sha256, format=m.format, filename=m.filename,
+                    size_bytes=m.size_bytes, parameters=m.parameters,
+                    default_seq_len=m.default_seq_len, fixed_seq_len=m.fixed_seq_len,
+                    summary=m.summary, created_at=m.created_at)
+
+
+def _safe_name(name: str | None) -> str:
+    base = PurePath((name or "").replace("\\", "/")).name
+    return base[:255] or "upload"
+
+
+@router.post(
+    "/models", status_code=201, response_model=ModelOut, dependencies=[WriteAccess],
+    summary="Upload a model (.onnx, .zip of .onnx + external data, or native .safetensors)",
+    responses={200: {"model": ModelOut, "description": "These bytes were uploaded before: "
+                     "the stored model (same id)"}, **responses(413)},
+)
+def upload_model(
+    file: Annotated[UploadFile, File(description="The model file; its format is detected "
+                                                 "from the content, not the name")],
+    runtime: RuntimeDep, session: SessionDep, response: Response,
+) -> ModelOut:
+    filename = _safe_name(file.filename)
+    limit = runtime.settings.max_upload_bytes
+    try:
+        staged = runtime.artifacts.stage(file.file, limit)
+    except TooLarge:
+        raise PayloadTooLarge(
+            f"{filename} is larger than LSA_MAX_UPLOAD_BYTES={limit} bytes") from None
+    try:
+        existing = session.scalar(select(Model).where(Model.sha256 == staged.sha256))
+        if existing is not None:
+            response.status_code = 200
+            return model_out(existing)
+        if staged.size == 0:
+            raise InvalidModel(f"{filename} is empty: upload a model file")
+        from lsa_models.analysis import load_model_bytes
+
+        _one_thread()
+        data = staged.path.read_bytes()
+        try:
+            loaded = load_model_bytes(data, filename)
+            default_seq_len = loaded.resolve_seq_len(None)
+        except ValueError as exc:
+            raise InvalidModel(f"{filename}: {exc}") from None
+        except Exception as exc:  # a loader bug must still read as bad input, not a 500
+            log.warning("loading %s failed unexpectedly", filename, exc_info=True)
+            raise InvalidModel(f"{filename}: could not be read as a model "
+                               f"({type(exc).__name__}: {exc})") from None
+        summary: dict[str, Any] = json.loads(json.dumps(loaded.summary, default=str))
+        params = summary.get("parameters")
+        if params is None:
+            params = sum(int(p.numel()) for p in loaded.module.parameters()) or None
+        runtime.artifacts.commit(staged)
+        model = Model(sha256=staged.sha256, format=loaded.format, filename=filename,
+                      size_bytes=staged.size, parameters=params, d_model=loaded.d_model,
+                      default_seq_len=default_seq_len, fixed_seq_len=loaded.seq_len,
+                      summary=summary)
+        try:
+            with session.begin_nested():
+                if session.get(Artifact, staged.sha256) is None:
+                    session.add(Artifact(sha256=staged.sha256, size_bytes=staged.size,
+                                         kind="model"))
+                session.add(model)
+        except IntegrityError:
+            # The same bytes were uploaded concurrently and stored first.
+            existing = session.scalar(select(Model).where(Model.sha256 == staged.sha256))
+            if existing is None:
+                raise
+            response.status_code = 200
+            return model_out(existing)
+        return model_out(model)
+    finally:
+        staged.discard()
+
+
+@router.get("/models", response_model=ModelList, dependencies=[ReadAccess],
+            summary="List uploaded models, newest first", responses=responses())
+def list_models(
+    session: SessionDep,
+    limit: Annotated[int, Query(ge=1, le=500)] = 100,
+    offset: Annotated[int, Query(ge=0, le=2**31)] = 0,
+) -> ModelList:
+    total = session.scalar(select(func.count()).select_from(Model)) or 0
+    rows = session.scalars(select(Model).order_by(Model.created_at.desc(), Model.id)
+                           .limit(limit).offset(offset))
+    return ModelList(items=[model_out(m) for m in rows], total=total)
+
+
+@router.get("/models/{model_id}", response_model=ModelOut, dependencies=[ReadAccess],
+            summary="One model's metadata", responses=responses(404))
+def read_model(model_id: str, session: SessionDep) -> ModelOut:
+    return model_out(get_model(session, model_id))
+
+
+@router.get(
+    "/models/{model_id}/file", response_class=FileResponse, dependencies=[ReadAccess],
+    summary="Download the uploaded bytes",
+    responses={200: {"content": {"application/octet-stream": {
+        "schema": {"type": "string", "format": "binary"}}},
+        "description": "The file exactly as uploaded"}, **responses(404)},
+)
+def download_model(model_id: str, session: SessionDep, runtime: RuntimeDep) -> FileResponse:
+    model = get_model(session, model_id)
+    return FileResponse(runtime.artifacts.path_for(model.sha256),
+                        media_type="application/octet-stream", filename=model.filename)

@@ -1,0 +1,85 @@
+"""The service's one settings class. Every field reads `LSA_<NAME>` from the environment.
+
+Bad values fail at start-up with the variable named, never later in a request.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+MiB = 1024 * 1024
+PositiveInt = Annotated[int, Field(gt=0)]
+PositiveSeconds = Annotated[float, Field(gt=0)]
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="LSA_", extra="ignore", frozen=True)
+
+    database_url: str = Field(
+        default="sqlite:///./var/lsa.db",
+        description="SQLAlchemy URL: sqlite:///PATH or postgresql+psycopg://USER@HOST/DB")
+    redis_url: str | None = Field(
+        default=None,
+        description="redis://HOST:PORT/DB; unset: jobs run on a worker thread in the server")
+    redis_namespace: str = Field(default="lsa", min_length=1,
+                                 description="Key prefix of the job queues in Redis")
+    artifact_dir: Path = Field(default=Path("./var/artifacts"),
+                               description="Content-addressed store of uploads and outputs")
+    max_upload_bytes: PositiveInt = Field(default=512 * MiB,
+                                          description="Largest accepted upload (413 above)")
+    max_sync_parameters: PositiveInt = Field(
+        default=20_000_000,
+        description="Largest model (parameter count) bounded inside a request; 422 above")
+    auth_required: bool = Field(default=False,
+                                description="Require API keys (read scope for GET, write else)")
+    signing_key_path: Path = Field(default=Path("./var/signing_key.pem"),
+                                   description="Ed25519 PEM key; created on first start")
+    migrate_on_start: bool | None = Field(
+        default=None,
+        description="Run migrations at start; unset: only for the embedded SQLite database")
+    bound_time_limit_s: PositiveSeconds = Field(default=3600.0,
+                                                description="Hard limit of a job on 'bound'")
+    training_time_limit_s: PositiveSeconds = Field(
+        default=48 * 3600.0, description="Hard limit of a job on 'training'")
+    worker_threads: PositiveInt = Field(default=1, description="Jobs run at once per worker")
+    job_stale_after_s: PositiveSeconds = Field(
+        default=60.0, description="A running job silent this long is taken to have crashed")
+
+    @field_validator("database_url")
+    @classmethod
+    def _check_database_url(cls, value: str) -> str:
+        if not value.startswith(("sqlite://", "postgresql")):
+            raise ValueError("LSA_DATABASE_URL must start with sqlite:// or postgresql "
+                             f"(e.g. postgresql+psycopg://user@host/db), got {value!r}")
+        if value.startswith("postgresql://"):
+            # psycopg 3 is the installed driver; plain postgresql:// would ask for psycopg2.
+            value = "postgresql+psycopg://" + value.removeprefix("postgresql://")
+        return value
+
+    @field_validator("redis_url")
+    @classmethod
+    def _check_redis_url(cls, value: str | None) -> str | None:
+        if value in (None, ""):
+            return None
+        assert value is not None
+        if not value.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"LSA_REDIS_URL must start with redis:// or rediss://, got {value!r}")
+        return value
+
+    @property
+    def is_sqlite(self) -> bool:
+        return self.database_url.startswith("sqlite")
+
+    @property
+    def should_migrate_on_start(self) -> bool:
+        if self.migrate_on_start is not None:
+            return self.migrate_on_start
+        return self.is_sqlite
+
+    def time_limit_s(self, queue: str) -> float:
+        limits = {"bound": self.bound_time_limit_s, "training": self.training_time_limit_s}
+        return limits[queue]

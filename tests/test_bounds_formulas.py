@@ -1,0 +1,181 @@
+"""Each certified formula against an independent float64 evaluation (numpy/scipy/mpmath).
+
+The certified value must be >= the independent one (it rounds upward) and within a relative
+1e-9 of it (the margins are tiny): a larger gap would mean a wrong formula, not rounding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mpmath
+import numpy as np
+import pytest
+import torch
+from scipy.special import lambertw
+
+from lsa_models import (
+    AttentionConfig,
+    L2MHA,
+    Transformer,
+    TransformerConfig,
+    certify,
+)
+from lsa_models.bounds.formulas import l2_mha_bound, layernorm_bound, linear_bound
+from lsa_models.bounds.numerics import (
+    GELU_LIPSCHITZ,
+    inf_norm_upper,
+    lambert_w0_upper,
+    one_norm_upper,
+    phi_inv_upper,
+    spectral_norm_upper,
+)
+
+REL = 1e-9
+
+
+def _close_above(certified: float, reference: float) -> None:
+    assert certified >= reference
+    assert certified <= reference * (1 + REL) + 1e-300
+
+
+def _weights(seed: int, heads: int, d_model: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    d = d_model // heads
+    return (rng.normal(size=(heads, d_model, d)), rng.normal(size=(heads, d_model, d)),
+            rng.normal(size=(d_model, d_model)))
+
+
+@pytest.mark.parametrize("x", [1e-12, 0.1, 1 / math.e, 1.0, 3.3, 99.0, 1e6, 1e12])
+def test_lambert_w0_upper_is_above_the_exact_value(x: float) -> None:
+    mpmath.mp.dps = 50
+    exact = mpmath.lambertw(mpmath.mpf(x))
+    w = lambert_w0_upper(x)
+    assert mpmath.mpf(w) >= exact
+    assert w <= float(exact) * (1 + 1e-14)
+    assert w == pytest.approx(float(lambertw(x).real), rel=1e-14)
+
+
+@pytest.mark.parametrize("n", [2, 3, 10, 50, 1000])
+def test_phi_inv_upper_bounds_the_exact_inverse(n: int) -> None:
+    mpmath.mp.dps = 50
+    exact = mpmath.lambertw((n - 1) / mpmath.e)
+    assert mpmath.mpf(phi_inv_upper(n - 1)) >= exact
+
+
+def test_gelu_constant_bounds_the_exact_supremum() -> None:
+    mpmath.mp.dps = 30
+    s2 = mpmath.sqrt(2)
+    exact = mpmath.ncdf(s2) + s2 * mpmath.npdf(s2)  # derivative of x Phi(x) peaks at sqrt 2
+    assert mpmath.mpf(GELU_LIPSCHITZ) >= exact
+    assert GELU_LIPSCHITZ - float(exact) < 1e-3
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 7), (40, 20), (64, 256)])
+def test_spectral_norm_upper_is_at_least_the_largest_singular_value(shape: tuple[int, int]) -> None:
+    w = np.random.default_rng(0).normal(size=shape)
+    _close_above(spectral_norm_upper(w), float(np.linalg.svd(w, compute_uv=False)[0]))
+
+
+def test_spectral_norm_upper_of_zero_matrix_is_zero() -> None:
+    assert spectral_norm_upper(np.zeros((3, 4))) == 0.0
+
+
+def test_matrix_inf_and_one_norms_match_numpy() -> None:
+    w = np.random.default_rng(1).normal(size=(5, 9))
+    _close_above(inf_norm_upper(w), float(np.linalg.norm(w, np.inf)))
+    _close_above(one_norm_upper(w), float(np.linalg.norm(w, 1)))
+
+
+@pytest.mark.parametrize("heads,d_model,n", [(1, 1, 2), (2, 4, 5), (4, 16, 100)])
+def test_l2_mha_inf_bound_matches_independent_formula(heads: int, d_model: int, n: int) -> None:
+    wq, wv, wo = _weights(heads + n, heads, d_model)
+    d = d_model // heads
+    w0 = float(lambertw((n - 1) / math.e).real)
+    q = max(np.linalg.norm(wq[h], np.inf) * np.linalg.norm(wq[h].T, np.inf) for h in range(heads))
+    v = max(np.linalg.norm(wv[h].T, np.inf) for h in range(heads))
+    ref = (4 * w0 + 1 / math.sqrt(d)) * np.linalg.norm(wo.T, np.inf) * q * v
+    _close_above(l2_mha_bound(wq, wv, wo, n, "inf"), float(ref))
+
+
+@pytest.mark.parametrize("heads,d_model,n", [(1, 1, 2), (2, 4, 5), (4, 16, 100)])
+def test_l2_mha_two_bound_matches_independent_formula(heads: int, d_model: int, n: int) -> None:
+    wq, wv, wo = _weights(heads * n, heads, d_model)
+    d = d_model // heads
+    w0 = float(lambertw((n - 1) / math.e).real)
+    s = sum(np.linalg.norm(wq[h], 2) ** 4 * np.linalg.norm(wv[h], 2) ** 2 for h in range(heads))
+    ref = math.sqrt(n) / math.sqrt(d) * (4 * w0 + 1) * math.sqrt(s) * np.linalg.norm(wo, 2)
+    _close_above(l2_mha_bound(wq, wv, wo, n, "2"), float(ref))
+
+
+def test_causal_l2_mha_bounds_follow_the_prefix_derivation() -> None:
+    wq, wv, wo = _weights(7, 2, 4)
+    n = 6
+    _close_above(l2_mha_bound(wq, wv, wo, n, "inf", causal=True),
+                 l2_mha_bound(wq, wv, wo, n, "inf") / (1 + REL))
+    per_prefix = [l2_mha_bound(wq, wv, wo, max(i, 2), "2") for i in range(1, n + 1)]
+    ref = math.sqrt(sum(u * u for u in per_prefix))
+    _close_above(l2_mha_bound(wq, wv, wo, n, "2", causal=True), ref)
+
+
+def test_l2_bounds_grow_like_log_n_minus_log_log_n() -> None:
+    wq, wv, wo = _weights(3, 1, 1)
+    ratios = [l2_mha_bound(wq, wv, wo, 10 * n, "inf") / l2_mha_bound(wq, wv, wo, n, "inf")
+              for n in (10, 100, 1000)]
+    # Logarithmic growth: a tenfold N multiplies the bound by about 2, less and less.
+    assert all(1 < r < 2.2 for r in ratios)
+    assert ratios[0] > ratios[1] > ratios[2]
+
+
+@pytest.mark.parametrize("dim,eps", [(1, 1e-5), (2, 1e-5), (8, 0.1)])
+def test_layernorm_bounds_match_the_stated_form(dim: int, eps: float) -> None:
+    gamma = np.random.default_rng(dim).normal(size=dim)
+    g = float(np.abs(gamma).max())
+    if dim == 1:
+        assert layernorm_bound(gamma, eps, "2") == 0.0
+        return
+    _close_above(layernorm_bound(gamma, eps, "2"), g / math.sqrt(eps))
+    _close_above(layernorm_bound(gamma, eps, "inf"), g / math.sqrt(eps) * (dim**2 - 2) / dim)
+
+
+def test_linear_bound_uses_the_row_vector_convention() -> None:
+    w = np.random.default_rng(2).normal(size=(3, 5))  # torch layout (out, in)
+    _close_above(linear_bound(w, "2"), float(np.linalg.svd(w, compute_uv=False)[0]))
+    # y = x W^T with inf-norms: the largest absolute row sum of the torch weight.
+    _close_above(linear_bound(w, "inf"), float(np.abs(w).sum(axis=1).max()))
+
+
+def test_native_l2_mha_bound_uses_its_own_weights() -> None:
+    torch.manual_seed(0)
+    m = L2MHA(AttentionConfig(8, 2))
+    r = certify(m, "2", 16)
+    assert r.verdict == "certified" and r.upper is not None
+    ref = l2_mha_bound(m.query_weights().detach(), m.value_weights().detach(),
+                       m.output_weight().detach(), 16, "2")
+    assert r.upper == ref
+
+
+def test_transformer_bound_is_the_product_of_its_block_bounds() -> None:
+    torch.manual_seed(0)
+    model = Transformer(TransformerConfig(d_model=4, n_heads=2, n_layers=3, d_ff=8))
+    r = certify(model, "inf", 8)
+    blocks = [lb.upper for lb in r.layers if lb.kind == "block"]
+    assert len(blocks) == 3 and r.upper is not None
+    assert r.upper >= math.prod(b for b in blocks if b is not None)
+    assert r.upper == pytest.approx(math.prod(b for b in blocks if b is not None), rel=1e-12)
+    names = {lb.name for lb in r.layers}
+    assert {"blocks.0.attn", "blocks.2.ffn.fc2", "blocks.1.ln1"} <= names
+
+
+def test_untied_l2_is_not_certified_with_a_reason() -> None:
+    r = certify(L2MHA(AttentionConfig(4, 2, tied=False)), "2", 4)
+    assert r.verdict == "not_certified" and r.upper is None and r.lipschitz is None
+    assert r.reason is not None and "tied" in r.reason
+
+
+def test_dot_product_attention_is_not_lipschitz_on_unbounded_domain() -> None:
+    model = Transformer(TransformerConfig(d_model=4, n_heads=2, n_layers=2, d_ff=8,
+                                          attention="dp", norm_first=False))
+    r = certify(model, "2", 8)
+    assert r.verdict == "not_lipschitz" and r.upper is None and r.lipschitz is False
+    assert r.reason is not None and "Theorem 3.1" in r.reason

@@ -1,0 +1,225 @@
+"""`lsa verify`: accepts an untouched certificate; rejects any altered field, a wrong model
+file, a wrong key, and (--recompute) a correctly signed certificate whose bound is wrong."""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+from collections.abc import Callable
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from typer.testing import CliRunner
+
+from api_schemas.certificates import Certificate
+from lsa_models import AttentionConfig, L2MHA, save
+from service.certificates import (
+    load_or_create_signing_key,
+    new_certificate_body,
+    public_key_pem,
+    sign_certificate,
+)
+from service.cli import app
+
+runner = CliRunner()
+
+
+def invoke(*args: str) -> tuple[int, str, str]:
+    result = runner.invoke(app, ["verify", *args])
+    assert result.exception is None or isinstance(result.exception, SystemExit), \
+        result.exception
+    return result.exit_code, result.stdout, result.stderr
+
+
+@pytest.fixture(scope="module")
+def issued(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A model, its `lsa certify --json` report, the bare certificate, and key files."""
+    root = tmp_path_factory.mktemp("verify")
+    torch.manual_seed(1)
+    model = save(L2MHA(AttentionConfig(8, 2, "l2")), root / "model.safetensors")
+    other = save(L2MHA(AttentionConfig(8, 2, "l2")), root / "other.safetensors")
+    key = root / "signing.pem"
+    report = root / "report.json"
+    result = runner.invoke(app, ["certify", str(model), "--max-lipschitz", "1e6", "--seq-len",
+                                 "8", "--key", str(key), "--json", str(report)])
+    assert result.exit_code == 0, result.output
+    cert = root / "cert.json"
+    cert.write_text(json.dumps(json.loads(report.read_text())["certificate"]))
+    public = root / "public.pem"
+    public.write_text(public_key_pem(load_or_create_signing_key(key)))
+    wrong = root / "wrong.pem"
+    wrong.write_text(public_key_pem(Ed25519PrivateKey.generate()))
+    return {"model": model, "other": other, "key": key, "report": report, "cert": cert,
+            "public": public, "wrong": wrong, "root": root}
+
+
+def test_verify_accepts_untouched_certificate(issued: dict[str, Path]) -> None:
+    code, out, _ = invoke(str(issued["cert"]), str(issued["model"]), "--public-key",
+                          str(issued["public"]), "--recompute")
+    assert code == 0, out
+    assert out.splitlines()[0] == "signature: valid"
+    assert "model sha256: matches" in out and "bound: recomputed" in out
+    assert out.splitlines()[-1].startswith("VALID: certificate")
+
+
+def test_verify_accepts_the_certify_json_report_and_a_private_key_file(
+        issued: dict[str, Path]) -> None:
+    code, out, _ = invoke(str(issued["report"]), str(issued["model"]), "--public-key",
+                          str(issued["key"]))
+    assert code == 0, out
+
+
+def _flip_hex(s: str) -> str:
+    return ("1" if s[0] == "0" else "0") + s[1:]
+
+
+def _flip_signature(s: str) -> str:
+    raw = bytearray(base64.b64decode(s))
+    raw[0] ^= 1
+    return base64.b64encode(bytes(raw)).decode()
+
+
+def _later(s: str) -> str:
+    return (datetime.fromisoformat(s.replace("Z", "+00:00")) + timedelta(seconds=1)).isoformat()
+
+
+ALTER: dict[str, Callable[[Any], Any]] = {
+    "id": lambda v: v[:-1] + ("0" if v[-1] != "0" else "1"),
+    "model_sha256": _flip_hex,
+    "norm": lambda v: "inf" if v == "2" else "2",
+    "seq_len": lambda v: v + 1,
+    "radius": lambda v: 1.0 if v is None else v * 2,
+    "threshold": lambda v: v * 10,
+    "upper": lambda v: math.nextafter(v, math.inf),  # the smallest possible change
+    "lower": lambda v: 0.5 if v is None else v / 2,
+    "passed": lambda v: not v,
+    "method": lambda v: v + " ",
+    "lsa_version": lambda v: v + ".post1",
+    "issued_at": _later,
+    "signature": _flip_signature,
+}
+
+
+def test_verify_alterations_cover_every_field() -> None:
+    assert set(ALTER) == set(Certificate.model_fields)
+
+
+@pytest.mark.parametrize("field", sorted(ALTER))
+def test_verify_rejects_any_altered_field(issued: dict[str, Path], tmp_path: Path,
+                                          field: str) -> None:
+    data = json.loads(issued["cert"].read_text())
+    data[field] = ALTER[field](data[field])
+    altered = tmp_path / "altered.json"
+    altered.write_text(json.dumps(data))
+    code, out, _ = invoke(str(altered), "--public-key", str(issued["public"]))
+    assert code == 1, (field, out)
+    assert out.startswith("INVALID:")
+
+
+def test_verify_rejects_an_added_field(issued: dict[str, Path], tmp_path: Path) -> None:
+    data = json.loads(issued["cert"].read_text())
+    data["note"] = "trust me"
+    altered = tmp_path / "altered.json"
+    altered.write_text(json.dumps(data))
+    code, out, _ = invoke(str(altered), "--public-key", str(issued["public"]))
+    assert code == 1 and "malformed certificate" in out
+
+
+def test_verify_rejects_a_wrong_model_file(issued: dict[str, Path]) -> None:
+    code, out, _ = invoke(str(issued["cert"]), str(issued["other"]), "--public-key",
+                          str(issued["public"]))
+    assert code == 1
+    assert "has sha256" in out and str(issued["other"]) in out
+
+
+def test_verify_rejects_a_wrong_key(issued: dict[str, Path]) -> None:
+    code, out, _ = invoke(str(issued["cert"]), str(issued["model"]), "--public-key",
+                          str(issued["wrong"]))
+    assert code == 1
+    assert "signature does not match" in out
+
+
+def _signed(issued: dict[str, Path], tmp_path: Path, **changes: Any) -> Path:
+    """A certificate correctly signed by the right key, but with `changes` to its claims."""
+    data = json.loads(issued["cert"].read_text())
+    data.pop("signature")
+    data.pop("id")
+    data.pop("issued_at")
+    data.update(changes)
+    cert = sign_certificate(new_certificate_body(**data), load_or_create_signing_key(
+        issued["key"]))
+    path = tmp_path / "forged.json"
+    path.write_text(cert.model_dump_json())
+    return path
+
+
+def test_verify_recompute_rejects_a_signed_but_wrong_bound(issued: dict[str, Path],
+                                                           tmp_path: Path) -> None:
+    upper = json.loads(issued["cert"].read_text())["upper"]
+    forged = _signed(issued, tmp_path, upper=upper * (1 + 1e-6))
+    # The signature alone cannot tell: it is the right key.
+    code, _, _ = invoke(str(forged), str(issued["model"]), "--public-key", str(issued["public"]))
+    assert code == 0
+    code, out, _ = invoke(str(forged), str(issued["model"]), "--public-key",
+                          str(issued["public"]), "--recompute")
+    assert code == 1 and "recomputed bound" in out
+
+
+def test_verify_recompute_rejects_an_inconsistent_verdict(issued: dict[str, Path],
+                                                          tmp_path: Path) -> None:
+    upper = json.loads(issued["cert"].read_text())["upper"]
+    forged = _signed(issued, tmp_path, threshold=upper / 2, passed=True)
+    code, out, _ = invoke(str(forged), str(issued["model"]), "--public-key",
+                          str(issued["public"]), "--recompute")
+    assert code == 1 and "passed=True" in out
+
+
+def test_verify_recompute_tolerance_is_relative_1e_9() -> None:
+    from service.cli.verify import same_bound
+
+    assert same_bound(100.0, 100.0 * (1 + 5e-10))
+    assert not same_bound(100.0, 100.0 * (1 + 2e-9))
+    assert same_bound(None, None) and not same_bound(None, 1.0) and not same_bound(1.0, None)
+
+
+def test_verify_default_key_is_the_local_signing_key(issued: dict[str, Path],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LSA_SIGNING_KEY_PATH", str(issued["key"]))
+    code, out, _ = invoke(str(issued["cert"]), str(issued["model"]))
+    assert code == 0, out
+    monkeypatch.setenv("LSA_SIGNING_KEY_PATH", str(issued["root"] / "absent.pem"))
+    code, _, err = invoke(str(issued["cert"]))
+    assert code == 2 and "--public-key" in err
+
+
+@pytest.mark.parametrize("case,needle", [
+    ("missing_cert", "no such file"),
+    ("not_json", "not JSON"),
+    ("missing_key", "cannot read the key"),
+    ("not_a_key", "not a PEM public key"),
+    ("recompute_without_model", "--recompute needs the MODEL"),
+    ("two_key_sources", "not both"),
+    ("missing_model", "no such file"),
+])
+def test_verify_exit_2_on_bad_input(issued: dict[str, Path], tmp_path: Path, case: str,
+                                    needle: str) -> None:
+    cert, pub = str(issued["cert"]), str(issued["public"])
+    junk = tmp_path / "junk.txt"
+    junk.write_text("{ not json")
+    args = {
+        "missing_cert": [str(tmp_path / "none.json"), "--public-key", pub],
+        "not_json": [str(junk), "--public-key", pub],
+        "missing_key": [cert, "--public-key", str(tmp_path / "none.pem")],
+        "not_a_key": [cert, "--public-key", str(junk)],
+        "recompute_without_model": [cert, "--public-key", pub, "--recompute"],
+        "two_key_sources": [cert, "--public-key", pub, "--server", "http://127.0.0.1:1"],
+        "missing_model": [cert, str(tmp_path / "none.safetensors"), "--public-key", pub],
+    }[case]
+    code, _, err = invoke(*args)
+    assert code == 2
+    assert err.startswith("lsa: error:") and needle in err

@@ -35,6 +35,16 @@ class Witness(BaseModel):
     input: list[float] | None = Field(default=None, description="Flattened witness input")
     growth: list[GrowthPoint] | None = Field(
         default=None, description="(scale, ||J||) pairs growing without bound (DP attention)")
+    restarts: int | None = Field(default=None, description="Search restarts (with the seed, "
+                                 "they reproduce the witness)")
+    steps: int | None = Field(default=None, description="Ascent steps per restart")
+    source: str | None = Field(default=None, description="search: found by gradient ascent; "
+                               "growth: a Theorem 3.1 input X(s) beat the search")
+    scale: float | None = Field(default=None, description="s of the witness when source is "
+                                "growth")
+    growth_exponent: float | None = Field(
+        default=None, description="log-log slope of the last two growth points: ~2 for DP "
+        "attention alone, near 0 when the growth levels off (e.g. pre-norm blocks)")
 
 
 class BoundReport(BaseModel):

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lsa_models import AttentionConfig, L2MHA
+from lsa_models import L2MHA, AttentionConfig
 
 OUT = Path(__file__).resolve().parent / "out"
 

@@ -3,11 +3,12 @@
 Pure torch/onnx: never imports the web, database or service layers.
 """
 
-from .attention import DotProductMHA, L2MHA, build_attention
+from .attention import L2MHA, DotProductMHA, build_attention
 from .blocks import FeedForward, Transformer, TransformerBlock
 from .bounds import BoundResult, LayerBound, certify
 from .checkpoint import CheckpointError, from_bytes, load, register_model_kind, save, to_bytes
 from .config import AttentionConfig, BlockConfig, ConfigError, FFNConfig, TransformerConfig
+from .lm import CharTransformerLM, LMConfig  # registers the "char_lm" checkpoint kind
 
 __version__ = "0.1.0"
 
@@ -15,11 +16,13 @@ __all__ = [
     "AttentionConfig",
     "BlockConfig",
     "BoundResult",
+    "CharTransformerLM",
     "CheckpointError",
     "ConfigError",
     "DotProductMHA",
     "FFNConfig",
     "FeedForward",
+    "LMConfig",
     "L2MHA",
     "LayerBound",
     "Transformer",

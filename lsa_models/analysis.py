@@ -123,3 +123,6 @@ __all__ = [
     "load_native",
     "sha256_hex",
 ]
+
+# The ONNX loader registers itself in LOADERS on import (after everything above exists).
+from . import onnx as _onnx  # noqa: E402,F401

@@ -26,7 +26,9 @@ def _merge_heads(x: Tensor) -> Tensor:
 
 
 class DotProductMHA(nn.Module):
-    """`F(X) = [softmax(X W^Q_h (X W^K_h)^T / sqrt(d)) X W^V_h]_h W^O`: not Lipschitz on R^{N x D}."""
+    """`F(X) = [softmax(X W^Q_h (X W^K_h)^T / sqrt(d)) X W^V_h]_h W^O`.
+
+    Not Lipschitz on R^{N x D} (Theorem 3.1)."""
 
     def __init__(self, config: AttentionConfig) -> None:
         super().__init__()
@@ -128,6 +130,33 @@ class L2MHA(nn.Module):
         )  # (B, H, N, d)
         out = _merge_heads(y) @ self.folded_output_weight()  # (B, N, D)
         return out + self.out_proj.bias
+
+    def forward_export(self, x: Tensor, form: str = "pairwise") -> Tensor:
+        """The definition in an exporter-friendly form: explicit logits (pairwise differences
+        or the expanded `2 q.k - |q|^2 - |k|^2`) and the value path `Q_h W^K_h^T W^V_h /
+        sqrt(d)` with `W^V` kept separate, so that ONNX recognition can read W^Q, W^V, W^O."""
+        cfg = self.config
+        d = cfg.head_dim
+        q = _split_heads(self.q_proj(x), cfg.n_heads)  # (B, H, N, d)
+        k = q if self.k_proj is None else _split_heads(self.k_proj(x), cfg.n_heads)
+        if form == "pairwise":
+            diff = q.unsqueeze(3) - k.unsqueeze(2)  # (B, H, N, N, d)
+            logits = -(diff * diff).sum(-1) / math.sqrt(d)  # (B, H, N, N)
+        elif form == "expanded":
+            qk = q @ k.transpose(-1, -2)  # (B, H, N, N)
+            qq = (q * q).sum(-1, keepdim=True)  # (B, H, N, 1)
+            kk = (k * k).sum(-1).unsqueeze(-2)  # (B, H, 1, N)
+            logits = (2.0 * qk - qq - kk) / math.sqrt(d)  # (B, H, N, N)
+        else:
+            raise ValueError(f"unknown L2 logits form {form!r}; use 'pairwise' or 'expanded'")
+        if cfg.causal:
+            n = x.shape[1]
+            mask = torch.ones(n, n, dtype=torch.bool, device=x.device).triu(1)
+            logits = logits.masked_fill(mask, float("-inf"))
+        p = torch.softmax(logits, dim=-1)  # (B, H, N, N)
+        z = (q @ self.key_weights().transpose(1, 2)) / math.sqrt(d)  # (B, H, N, D) = X A_h
+        v = z @ self.value_weights()  # (B, H, N, d)
+        return self.out_proj(_merge_heads(p @ v))  # (B, N, D)
 
     def forward_reference(self, x: Tensor) -> Tensor:
         """The definition, written out with explicit pairwise differences; for tests only."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from .attention import DotProductMHA, L2MHA, build_attention
+from .attention import L2MHA, DotProductMHA, build_attention
 from .config import BlockConfig, FFNConfig, TransformerConfig
 
 _ACTIVATIONS: dict[str, type[nn.Module]] = {

@@ -20,7 +20,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from torch import nn
 
-from .attention import DotProductMHA, L2MHA
+from .attention import L2MHA, DotProductMHA
 from .blocks import Transformer, TransformerBlock
 from .config import (
     AttentionConfig,

@@ -23,9 +23,10 @@ iteration is reported as failed, never returned as if it were an inverse.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -67,10 +68,29 @@ def _float32_down(x: float) -> float:
     return y
 
 
+def _outside_transforms() -> AbstractContextManager[object]:
+    """Step out of torch.func transforms (jacrev, vjp): inside them even a parameter cannot be
+    read into numpy, and the certified bound is a function of the weights alone."""
+    try:
+        from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
+    except ImportError:  # pragma: no cover - private API moved; plain eager mode still works
+        return nullcontext()
+    return temporarily_clear_interpreter_stack()  # type: ignore[no-any-return]
+
+
 def _param_key(params: list[Tensor]) -> tuple[object, ...]:
     # `_version` moves on every in-place update (optimizer.step, load_state_dict), data_ptr
     # and dtype on .to()/.double(): together they say when the cached bound is stale.
     return tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in params)
+
+
+@functools.lru_cache(maxsize=256)
+def _lead(n: int, causal: bool) -> float:
+    """The N-dependent factor of the Theorem 3.2 2-norm bound (causal: root sum of squares of
+    the prefix factors), as in `bounds.formulas.l2_mha_bound`; cached, it costs ~N Lambert Ws."""
+    if causal:
+        return math.sqrt(sum(_two_norm_lead(max(i, 2)) ** 2 for i in range(1, n + 1)))
+    return _two_norm_lead(max(n, 2))
 
 
 def _spec_norms(w: Tensor) -> Tensor:
@@ -155,27 +175,27 @@ class ContractiveL2Block(ResidualBlock):
                             self.config.causal)
 
     def _certified(self) -> tuple[float, float]:
-        key = _param_key(self._weights())
-        if key != self._cache_key:
-            with torch.no_grad():
-                u = self.certified_u()
-            scale = _float32_down(self.config.c / u * _SCALE_MARGIN) if u > 0 else 0.0
-            self._cache, self._cache_key = (u, scale), key
+        with _outside_transforms():
+            key = _param_key(self._weights())
+            if key != self._cache_key:
+                with torch.no_grad():
+                    u = self.certified_u()
+                scale = _float32_down(self.config.c / u * _SCALE_MARGIN) if u > 0 else 0.0
+                self._cache, self._cache_key = (u, scale), key
         return self._cache
 
     def _surrogate_u(self) -> Tensor:
         """The Theorem 3.2 2-norm formula in torch (differentiable; for gradients only)."""
         a = self.attn
-        n, d = self.config.max_len, self.config.d_model // self.config.n_heads
-        if self.config.causal:
-            lead = math.sqrt(sum(_two_norm_lead(max(i, 2)) ** 2 for i in range(1, n + 1)))
-        else:
-            lead = _two_norm_lead(max(n, 2))
+        d = self.config.d_model // self.config.n_heads
+        lead = _lead(self.config.max_len, self.config.causal)
         with torch.autocast(a.q_proj.weight.device.type, enabled=False):
             sq = _spec_norms(a.query_weights())  # (H,)
             sv = _spec_norms(a.value_weights())  # (H,)
             so = _spec_norms(a.output_weight())  # ()
-            return lead / math.sqrt(d) * torch.sqrt((sq * sq * sv * sv).sum()) * so
+            # ||W^Q||^4: the corrected weight term of bounds.formulas._two_norm_weights
+            # (test_forward_uses_certified_scale_and_surrogate_gradient keeps them in step).
+            return lead / math.sqrt(d) * torch.sqrt((sq**4 * sv * sv).sum()) * so
 
     def scale(self) -> Tensor | float:
         """The factor multiplying F(X): value `<= c / U_cert`, gradient of `c / U_torch`."""
@@ -222,15 +242,16 @@ class ContractiveFFNBlock(ResidualBlock):
     def _certified(self) -> tuple[float, float, float, float]:
         """(s1, s2, a, b): certified spectral norms and the float32 scales a <= 1/s1,
         b <= c / (L_act s2)."""
-        key = _param_key([self.fc1.weight, self.fc2.weight])
-        if key != self._cache_key:
-            with torch.no_grad():
-                s1 = spectral_norm_upper(self.fc1.weight)
-                s2 = spectral_norm_upper(self.fc2.weight)
-            lact = ACTIVATION_LIPSCHITZ[self.config.activation]
-            a = _float32_down(_SCALE_MARGIN / s1) if s1 > 0 else 1.0
-            b = _float32_down(self.config.c * _SCALE_MARGIN / (lact * s2)) if s2 > 0 else 0.0
-            self._cache, self._cache_key = (s1, s2, a, b), key
+        with _outside_transforms():
+            key = _param_key([self.fc1.weight, self.fc2.weight])
+            if key != self._cache_key:
+                with torch.no_grad():
+                    s1 = spectral_norm_upper(self.fc1.weight)
+                    s2 = spectral_norm_upper(self.fc2.weight)
+                lact = ACTIVATION_LIPSCHITZ[self.config.activation]
+                a = _float32_down(_SCALE_MARGIN / s1) if s1 > 0 else 1.0
+                b = _float32_down(self.config.c * _SCALE_MARGIN / (lact * s2)) if s2 > 0 else 0.0
+                self._cache, self._cache_key = (s1, s2, a, b), key
         return self._cache
 
     def scales(self) -> tuple[Tensor | float, Tensor | float]:
@@ -518,19 +539,19 @@ def logdet_estimate(g: Callable[[Tensor], Tensor], x: Tensor, n_terms: int = 10,
     """
     if n_terms < 1 or n_samples < 2:
         raise ValueError("n_terms must be >= 1 and n_samples >= 2")
-    _, vjp_fn = torch.func.vjp(g, x)[:2]
-    samples = []
-    for _ in range(n_samples):
-        v = torch.randint(0, 2, x.shape, generator=generator, dtype=torch.int64,
-                          device="cpu").to(device=x.device, dtype=x.dtype) * 2 - 1  # (B, N, D)
-        w = v
-        est = torch.zeros(x.shape[0], dtype=x.dtype, device=x.device)  # (B,)
-        for k in range(1, n_terms + 1):
-            w = vjp_fn(w)[0]  # v^T J^k, (B, N, D)
-            tr = (w * v).flatten(1).sum(1)  # (B,)
-            est = est + ((-1.0) ** (k + 1)) * tr / k
-        samples.append(est)
-    s = torch.stack(samples)  # (S, B)
+    b = x.shape[0]
+    # All probes in one batch: g acts on each sequence separately, so repeating x along the
+    # batch gives every probe its own copy of J and one vjp per term serves them all.
+    x_rep = x.detach().repeat(n_samples, *([1] * (x.dim() - 1)))  # (S*B, N, D)
+    _, vjp_fn = torch.func.vjp(g, x_rep)[:2]
+    v = torch.randint(0, 2, x_rep.shape, generator=generator, dtype=torch.int64,
+                      device="cpu").to(device=x.device, dtype=x.dtype) * 2 - 1  # (S*B, N, D)
+    w = v
+    est = torch.zeros(x_rep.shape[0], dtype=x.dtype, device=x.device)  # (S*B,)
+    for k in range(1, n_terms + 1):
+        w = vjp_fn(w)[0]  # v^T J^k, (S*B, N, D)
+        est = est + ((-1.0) ** (k + 1)) * (w * v).flatten(1).sum(1) / k
+    s = est.view(n_samples, b)  # (S, B)
     mean = s.mean(0)
     stderr = s.std(0, unbiased=True) / math.sqrt(n_samples)
     trunc = math.inf

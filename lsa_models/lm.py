@@ -45,6 +45,9 @@ class LMConfig:
     c: float = 0.9
     activation: Literal["relu", "gelu", "tanh", "sigmoid"] = "relu"
     ln_eps: float = 1e-5
+    norm_first: bool = True  # pre-norm blocks (dp, l2, l2_tied); False: post-norm
+
+    # (contractive_l2 has no LayerNorm in its residual branches, so norm_first does not apply.)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_heads", "n_layers", "d_ff", "seq_len"):
@@ -52,6 +55,8 @@ class LMConfig:
         if self.attention not in LM_ATTENTION_KINDS:
             raise ConfigError("attention", f"unknown attention {self.attention!r}; use one of "
                               f"{', '.join(LM_ATTENTION_KINDS)}")
+        if not isinstance(self.norm_first, bool):
+            raise ConfigError("norm_first", f"must be a boolean, got {self.norm_first!r}")
         self.trunk_config()  # validates the shared fields (heads divide width, c in (0,1), ...)
 
     def trunk_config(self) -> TransformerConfig | ContractiveTrunkConfig:
@@ -61,7 +66,7 @@ class LMConfig:
         kind: Literal["dp", "l2"] = "dp" if self.attention == "dp" else "l2"
         return TransformerConfig(self.d_model, self.n_heads, self.n_layers, self.d_ff,
                                  attention=kind, tied=self.attention != "l2", causal=True,
-                                 activation=self.activation, norm_first=True,
+                                 activation=self.activation, norm_first=self.norm_first,
                                  ln_eps=self.ln_eps, final_norm=False)
 
 

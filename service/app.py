@@ -14,8 +14,6 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from lsa_models import __version__
-
 from .db import ensure_migrated, upgrade
 from .errors import BodyLimitMiddleware, install_error_handlers
 from .metrics import Metrics, MetricsMiddleware
@@ -35,6 +33,17 @@ jobs (`GET /jobs/{id}`). Errors are `{"error": code, "detail": message}`.
 """
 
 
+def _version() -> str:
+    # importlib.metadata, not lsa_models.__version__: importing lsa_models loads torch,
+    # which app start-up does not need.
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("lsa")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
 def prepare_database(runtime: Runtime) -> None:
     if runtime.settings.should_migrate_on_start:
         upgrade(runtime.settings.database_url)
@@ -46,20 +55,27 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     runtime = Runtime(settings)
 
+    active = 0  # lifespans entered; test clients may nest them on one app
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        prepare_database(runtime)
-        runtime.signing_key  # noqa: B018  (created on first start)
-        if runtime.queue.embedded:
-            runtime.queue.start_worker()
+        nonlocal active
+        if active == 0:
+            prepare_database(runtime)
+            runtime.signing_key  # noqa: B018  (created on first start)
+            if runtime.queue.embedded:
+                runtime.queue.start_worker()
+        active += 1
         try:
             yield
         finally:
-            runtime.close()
+            active -= 1
+            if active == 0:
+                runtime.close()
 
     app = FastAPI(
         title="lsa",
-        version=__version__,
+        version=_version(),
         description=DESCRIPTION,
         lifespan=lifespan,
     )

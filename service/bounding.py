@@ -37,6 +37,21 @@ def _one_thread() -> None:
             _threads_set = True
 
 
+def load_bytes(data: bytes, filename: str) -> LoadedModel:
+    """lsa_models' format sniffing, with every loader registered (the ONNX one registers on
+    import of lsa_models.onnx)."""
+    import importlib
+
+    from lsa_models.analysis import load_model_bytes
+
+    _one_thread()
+    try:
+        importlib.import_module("lsa_models.onnx")
+    except ModuleNotFoundError:
+        pass
+    return load_model_bytes(data, filename)
+
+
 def get_model(session: Session, model_id: str) -> Model:
     model = session.get(Model, model_id)
     if model is None:
@@ -77,11 +92,7 @@ def check_sync_size(runtime: Runtime, model: Model) -> None:
 
 
 def load_model(runtime: Runtime, model: Model) -> LoadedModel:
-    from lsa_models.analysis import load_model_bytes
-
-    _one_thread()
-    data = runtime.artifacts.read_bytes(model.sha256)
-    return load_model_bytes(data, model.filename)
+    return load_bytes(runtime.artifacts.read_bytes(model.sha256), model.filename)
 
 
 def analytic_report(runtime: Runtime, model: Model, norm: str, seq_len: int,

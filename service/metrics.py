@@ -43,8 +43,8 @@ class _StoreCollector(Collector):
         models = GaugeMetricFamily("lsa_models", "Models stored")
         try:
             with self.runtime.sessions() as s:
-                counts = dict(s.execute(select(Job.status, func.count()).group_by(Job.status))
-                              .tuples().all())
+                counts = {status: int(n) for status, n in s.execute(
+                    select(Job.status, func.count()).group_by(Job.status))}
                 n_models = s.scalar(select(func.count()).select_from(Model)) or 0
         except Exception:
             return

@@ -49,4 +49,6 @@ class Runtime:
     def close(self) -> None:
         if "queue" in self.__dict__:
             self.queue.close()
+            # A later start (another lifespan on the same app) builds a fresh queue.
+            del self.__dict__["queue"]
         self.engine.dispose()

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lsa_models import AttentionConfig, DotProductMHA, L2MHA, Transformer, TransformerConfig
+from lsa_models import L2MHA, AttentionConfig, DotProductMHA, Transformer, TransformerConfig
 
 
 @pytest.mark.parametrize("tied", [True, False])

@@ -15,8 +15,8 @@ import torch
 from scipy.special import lambertw
 
 from lsa_models import (
-    AttentionConfig,
     L2MHA,
+    AttentionConfig,
     Transformer,
     TransformerConfig,
     certify,

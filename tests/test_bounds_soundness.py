@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 from torch import nn
 
 from lsa_models import (
+    L2MHA,
     AttentionConfig,
     BlockConfig,
     FFNConfig,
-    L2MHA,
     TransformerBlock,
     certify,
 )

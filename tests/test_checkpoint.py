@@ -36,8 +36,14 @@ def test_checkpoint_round_trip_restores_outputs_exactly(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("kind", ["l2_mha", "dp_mha", "block"])
 def test_checkpoint_round_trips_every_registered_kind(kind: str) -> None:
-    from lsa_models import AttentionConfig, BlockConfig, DotProductMHA, FFNConfig, L2MHA
-    from lsa_models import TransformerBlock
+    from lsa_models import (
+        L2MHA,
+        AttentionConfig,
+        BlockConfig,
+        DotProductMHA,
+        FFNConfig,
+        TransformerBlock,
+    )
 
     model = {
         "l2_mha": lambda: L2MHA(AttentionConfig(4, 2)),

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from api_schemas.certificates import Certificate
 from api_schemas.ci import CertifyReport
-from lsa_models import AttentionConfig, DotProductMHA, L2MHA, save
+from lsa_models import L2MHA, AttentionConfig, DotProductMHA, save
 from service.certificates import load_or_create_signing_key, verify_certificate
 from service.cli import app
 from service.cli.bound import compute_report
@@ -137,16 +137,19 @@ def test_certify_radius_bounds_dot_product_domain(models: dict[str, Path],
     (["{l2}", "--max-lipschitz", "nan"], "--max-lipschitz must be a finite number > 0"),
     (["{l2}", "--max-lipschitz", "10", "--seq-len", "0"], "--seq-len must be >= 1"),
     (["{l2}", "--max-lipschitz", "10", "--server", "localhost:1"], "http:// or https://"),
+    (["{l2}", "--max-lipschitz", "10", "--server", "http://127.0.0.1:1", "--key", "{key}"],
+     "drop one of them"),
 ])
 def test_certify_exit_2_on_bad_input(models: dict[str, Path], tmp_path: Path,
-                                     args: list[str], needle: str) -> None:
+                                     monkeypatch: pytest.MonkeyPatch, args: list[str],
+                                     needle: str) -> None:
+    monkeypatch.setenv("LSA_SIGNING_KEY_PATH", str(tmp_path / "k.pem"))
     paths = {"missing": str(tmp_path / "nope.safetensors"), "junk": str(models["junk"]),
-             "l2": str(models["l2"])}
+             "l2": str(models["l2"]), "key": str(tmp_path / "k.pem")}
     junit = tmp_path / "junit.xml"
     out = tmp_path / "report.json"
     argv = [a.format(**paths) for a in args]
-    code, stdout, stderr = certify(*argv, "--key", str(tmp_path / "k.pem"),
-                                   "--junit", str(junit), "--json", str(out))
+    code, stdout, stderr = certify(*argv, "--junit", str(junit), "--json", str(out))
     assert code == 2
     last = stderr.splitlines()[-1]
     assert last.startswith("lsa: error:") and needle in last
@@ -211,6 +214,53 @@ def test_certify_exit_2_when_server_keeps_failing(models: dict[str, Path], tmp_p
     assert "HTTP 500" in stderr and "disk full" in stderr
     error = ET.parse(junit).getroot().find("testsuite/testcase/error")
     assert error is not None and "disk full" in (error.get("message") or "")
+
+
+@pytest.fixture
+def lying_server() -> Iterator[tuple[str, list[tuple[str, str | None]]]]:
+    """Well-formed answers about some other model (the schema examples)."""
+    from api_schemas.bounds import BoundReport
+    from api_schemas.certificates import CERTIFICATE_EXAMPLE
+
+    answers = {
+        "/models": {"id": "m1", "sha256": "9f2c" + "0" * 60, "format": "native",
+                    "summary": {}},
+        "/bound": BoundReport.model_json_schema()["examples"][0],
+        "/certify": {**CERTIFICATE_EXAMPLE, "signature": "c2ln"},
+    }
+    seen: list[tuple[str, str | None]] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            seen.append((self.path, self.headers.get("Authorization")))
+            self.rfile.read(int(self.headers.get("content-length") or 0))
+            body = json.dumps(answers[self.path]).encode()
+            self.send_response(201 if self.path != "/bound" else 200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", seen
+    server.shutdown()
+    server.server_close()
+
+
+def test_certify_exit_2_when_the_server_certifies_another_file(
+        models: dict[str, Path], tmp_path: Path,
+        lying_server: tuple[str, list[tuple[str, str | None]]]) -> None:
+    url, seen = lying_server
+    code, _, stderr = certify(str(models["l2"]), "--max-lipschitz", "1e6", "--server", url,
+                              "--api-key", "lsa_k_secret")
+    assert code == 2
+    assert "the certificate is for sha256 9f2c" in stderr
+    assert seen == [(path, "Bearer lsa_k_secret") for path in ("/models", "/bound", "/certify")]
 
 
 def test_certify_summary_markdown_is_appended(models: dict[str, Path], l2_upper: float,

@@ -17,7 +17,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from typer.testing import CliRunner
 
 from api_schemas.certificates import Certificate
-from lsa_models import AttentionConfig, L2MHA, save
+from lsa_models import L2MHA, AttentionConfig, save
 from service.certificates import (
     load_or_create_signing_key,
     new_certificate_body,

@@ -67,7 +67,8 @@ def _two_norm_weights(wq: ArrayLike, wv: ArrayLike, wo: ArrayLike) -> float:
 
 def l2_mha_two_bound(wq: ArrayLike, wv: ArrayLike, wo: ArrayLike, n: int) -> float:
     """Theorem 3.2, 2-norm, unmasked, N >= 2 (corrected, see `_two_norm_weights`):
-    `sqrt(N)/sqrt(d) (4 phi^{-1}(N-1) + 1) sqrt(sum_h ||W^{Q,h}||_2^4 ||W^{V,h}||_2^2) ||W^O||_2`."""
+    `sqrt(N)/sqrt(d) (4 phi^{-1}(N-1) + 1)
+    sqrt(sum_h ||W^{Q,h}||_2^4 ||W^{V,h}||_2^2) ||W^O||_2`."""
     return mul_up(_two_norm_lead(max(int(n), 2)), _two_norm_weights(wq, wv, wo))
 
 

@@ -171,7 +171,7 @@ def _join(prefix: str, name: str) -> str:
 
 
 def _register_lsa_rules() -> None:
-    from ..attention import DotProductMHA, L2MHA
+    from ..attention import L2MHA, DotProductMHA
     from ..blocks import FeedForward, Transformer, TransformerBlock
 
     @register_rule(L2MHA)
@@ -200,12 +200,18 @@ def _register_lsa_rules() -> None:
                           "unbounded domain (Theorem 3.1); give an input radius to bound it on "
                           "a bounded domain")
                 status: Verdict = "not_lipschitz"
-            else:
-                reason = (f"{name or 'attention'}: no certified bound for dot-product attention "
-                          "on a bounded domain is available for native models yet")
-                status = "not_certified"
-            return Bound(None, status, None, [LayerBound(name, "dp_mha", None, status, reason)],
-                         reason)
+                return Bound(None, status, None,
+                             [LayerBound(name, "dp_mha", None, status, reason)], reason)
+            from ..attention import _head_columns
+            from .formulas import dp_mha_out_radius, dp_mha_radius_bound
+
+            h = module.config.n_heads
+            wq, wk, wv = (_head_columns(lin.weight, h)
+                          for lin in (module.q_proj, module.k_proj, module.v_proj))
+            wo = module.out_proj.weight.T
+            upper = dp_mha_radius_bound(wq, wk, wv, wo, domain.seq_len, domain.radius, norm)
+            out_r = dp_mha_out_radius(wv, wo, domain.radius, None, module.out_proj.bias)
+            return leaf(name, "dp_mha_radius", upper, out_r)
 
     @register_rule(FeedForward)
     class FeedForwardRule:

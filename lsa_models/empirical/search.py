@@ -59,16 +59,19 @@ class SearchConfig:
     scales: tuple[float, ...] = (1.0, 0.3, 3.0, 0.1, 10.0)
     lr: float = 0.05
     form: Form = "jacobian"
-    row_candidates: int = 64
-    full_eval_limit: int = 4096
+    row_candidates: int = 32
+    full_eval_limit: int = 512
     pair_spread: float = 0.1
     pair_floor: float = 1e-3
     tol: float = 1e-6
     max_iter: int = 200
     dtype: torch.dtype = torch.float32
+    radius: float | None = None  # keep every token's 2-norm <= radius (bounded domain)
 
     def __post_init__(self) -> None:
         check_norm(self.norm)
+        if self.radius is not None and not self.radius >= 0:
+            raise ValueError(f"radius must be >= 0, got {self.radius!r}")
         for name in ("restarts", "row_candidates", "full_eval_limit", "max_iter"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -170,14 +173,14 @@ def search(f: Fn, shape: tuple[int, ...], cfg: SearchConfig,
             stopped = True
             break
         scale = cfg.scales[k % len(cfg.scales)]
-        x0 = _randn(shape, gen, cfg.dtype) * scale  # (shape)
+        x0 = project(_randn(shape, gen, cfg.dtype) * scale, cfg.radius)  # (shape)
         run = (_ascend_pairs if cfg.form == "pairs" else _ascend_jacobian)
         stopped = run(f, x0, scale, k, cfg, gen, state, history, clock)
         per_restart.append(state.restart_best)
         if stopped:
             break
     if state.x is None:
-        raise RuntimeError("the search evaluated no finite value: the model returned NaN/inf "
+        raise ValueError("the search evaluated no finite value: the model returned NaN/inf "
                            "at every input tried; check the model or lower the input scales")
     clock.report("final evaluation", force=True)
     final: JacobianNorm | None = None
@@ -272,6 +275,7 @@ def _ascend_jacobian(f: Fn, x0: Tensor, scale: float, k: int, cfg: SearchConfig,
             break
         x.grad = -grad  # ascent
         opt.step()
+        _project_(x, cfg.radius)
     return False
 
 
@@ -295,6 +299,7 @@ def _ascend_pairs(f: Fn, x0: Tensor, scale: float, k: int, cfg: SearchConfig,
                 d.mul_(floor / max(float(dn), 1e-300))
                 if float(_pnorm(d, cfg.norm)) == 0:
                     d.copy_(_randn(x0.shape, gen, cfg.dtype) * floor)
+                d.copy_(project(x + d, cfg.radius) - x)
         with differentiable_attention():
             ratio = _pnorm(f(x + d) - f(x), cfg.norm) / _pnorm(d, cfg.norm)
         gx, gd = torch.autograd.grad(ratio, (x, d))
@@ -311,7 +316,26 @@ def _ascend_pairs(f: Fn, x0: Tensor, scale: float, k: int, cfg: SearchConfig,
             break
         x.grad, d.grad = -gx, -gd
         opt.step()
+        _project_(x, cfg.radius)
+        with torch.no_grad():
+            d.copy_(project(x + d, cfg.radius) - x)  # Y stays in the domain too
     return False
+
+
+def project(x: Tensor, radius: float | None) -> Tensor:
+    """Scale down every token (last-axis row) whose 2-norm exceeds radius."""
+    if radius is None:
+        return x
+    norms = x.norm(dim=-1, keepdim=True)  # (..., N, 1)
+    factor = torch.where(norms > radius, radius / norms.clamp_min(1e-300),
+                         torch.ones_like(norms))
+    return x * factor
+
+
+def _project_(x: Tensor, radius: float | None) -> None:
+    if radius is not None:
+        with torch.no_grad():
+            x.copy_(project(x, radius))
 
 
 def _pnorm(t: Tensor, norm: Norm) -> Tensor:
@@ -357,5 +381,6 @@ __all__ = [
     "SearchConfig",
     "SearchResult",
     "lower_bound",
+    "project",
     "search",
 ]

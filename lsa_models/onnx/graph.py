@@ -48,7 +48,6 @@ class GraphModule(nn.Module):
         self.spec = spec
         self.ctx = RunContext(float_dtype)
         self.d_model = spec.d_model
-        self.default_seq_len = spec.seq_len
         consts: dict[str, Tensor] = {
             name: tensor_from_proto(t, self.ctx) for name, t in spec.initializers.items()
         }
@@ -70,6 +69,17 @@ class GraphModule(nn.Module):
                 if name:
                     consts[name] = value
         self.consts = consts
+
+    @property
+    def default_seq_len(self) -> int:
+        """The fixed N; a graph with a dynamic N has no default (the bound depends on N), so
+        callers that fall back on it get a clear error instead of a silent guess."""
+        if self.spec.seq_len is None:
+            from .loading import DynamicSeqLenError
+
+            raise DynamicSeqLenError("the graph has a dynamic sequence length: give the "
+                                     "length to certify with --seq-len N")
+        return self.spec.seq_len
 
     def with_dtype(self, float_dtype: torch.dtype) -> GraphModule:
         return GraphModule(self.spec, float_dtype)
@@ -112,3 +122,110 @@ class GraphModule(nn.Module):
         if x.shape[0] % fixed:
             raise ValueError(f"the graph has a fixed batch size {fixed}; got {x.shape[0]}")
         return torch.cat([self._call_graph(c) for c in x.split(fixed)])
+
+
+class GraphInfo:
+    """One float64 reference evaluation of the graph with everything the analysis needs:
+    which tensors depend on the input (`var`; shape arithmetic does not count), producers,
+    consumers, static shapes, and the tensor dominator tree (`idom`) rooted at the input."""
+
+    def __init__(self, module: GraphModule, seq_len: int, seed: int = 0) -> None:
+        spec = module.spec
+        self.spec = spec
+        self.module = module.with_dtype(torch.float64)
+        self.seq_len = seq_len
+        self.batch = spec.batch or 1
+        gen = torch.Generator().manual_seed(seed)
+        shape = (self.batch, seq_len, spec.d_model) if spec.rank == 3 else (seq_len,
+                                                                            spec.d_model)
+        self.input_shape = shape
+        x0 = torch.randn(*shape, generator=gen, dtype=torch.float64)
+        with torch.no_grad():
+            self.env = self.module.run_env(x0)
+        self.nodes = self.module.runtime_nodes
+        self.order = {n.name: i for i, n in enumerate(self.nodes)}
+        self.producer: dict[str, Node] = {}
+        self.consumers: dict[str, list[Node]] = {}
+        self.var: set[str] = {spec.input_name}
+        for n in self.nodes:
+            for o in n.outputs:
+                if o:
+                    self.producer[o] = n
+            for i in n.inputs:
+                if i:
+                    self.consumers.setdefault(i, []).append(n)
+            if n.op_type not in ("Shape", "Size") and any(i in self.var for i in n.inputs):
+                self.var.update(o for o in n.outputs if o)
+        self.idom: dict[str, str | None] = {spec.input_name: None}
+        self.depth: dict[str, int] = {spec.input_name: 0}
+        for n in self.nodes:
+            vin = [i for i in n.inputs if i in self.var]
+            if not vin or n.op_type in ("Shape", "Size"):
+                continue
+            dom = vin[0]
+            for other in vin[1:]:
+                dom = self._lca(dom, other)
+            for o in n.outputs:
+                if o:
+                    self.idom[o] = dom
+                    self.depth[o] = self.depth[dom] + 1
+
+    def _lca(self, a: str, b: str) -> str:
+        while a != b:
+            if self.depth[a] >= self.depth[b]:
+                a = self.idom[a] or a
+            else:
+                b = self.idom[b] or b
+            if self.depth[a] == 0 and self.depth[b] == 0:
+                return a
+        return a
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.env[name].shape)
+
+    def is_token(self, name: str) -> bool:
+        """Shape (batch, N, width) like the input: last axis = features of each token."""
+        s = self.shape(name)
+        return len(s) == len(self.input_shape) and s[:-1] == self.input_shape[:-1]
+
+    def eval_nodes(self, nodes: list[Node], overrides: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Run `nodes` (in graph order) on the reference environment with overrides."""
+        env = dict(self.env)
+        env.update(overrides)
+        ctx = self.module.ctx
+        from .ops import OPS
+
+        for node in nodes:
+            outs = OPS[node.op_type].run(node, [env[i] if i else None for i in node.inputs], ctx)
+            for name, value in zip(node.outputs, outs, strict=False):
+                if name:
+                    env[name] = value
+        return env
+
+    def region(self, source: str, sink: str) -> list[Node] | None:
+        """The input-dependent nodes on paths source -> sink, in graph order, or None when the
+        region is not closed (it reads other input-dependent tensors, or a tensor inside it
+        is used outside it)."""
+        anc: set[str] = set()
+        stack = [sink]
+        while stack:
+            t = stack.pop()
+            if t in anc or t == source or t not in self.producer:
+                continue
+            anc.add(t)
+            stack.extend(i for i in self.producer[t].inputs if i in self.var)
+        nodes = {self.producer[t].name: self.producer[t] for t in anc}
+        outs = {o for n in nodes.values() for o in n.outputs if o}
+        for n in nodes.values():
+            for i in n.inputs:
+                if i in self.var and i != source and i not in outs:
+                    return None
+        for o in outs - {sink}:
+            for c in self.consumers.get(o, []):
+                # a Shape of an inside tensor is a constant at the fixed size
+                if c.name not in nodes and c.op_type not in ("Shape", "Size"):
+                    return None
+        graph_outputs = {o.name for o in self.spec.model.graph.output}
+        if (outs - {sink}) & graph_outputs:
+            return None
+        return sorted(nodes.values(), key=lambda n: self.order[n.name])

@@ -13,7 +13,6 @@ before the rules run (attention.py, analyzer.py); their member nodes never reach
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -403,8 +402,16 @@ class LayerNormOp(Op):
         if int(node.attrs.get("axis", -1)) % len(a.shape) != len(a.shape) - 1:
             raise NotCertified(f"LayerNormalization node {node.name} normalises over more "
                                "than the last axis")
-        eps = float(node.attrs.get("epsilon", 1e-5))
+        eps = decimal_attr(float(node.attrs.get("epsilon", 1e-5)))
         return [layernorm_flow(a, gamma, beta, eps, norm, out_shapes[0])]
+
+
+def decimal_attr(x: float) -> float:
+    """A float32 attribute read as the shortest decimal that rounds to it: the value the
+    exporter was given (eps=1e-5 is stored as 9.99999974738e-06). The native analyser reads
+    the configured value too; see docs/bounds.md, "Conventions"."""
+    return float(np.format_float_positional(np.float32(x), unique=True, trim="-")) \
+        if abs(x) >= 1e-30 else float(x)
 
 
 def layernorm_flow(a: Flow, gamma: np.ndarray, beta: np.ndarray | None, eps: float, norm: str,
@@ -858,5 +865,3 @@ __all__ = [
     "supported_op_types",
     "unsupported_ops",
 ]
-
-_ = math  # math is used by annotations of subclasses in other modules

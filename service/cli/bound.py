@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
@@ -17,11 +20,33 @@ from .common import fail, set_threads
 NormOpt = Annotated[str, typer.Option("--norm", help="Input/output norm: 2 (Frobenius) or inf")]
 
 
+@dataclass(frozen=True)
+class EmpiricalOptions:
+    """`--empirical`: search a lower bound; the seed (with restarts, steps) reproduces it."""
+
+    restarts: int = 4
+    steps: int = 50
+    seed: int = 0
+    time_budget_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.restarts < 1:
+            raise ValueError(f"--restarts must be >= 1, got {self.restarts}")
+        if self.steps < 0:
+            raise ValueError(f"--steps must be >= 0, got {self.steps}")
+        if self.seed < 0:
+            raise ValueError(f"--seed must be >= 0, got {self.seed}")
+        if self.time_budget_s is not None and not self.time_budget_s > 0:
+            raise ValueError(f"--time-budget must be > 0 seconds, got {self.time_budget_s}")
+
+
 def compute_report(path: Path, norm: str, seq_len: int | None,
-                   radius: float | None) -> BoundReport:
-    """Load a model file and certify it; raises on bad input (callers turn that into exit 2)."""
+                   radius: float | None, *, empirical: EmpiricalOptions | None = None,
+                   progress: Callable[[float, str], None] | None = None) -> BoundReport:
+    """Load a model file and certify it; raises on bad input (callers turn that into exit 2).
+    With `empirical`, also search a lower bound on the report's domain."""
     from lsa_models.analysis import load_model_bytes
-    from service.reports import bound_report
+    from service.reports import bound_report, with_empirical
 
     if norm not in ("2", "inf"):
         raise ValueError(f"--norm must be 2 or inf, got {norm!r}")
@@ -30,7 +55,41 @@ def compute_report(path: Path, norm: str, seq_len: int | None,
     data = path.read_bytes()
     loaded = load_model_bytes(data, path.name)
     result = loaded.certify(norm, seq_len, radius)  # type: ignore[arg-type]
-    return bound_report(result, loaded.sha256)
+    report = bound_report(result, loaded.sha256)
+    if empirical is None:
+        return report
+    from lsa_models.empirical import estimate
+
+    if loaded.d_model is None:
+        raise ValueError(f"{path.name}: the model does not state its token width D; "
+                         "--empirical needs it")
+    try:
+        est = estimate(loaded.module, input_shape=(report.seq_len, loaded.d_model), norm=norm,
+                       restarts=empirical.restarts, steps=empirical.steps, seed=empirical.seed,
+                       time_budget_s=empirical.time_budget_s, progress=progress, radius=radius)
+    except RuntimeError as exc:  # the model itself failed on a search input
+        raise ValueError(f"{path.name}: the empirical search failed: {exc}") from exc
+    return with_empirical(report, est)
+
+
+@contextmanager
+def progress_bar(enabled: bool) -> Iterator[Callable[[float, str], None] | None]:
+    """A rich progress bar on stderr when it is a terminal (JSON on stdout stays clean)."""
+    console = Console(stderr=True)
+    if not enabled or not console.is_terminal:
+        yield None
+        return
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(),
+                  TextColumn("{task.percentage:>3.0f}%"), TimeElapsedColumn(),
+                  console=console, transient=True) as bar:
+        task = bar.add_task("empirical lower bound", total=1.0)
+
+        def update(fraction: float, stage: str) -> None:
+            bar.update(task, completed=fraction, description=f"empirical: {stage}")
+
+        yield update
 
 
 def render_table(report: BoundReport, console: Console) -> None:
@@ -52,6 +111,13 @@ def render_table(report: BoundReport, console: Console) -> None:
     if report.lower is not None:
         console.print(f"empirical lower bound: {report.lower:.6g}"
                       + (f" (upper/lower = {report.ratio:.3g})" if report.ratio else ""))
+    w = report.witness
+    if w is not None and w.seed is not None:
+        console.print(f"witness: seed {w.seed}, restarts {w.restarts}, steps {w.steps}"
+                      + (f", Theorem 3.1 input at s={w.scale:g}" if w.source == "growth" else ""))
+    if w is not None and w.growth:
+        pairs = ", ".join(f"{g.scale:g}: {g.jacobian_norm:.4g}" for g in w.growth)
+        console.print(f"||J|| along the Theorem 3.1 inputs (s: norm): {pairs}")
 
 
 @app.command()
@@ -62,11 +128,24 @@ def bound(
     radius: Annotated[float | None, typer.Option(
         "--radius", help="Bound every input token's 2-norm by R (bounded domain)")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
+    empirical: Annotated[bool, typer.Option(
+        "--empirical", help="Also search an empirical lower bound (adds lower, ratio, witness)")
+    ] = False,
+    restarts: Annotated[int, typer.Option("--restarts", help="Random restarts (--empirical)")
+                        ] = 4,
+    steps: Annotated[int, typer.Option("--steps", help="Ascent steps per restart (--empirical)")
+                     ] = 50,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the search (--empirical)")] = 0,
+    time_budget: Annotated[float | None, typer.Option(
+        "--time-budget", help="Stop the search after this many seconds (--empirical)")] = None,
 ) -> None:
     """Certify an upper bound on a model's Lipschitz constant."""
     set_threads()
     try:
-        report = compute_report(path, norm, seq_len, radius)
+        options = EmpiricalOptions(restarts, steps, seed, time_budget) if empirical else None
+        with progress_bar(empirical) as progress:
+            report = compute_report(path, norm, seq_len, radius, empirical=options,
+                                    progress=progress)
     except (ValueError, TypeError, OSError) as exc:
         fail(str(exc))
     if json_out:

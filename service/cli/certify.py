@@ -8,6 +8,7 @@ Without `--server` everything runs here and the certificate is signed with a loc
 
 from __future__ import annotations
 
+import hashlib
 import math
 import sys
 import time
@@ -132,8 +133,8 @@ def certify_local(req: Request, key_path: Path | None, progress: StageProgress
 
     from .bound import compute_report
 
-    set_threads()
     progress.stage(LOCAL_STEPS[0])
+    set_threads()  # imports torch: seconds, so inside the first stage
     try:
         bound = compute_report(req.model, req.norm, req.seq_len, req.radius)
     except (ValueError, TypeError, OSError) as exc:
@@ -145,7 +146,8 @@ def certify_local(req: Request, key_path: Path | None, progress: StageProgress
     except (KeyError_, OSError) as exc:
         raise CertifyError(f"signing key: {exc}; pass --key FILE (an Ed25519 PEM private "
                            f"key, created if missing)") from None
-    upper = bound.upper
+    # As the server does: an upper bound is stated only when it is certified.
+    upper = bound.upper if bound.verdict == "certified" else None
     passed = upper is not None and math.isfinite(upper) and upper <= req.threshold
     body = new_certificate_body(
         model_sha256=bound.model_sha256, norm=bound.norm, seq_len=bound.seq_len,
@@ -192,9 +194,12 @@ def certify_server(req: Request, server: str, api_key: str | None, timeout_s: fl
         raise CertifyError(f"server {server}: {exc}") from None
     except OSError as exc:
         raise CertifyError(str(exc)) from None
-    if cert.model_sha256 != model.get("sha256", cert.model_sha256):
-        raise CertifyError(f"server {server}: certificate is for sha256 {cert.model_sha256}, "
-                           f"not the uploaded {model.get('sha256')}")
+    # The gate is about this exact file: the server's answers must name its hash.
+    digest = hashlib.sha256(req.model.read_bytes()).hexdigest()
+    for what, sha in (("certificate", cert.model_sha256), ("bound report", bound.model_sha256)):
+        if sha != digest:
+            raise CertifyError(f"server {server}: the {what} is for sha256 {sha}, but "
+                               f"{req.model} has sha256 {digest}")
     return cert, bound
 
 
@@ -211,7 +216,8 @@ def junit_xml(req: Request, outcome: str, message: str, elapsed_s: float,
     root = ET.Element("testsuites", {"name": "lsa certify", **counts})
     suite = ET.SubElement(root, "testsuite", {
         "name": "lsa certify", **counts,
-        "timestamp": datetime.now(UTC).replace(microsecond=0).isoformat()})
+        # UTC without an offset: the JUnit schema's timestamp has none.
+        "timestamp": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S")})
     props = ET.SubElement(suite, "properties")
     fields: dict[str, Any] = {"model": str(req.model), "threshold": req.threshold,
                               "norm": req.norm, "seq_len": req.seq_len, "radius": req.radius}
@@ -302,6 +308,9 @@ def run_certify(req: Request, *, server: str | None, api_key: str | None, key_pa
     outcome: str  # passed | failed | error
     try:
         check_request(req)
+        if server and key_path is not None:
+            raise CertifyError("--key signs local certificates; with --server the server "
+                               "signs with its own key: drop one of them")
         if server:
             cert, bound = certify_server(req, server, api_key, timeout_s, retries, progress)
         else:

@@ -168,6 +168,8 @@ def verify(
             report = compute_report(model, cert.norm, cert.seq_len, cert.radius)
         except (ValueError, TypeError, OSError) as exc:
             fail(f"recomputing the bound: {exc}")
+        except Exception as exc:  # a traceback would exit 1, which reads as "invalid"
+            fail(f"recomputing the bound: internal error: {type(exc).__name__}: {exc}")
         if not same_bound(cert.upper, report.upper):
             typer.echo(f"INVALID: recomputed bound {report.upper} differs from the certified "
                        f"{cert.upper} (lsa {report.lsa_version} here, {cert.lsa_version} in "

@@ -51,9 +51,11 @@ def run_bound(ctx: JobContext) -> dict[str, Any]:
         raise ValueError("the model does not state its token width d_model; an empirical "
                          "bound needs it")
 
-    def progress(fraction: float, *_: Any, **__: Any) -> None:
-        # The estimator reports its own 0..1; map it onto 0.1..0.95 of the job.
-        ctx.progress(0.1 + 0.85 * float(fraction), "empirical lower bound")
+    def progress(fraction: float, stage: str = "", *_: Any) -> None:
+        # The estimator reports its own 0..1; map it onto 0.1..0.95 of the job. Raises
+        # JobAborted inside the search when the job is cancelled, which stops it.
+        ctx.progress(0.1 + 0.85 * float(fraction),
+                     f"empirical lower bound: {stage}" if stage else "empirical lower bound")
 
     est = estimate(loaded.module, input_shape=(p.seq_len, d_model), norm=p.norm,
                    restarts=p.empirical.restarts, steps=p.empirical.steps, seed=p.empirical.seed,

@@ -88,7 +88,9 @@ def public_key(runtime: RuntimeDep) -> PublicKey:
 @router.post(
     "/certificates/verify", response_model=VerifyResult,
     summary="Check a certificate's signature against this server's key",
-    responses=responses(),
+    responses={200: {"content": {"application/json": {"example": {
+        "valid": False, "reason": "signature does not match the certificate's fields "
+        "(altered certificate or wrong key)"}}}}, **responses()},
 )
 def verify(
     runtime: RuntimeDep,

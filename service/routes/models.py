@@ -15,7 +15,7 @@ from sqlalchemy.exc import IntegrityError
 from api_schemas.models import ModelList, ModelOut
 
 from ..artifacts import TooLarge
-from ..bounding import _one_thread, get_model
+from ..bounding import get_model, load_bytes
 from ..deps import ReadAccess, RuntimeDep, SessionDep, WriteAccess
 from ..errors import InvalidModel, PayloadTooLarge, responses
 from ..models import Artifact, Model
@@ -61,12 +61,9 @@ def upload_model(
             return model_out(existing)
         if staged.size == 0:
             raise InvalidModel(f"{filename} is empty: upload a model file")
-        from lsa_models.analysis import load_model_bytes
-
-        _one_thread()
         data = staged.path.read_bytes()
         try:
-            loaded = load_model_bytes(data, filename)
+            loaded = load_bytes(data, filename)
             default_seq_len = loaded.resolve_seq_len(None)
         except ValueError as exc:
             raise InvalidModel(f"{filename}: {exc}") from None

@@ -226,3 +226,38 @@ def test_health_ready_metrics(client: TestClient, model_bytes: bytes) -> None:
     text = client.get("/metrics").text
     assert 'lsa_http_requests_total{method="POST",route="/models",status="201"}' in text
     assert 'lsa_jobs{status="queued"}' in text and "lsa_models " in text
+
+
+def test_certify_dot_product_attention_never_passes(client: TestClient) -> None:
+    import torch
+
+    from lsa_models import to_bytes
+
+    from lsa_models import AttentionConfig, DotProductMHA
+
+    torch.manual_seed(3)
+    # Bare dot-product attention (no LayerNorm in front bounding its input).
+    dp = DotProductMHA(AttentionConfig(d_model=8, n_heads=2, kind="dp"))
+    m = upload(client, to_bytes(dp))
+    report = client.post("/bound", json={"model_id": m["id"], "norm": "2"}).json()
+    assert report["verdict"] == "not_lipschitz" and report["upper"] is None
+    cert = client.post("/certify", json={"model_id": m["id"], "norm": "2",
+                                         "max_lipschitz": 1e300}).json()
+    assert cert["passed"] is False and cert["upper"] is None
+    assert client.post("/certificates/verify", json=cert).json()["valid"] is True
+
+
+def test_models_upload_streamed_without_length_is_capped(
+        db_url: str, make_settings: Callable[..., Settings]) -> None:
+    app = create_app(make_settings(db_url, max_upload_bytes=1000))
+
+    def body() -> Any:
+        yield b"--xx\r\nContent-Disposition: form-data; name=\"file\"; filename=\"m\"\r\n\r\n"
+        for _ in range(40):
+            yield b"\0" * 65536
+        yield b"\r\n--xx--\r\n"
+
+    with TestClient(app) as c:
+        r = c.post("/models", content=body(),
+                   headers={"content-type": "multipart/form-data; boundary=xx"})
+        assert r.status_code == 413 and r.json()["error"] == "payload_too_large"

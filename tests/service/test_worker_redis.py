@@ -1,0 +1,88 @@
+"""`lsa worker` processes consuming from the real Redis: queue selection, the job result,
+and a worker killed mid-job whose job another worker finishes (one result)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import func, select
+
+from service.app import create_app
+from service.db import upgrade
+from service.models import BoundResultRow
+from service.settings import Settings
+
+from .conftest import needs_estimator, tiny_model_bytes, upload
+from .procs import kill, poll_job, start, stop
+
+pytestmark = pytest.mark.redis
+needs_estimator()
+
+
+@pytest.fixture
+def redis_env(redis_url: str, tmp_path: Path) -> Iterator[dict[str, str]]:
+    import redis
+
+    namespace = f"lsa-test-{uuid.uuid4().hex[:10]}"
+    url = f"sqlite:///{tmp_path / 'lsa.db'}"
+    upgrade(url)
+    env = {"LSA_DATABASE_URL": url, "LSA_REDIS_URL": redis_url,
+           "LSA_REDIS_NAMESPACE": namespace, "LSA_ARTIFACT_DIR": str(tmp_path / "artifacts"),
+           "LSA_SIGNING_KEY_PATH": str(tmp_path / "key.pem"), "LSA_JOB_STALE_AFTER_S": "2"}
+    yield env
+    client = redis.Redis.from_url(redis_url)
+    keys = list(client.scan_iter(f"{namespace}*"))
+    if keys:
+        client.delete(*keys)
+    client.close()
+
+
+def test_worker_redis_queues_results_and_crash(redis_env: dict[str, str],
+                                               tmp_path: Path) -> None:
+    settings = Settings(database_url=redis_env["LSA_DATABASE_URL"],
+                        redis_url=redis_env["LSA_REDIS_URL"],
+                        redis_namespace=redis_env["LSA_REDIS_NAMESPACE"],
+                        artifact_dir=Path(redis_env["LSA_ARTIFACT_DIR"]),
+                        signing_key_path=Path(redis_env["LSA_SIGNING_KEY_PATH"]),
+                        migrate_on_start=False, job_stale_after_s=2)
+    app = create_app(settings)
+    log = tmp_path / "worker.log"
+    workers = []
+    with TestClient(app) as c:
+        assert c.get("/readyz").json()["checks"]["broker"] == "redis"
+        m = upload(c, tiny_model_bytes(seed=31, d_model=16, n_layers=2))
+        quick = {"model_id": m["id"], "norm": "2", "seq_len": 8,
+                 "empirical": {"restarts": 1, "steps": 5, "seed": 1, "time_budget_s": 30}}
+        job_id = c.post("/bound", json=quick).json()["job_id"]
+        try:
+            # A training-only worker (a GPU machine) leaves bound work alone.
+            workers.append(start(["worker", "--queues", "training"], redis_env, tmp_path, log))
+            time.sleep(4)
+            assert c.get(f"/jobs/{job_id}").json()["status"] == "queued"
+            workers.append(start(["worker", "--queues", "bound"], redis_env, tmp_path, log))
+            done = poll_job(c.get, job_id, lambda j: j["status"] in ("succeeded", "failed"))
+            assert done["status"] == "succeeded", (done, log.read_text()[-2000:])
+            assert done["result"]["lower"] is not None
+
+            slow = {**quick, "empirical": {"restarts": 3, "steps": 100000, "seed": 2,
+                                           "time_budget_s": 3}}
+            slow_id = c.post("/bound", json=slow).json()["job_id"]
+            poll_job(c.get, slow_id, lambda j: j["status"] == "running" and j["progress"] > 0.1)
+            kill(workers[1])
+            workers.append(start(["worker", "--queues", "bound"], redis_env, tmp_path, log))
+            done = poll_job(c.get, slow_id, lambda j: j["status"] in ("succeeded", "failed"))
+            assert done["status"] == "succeeded", (done, log.read_text()[-2000:])
+            assert done["attempts"] == 2
+        finally:
+            for w in workers:
+                stop(w)
+        rt = app.state.runtime
+        with rt.sessions() as s:
+            assert s.scalar(select(func.count()).select_from(BoundResultRow)
+                            .where(BoundResultRow.empirical.is_not(None))) == 2
+

@@ -1,0 +1,213 @@
+"""End to end: `lsa serve` (uvicorn) in a subprocess on a free port, auth on, and the real
+`lsa certify --server` / `lsa verify --server` command lines against it."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from api_schemas.certificates import Certificate
+from api_schemas.ci import CertifyReport
+from lsa_models import L2MHA, AttentionConfig, DotProductMHA, save
+from service.cli import app
+from service.cli.bound import compute_report
+
+BIN = Path(sys.executable).parent
+STARTUP_S = 90.0
+
+
+@dataclass(frozen=True)
+class Server:
+    url: str
+    api_key: str
+    env: dict[str, str]  # the settings the server runs with (LSA_*), for CLI subprocesses
+    log: Path
+
+    def log_tail(self) -> str:
+        return self.log.read_text(errors="replace")[-3000:]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This process's environment without any LSA_ setting, plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LSA_")}
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    env.update(extra)
+    return env
+
+
+@contextmanager
+def running_server(root: Path) -> Iterator[Server]:
+    """Migrate a fresh SQLite database, make a write key, start `lsa serve`, wait for it."""
+    settings = {
+        "LSA_DATABASE_URL": f"sqlite:///{root / 'lsa.db'}",
+        "LSA_ARTIFACT_DIR": str(root / "artifacts"),
+        "LSA_SIGNING_KEY_PATH": str(root / "server-key.pem"),
+        "LSA_AUTH_REQUIRED": "true",
+    }
+    runner = CliRunner()
+    # CliRunner's env= sets and restores os.environ around the call.
+    for args in (["db", "upgrade"], ["keys", "create", "--scope", "write"]):
+        result = runner.invoke(app, args, env=settings)
+        assert result.exit_code == 0, result.output
+    api_key = result.stdout.strip().splitlines()[0]
+    assert api_key.startswith("lsa_")
+    port = free_port()
+    log = root / "server.log"
+    with log.open("wb") as fh:
+        proc = subprocess.Popen(
+            [str(BIN / "lsa"), "serve", "--host", "127.0.0.1", "--port", str(port),
+             "--log-level", "warning"],
+            env=clean_env(**settings), stdout=fh, stderr=subprocess.STDOUT, cwd=root)
+    url = f"http://127.0.0.1:{port}"
+    server = Server(url, api_key, settings, log)
+    try:
+        deadline = time.monotonic() + STARTUP_S
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError(f"lsa serve exited with {proc.returncode}:\n"
+                                     f"{server.log_tail()}")
+            try:
+                if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError(f"lsa serve not up after {STARTUP_S} s:\n"
+                                     f"{server.log_tail()}")
+            time.sleep(0.2)
+        yield server
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    with running_server(tmp_path_factory.mktemp("server")) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("e2e-models")
+    torch.manual_seed(3)
+    return {"l2": save(L2MHA(AttentionConfig(8, 2, "l2")), root / "l2.safetensors"),
+            "dp": save(DotProductMHA(AttentionConfig(8, 2, "dp")), root / "dp.safetensors")}
+
+
+def lsa(*args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(BIN / "lsa"), *args], env=clean_env(**env), cwd=cwd,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_e2e_certify_server_passes_and_the_report_matches_the_api(
+        server: Server, models: dict[str, Path], tmp_path: Path) -> None:
+    local = compute_report(models["l2"], "2", 8, None)
+    assert local.upper is not None
+    report_path = tmp_path / "report.json"
+    proc = lsa("certify", str(models["l2"]), "--max-lipschitz", str(2 * local.upper),
+               "--seq-len", "8", "--server", server.url, "--json", str(report_path),
+               cwd=tmp_path, LSA_API_KEY=server.api_key)
+    assert proc.returncode == 0, proc.stderr + server.log_tail()
+    assert proc.stdout.startswith("PASSED")
+    assert proc.stderr.splitlines() == ["lsa certify: [1/3] uploading the model",
+                                        "lsa certify: [2/3] computing the bound",
+                                        "lsa certify: [3/3] issuing the certificate"]
+    report = CertifyReport.model_validate_json(report_path.read_text())
+    assert report.source == "server" and report.server == server.url
+    # The server's bound is the same computation as the local one (up to float summation
+    # order, should the server's thread count differ).
+    assert report.bound.model_dump(exclude={"upper", "layers"}) == local.model_dump(
+        exclude={"upper", "layers"})
+    assert report.bound.upper == pytest.approx(local.upper, rel=1e-9)
+    assert [(lb.name, lb.kind, lb.status) for lb in report.bound.layers] == [
+        (lb.name, lb.kind, lb.status) for lb in local.layers]
+    # The certificate in the report is the one the server stored, field for field.
+    headers = {"Authorization": f"Bearer {server.api_key}"}
+    stored = httpx.get(f"{server.url}/certificates/{report.certificate.id}", headers=headers)
+    assert stored.status_code == 200
+    assert Certificate.model_validate(stored.json()) == report.certificate
+    assert report.certificate.passed
+    assert report.certificate.upper == report.bound.upper
+    check = httpx.post(f"{server.url}/certificates/verify",
+                       json=report.certificate.model_dump(mode="json"))
+    assert check.json()["valid"] is True
+
+
+def test_e2e_verify_server_key_and_recompute(server: Server, models: dict[str, Path],
+                                             tmp_path: Path) -> None:
+    report_path = tmp_path / "report.json"
+    proc = lsa("certify", str(models["l2"]), "--max-lipschitz", "1e6", "--seq-len", "8",
+               "--server", server.url, "--json", str(report_path), cwd=tmp_path,
+               LSA_API_KEY=server.api_key)
+    assert proc.returncode == 0, proc.stderr
+    proc = lsa("verify", str(report_path), str(models["l2"]), "--server", server.url,
+               "--recompute", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "bound: recomputed" in proc.stdout
+    # The local key is not the server's: the same certificate is rejected with it.
+    other = tmp_path / "other-key.pem"
+    proc = lsa("certify", str(models["l2"]), "--max-lipschitz", "1e6", "--seq-len", "8",
+               "--key", str(other), cwd=tmp_path)
+    assert proc.returncode == 0
+    proc = lsa("verify", str(report_path), "--public-key", str(other), cwd=tmp_path)
+    assert proc.returncode == 1 and "signature does not match" in proc.stdout
+
+
+def test_e2e_certify_server_fails_above_threshold_with_junit(
+        server: Server, models: dict[str, Path], tmp_path: Path) -> None:
+    junit = tmp_path / "junit.xml"
+    proc = lsa("certify", str(models["l2"]), "--max-lipschitz", "1e-3", "--seq-len", "8",
+               "--server", server.url, "--junit", str(junit), cwd=tmp_path,
+               LSA_API_KEY=server.api_key)
+    assert proc.returncode == 1, proc.stderr
+    failure = ET.parse(junit).getroot().find("testsuite/testcase/failure")
+    assert failure is not None and "exceeds the threshold 0.001" in (failure.get("message")
+                                                                      or "")
+
+
+def test_e2e_certify_server_not_lipschitz_fails(server: Server, models: dict[str, Path],
+                                                tmp_path: Path) -> None:
+    report_path = tmp_path / "report.json"
+    proc = lsa("certify", str(models["dp"]), "--max-lipschitz", "1e30", "--seq-len", "8",
+               "--server", server.url, "--json", str(report_path), cwd=tmp_path,
+               LSA_API_KEY=server.api_key)
+    assert proc.returncode == 1, proc.stderr
+    report = json.loads(report_path.read_text())
+    assert report["bound"]["verdict"] == "not_lipschitz"
+    assert report["certificate"]["upper"] is None and report["certificate"]["passed"] is False
+
+
+def test_e2e_certify_server_without_api_key_is_an_error(server: Server,
+                                                        models: dict[str, Path],
+                                                        tmp_path: Path) -> None:
+    start = time.monotonic()
+    proc = lsa("certify", str(models["l2"]), "--max-lipschitz", "10", "--server", server.url,
+               cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "HTTP 401" in proc.stderr and "API key" in proc.stderr
+    assert time.monotonic() - start < 60  # a 4xx is not retried with backoff

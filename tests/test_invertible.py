@@ -1,0 +1,294 @@
+"""Certified invertible blocks: contraction certificates, fixed-point inverse, log-det."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lsa_models import certify
+from lsa_models.config import AttentionConfig, ConfigError
+from lsa_models.invertible import (
+    ContractiveFFNBlock,
+    ContractiveFFNConfig,
+    ContractiveL2Block,
+    ContractiveL2Config,
+    ContractiveTrunk,
+    ContractiveTrunkConfig,
+    DPResidualBlock,
+    NotInvertibleError,
+    banach_iterations,
+    fixed_point_inverse,
+    frozen_scales,
+    logdet_estimate,
+)
+
+F64 = torch.float64
+
+
+def _seq_err(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a - b).flatten(1).norm(dim=1)  # (B,)
+
+
+def _jac(fn, x: torch.Tensor) -> torch.Tensor:
+    """Jacobian of a (N, D) -> (N, D) map at one sequence, as an (ND, ND) matrix."""
+    # Row by row (no vmap): SDPA has no batching rule for its CPU backward, and these are tiny.
+    j = torch.autograd.functional.jacobian(lambda z: fn(z[None])[0], x, vectorize=False)
+    return j.reshape(x.numel(), x.numel())
+
+
+def _trunk(seed: int, d: int, h: int, layers: int, n: int, c: float, causal: bool = True,
+           weight_scale: float = 1.0) -> ContractiveTrunk:
+    torch.manual_seed(seed)
+    trunk = ContractiveTrunk(ContractiveTrunkConfig(d, h, layers, 2 * d, n, c, causal)).double()
+    with torch.no_grad():
+        for p in trunk.parameters():
+            p.mul_(weight_scale)
+    return trunk
+
+
+@settings(max_examples=40)
+@given(seed=st.integers(0, 10_000), d_h=st.sampled_from([(2, 1), (4, 2), (6, 3), (8, 2)]),
+       layers=st.integers(1, 2), n=st.integers(1, 6), c=st.floats(0.3, 0.97),
+       causal=st.booleans(), scale=st.sampled_from([0.3, 1.0, 4.0]))
+def test_trunk_inverse_reconstructs_with_sound_bound(seed, d_h, layers, n, c, causal, scale):
+    d, h = d_h
+    trunk = _trunk(seed, d, h, layers, n, c, causal, scale)
+    x = torch.randn(2, n, d, dtype=F64, generator=torch.Generator().manual_seed(seed)) * 2
+    with torch.no_grad():
+        y = trunk(x)
+        res = trunk.inverse(y, atol=1e-9, max_iter=5000)
+    assert res.converged
+    assert (res.x - x).abs().max() <= 1e-5
+    # The trunk bound accumulates the blocks' Banach bounds; rounding adds ~1e-15 per step.
+    assert float(_seq_err(res.x, x).max()) <= res.error_bound + 1e-12
+    for blk_res in res.blocks:
+        assert blk_res.status == "atol"
+        assert blk_res.predicted_iterations is not None
+        assert blk_res.iterations <= blk_res.predicted_iterations
+
+
+@settings(max_examples=60)
+@given(seed=st.integers(0, 10_000), kind=st.sampled_from(["attn", "ffn"]),
+       c=st.floats(0.5, 0.99), atol=st.sampled_from([1e-4, 1e-6, 1e-8]),
+       scale=st.sampled_from([0.5, 1.0, 3.0]))
+def test_block_inverse_bound_covers_true_error_and_banach_count(seed, kind, c, atol, scale):
+    torch.manual_seed(seed)
+    blk = (ContractiveL2Block(ContractiveL2Config(4, 2, 5, c, causal=seed % 2 == 0))
+           if kind == "attn" else ContractiveFFNBlock(ContractiveFFNConfig(4, 8, c, "gelu")))
+    blk = blk.double()
+    with torch.no_grad():
+        for p in blk.parameters():
+            p.mul_(scale)
+        x = torch.randn(3, 5, 4, dtype=F64) * 3
+        y = blk(x)
+        res = blk.inverse(y, atol=atol, max_iter=10_000)
+    assert res.converged and res.status == "atol"
+    assert res.error_bound <= atol
+    assert float(_seq_err(res.x, x).max()) <= res.error_bound + 1e-12
+    assert res.iterations <= res.predicted_iterations
+
+
+def _ffn_block(c: float = 0.9) -> ContractiveFFNBlock:
+    torch.manual_seed(3)
+    return ContractiveFFNBlock(ContractiveFFNConfig(4, 8, c)).double()
+
+
+def test_inverse_atol_branch():
+    blk = _ffn_block()
+    x = torch.randn(2, 3, 4, dtype=F64)
+    with torch.no_grad():
+        res = blk.inverse(blk(x), atol=1e-8, rtol=0.0)
+    assert (res.status, res.converged) == ("atol", True)
+    assert res.error_bound <= 1e-8
+    assert torch.equal(res.unwrap(), res.x)
+
+
+def test_inverse_rtol_branch():
+    blk = _ffn_block()
+    x = torch.randn(2, 3, 4, dtype=F64) * 100
+    with torch.no_grad():
+        res = blk.inverse(blk(x), atol=0.0, rtol=1e-6)
+    assert (res.status, res.converged) == ("rtol", True)
+    assert res.error_bound <= 1e-6 * float(res.x.flatten(1).norm(dim=1).max())
+    assert float(_seq_err(res.x, x).max()) <= res.error_bound
+    assert res.predicted_iterations is None  # Banach's a-priori count needs an absolute atol
+
+
+def test_inverse_rtol_branch_wins_when_atol_is_unreachable_first():
+    blk = _ffn_block()
+    x = torch.randn(2, 3, 4, dtype=F64) * 1e4
+    with torch.no_grad():
+        res = blk.inverse(blk(x), atol=1e-30, rtol=1e-4)
+    assert res.status == "rtol"
+
+
+def test_inverse_max_iter_branch_reports_failure():
+    blk = _ffn_block(c=0.99)
+    x = torch.randn(2, 3, 4, dtype=F64) * 10
+    with torch.no_grad():
+        res = blk.inverse(blk(x), atol=1e-14, max_iter=2)
+    assert (res.status, res.converged, res.iterations) == ("max_iter", False, 2)
+    assert math.isfinite(res.error_bound) and res.error_bound > 1e-14
+    assert "max_iter=2" in res.message
+    with pytest.raises(NotInvertibleError, match="max_iter"):
+        res.unwrap()
+
+
+def test_inverse_rejects_impossible_tolerances():
+    blk = _ffn_block()
+    y = torch.randn(1, 3, 4, dtype=F64)
+    with pytest.raises(ValueError, match="atol > 0 or rtol > 0"):
+        blk.inverse(y, atol=0.0, rtol=0.0)
+    with pytest.raises(ValueError, match="max_iter"):
+        blk.inverse(y, max_iter=0)
+    with pytest.raises(ValueError, match="atol and rtol"):
+        blk.inverse(y, atol=-1.0)
+
+
+def test_fixed_point_inverse_detects_blow_up():
+    y = torch.ones(1, 2, 2, dtype=F64)
+    res = fixed_point_inverse(lambda x: -3.0 * x, y, lipschitz=None, atol=1e-6, max_iter=1000)
+    assert res.status == "diverged" and not res.converged
+    assert res.iterations < 1000 and res.error_bound == math.inf
+
+
+def test_banach_iterations_is_the_smallest_sufficient_count():
+    for c, first, tol in [(0.9, 1.0, 1e-6), (0.5, 3.0, 1e-3), (0.99, 0.1, 1e-8)]:
+        k = banach_iterations(c, first, tol)
+        assert c**k / (1 - c) * first <= tol * (1 + 1e-12)
+        assert k == 1 or c ** (k - 1) / (1 - c) * first > tol
+
+
+def _theorem31_dp_block() -> tuple[DPResidualBlock, torch.Tensor]:
+    """D = H = 1, all weights 1, x_1 = 0 and the other tokens spread out (science.md)."""
+    blk = DPResidualBlock(AttentionConfig(1, 1, "dp", True, False)).double()
+    with torch.no_grad():
+        for lin in (blk.attn.q_proj, blk.attn.k_proj, blk.attn.v_proj, blk.attn.out_proj):
+            lin.weight.fill_(1.0)
+        blk.attn.out_proj.bias.zero_()
+    spread = torch.linspace(-1.0, 1.0, 9, dtype=F64) * 10
+    x = torch.cat([torch.zeros(1, dtype=F64), spread])[None, :, None]  # (1, 10, 1)
+    return blk, x
+
+
+def test_dp_residual_fixed_point_fails_and_is_reported():
+    blk, x_true = _theorem31_dp_block()
+    # The Jacobian of the DP branch at this input is far above 1: no contraction.
+    assert torch.linalg.matrix_norm(_jac(blk.branch, x_true[0]), 2) > 10
+    with torch.no_grad():
+        y = blk(x_true)
+        res = blk.inverse(y, atol=1e-8, max_iter=300)
+    assert not res.converged
+    assert res.status in ("max_iter", "diverged")
+    assert res.error_bound == math.inf and res.lipschitz is None
+    assert "no certified Lipschitz constant" in res.message
+    # What the iteration ended on is no inverse: far from X* and not solving x + g(x) = y.
+    assert float((res.x - x_true).abs().max()) > 1.0
+    assert res.residual > 1.0
+    with pytest.raises(NotInvertibleError, match="no inverse is returned"):
+        res.unwrap()
+
+
+@pytest.mark.parametrize("kind", ["attn", "ffn"])
+def test_logdet_estimate_within_three_standard_errors(kind):
+    torch.manual_seed(11)
+    if kind == "attn":
+        blk = ContractiveL2Block(ContractiveL2Config(4, 2, 3, 0.9, causal=False)).double()
+    else:
+        blk = ContractiveFFNBlock(ContractiveFFNConfig(4, 8, 0.9, "tanh")).double()
+    x = torch.randn(1, 3, 4, dtype=F64) * 2
+    jac = _jac(blk.branch, x[0])
+    exact = torch.linalg.slogdet(torch.eye(jac.shape[0], dtype=F64) + jac).logabsdet
+    rho = float(torch.linalg.matrix_norm(jac, 2))
+    assert rho <= blk.lipschitz_upper() <= 0.9
+    n_terms = 30
+    # Truncation bias with the true ||J||_2 (far below the certified c):
+    bias = jac.shape[0] * rho ** (n_terms + 1) / ((n_terms + 1) * (1 - rho))
+    with torch.no_grad():
+        est = logdet_estimate(blk.branch, x, n_terms=n_terms, n_samples=200,
+                              lipschitz=blk.lipschitz_upper(),
+                              generator=torch.Generator().manual_seed(5))
+    assert float(est.stderr[0]) > 0
+    assert abs(float(est.value[0]) - float(exact)) <= 3 * float(est.stderr[0]) + bias
+    assert est.truncation_bound >= bias
+
+
+def test_certificates_bound_the_jacobian_and_compose_in_the_analyzer():
+    trunk = _trunk(7, 4, 2, 2, 5, 0.8, causal=True, weight_scale=2.0)
+    x = torch.randn(5, 4, dtype=F64)
+    for blk in trunk.residual_blocks():
+        lip = blk.lipschitz_upper()
+        assert lip <= 0.8
+        assert float(torch.linalg.matrix_norm(_jac(blk.branch, x), 2)) <= lip
+    result = certify(trunk, "2", 5)
+    assert result.verdict == "certified"
+    assert result.upper == pytest.approx(trunk.lipschitz_upper(), rel=1e-12)
+    assert result.upper >= float(torch.linalg.matrix_norm(_jac(trunk, x), 2))
+    assert certify(trunk, "inf", 5).verdict == "not_certified"
+    # Longer sequences than max_len are not covered by the cached bound: recomputed.
+    assert trunk.blocks[0].lipschitz_upper(50) > trunk.blocks[0].lipschitz_upper(5)
+
+
+def test_scale_follows_weight_updates():
+    torch.manual_seed(0)
+    attn = ContractiveL2Block(ContractiveL2Config(4, 2, 6, 0.9)).double()
+    ffn = ContractiveFFNBlock(ContractiveFFNConfig(4, 8, 0.9)).double()
+    x = torch.randn(2, 6, 4, dtype=F64)
+    with torch.no_grad():
+        before = attn.branch(x), ffn.branch(x)
+        u_before = attn._certified()[0]
+        # W^O x10 multiplies U by 10 and F by 10; W1, W2 x10 multiply s1, s2 by 10.
+        attn.attn.out_proj.weight.mul_(10.0)
+        ffn.fc1.weight.mul_(10.0)
+        ffn.fc2.weight.mul_(10.0)
+        after = attn.branch(x), ffn.branch(x)
+    assert attn._certified()[0] == pytest.approx(10 * u_before, rel=1e-9)
+    for b, a in zip(before, after, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-9)
+    assert attn.lipschitz_upper() <= 0.9 and ffn.lipschitz_upper() <= 0.9
+
+
+def test_forward_uses_certified_scale_and_surrogate_gradient():
+    torch.manual_seed(1)
+    blk = ContractiveL2Block(ContractiveL2Config(4, 2, 8, 0.9))
+    u_cert, s_cert = blk._certified()
+    s = blk.scale()
+    assert isinstance(s, torch.Tensor) and s.requires_grad
+    assert float(s) == s_cert  # the value is the certified one, not the surrogate
+    assert s_cert <= 0.9 / u_cert
+    u_sur = float(blk._surrogate_u())
+    assert abs(u_sur - u_cert) <= 1e-4 * u_cert  # same formula, float32 vs certified float64
+    s.backward()
+    g = blk.attn.out_proj.weight.grad
+    assert g is not None and torch.isfinite(g).all() and g.abs().sum() > 0
+    with torch.no_grad():
+        assert blk.scale() == s_cert  # no surrogate without grad
+
+
+def test_frozen_scales_match_live_scales_and_restore():
+    trunk = _trunk(2, 4, 2, 1, 4, 0.9)
+    x = torch.randn(1, 4, 4, dtype=F64)
+    with torch.no_grad():
+        live = trunk(x)
+        with frozen_scales(trunk):
+            assert all(b.frozen is not None for b in trunk.residual_blocks())
+            frozen = trunk(x)
+    assert torch.equal(live, frozen)
+    assert all(b.frozen is None for b in trunk.residual_blocks())
+
+
+def test_contractive_block_rejects_long_sequences_and_bad_c():
+    blk = ContractiveL2Block(ContractiveL2Config(4, 2, 3))
+    with pytest.raises(ValueError, match="max_len=3"):
+        blk(torch.randn(1, 4, 4))
+    for bad in (1.0, 0.0, 1.5, -0.1):
+        with pytest.raises(ConfigError) as info:
+            ContractiveL2Config(4, 2, 3, c=bad)
+        assert info.value.field == "c"
+    with pytest.raises(ConfigError) as info:
+        ContractiveFFNConfig(4, 8, activation="swish")  # type: ignore[arg-type]
+    assert info.value.field == "activation"

@@ -1,0 +1,284 @@
+"""Safe loading of ONNX uploads: hostile files, external data in zips, op coverage."""
+
+from __future__ import annotations
+
+import io
+import stat
+import sys
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from lsa_models.analysis import ModelFormatError, load_model_bytes
+from lsa_models.onnx import (
+    DynamicSeqLenError,
+    LoadOptions,
+    OnnxCheckError,
+    OnnxExternalDataError,
+    OnnxInputError,
+    OnnxMismatchError,
+    OnnxParseError,
+    OnnxShapeError,
+    OnnxTooLargeError,
+    UnsupportedOpsError,
+    load_onnx,
+)
+
+D, N = 4, 3
+
+
+def _mlp_graph(opset: int = 18, *, seq: int | str = N, weight: np.ndarray | None = None,
+               extra_nodes: list[onnx.NodeProto] | None = None,
+               input_type: int = TensorProto.FLOAT) -> onnx.ModelProto:
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((D, D)).astype(np.float32) if weight is None else weight
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
+             helper.make_node("Relu", ["h"], ["y"], name="relu")]
+    nodes += extra_nodes or []
+    graph = helper.make_graph(
+        nodes, "mlp",
+        [helper.make_tensor_value_info("x", input_type, [1, seq, D])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, seq, D])],
+        [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 8
+    return model
+
+
+def _external(model: onnx.ModelProto, location: str) -> onnx.ModelProto:
+    """Move initializer 'w' to external data named `location` (bytes not written anywhere)."""
+    t = model.graph.initializer[0]
+    raw = numpy_helper.to_array(t).tobytes()
+    t.ClearField("raw_data")
+    t.ClearField("float_data")
+    t.data_location = TensorProto.EXTERNAL
+    for k, v in (("location", location), ("offset", "0"), ("length", str(len(raw)))):
+        e = t.external_data.add()
+        e.key, e.value = k, v
+    return model
+
+
+def _zip(files: dict[str, bytes], links: dict[str, str] | None = None) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+        for name, data in files.items():
+            zf.writestr(name, data)
+        for name, target in (links or {}).items():
+            info = zipfile.ZipInfo(name)
+            info.external_attr = (stat.S_IFLNK | 0o777) << 16
+            zf.writestr(info, target)
+    return buf.getvalue()
+
+
+@pytest.fixture
+def no_file_reads() -> Iterator[list[str]]:
+    """Records every Python-level file open while active (sys audit hook)."""
+    opened: list[str] = []
+    active = [True]
+
+    def hook(event: str, args: tuple) -> None:
+        if active[0] and event == "open" and isinstance(args[0], (str, bytes, Path)):
+            opened.append(str(args[0]))
+
+    sys.addaudithook(hook)
+    yield opened
+    active[0] = False
+
+
+def _weights_bytes() -> bytes:
+    return np.random.default_rng(0).standard_normal((D, D)).astype(np.float32).tobytes()
+
+
+def test_loading_plain_model_evaluates_like_onnxruntime() -> None:
+    m = load_onnx(_mlp_graph().SerializeToString(), "m.onnx")
+    assert m.format == "onnx" and m.spec.seq_len == N and m.spec.d_model == D
+    assert m.max_abs_diff is not None and m.max_abs_diff < 1e-5
+    x = torch.randn(2, N, D)
+    w = torch.from_numpy(np.random.default_rng(0).standard_normal((D, D)).astype(np.float32))
+    assert torch.allclose(m.module(x), torch.relu(x @ w), atol=1e-6)
+
+
+@pytest.mark.parametrize("opset", [17, 18, 19, 20])
+def test_loading_accepts_opsets_17_to_20(opset: int) -> None:
+    assert load_onnx(_mlp_graph(opset).SerializeToString()).spec.opset == opset
+
+
+def test_loading_truncated_file_is_a_parse_error() -> None:
+    data = _mlp_graph().SerializeToString()
+    with pytest.raises(OnnxParseError, match="truncated|corrupt|no ONNX graph"):
+        load_onnx(data[: len(data) // 2], "m.onnx")
+
+
+def test_loading_random_bytes_is_a_parse_error() -> None:
+    data = np.random.default_rng(3).integers(0, 256, 4096, dtype=np.uint8).tobytes()
+    with pytest.raises(OnnxParseError):
+        load_onnx(data, "m.onnx")
+    # without the .onnx name, the bytes are not claimed by any loader
+    with pytest.raises(ModelFormatError):
+        load_model_bytes(data, "upload.bin")
+
+
+def test_loading_external_data_in_zip_is_inlined(no_file_reads: list[str]) -> None:
+    model = _external(_mlp_graph(), "model.onnx.data")
+    data = _zip({"model.onnx": model.SerializeToString(), "model.onnx.data": _weights_bytes()})
+    no_file_reads.clear()
+    m = load_onnx(data, "m.zip")
+    assert m.format == "onnx-zip" and m.max_abs_diff is not None
+    assert not [p for p in no_file_reads if "model.onnx" in p or "etc" in p]
+
+
+def test_loading_external_data_in_subfolder_of_zip() -> None:
+    model = _external(_mlp_graph(), "weights/w.bin")
+    data = _zip({"m/model.onnx": model.SerializeToString(), "m/weights/w.bin": _weights_bytes()})
+    assert load_onnx(data).format == "onnx-zip"
+
+
+@pytest.mark.parametrize("location", ["../../etc/passwd", "/etc/passwd", "a/../../b.data"])
+def test_loading_external_data_escaping_the_upload_is_rejected(
+        location: str, no_file_reads: list[str]) -> None:
+    model = _external(_mlp_graph(), location)
+    for data in (model.SerializeToString(),
+                 _zip({"model.onnx": model.SerializeToString(), "x.data": _weights_bytes()})):
+        no_file_reads.clear()
+        with pytest.raises(OnnxExternalDataError, match="absolute|'\\.\\.'"):
+            load_onnx(data, "m.onnx")
+        assert not [p for p in no_file_reads if "passwd" in p or p.endswith(".data")]
+
+
+def test_loading_external_data_at_an_existing_absolute_path_is_not_read(
+        tmp_path: Path, no_file_reads: list[str]) -> None:
+    secret = tmp_path / "w.bin"
+    secret.write_bytes(_weights_bytes())
+    model = _external(_mlp_graph(), str(secret))
+    no_file_reads.clear()
+    with pytest.raises(OnnxExternalDataError):
+        load_onnx(model.SerializeToString(), "m.onnx")
+    assert str(secret) not in no_file_reads
+
+
+def test_loading_missing_external_data_file_is_rejected() -> None:
+    model = _external(_mlp_graph(), "model.onnx.data")
+    with pytest.raises(OnnxExternalDataError, match="not uploaded|zip"):
+        load_onnx(model.SerializeToString(), "m.onnx")
+    with pytest.raises(OnnxExternalDataError, match="not in the zip"):
+        load_onnx(_zip({"model.onnx": model.SerializeToString()}), "m.zip")
+
+
+def test_loading_short_external_data_is_rejected() -> None:
+    model = _external(_mlp_graph(), "model.onnx.data")
+    data = _zip({"model.onnx": model.SerializeToString(), "model.onnx.data": b"\0" * 8})
+    with pytest.raises(OnnxExternalDataError, match="bytes its shape needs"):
+        load_onnx(data)
+
+
+def test_loading_zip_with_symlink_or_dotdot_member_is_rejected() -> None:
+    model = _external(_mlp_graph(), "model.onnx.data")
+    raw = model.SerializeToString()
+    with pytest.raises(OnnxExternalDataError, match="symbolic link"):
+        load_onnx(_zip({"model.onnx": raw}, links={"model.onnx.data": "/etc/passwd"}))
+    with pytest.raises(OnnxExternalDataError, match="relative paths"):
+        load_onnx(_zip({"model.onnx": raw, "../model.onnx.data": _weights_bytes()}))
+
+
+def test_loading_zip_without_exactly_one_graph_is_rejected() -> None:
+    raw = _mlp_graph().SerializeToString()
+    with pytest.raises(OnnxParseError, match="exactly one"):
+        load_onnx(_zip({"a.onnx": raw, "b.onnx": raw}))
+
+
+def test_loading_size_cap_applies_to_upload_and_unpacked_zip() -> None:
+    raw = _mlp_graph().SerializeToString()
+    with pytest.raises(OnnxTooLargeError):
+        load_onnx(raw, opts=LoadOptions(max_bytes=len(raw) - 1))
+    bomb = _zip({"model.onnx": raw, "pad.bin": b"\0" * 100_000})
+    assert len(bomb) < 50_000  # compressed: the unpacked size is what counts
+    with pytest.raises(OnnxTooLargeError, match="unpacks"):
+        load_onnx(bomb, opts=LoadOptions(max_bytes=50_000))
+
+
+def test_loading_unsupported_ops_are_listed_with_counts() -> None:
+    extra = [helper.make_node("Conv", ["y", "w"], ["c1"], name="c1"),
+             helper.make_node("Conv", ["y", "w"], ["c2"], name="c2"),
+             helper.make_node("LSTM", ["y", "w", "w"], ["l"], name="l")]
+    model = _mlp_graph(extra_nodes=extra)
+    with pytest.raises(UnsupportedOpsError) as err:
+        load_onnx(model.SerializeToString())
+    assert err.value.counts == {"Conv": 2, "LSTM": 1}
+    assert "Conv x2" in str(err.value) and "LSTM x1" in str(err.value)
+
+
+def test_loading_huge_declared_shape_is_rejected_without_allocating() -> None:
+    model = _mlp_graph(seq=10**9)
+    with pytest.raises(OnnxShapeError, match="1000000000"):
+        load_onnx(model.SerializeToString())
+    # an initializer declaring 10^9 elements without data
+    big = helper.make_tensor("w", TensorProto.FLOAT, [10**9], vals=b"", raw=True)
+    model = _mlp_graph()
+    model.graph.initializer[0].CopyFrom(big)
+    with pytest.raises(OnnxShapeError):
+        load_onnx(model.SerializeToString())
+
+
+def test_loading_graph_without_float_input_is_rejected() -> None:
+    model = _mlp_graph(input_type=TensorProto.INT64)
+    model.graph.node[0].op_type = "Cast"
+    del model.graph.node[0].input[1:]
+    model.graph.node[0].attribute.append(helper.make_attribute("to", TensorProto.FLOAT))
+    with pytest.raises(OnnxInputError, match="no float input"):
+        load_onnx(model.SerializeToString())
+
+
+def test_loading_checker_rejects_broken_graph() -> None:
+    model = _mlp_graph()
+    model.graph.node[1].input[0] = "nowhere"
+    with pytest.raises(OnnxCheckError):
+        load_onnx(model.SerializeToString())
+
+
+def test_loading_old_opset_is_rejected() -> None:
+    with pytest.raises(OnnxCheckError, match="opset"):
+        load_onnx(_mlp_graph(opset=9).SerializeToString())
+
+
+def test_loading_mismatch_with_onnxruntime_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lsa_models.onnx import ops
+
+    class Wrong(ops.ActivationOp):
+        def run(self, node, ins, ctx):  # type: ignore[no-untyped-def]
+            return [torch.tanh(ins[0])]
+
+    monkeypatch.setitem(ops.OPS, "Relu", Wrong())
+    with pytest.raises(OnnxMismatchError, match="differs from onnxruntime"):
+        load_onnx(_mlp_graph().SerializeToString())
+
+
+def test_loading_dynamic_seq_len_needs_seq_len() -> None:
+    loaded = load_model_bytes(_mlp_graph(seq="n").SerializeToString(), "m.onnx")
+    assert loaded.format == "onnx" and loaded.seq_len is None
+    with pytest.raises(DynamicSeqLenError, match="--seq-len"):
+        loaded.certify("2")
+    res = loaded.certify("2", seq_len=5)
+    assert res.verdict == "certified" and res.seq_len == 5
+
+
+def test_loading_embedding_lookup_starts_the_continuous_input() -> None:
+    rng = np.random.default_rng(1)
+    table = rng.standard_normal((11, D)).astype(np.float32)
+    w = rng.standard_normal((D, D)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["emb", "ids"], ["e"], name="embed"),
+         helper.make_node("MatMul", ["e", "w"], ["y"], name="mm")],
+        "emb", [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, N])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, N, D])],
+        [numpy_helper.from_array(table, "emb"), numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    m = load_onnx(model.SerializeToString())
+    assert m.spec.input_name == "e" and m.spec.d_model == D
+    x = torch.randn(1, N, D)
+    assert torch.allclose(m.module(x), x @ torch.from_numpy(w), atol=1e-6)

@@ -273,9 +273,11 @@ class ContractiveFFNBlock(ResidualBlock):
         return mul_up(a, s1, lact, b, s2)  # token-wise: same constant on sequences
 
     def branch(self, x: Tensor) -> Tensor:  # (B, N, D)
+        # Scale the products, not the weights: the certified map is then exactly
+        # `a W1 x` with the stored W1 (a rounded weight copy fl(a W1) would not be).
         a, b = self.scales()
-        h = self.act(nn.functional.linear(x, self.fc1.weight * a, self.fc1.bias))  # (B, N, F)
-        return nn.functional.linear(h, self.fc2.weight * b, self.fc2.bias)  # (B, N, D)
+        h = self.act(nn.functional.linear(x, self.fc1.weight) * a + self.fc1.bias)  # (B, N, F)
+        return nn.functional.linear(h, self.fc2.weight) * b + self.fc2.bias  # (B, N, D)
 
 
 class DPResidualBlock(ResidualBlock):

@@ -274,9 +274,10 @@ def latest_checkpoint(directory: Path) -> Path | None:
         return None
     found = []
     for p in directory.glob("step_*.safetensors"):
-        if p.name.endswith(".train.safetensors"):
+        digits = p.stem.removeprefix("step_")
+        if not digits.isdigit():  # a .train.safetensors file or a stranger
             continue
-        if _ckpt_paths(directory, int(p.stem.split("_")[1]))[1].exists():
+        if _ckpt_paths(directory, int(digits))[1].exists():
             found.append(p)
     return max(found, default=None, key=lambda p: p.name)
 
@@ -362,8 +363,9 @@ def train_lm(model_config: LMConfig, corpus: CharCorpus, config: TrainConfig,
 
     end = config.steps if stop_at is None else min(config.steps, stop_at)
     t_start = time.perf_counter()
-    t_last, tokens_since = t_start, 0
+    train_time, tokens_since = 0.0, 0  # training steps only: evaluations are not counted
     for step in range(start, end):
+        t_step = time.perf_counter()
         lr = config.lr_at(step)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -385,15 +387,18 @@ def train_lm(model_config: LMConfig, corpus: CharCorpus, config: TrainConfig,
         if config.grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
         optimizer.step()
+        done = step + 1
+        report = done % config.progress_every == 0 or done == end
+        if report and device.type == "cuda":
+            torch.cuda.synchronize(device)  # CUDA runs ahead of the host clock
+        train_time += time.perf_counter() - t_step
         tokens_since += x.numel()
-        history.step.append(step + 1)
+        history.step.append(done)
         history.loss.append(loss_value)
         history.lr.append(lr)
-        done = step + 1
-        if done % config.progress_every == 0 or done == end:
-            now = time.perf_counter()
-            tps = tokens_since / max(now - t_last, 1e-9)  # this interval only
-            t_last, tokens_since = now, 0
+        if report:
+            tps = tokens_since / max(train_time, 1e-9)  # this interval only
+            train_time, tokens_since = 0.0, 0
             history.tokens_per_s.append(tps)
             if on_step is not None:
                 on_step(done, loss_value, tps)
@@ -499,6 +504,23 @@ class TrainRequest:
 
 @dataclass
 class TrainOutcome:
+    """What `train_certified` wrote and measured. `certificate` (strict JSON: non-finite
+    numbers become null) holds:
+
+    - `norm` ("2"), `seq_len`, `attention`, `c`;
+    - `trunk_verdict`, `trunk_lipschitz_upper` (certified upper bound of the trunk's Lip_2,
+      from `bounds.certify`), `trunk_reason`, `method`;
+    - contractive_l2: `branches` ([{name, kind, lipschitz_upper, contractive}], every
+      lipschitz_upper <= c < 1), `invertible` (True), `trunk_inverse_lipschitz_upper`,
+      `reconstruction` ({sequences, seq_len, dtype, converged, max_error, max_relative_error,
+      max_abs_error, error_bound, bound_holds, iterations_per_block,
+      predicted_iterations_per_block, atol}: the float64 inverse of held-out test sequences);
+    - other kinds: `layers` (the analyser's per-layer entries), `invertible` (False),
+      `invertible_reason`, `reconstruction` (None);
+    - `test_bpc`, `valid_bpc`, `steps`, `divergence_events`, `onnx_max_abs_diff` (onnxruntime
+      vs torch logits), `tokens_per_s` (mean over progress intervals), `device`.
+    """
+
     model_path: Path
     onnx_path: Path
     plot_path: Path
@@ -510,6 +532,18 @@ class TrainOutcome:
     device: str
     tokens_per_s: float
     wall_s: float
+
+
+def _json_safe(value: Any) -> Any:
+    """Non-finite floats -> None, so the certificate is strict JSON (PostgreSQL's jsonb and
+    most parsers reject NaN and Infinity)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
 
 
 def _emit(progress: ProgressCallback | None, fraction: float, message: str,
@@ -695,7 +729,7 @@ def train_certified(request: TrainRequest, corpus_text: str | None, out_dir: Pat
     model_path = checkpoint.save(model, out_dir / "model.safetensors", {
         "vocab": json.dumps(corpus.vocab.chars),
         "corpus": corpus.name,
-        "certificate": json.dumps(cert, sort_keys=True),
+        "certificate": json.dumps(_json_safe(cert), sort_keys=True, allow_nan=False),
     })
     sample, _ = eval_windows(corpus.test, model_config.seq_len, 2 * model_config.seq_len)
     onnx_path = out_dir / "model.onnx"
@@ -705,11 +739,13 @@ def train_certified(request: TrainRequest, corpus_text: str | None, out_dir: Pat
     tps = (sum(history.tokens_per_s) / len(history.tokens_per_s)) if history.tokens_per_s else 0.0
     cert["tokens_per_s"] = tps
     cert["device"] = result.device
+    cert = _json_safe(cert)
+    hist = _json_safe(history.to_dict())
     cert_path = out_dir / "certificate.json"
-    cert_path.write_text(json.dumps({**cert, "history": history.to_dict()}, indent=1,
-                                    sort_keys=True))
+    cert_path.write_text(json.dumps({**cert, "history": hist}, indent=1, sort_keys=True,
+                                    allow_nan=False))
     _emit(progress, 1.0, "done", {"test_bpc": test_bpc})
-    return TrainOutcome(model_path, onnx_path, plot_path, cert_path, cert, history.to_dict(),
+    return TrainOutcome(model_path, onnx_path, plot_path, cert_path, cert, hist,
                         test_bpc, valid_bpc, result.device, tps, time.perf_counter() - t0)
 
 

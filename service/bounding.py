@@ -3,6 +3,7 @@ and idempotent storage (identical requests are answered from the stored result).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import threading
@@ -45,10 +46,8 @@ def load_bytes(data: bytes, filename: str) -> LoadedModel:
     from lsa_models.analysis import load_model_bytes
 
     _one_thread()
-    try:
+    with contextlib.suppress(ModuleNotFoundError):
         importlib.import_module("lsa_models.onnx")
-    except ModuleNotFoundError:
-        pass
     return load_model_bytes(data, filename)
 
 
@@ -89,6 +88,15 @@ def check_sync_size(runtime: Runtime, model: Model) -> None:
             f"model {model.id} has {model.parameters} parameters, above the synchronous limit "
             f"LSA_MAX_SYNC_PARAMETERS={limit}: request it with an `empirical` section to run "
             "as a job, or raise the limit")
+
+
+def check_empirical_size(runtime: Runtime, model: Model, seq_len: int) -> None:
+    limit = runtime.settings.max_empirical_elements
+    width = model.d_model or 1
+    if seq_len * width > limit:
+        raise InvalidRequest(
+            f"an empirical search over N x D = {seq_len} x {width} inputs exceeds "
+            f"LSA_MAX_EMPIRICAL_ELEMENTS={limit}: lower seq_len")
 
 
 def load_model(runtime: Runtime, model: Model) -> LoadedModel:

@@ -34,6 +34,9 @@ class Settings(BaseSettings):
     max_sync_parameters: PositiveInt = Field(
         default=20_000_000,
         description="Largest model (parameter count) bounded inside a request; 422 above")
+    max_empirical_elements: PositiveInt = Field(
+        default=4_194_304,
+        description="Largest input N x D an empirical (job) search may use; 422 above")
     auth_required: bool = Field(default=False,
                                 description="Require API keys (read scope for GET, write else)")
     signing_key_path: Path = Field(default=Path("./var/signing_key.pem"),

@@ -290,7 +290,8 @@ def test_certify_plain_progress_lines_off_a_terminal(models: dict[str, Path],
                      "lsa certify: [2/2] signing the certificate"]
 
 
-def test_certify_progress_bar_on_a_terminal() -> None:
+def test_certify_progress_bar_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CI", raising=False)
     buf = io.StringIO()
     progress = StageProgress(3, Console(file=buf, force_terminal=True, width=100))
     progress.stage("uploading the model")
@@ -312,3 +313,16 @@ def test_certify_default_key_comes_from_settings(models: dict[str, Path], tmp_pa
     assert code == 0 and key.is_file()
     cert = Certificate.model_validate(json.loads(out.read_text())["certificate"])
     assert verify_certificate(cert, load_or_create_signing_key(key).public_key()).valid
+
+
+def test_certify_plain_lines_in_ci_even_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CI", "true")
+    buf = io.StringIO()
+    progress = StageProgress(3, Console(file=buf, force_terminal=True, width=100))
+    progress.stage("uploading the model")
+    progress.stage("computing the bound")
+    progress.job("bounding", 0.5)
+    progress.close()
+    assert buf.getvalue().splitlines() == ["lsa certify: [1/3] uploading the model",
+                                           "lsa certify: [2/3] computing the bound",
+                                           "lsa certify:       bounding 50%"]

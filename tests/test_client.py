@@ -3,6 +3,7 @@ timeouts; the API key header; job polling."""
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -167,7 +168,6 @@ def test_client_certify_parses_the_certificate_and_sends_the_request_body() -> N
     with make_client(handler, []) as client:
         cert = client.certify("m1", "inf", 10.0, seq_len=64)
     assert cert.model_dump(mode="json")["model_sha256"] == CERT["model_sha256"]
-    import json
     assert json.loads(seen[0].content) == {"model_id": "m1", "norm": "inf",
                                            "max_lipschitz": 10.0, "seq_len": 64}
 
@@ -244,3 +244,23 @@ def test_client_non_json_answer_is_a_client_error() -> None:
     handler, _ = scripted([httpx.Response(200, text="<html>proxy</html>")])
     with make_client(handler, []) as client, pytest.raises(ClientError, match="not JSON"):
         client.health()
+
+
+def test_client_verify_posts_the_certificate() -> None:
+    handler, seen = scripted([httpx.Response(200, json={"valid": False,
+                                                        "reason": "signature does not match"})])
+    with make_client(handler, []) as client:
+        result = client.verify(CERT)
+    assert not result.valid and "does not match" in result.reason
+    assert seen[0].url.path == "/certificates/verify"
+    assert json.loads(seen[0].content) == CERT
+
+
+def test_client_gives_up_on_a_job_that_never_ends() -> None:
+    handler, seen = scripted([httpx.Response(200, json={
+        "status": "running", "progress": 0.1, "stage": "training", "result": None,
+        "error": None})])
+    with make_client(handler, [], job_timeout_s=0.0) as client, \
+            pytest.raises(ClientError, match="still running"):
+        client.wait_job("j9")
+    assert [r.url.path for r in seen] == ["/jobs/j9"]

@@ -103,6 +103,11 @@ def _view(v: Tensor, n: int, transposed: bool) -> np.ndarray:
     return a.reshape(-1, n, a.shape[-1])
 
 
+def _data_consumers(info: GraphInfo, t: str) -> list[Node]:
+    """Consumers that read values (a Shape of a tensor is a constant at a fixed size)."""
+    return [c for c in info.consumers.get(t, []) if c.op_type not in ("Shape", "Size")]
+
+
 def _find_output(info: GraphInfo, start: str) -> str:
     """Follow token-wise affine single-consumer ops from `P @ V` to the layer output."""
     t, last_token = start, None
@@ -110,7 +115,7 @@ def _find_output(info: GraphInfo, start: str) -> str:
     while True:
         if info.is_token(t):
             last_token = t
-        cons = info.consumers.get(t, [])
+        cons = _data_consumers(info, t)
         if len(cons) != 1 or t in outputs:
             break
         c = cons[0]
@@ -269,7 +274,7 @@ def _analyse(info: GraphInfo, sm: Node, logits: str, x: str, layer: AttentionLay
     n = info.seq_len
     # 2. P @ V and the layer output
     p = sm.outputs[0]
-    cons = info.consumers.get(p, [])
+    cons = _data_consumers(info, p)
     pv = [c for c in cons if c.op_type == "MatMul" and c.inputs[0] == p]
     if len(cons) != 1 or len(pv) != 1 or pv[0].inputs[1] not in info.var:
         raise _NotAttention("its probabilities are not used only as P @ V")

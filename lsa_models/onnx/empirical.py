@@ -59,8 +59,9 @@ def lower_bound(model: OnnxModel, norm: str, seq_len: int, radius: float | None 
         for step in range(steps + 1):
             jac = torch.autograd.functional.jacobian(f, x, create_graph=step < steps)
             val = _jac_norm(jac.reshape(-1, seq_len * d), norm)
-            if float(val) > best:
-                best, best_x = float(val), x.detach().clone()
+            value = float(val.detach())
+            if value > best:
+                best, best_x = value, x.detach().clone()
             if step == steps:
                 break
             (g,) = torch.autograd.grad(val, x)
@@ -85,7 +86,7 @@ def jacobian_norm_torch(model: OnnxModel, x: np.ndarray, norm: str) -> float:
 
 
 def replay_on_onnxruntime(model: OnnxModel, x: np.ndarray, norm: str,
-                          h: float = 1e-2) -> float:
+                          h: float = 1e-4) -> float:
     """`||J(X)||_norm` of the graph on onnxruntime by central finite differences (float32)."""
     n, d = x.shape
     cols = []

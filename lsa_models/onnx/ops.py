@@ -460,7 +460,7 @@ class ReshapeOp(_LayoutOp):
         assert x is not None
         allowzero = int(node.attrs.get("allowzero", 0))
         target = [x.shape[i] if (s == 0 and not allowzero) else s for i, s in enumerate(shape)]
-        return [x.reshape(target)]
+        return [x.reshape(tuple(target))]
 
 
 @register
@@ -576,7 +576,7 @@ class GatherOp(_LayoutOp):
         flat = idx.reshape(-1).long()
         flat = torch.where(flat < 0, flat + x.shape[axis], flat)
         out = x.index_select(axis, flat)
-        return [out.reshape(*x.shape[:axis], *idx.shape, *x.shape[axis + 1:])]
+        return [out.reshape((*x.shape[:axis], *idx.shape, *x.shape[axis + 1:]))]
 
     def bound(self, node: Node, args: list[Arg | None], out_shapes: list[tuple[int, ...]],
               norm: str) -> list[Flow | None]:
@@ -837,6 +837,19 @@ class ElementwiseConstOp(_ConstantOnly):
             if a.shape == out_shapes[0]:  # clipping is 1-Lipschitz
                 return [Flow(a.lip, None, a.shape)]
         return super().bound(node, args, out_shapes, norm)
+
+
+@register
+class EinsumOp(_ConstantOnly):
+    """Appears in weight arithmetic (folded to constants); on input-dependent operands the
+    analysis refuses it rather than guess which contraction it is."""
+
+    types = ("Einsum",)
+
+    def run(self, node: Node, ins: list[Tensor | None], ctx: RunContext) -> list[Tensor]:
+        eq = node.attrs["equation"]
+        eq = eq.decode() if isinstance(eq, bytes) else str(eq)
+        return [torch.einsum(eq, *[x for x in ins if x is not None])]
 
 
 def supported_op_types() -> list[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import sys
 import time
 import xml.etree.ElementTree as ET
@@ -51,7 +52,8 @@ class StageProgress:
         self.done = 0
         self._bar: Progress | None = None
         self._task: TaskID | None = None
-        if self.console.is_terminal:
+        # Some CI runners allocate a pseudo-terminal; CI=... still means a log file.
+        if self.console.is_terminal and not os.environ.get("CI"):
             self._bar = Progress(TextColumn("[bold]lsa certify[/]"), BarColumn(),
                                  TextColumn("{task.description}"), TimeElapsedColumn(),
                                  console=self.console, transient=True)
@@ -63,8 +65,8 @@ class StageProgress:
         if self._bar is not None and self._task is not None:
             self._bar.update(self._task, completed=self.done, description=text)
         else:
-            print(f"lsa certify: [{self.done + 1}/{self.total}] {text}", file=sys.stderr,
-                  flush=True)
+            print(f"lsa certify: [{self.done + 1}/{self.total}] {text}",
+                  file=self.console.file, flush=True)
         self.done += 1
 
     def job(self, stage: str, fraction: float | None) -> None:
@@ -75,7 +77,7 @@ class StageProgress:
                              completed=self.done - 1 + (frac or 0.0))
         else:
             pct = "" if frac is None else f" {100 * frac:.0f}%"
-            print(f"lsa certify:       {stage}{pct}", file=sys.stderr, flush=True)
+            print(f"lsa certify:       {stage}{pct}", file=self.console.file, flush=True)
 
     def close(self) -> None:
         if self._bar is not None:

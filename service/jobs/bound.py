@@ -59,7 +59,10 @@ def run_bound(ctx: JobContext) -> dict[str, Any]:
 
     est = estimate(loaded.module, input_shape=(p.seq_len, d_model), norm=p.norm,
                    restarts=p.empirical.restarts, steps=p.empirical.steps, seed=p.empirical.seed,
-                   time_budget_s=p.empirical.time_budget_s, progress=progress)
+                   time_budget_s=p.empirical.time_budget_s, progress=progress,
+                   # On a bounded domain the search stays inside it, or its witness would be
+                   # no lower bound there.
+                   radius=p.radius)
     report = with_empirical(report, est)
     ctx.progress(0.97, "storing result", force=True)
     with ctx.session() as s:

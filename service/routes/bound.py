@@ -12,6 +12,7 @@ from api_schemas.requests import BoundRequest
 
 from ..bounding import (
     analytic_report,
+    check_empirical_size,
     check_sync_size,
     find_result,
     get_model,
@@ -48,6 +49,7 @@ def bound(req: BoundRequest, runtime: RuntimeDep, session: SessionDep) -> BoundR
         if runtime.metrics is not None:
             runtime.metrics.bounds.inc()
         return report
+    check_empirical_size(runtime, model, seq_len)
     job = session.scalar(select(Job).where(Job.request_key == key,
                                            Job.status.in_(ACTIVE_JOB_STATUSES)))
     if job is None:

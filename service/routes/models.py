@@ -17,7 +17,7 @@ from api_schemas.models import ModelList, ModelOut
 from ..artifacts import TooLarge
 from ..bounding import get_model, load_bytes
 from ..deps import ReadAccess, RuntimeDep, SessionDep, WriteAccess
-from ..errors import InvalidModel, PayloadTooLarge, responses
+from ..errors import InvalidModel, NotFound, PayloadTooLarge, responses
 from ..models import Artifact, Model
 
 log = logging.getLogger("lsa.service")
@@ -126,5 +126,10 @@ def read_model(model_id: str, session: SessionDep) -> ModelOut:
 )
 def download_model(model_id: str, session: SessionDep, runtime: RuntimeDep) -> FileResponse:
     model = get_model(session, model_id)
-    return FileResponse(runtime.artifacts.path_for(model.sha256),
+    path = runtime.artifacts.path_for(model.sha256)
+    if not path.is_file():
+        raise NotFound(f"the file of model {model_id} is missing from LSA_ARTIFACT_DIR "
+                       f"({runtime.settings.artifact_dir}): the server and its workers must "
+                       "share that directory")
+    return FileResponse(path,
                         media_type="application/octet-stream", filename=model.filename)

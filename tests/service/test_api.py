@@ -54,7 +54,7 @@ def test_models_list_get_and_download(client: TestClient, model_bytes: bytes) ->
 
 
 @pytest.mark.parametrize(("data", "needle"), [
-    (b"not a model at all", "unrecognised model file"),
+    (b"not a model at all", "x.onnx: "),
     (b"", "empty"),
 ])
 def test_models_upload_bad_file_is_422(client: TestClient, data: bytes, needle: str) -> None:
@@ -231,9 +231,7 @@ def test_health_ready_metrics(client: TestClient, model_bytes: bytes) -> None:
 def test_certify_dot_product_attention_never_passes(client: TestClient) -> None:
     import torch
 
-    from lsa_models import to_bytes
-
-    from lsa_models import AttentionConfig, DotProductMHA
+    from lsa_models import AttentionConfig, DotProductMHA, to_bytes
 
     torch.manual_seed(3)
     # Bare dot-product attention (no LayerNorm in front bounding its input).
@@ -261,3 +259,40 @@ def test_models_upload_streamed_without_length_is_capped(
         r = c.post("/models", content=body(),
                    headers={"content-type": "multipart/form-data; boundary=xx"})
         assert r.status_code == 413 and r.json()["error"] == "payload_too_large"
+
+
+def test_models_file_missing_from_store_is_404(client: TestClient, model_bytes: bytes) -> None:
+    m = upload(client, model_bytes)
+    rt = client.app.state.runtime  # type: ignore[attr-defined]
+    rt.artifacts.path_for(m["sha256"]).unlink()
+    r = client.get(f"/models/{m['id']}/file")
+    assert r.status_code == 404 and "LSA_ARTIFACT_DIR" in r.json()["detail"]
+
+
+def test_bound_empirical_job_yields_the_report(client: TestClient, model_bytes: bytes) -> None:
+    import time
+
+    from api_schemas import BoundReport
+
+    from .conftest import needs_estimator
+
+    needs_estimator()
+    m = upload(client, model_bytes)
+    base = {"model_id": m["id"], "norm": "2", "seq_len": 4}
+    req = {**base, "empirical": {"restarts": 1, "steps": 3, "seed": 0, "time_budget_s": 30}}
+    r = client.post("/bound", json=req)
+    assert r.status_code == 202, r.text
+    job_id = r.json()["job_id"]
+    deadline = time.monotonic() + 60
+    while (job := client.get(f"/jobs/{job_id}").json())["status"] in ("queued", "running"):
+        assert time.monotonic() < deadline, job
+        time.sleep(0.05)
+    assert job["status"] == "succeeded", job
+    report = BoundReport.model_validate(job["result"])
+    assert report.lower is not None and report.upper is not None
+    assert 0 < report.lower <= report.upper
+    analytic = client.post("/bound", json=base).json()
+    assert report.model_dump(exclude={"lower", "ratio", "witness"}) == \
+        {k: v for k, v in analytic.items() if k not in ("lower", "ratio", "witness")}
+    again = client.post("/bound", json=req)
+    assert again.status_code == 200 and again.json() == job["result"]

@@ -214,6 +214,8 @@ def test_bound_empirical_is_a_job_and_identical_requests_share_it(
     assert other.json()["job_id"] != r.json()["job_id"]
     job = c.get(f"/jobs/{r.json()['job_id']}").json()
     assert job["kind"] == "bound" and job["queue"] == "bound"
+    huge = c.post("/bound", json={**req, "seq_len": 10**6})
+    assert huge.status_code == 422 and "LSA_MAX_EMPIRICAL_ELEMENTS" in huge.json()["detail"]
     app.state.runtime.close()
 
 

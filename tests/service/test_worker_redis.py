@@ -33,7 +33,7 @@ def redis_env(redis_url: str, tmp_path: Path) -> Iterator[dict[str, str]]:
     upgrade(url)
     env = {"LSA_DATABASE_URL": url, "LSA_REDIS_URL": redis_url,
            "LSA_REDIS_NAMESPACE": namespace, "LSA_ARTIFACT_DIR": str(tmp_path / "artifacts"),
-           "LSA_SIGNING_KEY_PATH": str(tmp_path / "key.pem"), "LSA_JOB_STALE_AFTER_S": "2"}
+           "LSA_SIGNING_KEY_PATH": str(tmp_path / "key.pem"), "LSA_JOB_STALE_AFTER_S": "6"}
     yield env
     client = redis.Redis.from_url(redis_url)
     keys = list(client.scan_iter(f"{namespace}*"))
@@ -49,7 +49,7 @@ def test_worker_redis_queues_results_and_crash(redis_env: dict[str, str],
                         redis_namespace=redis_env["LSA_REDIS_NAMESPACE"],
                         artifact_dir=Path(redis_env["LSA_ARTIFACT_DIR"]),
                         signing_key_path=Path(redis_env["LSA_SIGNING_KEY_PATH"]),
-                        migrate_on_start=False, job_stale_after_s=2)
+                        migrate_on_start=False, job_stale_after_s=6)
     app = create_app(settings)
     log = tmp_path / "worker.log"
     workers = []
@@ -62,7 +62,10 @@ def test_worker_redis_queues_results_and_crash(redis_env: dict[str, str],
         try:
             # A training-only worker (a GPU machine) leaves bound work alone.
             workers.append(start(["worker", "--queues", "training"], redis_env, tmp_path, log))
-            time.sleep(4)
+            deadline = time.monotonic() + 60
+            while "consuming training" not in log.read_text() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            time.sleep(1.5)
             assert c.get(f"/jobs/{job_id}").json()["status"] == "queued"
             workers.append(start(["worker", "--queues", "bound"], redis_env, tmp_path, log))
             done = poll_job(c.get, job_id, lambda j: j["status"] in ("succeeded", "failed"))

@@ -1,0 +1,159 @@
+"""Matrix-free Jacobian 2-norm (Lanczos on J^T J via jvp/vjp) against jacrev + SVD.
+
+One L2-MHA layer at a random input, float32, one thread. For N*D in --baseline sizes both
+methods run in the same process (time ratio, relative difference); for --free-only sizes the
+matrix-free method runs alone (J would not fit: at N*D = 262144 it has 6.9e10 entries).
+Targets (issue 3): >= 100x faster at 16384 with relative difference <= 1e-4; 262144 within
+60 s. Writes bench/out/jacobian_speed.json and .png and prints the JSON.
+
+    .venv/bin/python bench/jacobian_speed.py [--baseline 1024 4096 16384]
+                                             [--free-only 65536 262144]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from lsa_models import L2MHA, AttentionConfig
+from lsa_models.empirical import jacobian_norm
+from lsa_models.empirical.jacobian import differentiable_attention
+
+OUT = Path(__file__).resolve().parent / "out"
+
+
+def build(d_model: int, heads: int, n: int, seed: int, dtype: torch.dtype):
+    torch.manual_seed(seed)
+    model = L2MHA(AttentionConfig(d_model, heads)).to(dtype).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(n, d_model, generator=g, dtype=torch.float64).to(dtype)  # (N, D)
+
+    def f(z: torch.Tensor) -> torch.Tensor:  # (N, D) -> (N, D)
+        return model(z.unsqueeze(0)).squeeze(0)
+
+    return f, x
+
+
+# Wall time is what a user waits for; CPU time of this process is reported next to it because
+# the shared 2-core machine may run other jobs (wall >> cpu then means contention).
+
+
+def matrix_free(f, x: torch.Tensor, tol: float) -> dict:
+    t0, c0 = time.perf_counter(), time.process_time()
+    r = jacobian_norm(f, x, "2", tol=tol, max_iter=300)
+    return {"value": r.value, "seconds": time.perf_counter() - t0,
+            "cpu_seconds": time.process_time() - c0, "products": r.iterations,
+            "converged": r.converged, "rel_residual": r.rel_residual}
+
+
+def baseline(f, x: torch.Tensor, chunk: int) -> dict:
+    t0, c0 = time.perf_counter(), time.process_time()
+    with differentiable_attention():
+        j = torch.func.jacrev(f, chunk_size=chunk)(x).reshape(-1, x.numel())  # (ND, ND)
+    t1 = time.perf_counter()
+    value = float(torch.linalg.svdvals(j)[0])
+    t2 = time.perf_counter()
+    return {"value": value, "seconds": t2 - t0, "cpu_seconds": time.process_time() - c0,
+            "jacrev_seconds": t1 - t0, "svd_seconds": t2 - t1,
+            "jacobian_bytes": j.numel() * j.element_size()}
+
+
+def warm_up(d_model: int, heads: int, dtype: torch.dtype) -> None:
+    """The first jvp/vjp/jacrev of a process pays seconds of one-off setup: not timed."""
+    f, x = build(d_model, heads, 2, 0, dtype)
+    matrix_free(f, x, 1e-3)
+    baseline(f, x, 64)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    free = [(r["nd"], r["matrix_free"]["seconds"]) for r in rows]
+    base = [(r["nd"], r["baseline"]["seconds"]) for r in rows if r.get("baseline")]
+    ax.plot(*zip(*free, strict=True), "o-", label="matrix-free Lanczos (jvp/vjp)")
+    if base:
+        ax.plot(*zip(*base, strict=True), "s--", label="jacrev + SVD")
+    ax.axhline(60, color="grey", lw=0.8, ls=":", label="60 s target")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("N * D (input size)")
+    ax.set_ylabel(f"seconds (wall), {torch.get_num_threads()} thread(s)")
+    ax.set_title("Jacobian spectral norm of one L2-MHA layer")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--baseline", type=int, nargs="*", default=[1024, 4096, 16384],
+                    help="N*D sizes run with both methods")
+    ap.add_argument("--free-only", type=int, nargs="*", default=[65536, 262144],
+                    help="N*D sizes run matrix-free only")
+    ap.add_argument("--d-model", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--tol", type=float, default=1e-6)
+    ap.add_argument("--chunk", type=int, default=1024, help="jacrev rows per vmapped batch")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=OUT / "jacobian_speed.json")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    load_start = list(os.getloadavg())
+    dtype = torch.float32
+    warm_up(args.d_model, args.heads, dtype)
+    rows = []
+    sizes = [(s, True) for s in args.baseline] + [(s, False) for s in args.free_only]
+    for nd, with_baseline in sizes:
+        if nd % args.d_model:
+            raise SystemExit(f"N*D={nd} is not a multiple of D={args.d_model}")
+        n = nd // args.d_model
+        f, x = build(args.d_model, args.heads, n, args.seed, dtype)
+        row: dict = {"nd": nd, "n": n, "d_model": args.d_model,
+                     "matrix_free": matrix_free(f, x, args.tol)}
+        if with_baseline:
+            b = baseline(f, x, args.chunk)
+            row["baseline"] = b
+            row["speedup"] = b["seconds"] / row["matrix_free"]["seconds"]
+            row["rel_diff"] = abs(row["matrix_free"]["value"] - b["value"]) / b["value"]
+        print(json.dumps(row), file=sys.stderr, flush=True)
+        rows.append(row)
+    result = {
+        "benchmark": "jacobian_speed",
+        "model": f"L2MHA(D={args.d_model}, H={args.heads}), random init seed {args.seed}",
+        "dtype": "float32",
+        "tol": args.tol,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "machine": platform.processor() or platform.machine(),
+        "load_average_at_start": load_start,
+        "load_average_at_end": list(os.getloadavg()),
+        "rows": rows,
+        "targets": {"speedup_at_16384": ">= 100", "rel_diff_at_16384": "<= 1e-4",
+                    "seconds_at_262144": "<= 60"},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    png = args.out.with_suffix(".png")
+    plot(rows, png)
+    result["plot"] = str(png)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()

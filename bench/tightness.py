@@ -1,0 +1,146 @@
+"""Asymptotic tightness: certified inf-norm bound of L2-MHA against the best lower bound found.
+
+As in the paper's figure (Kim et al. 2021): for each N, the Theorem 3.2 inf-norm bound and the
+best `||J(X)||_inf` found by gradient ascent with random restarts, for L2-MHA with D = H = 1 and
+unit weights, and for random weights (D=4, H=2; D=16, H=4); plus the lower bound found the
+same way for DP-MHA (D = H = 1, unit weights), which keeps growing. Target (issue 3): for
+D = H = 1, upper/lower <= 1.35 for every N <= 50. Writes bench/out/tightness.json and .png and
+prints the JSON. One thread.
+
+    .venv/bin/python bench/tightness.py [--max-n 1000] [--restarts 3] [--steps 60]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from lsa_models import L2MHA, AttentionConfig, DotProductMHA, certify
+from lsa_models.empirical import lower_bound
+
+OUT = Path(__file__).resolve().parent / "out"
+NS = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1000)
+
+
+def unit_weights(model: nn.Module) -> nn.Module:
+    with torch.no_grad():
+        for lin in (model.q_proj, model.k_proj, model.v_proj, model.out_proj):
+            if lin is not None:
+                lin.weight.fill_(1.0)
+        model.out_proj.bias.zero_()
+    return model
+
+
+def models(seed: int, dtype: torch.dtype) -> list[tuple[str, nn.Module, bool]]:
+    """(name, model, certifiable)."""
+    out: list[tuple[str, nn.Module, bool]] = [
+        ("L2 D=1 H=1 unit", unit_weights(L2MHA(AttentionConfig(1, 1))), True)]
+    for d, h in ((4, 2), (16, 4)):
+        torch.manual_seed(seed)
+        out.append((f"L2 D={d} H={h} random", L2MHA(AttentionConfig(d, h)), True))
+    out.append(("DP D=1 H=1 unit", unit_weights(DotProductMHA(AttentionConfig(1, 1, "dp"))),
+                False))
+    for _, m, _ in out:
+        m.to(dtype).eval()
+        for p in m.parameters():
+            p.requires_grad_(False)
+    return out
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    colours = ["C0", "C1", "C2", "C3"]
+    for colour, series in zip(colours, result["series"], strict=False):
+        ns = [r["n"] for r in series["rows"]]
+        lows = [r["lower"] for r in series["rows"]]
+        ax.plot(ns, lows, "o-", color=colour, ms=3, label=f"{series['name']}: lower")
+        if series["certifiable"]:
+            ups = [r["upper"] for r in series["rows"]]
+            ax.plot(ns, ups, "--", color=colour, label=f"{series['name']}: upper")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("N (sequence length)")
+    ax.set_ylabel("Lipschitz bound, inf-norm")
+    ax.set_title("Certified upper bound vs best lower bound found")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--max-n", type=int, default=1000)
+    ap.add_argument("--restarts", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", type=Path, default=OUT / "tightness.json")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    ns = [n for n in NS if n <= args.max_n]
+    t_start, load_start = time.perf_counter(), list(os.getloadavg())
+    series = []
+    for name, model, certifiable in models(args.seed, dtype):
+        d = model.config.d_model
+
+        def f(x: torch.Tensor, model: nn.Module = model) -> torch.Tensor:  # (N, D) -> (N, D)
+            return model(x.unsqueeze(0)).squeeze(0)
+
+        rows = []
+        for n in ns:
+            t0 = time.perf_counter()
+            upper = certify(model, "inf", n).upper if certifiable else None
+            res = lower_bound(f, (n, d), "inf", restarts=args.restarts, steps=args.steps,
+                              seed=args.seed, dtype=dtype)
+            row = {"n": n, "upper": upper, "lower": res.value,
+                   "ratio": None if upper is None else upper / res.value,
+                   "witness_scale": res.scale, "rows_evaluated": res.final.rows_evaluated
+                   if res.final else None, "seconds": time.perf_counter() - t0}
+            print(json.dumps({"series": name, **row}), file=sys.stderr, flush=True)
+            rows.append(row)
+        series.append({"name": name, "d_model": d, "certifiable": certifiable, "rows": rows})
+    unit = series[0]["rows"]
+    small = [r["ratio"] for r in unit if r["n"] <= 50]
+    result = {
+        "benchmark": "tightness",
+        "norm": "inf",
+        "restarts": args.restarts,
+        "steps": args.steps,
+        "seed": args.seed,
+        "dtype": args.dtype,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "seconds": time.perf_counter() - t_start,
+        "load_average_at_start": load_start,
+        "load_average_at_end": list(os.getloadavg()),
+        "series": series,
+        "target": "D=H=1 unit weights: upper/lower <= 1.35 for N <= 50",
+        "max_ratio_unit_n_le_50": max(small) if small else None,
+        "target_met": bool(small) and max(small) <= 1.35,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    png = args.out.with_suffix(".png")
+    plot(result, png)
+    result["plot"] = str(png)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,286 @@
+"""Models exported by torch's two ONNX exporters: evaluation, recognition, bounds, CLI."""
+
+from __future__ import annotations
+
+import io
+import json
+import warnings
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+from torch import nn
+from typer.testing import CliRunner
+
+from lsa_models import AttentionConfig, L2MHA, Transformer, TransformerConfig, certify
+from lsa_models.analysis import load_model_bytes
+from lsa_models.attention import _head_columns
+from lsa_models.bounds.formulas import dp_mha_radius_bound
+from lsa_models.onnx import analyse, export_onnx, load_onnx
+from lsa_models.onnx.empirical import jacobian_norm_torch, lower_bound, replay_on_onnxruntime
+
+N, D, H = 5, 8, 2
+REL = 1e-9
+
+
+def _ort(path: Path, x: torch.Tensor) -> np.ndarray:
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    return sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0]
+
+
+def _export_module(module: nn.Module, path: Path, dynamo: bool, opset: int = 18) -> Path:
+    module.eval()
+    x = torch.randn(1, N, D)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if dynamo:
+            prog = torch.onnx.export(module, (x,), dynamo=True, opset_version=opset,
+                                     input_names=["x"], output_names=["y"], verbose=False)
+            assert prog is not None
+            prog.save(str(path), external_data=False)
+        else:
+            torch.onnx.export(module, (x,), str(path), dynamo=False, opset_version=opset,
+                              input_names=["x"], output_names=["y"])
+    return path
+
+
+def _l2_model(seed: int = 0, **kw: object) -> Transformer:
+    torch.manual_seed(seed)
+    cfg = TransformerConfig(d_model=D, n_heads=H, n_layers=2, d_ff=16, **kw)  # type: ignore[arg-type]
+    return Transformer(cfg).eval()
+
+
+def _same(a: float | None, b: float | None) -> bool:
+    return a is not None and b is not None and abs(a - b) <= REL * abs(b)
+
+
+@pytest.fixture(scope="session")
+def l2_model() -> Transformer:
+    return _l2_model()
+
+
+@pytest.mark.parametrize("opset", [17, 18, 20])
+@pytest.mark.parametrize("dynamo", [False, True])
+def test_export_l2_transformer_matches_ort_and_native_bound(
+        tmp_path: Path, l2_model: Transformer, dynamo: bool, opset: int) -> None:
+    path = export_onnx(l2_model, tmp_path / "m.onnx", N, opset=opset, dynamo=dynamo)
+    x = torch.randn(1, N, D)
+    with torch.no_grad():
+        ref = l2_model(x).numpy()
+    assert np.abs(_ort(path, x) - ref).max() <= 1e-5
+    model = load_onnx(path.read_bytes(), "m.onnx")
+    for norm in ("2", "inf"):
+        native = certify(l2_model, norm, N)
+        got = analyse(model, norm)  # type: ignore[arg-type]
+        assert got.verdict == "certified", got.reason
+        assert _same(got.upper, native.upper), (got.upper, native.upper)
+    att = [lb for lb in got.layers if lb.kind == "l2_mha"]
+    assert len(att) == 2 and all(len(lb.nodes) > 5 for lb in att)
+    assert any("Softmax" in nd or "softmax" in nd for nd in att[0].nodes)
+
+
+@pytest.mark.parametrize("kw", [dict(causal=True, norm_first=False), dict(final_norm=True),
+                                dict(activation="relu")])
+def test_export_l2_variants_match_native_bound(tmp_path: Path, kw: dict) -> None:
+    model = _l2_model(1, **kw)
+    path = export_onnx(model, tmp_path / "m.onnx", N, dynamo=False)
+    loaded = load_onnx(path.read_bytes())
+    for norm in ("2", "inf"):
+        for radius in (None, 2.0):
+            native = certify(model, norm, N, radius)
+            got = analyse(loaded, norm, None, radius)  # type: ignore[arg-type]
+            assert got.verdict == native.verdict == "certified"
+            assert _same(got.upper, native.upper)
+    if kw.get("causal"):
+        assert any(lb.kind == "l2_mha_causal" for lb in got.layers)
+
+
+def test_export_l2_expanded_form_is_recognised(tmp_path: Path) -> None:
+    model = _l2_model(2)
+    path = export_onnx(model, tmp_path / "m.onnx", N, dynamo=False, form="expanded")
+    got = analyse(load_onnx(path.read_bytes()), "2")
+    assert _same(got.upper, certify(model, "2", N).upper)
+
+
+def test_export_l2_untied_is_not_certified(tmp_path: Path) -> None:
+    model = _l2_model(3, tied=False)
+    path = export_onnx(model, tmp_path / "m.onnx", N, dynamo=False)
+    got = analyse(load_onnx(path.read_bytes()), "2")
+    assert got.verdict == "not_certified" and "untied" in (got.reason or "")
+
+
+def test_export_l2_native_forward_value_path_is_not_certified(tmp_path: Path) -> None:
+    # The efficient forward folds W^V into the output projection: W^V cannot be read off,
+    # so the analyser must refuse rather than guess.
+    torch.manual_seed(4)
+    layer = L2MHA(AttentionConfig(D, H)).eval()
+    path = _export_module(layer, tmp_path / "m.onnx", dynamo=False)
+    got = analyse(load_onnx(path.read_bytes()), "2")
+    assert got.verdict == "not_certified" and "value" in (got.reason or "")
+
+
+def test_export_dp_transformer_matches_native_with_radius(tmp_path: Path) -> None:
+    model = _l2_model(5, attention="dp", norm_first=False)
+    for dynamo in (False, True):
+        path = export_onnx(model, tmp_path / f"m{dynamo}.onnx", N, dynamo=dynamo)
+        loaded = load_onnx(path.read_bytes())
+        unbounded = analyse(loaded, "2")
+        assert unbounded.verdict == certify(model, "2", N).verdict == "not_lipschitz"
+        for norm in ("2", "inf"):
+            got = analyse(loaded, norm, None, 3.0)  # type: ignore[arg-type]
+            assert _same(got.upper, certify(model, norm, N, 3.0).upper)
+
+
+class _MHA(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mha = nn.MultiheadAttention(D, H, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mha(x, x, x, need_weights=False)[0]
+
+
+@pytest.mark.parametrize("dynamo", [False, True])
+def test_multihead_attention_is_recognised_as_dot_product(tmp_path: Path, dynamo: bool) -> None:
+    torch.manual_seed(6)
+    mod = _MHA().eval()
+    path = _export_module(mod, tmp_path / "mha.onnx", dynamo)
+    loaded = load_onnx(path.read_bytes())
+    res = analyse(loaded, "2")
+    assert res.verdict == "not_lipschitz" and "Theorem 3.1" in (res.reason or "")
+    radius = 1.5
+    res = analyse(loaded, "2", None, radius)
+    assert res.verdict == "certified"
+    w = mod.mha.in_proj_weight.detach()
+    b = mod.mha.in_proj_bias.detach()
+    wq, wk, wv = (_head_columns(w[i * D:(i + 1) * D], H) for i in range(3))
+    expect = dp_mha_radius_bound(wq, wk, wv, mod.mha.out_proj.weight.detach().T, N, radius,
+                                 "2", bq=b[:D])
+    assert _same(res.upper, expect)
+    (layer,) = [lb for lb in res.layers if lb.kind == "dp_mha_radius"]
+    assert any("Softmax" in nd or "softmax" in nd for nd in layer.nodes)
+
+
+class _Enc(nn.Module):
+    def __init__(self, norm_first: bool) -> None:
+        super().__init__()
+        self.enc = nn.TransformerEncoderLayer(D, H, 16, dropout=0.0, batch_first=True,
+                                              norm_first=norm_first, activation="gelu")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # is_causal given explicitly: the TorchScript exporter cannot trace the default
+        return self.enc(x, src_mask=None, is_causal=False)
+
+
+@pytest.mark.parametrize("dynamo", [False, True])
+@pytest.mark.parametrize("norm_first", [True, False])
+def test_transformer_encoder_layer_bounds_are_sound(tmp_path: Path, dynamo: bool,
+                                                    norm_first: bool) -> None:
+    torch.manual_seed(7)
+    mod = _Enc(norm_first).eval()
+    path = _export_module(mod, tmp_path / "enc.onnx", dynamo)
+    loaded = load_onnx(path.read_bytes())
+    x = torch.randn(1, N, D)
+    with torch.no_grad():
+        assert np.abs(loaded.module(x).numpy() - mod(x).numpy()).max() < 1e-5
+    unbounded = analyse(loaded, "2")
+    # pre-norm: LayerNorm bounds every token that reaches the attention
+    assert unbounded.verdict == ("certified" if norm_first else "not_lipschitz")
+    res = analyse(loaded, "2", None, 1.0)
+    assert res.verdict == "certified"
+    assert {lb.kind for lb in res.layers} >= {"dp_mha_radius", "layernorm", "linear"}
+    low = lower_bound(loaded, "2", N, radius=1.0, restarts=1, steps=4)
+    assert res.upper is not None and low.lower <= res.upper
+
+
+@pytest.mark.parametrize("dynamo", [False, True])
+def test_mlp_bound_matches_native_sequential(tmp_path: Path, dynamo: bool) -> None:
+    torch.manual_seed(8)
+    mlp = nn.Sequential(nn.Linear(D, 16), nn.ReLU(), nn.Linear(16, 16), nn.GELU(),
+                        nn.Linear(16, D), nn.Tanh()).eval()
+    path = _export_module(mlp, tmp_path / "mlp.onnx", dynamo)
+    loaded = load_onnx(path.read_bytes())
+    for norm in ("2", "inf"):
+        got = analyse(loaded, norm)  # type: ignore[arg-type]
+        native = certify(mlp, norm, N)
+        assert got.verdict == "certified", got.reason
+        assert _same(got.upper, native.upper)
+
+
+def test_export_matches_onnxruntime_with_dynamic_seq_len(tmp_path: Path,
+                                                         l2_model: Transformer) -> None:
+    path = export_onnx(l2_model, tmp_path / "m.onnx", N, dynamo=False, dynamic_seq_len=True)
+    loaded = load_model_bytes(path.read_bytes(), "m.onnx")
+    assert loaded.seq_len is None
+    x = torch.randn(1, 7, D)
+    with torch.no_grad():
+        assert np.abs(_ort(path, x) - l2_model(x).numpy()).max() <= 1e-5
+    res = loaded.certify("2", seq_len=7)
+    assert _same(res.upper, certify(l2_model, "2", 7).upper)
+
+
+def test_empirical_witness_replays_on_onnxruntime(tmp_path: Path) -> None:
+    torch.manual_seed(9)
+    model = Transformer(TransformerConfig(d_model=4, n_heads=2, n_layers=1, d_ff=8)).eval()
+    path = export_onnx(model, tmp_path / "m.onnx", 3, dynamo=False)
+    loaded = load_onnx(path.read_bytes())
+    upper = analyse(loaded, "2").upper
+    low = lower_bound(loaded, "2", 3, restarts=2, steps=15)
+    assert upper is not None and 0 < low.lower <= upper
+    assert abs(jacobian_norm_torch(loaded, low.witness, "2") - low.lower) <= 1e-9 * low.lower
+    fd = replay_on_onnxruntime(loaded, low.witness, "2")
+    assert abs(fd - low.lower) <= 1e-2 * low.lower
+    fd_inf = replay_on_onnxruntime(loaded, low.witness, "inf")
+    assert abs(fd_inf - jacobian_norm_torch(loaded, low.witness, "inf")) <= 2e-2 * fd_inf
+
+
+def _cli(args: list[str]) -> tuple[int, str]:
+    from service.cli import app
+
+    runner = CliRunner()
+    res = runner.invoke(app, args)
+    return res.exit_code, res.output + (res.stderr if res.stderr_bytes is not None else "")
+
+
+def test_cli_bound_reads_onnx_and_zip(tmp_path: Path, l2_model: Transformer) -> None:
+    path = export_onnx(l2_model, tmp_path / "m.onnx", N, dynamo=False)
+    code, out = _cli(["bound", str(path), "--json"])
+    assert code == 0, out
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["verdict"] == "certified"
+    assert _same(report["upper"], certify(l2_model, "2", N).upper)
+    assert any(lb["nodes"] for lb in report["layers"])
+    zpath = tmp_path / "m.zip"
+    with zipfile.ZipFile(zpath, "w") as zf:
+        zf.write(path, "m.onnx")
+    code, out = _cli(["bound", str(zpath), "--json", "--norm", "inf"])
+    assert code == 0, out
+    assert _same(json.loads(out.strip().splitlines()[-1])["upper"],
+                 certify(l2_model, "inf", N).upper)
+
+
+def test_cli_dynamic_seq_len_without_flag_is_a_clear_error(tmp_path: Path,
+                                                           l2_model: Transformer) -> None:
+    path = export_onnx(l2_model, tmp_path / "m.onnx", N, dynamo=False, dynamic_seq_len=True)
+    code, out = _cli(["bound", str(path)])
+    assert code == 2 and "--seq-len" in out
+    code, out = _cli(["bound", str(path), "--seq-len", "6", "--json"])
+    assert code == 0, out
+
+
+def test_cli_hostile_file_exits_2(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"\x08\x07" + bytes(range(256)) * 4)
+    code, out = _cli(["bound", str(bad)])
+    assert code == 2 and "lsa: error" in out
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        zf.writestr("a.onnx", b"junk")
+    (tmp_path / "bad.zip").write_bytes(buf.getvalue())
+    code, out = _cli(["bound", str(tmp_path / "bad.zip")])
+    assert code == 2 and "lsa: error" in out

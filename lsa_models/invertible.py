@@ -55,6 +55,17 @@ class NotInvertibleError(RuntimeError):
     """A fixed-point inverse did not converge to a certified tolerance."""
 
 
+class NonFiniteWeightsError(ValueError):
+    """A contractive block's weights hold NaN or infinity (e.g. after a diverged step): no
+    bound, hence no scale, exists."""
+
+
+def _require_finite(params: list[Tensor], what: str) -> None:
+    if not all(bool(torch.isfinite(p).all()) for p in params):
+        raise NonFiniteWeightsError(f"{what}: weights contain NaN or infinity; no certified "
+                                    "bound exists (the training run has diverged)")
+
+
 def _check_c(c: float) -> None:
     if not isinstance(c, (int, float)) or isinstance(c, bool) or not 0.0 < float(c) < 1.0:
         raise ConfigError("c", f"must satisfy 0 < c < 1 for a contractive branch, got {c!r}")
@@ -178,6 +189,7 @@ class ContractiveL2Block(ResidualBlock):
         with _outside_transforms():
             key = _param_key(self._weights())
             if key != self._cache_key:
+                _require_finite(self._weights(), "contractive L2 attention")
                 with torch.no_grad():
                     u = self.certified_u()
                 scale = _float32_down(self.config.c / u * _SCALE_MARGIN) if u > 0 else 0.0
@@ -245,6 +257,7 @@ class ContractiveFFNBlock(ResidualBlock):
         with _outside_transforms():
             key = _param_key([self.fc1.weight, self.fc2.weight])
             if key != self._cache_key:
+                _require_finite([self.fc1.weight, self.fc2.weight], "contractive FFN")
                 with torch.no_grad():
                     s1 = spectral_norm_upper(self.fc1.weight)
                     s2 = spectral_norm_upper(self.fc2.weight)
@@ -508,6 +521,25 @@ class ContractiveTrunk(nn.Module):
                                   f"converged; trunk error bound {total:.3g}")
 
 
+def trunk_logdet_estimate(trunk: ContractiveTrunk, x: Tensor, n_terms: int = 10,
+                          n_samples: int = 16,
+                          generator: torch.Generator | None = None) -> LogDetEstimate:
+    """`log det J_trunk(x)` = sum over blocks of `log det(I + J_g)` at each block's input
+    (chain rule); independent probes per block, so the standard errors add in quadrature."""
+    value = torch.zeros(x.shape[0], dtype=x.dtype, device=x.device)  # (B,)
+    var = torch.zeros_like(value)
+    trunc = 0.0
+    h = x
+    for blk in trunk.residual_blocks():
+        est = logdet_estimate(blk.branch, h, n_terms, n_samples, blk.lipschitz_upper(h.shape[1]),
+                              generator)
+        value, var = value + est.value, var + est.stderr**2
+        trunc += est.truncation_bound
+        with torch.no_grad():
+            h = blk(h)
+    return LogDetEstimate(value, var.sqrt(), trunc, n_terms, n_samples)
+
+
 @contextmanager
 def frozen_scales(model: nn.Module) -> Iterator[nn.Module]:
     """Within the block, contractive scales are fixed python floats (their certified values),
@@ -614,6 +646,7 @@ __all__ = [
     "DPResidualBlock",
     "InverseResult",
     "LogDetEstimate",
+    "NonFiniteWeightsError",
     "NotInvertibleError",
     "ResidualBlock",
     "TrunkInverseResult",
@@ -621,4 +654,5 @@ __all__ = [
     "fixed_point_inverse",
     "frozen_scales",
     "logdet_estimate",
+    "trunk_logdet_estimate",
 ]

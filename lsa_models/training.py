@@ -34,7 +34,7 @@ from torch import Tensor
 from . import checkpoint
 from .bounds.analyzer import certify
 from .data import CharCorpus, CorpusError, eval_windows, ptb_corpus, random_windows, text_corpus
-from .invertible import ContractiveTrunk, frozen_scales
+from .invertible import ContractiveTrunk, NonFiniteWeightsError, frozen_scales
 from .lm import LM_ATTENTION_KINDS, CharTransformerLM, LMConfig
 
 LN2 = math.log(2.0)
@@ -372,11 +372,14 @@ def train_lm(model_config: LMConfig, corpus: CharCorpus, config: TrainConfig,
         x, y = random_windows(corpus.train, config.batch_size, model_config.seq_len,
                               _batch_generator(config.seed, step))  # (B, N) each
         x, y = x.to(device), y.to(device)
-        with _autocast(device):
-            logits = model(x)  # (B, N, V)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        try:
+            with _autocast(device):
+                logits = model(x)  # (B, N, V)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+            loss_value = float(loss.detach())
+        except NonFiniteWeightsError:
+            loss_value = math.nan  # a contractive block cannot bound NaN weights
         optimizer.zero_grad(set_to_none=True)
-        loss_value = float(loss.detach())
         history.observe(loss_value, config.spike_nats)
         if not math.isfinite(loss_value):
             history.step.append(step + 1)

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from sqlalchemy.orm import Session
+
 CHUNK = 1024 * 1024
 
 
@@ -89,3 +91,15 @@ class ArtifactStore:
 
     def read_bytes(self, sha256: str) -> bytes:
         return self.path_for(sha256).read_bytes()
+
+
+def store_artifact(session: Session, store: ArtifactStore, data: bytes, kind: str) -> str:
+    """Store bytes (trained weights, a plot, ...) and record their metadata; returns the
+    sha256. Idempotent: equal bytes are one file and one row."""
+    from .models import Artifact
+
+    sha = store.put_bytes(data)
+    if session.get(Artifact, sha) is None:
+        session.add(Artifact(sha256=sha, size_bytes=len(data), kind=kind))
+        session.flush()
+    return sha

@@ -24,6 +24,7 @@ from lsa_models.invertible import (
     fixed_point_inverse,
     frozen_scales,
     logdet_estimate,
+    trunk_logdet_estimate,
 )
 
 F64 = torch.float64
@@ -292,3 +293,23 @@ def test_contractive_block_rejects_long_sequences_and_bad_c():
     with pytest.raises(ConfigError) as info:
         ContractiveFFNConfig(4, 8, activation="swish")  # type: ignore[arg-type]
     assert info.value.field == "activation"
+
+
+def test_trunk_logdet_estimate_within_three_standard_errors():
+    trunk = _trunk(2, 4, 2, 2, 3, 0.95, causal=True)
+    x = torch.randn(1, 3, 4, dtype=F64, generator=torch.Generator().manual_seed(2))
+    exact = float(torch.linalg.slogdet(_jac(trunk, x[0])).logabsdet)
+    rhos = []
+    h = x
+    for blk in trunk.residual_blocks():
+        rhos.append(float(torch.linalg.matrix_norm(_jac(blk.branch, h[0]), 2)))
+        with torch.no_grad():
+            h = blk(h)
+    n_terms = 40
+    bias = sum(12 * r ** (n_terms + 1) / ((n_terms + 1) * (1 - r)) for r in rhos)
+    assert bias < 0.01
+    with torch.no_grad():
+        est = trunk_logdet_estimate(trunk, x, n_terms=n_terms, n_samples=1000,
+                                    generator=torch.Generator().manual_seed(9))
+    assert abs(exact) > 0.5 > 5 * float(est.stderr[0])  # an estimator returning 0 fails
+    assert abs(float(est.value[0]) - exact) <= 3 * float(est.stderr[0]) + bias

@@ -115,7 +115,8 @@ def test_dp_radius_bound_dominates_projected_gradient_ascent(
 def test_dp_radius_bound_grows_with_radius_and_needs_finite_radius() -> None:
     m = _dp_case(4, 2, False, 1.0, 0)
     ups = [certify(m, "2", 4, r).upper for r in (0.5, 1.0, 2.0, 4.0)]
-    assert all(a is not None and b is not None and a < b for a, b in zip(ups, ups[1:]))
+    assert all(a is not None and b is not None and a < b
+               for a, b in zip(ups, ups[1:], strict=False))
     wq = torch.randn(2, 4, 2)
     with pytest.raises(ValueError):
         dp_mha_radius_bound(wq, wq, wq, torch.eye(4), 3, math.inf, "2")
@@ -128,7 +129,7 @@ def _mlp_onnx(seed: int, widths: list[int], acts: list[str], residual: bool,
     rng = np.random.default_rng(seed)
     nodes, inits = [], []
     cur = "x"
-    for i, (a, b) in enumerate(zip(widths, widths[1:])):
+    for i, (a, b) in enumerate(zip(widths, widths[1:], strict=False)):
         w = (rng.standard_normal((a, b)) * rng.uniform(0.3, 2.0) / math.sqrt(a)).astype(
             np.float32)
         bias = rng.standard_normal(b).astype(np.float32)

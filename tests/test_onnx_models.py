@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from typer.testing import CliRunner
 
-from lsa_models import AttentionConfig, L2MHA, Transformer, TransformerConfig, certify
+from lsa_models import L2MHA, AttentionConfig, Transformer, TransformerConfig, certify
 from lsa_models.analysis import load_model_bytes
 from lsa_models.attention import _head_columns
 from lsa_models.bounds.formulas import dp_mha_radius_bound

@@ -19,6 +19,7 @@ from lsa_models.training import (
     History,
     RequestError,
     TrainConfig,
+    TrainingDivergedError,
     TrainRequest,
     evaluate_bpc,
     latest_checkpoint,
@@ -231,3 +232,28 @@ def test_train_lm_on_cuda_with_bf16_autocast(corpus):
                                                               device="cuda"))
     assert res.device.startswith("cuda")
     assert all(math.isfinite(v) for v in res.history.loss)
+
+
+def test_non_finite_weights_stop_the_run_as_diverged(corpus, tmp_path, monkeypatch):
+    from lsa_models import invertible
+
+    real = invertible.ContractiveL2Block._certified
+    calls = {"n": 0}
+
+    def poisoned(self):
+        calls["n"] += 1
+        if calls["n"] > 6:  # two attention blocks per step: fails on step 4
+            with torch.no_grad():
+                self.attn.q_proj.weight[0, 0] = float("nan")
+        return real(self)
+
+    monkeypatch.setattr(invertible.ContractiveL2Block, "_certified", poisoned)
+    res = train_lm(_lm_config(corpus), corpus, _train_config(eval_every=0, checkpoint_every=0))
+    assert res.history.diverged and res.history.divergence_events == 1
+    assert res.steps_done == 4 and math.isnan(res.history.loss[-1])
+    assert res.history.val_bpc == []  # no evaluation of a broken model
+    calls["n"] = 0
+    req = TrainRequest(d_model=8, n_heads=2, n_layers=2, d_ff=16, seq_len=8, steps=12,
+                       batch_size=4, corpus="text", device="cpu")
+    with pytest.raises(TrainingDivergedError, match="non-finite at step 4"):
+        train_certified(req, TINY.read_text(encoding="utf-8"), tmp_path)

@@ -248,8 +248,8 @@ def _ascend_jacobian(f: Fn, x0: Tensor, scale: float, k: int, cfg: SearchConfig,
                 # gradient and J^T J v (the next power-iteration direction).
                 y, jv = torch.func.jvp(f, (x,), (v,))  # y, J v: f's output shape
                 obj = jv.norm()
-                (grad,) = torch.autograd.grad(obj, x, retain_graph=True)
-                (gram,) = torch.autograd.grad(y, x, grad_outputs=jv.detach())  # J^T J v
+                grad = _grad(obj, x, retain_graph=True)
+                gram = _grad(y, x, grad_outputs=jv.detach())  # J^T J v
                 value = float(obj.detach())
                 ok = math.isfinite(value) and bool(torch.isfinite(grad).all())
                 if ok:
@@ -258,9 +258,9 @@ def _ascend_jacobian(f: Fn, x0: Tensor, scale: float, k: int, cfg: SearchConfig,
                         v = _unit(gram.detach())
             else:
                 y = f(x)
-                (g,) = torch.autograd.grad(y.reshape(-1)[row], x, create_graph=True)
+                g = _grad(y.reshape(-1)[row], x, create_graph=True)
                 obj = g.abs().sum()  # |row r of J|_1
-                (grad,) = torch.autograd.grad(obj, x)
+                grad = _grad(obj, x)
                 value = float(obj.detach())
                 ok = math.isfinite(value) and bool(torch.isfinite(grad).all())
                 if ok:
@@ -302,7 +302,7 @@ def _ascend_pairs(f: Fn, x0: Tensor, scale: float, k: int, cfg: SearchConfig,
                 d.copy_(project(x + d, cfg.radius) - x)
         with differentiable_attention():
             ratio = _pnorm(f(x + d) - f(x), cfg.norm) / _pnorm(d, cfg.norm)
-        gx, gd = torch.autograd.grad(ratio, (x, d))
+        gx, gd = _grad(ratio, x, retain_graph=True), _grad(ratio, d)
         value = float(ratio.detach())
         ok = math.isfinite(value) and bool(torch.isfinite(gx).all() and torch.isfinite(gd).all())
         if ok:
@@ -320,6 +320,18 @@ def _ascend_pairs(f: Fn, x0: Tensor, scale: float, k: int, cfg: SearchConfig,
         with torch.no_grad():
             d.copy_(project(x + d, cfg.radius) - x)  # Y stays in the domain too
     return False
+
+
+def _grad(out: Tensor, x: Tensor, grad_outputs: Tensor | None = None,
+          retain_graph: bool = False, create_graph: bool = False) -> Tensor:
+    """d out / d x, zero where out does not depend on x (a linear map's Jacobian is
+    constant, so its norm has no gradient)."""
+    if not out.requires_grad:
+        return torch.zeros_like(x)
+    (g,) = torch.autograd.grad(out, x, grad_outputs=grad_outputs,
+                               retain_graph=retain_graph or create_graph,
+                               create_graph=create_graph, allow_unused=True)
+    return torch.zeros_like(x) if g is None else g
 
 
 def project(x: Tensor, radius: float | None) -> Tensor:

@@ -67,9 +67,7 @@ def _affine(info: GraphInfo, nodes: list[Node], source: str) -> set[str]:
         t = n.op_type
         if t == "MatMul" or t == "Mul":
             ok = len(vin) == 1
-        elif t == "Gemm":
-            ok = vin == [n.inputs[0]]
-        elif t == "Div":
+        elif t == "Gemm" or t == "Div":
             ok = vin == [n.inputs[0]]
         elif t == "Gather":
             ok = n.inputs[1] not in info.var
@@ -105,7 +103,8 @@ def _view(v: Tensor, n: int, transposed: bool) -> np.ndarray:
 
 def _data_consumers(info: GraphInfo, t: str) -> list[Node]:
     """Consumers that read values (a Shape of a tensor is a constant at a fixed size)."""
-    return [c for c in info.consumers.get(t, []) if c.op_type not in ("Shape", "Size")]
+    return [c for c in info.consumers.get(t, [])
+            if c.op_type not in ("Shape", "Size") and c.name in info.live]
 
 
 def _find_output(info: GraphInfo, start: str) -> str:
@@ -201,10 +200,13 @@ def _fit(ls: list[np.ndarray], gs: list[np.ndarray], finite: np.ndarray,
     dl = [np.where(finite, _row_normalise(np.where(finite, lg, 0.0), j0), 0.0) for lg in ls]
     dg = [np.where(finite, _row_normalise(np.broadcast_to(g, lg.shape), j0), 0.0)
           for g, lg in zip(gs, ls, strict=True)]
-    num = sum((dl[s] - dl[0]) * (dg[s] - dg[0]) for s in range(1, len(ls)))
-    den = sum((dg[s] - dg[0]) ** 2 for s in range(1, len(ls)))
-    num_h = np.asarray(num).reshape(num.shape[0], -1).sum(axis=1)
-    den_h = np.asarray(den).reshape(den.shape[0], -1).sum(axis=1)
+    heads = dl[0].shape[0]
+    num_h = np.zeros(heads)
+    den_h = np.zeros(heads)
+    for s in range(1, len(ls)):
+        ddl, ddg = dl[s] - dl[0], dg[s] - dg[0]
+        num_h += (ddl * ddg).reshape(heads, -1).sum(axis=1)
+        den_h += (ddg * ddg).reshape(heads, -1).sum(axis=1)
     scale = max(float(np.abs(d).max()) for d in dl) + 1e-300
     if np.any(den_h <= 1e-20 * scale * scale):
         return None
@@ -254,7 +256,8 @@ def _recognise_one(info: GraphInfo, sm: Node) -> AttentionLayer:
             if not x:
                 raise _NotAttention("no tensor of token layout dominates it")
             _analyse(info, sm, logits, x, layer)
-        except _NotAttention as exc:
+        except (_NotAttention, ValueError, RuntimeError, IndexError, KeyError) as exc:
+            # anything unexpected while probing means: not recognised (never a crash)
             layer.kind = "unknown"
             layer.reason = f"Softmax node {sm.name} is not a recognised attention layer: {exc}"
         if layer.kind != "unknown" and layer.reason is None:
@@ -322,6 +325,8 @@ def _analyse(info: GraphInfo, sm: Node, logits: str, x: str, layer: AttentionLay
                 va, vb = views[a], views[b]
                 if va[0].shape[-1] != vb[0].shape[-1]:
                     continue
+                va = [np.broadcast_to(v, (g_l, *v.shape[1:])) for v in va]
+                vb = [np.broadcast_to(v, (g_l, *v.shape[1:])) for v in vb]
                 if kind == "dp":
                     gs = [np.einsum("gid,gjd->gij", qa, kb) for qa, kb in zip(va, vb,
                                                                                strict=True)]

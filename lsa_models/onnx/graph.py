@@ -156,6 +156,19 @@ class GraphInfo:
                     self.consumers.setdefault(i, []).append(n)
             if n.op_type not in ("Shape", "Size") and any(i in self.var for i in n.inputs):
                 self.var.update(o for o in n.outputs if o)
+        # nodes whose values reach the output (a node read only through Shape is not)
+        self.live: set[str] = set()
+        stack = [o.name for o in spec.model.graph.output]
+        seen: set[str] = set()
+        while stack:
+            t = stack.pop()
+            if t in seen or t not in self.producer:
+                continue
+            seen.add(t)
+            prod = self.producer[t]
+            self.live.add(prod.name)
+            if prod.op_type not in ("Shape", "Size"):
+                stack.extend(i for i in prod.inputs if i)
         self.idom: dict[str, str | None] = {spec.input_name: None}
         self.depth: dict[str, int] = {spec.input_name: 0}
         for n in self.nodes:
@@ -223,7 +236,8 @@ class GraphInfo:
         for o in outs - {sink}:
             for c in self.consumers.get(o, []):
                 # a Shape of an inside tensor is a constant at the fixed size
-                if c.name not in nodes and c.op_type not in ("Shape", "Size"):
+                if c.name not in nodes and c.op_type not in ("Shape", "Size") \
+                        and c.name in self.live:
                     return None
         graph_outputs = {o.name for o in self.spec.model.graph.output}
         if (outs - {sink}) & graph_outputs:

@@ -91,17 +91,18 @@ class OnnxModel:
 
 
 def is_onnx(data: bytes, filename: str = "") -> bool:
-    """Content sniffing: a zip holding an .onnx member, or a protobuf that parses as a model
-    with a graph. A file named .onnx is claimed even when it does not parse, so that the user
-    gets the ONNX loader's error rather than 'unrecognised format'."""
+    """Content sniffing (the file name is not trusted): a zip holding an .onnx member, a
+    protobuf that starts like a ModelProto (field 1, ir_version, a small varint: claimed even
+    when truncated, so the user gets the ONNX loader's error), or one that parses as a model
+    with a graph."""
     if data[:4] == ZIP_MAGIC:
         try:
             with zipfile.ZipFile(io.BytesIO(data)) as zf:
                 return any(n.lower().endswith(".onnx") for n in zf.namelist())
         except zipfile.BadZipFile:
             return False
-    if filename.lower().endswith(".onnx"):
-        return True
+    if len(data) > 1 and data[0] == 0x08 and 3 <= data[1] <= 32:
+        return True  # ir_version 3..32
     if data[:1] not in (b"\x08", b"\x12", b"\x1a", b"\x22", b"\x3a", b"\x42", b"\x52"):
         return False  # first field of a ModelProto: ir_version, producer, graph, opsets...
     try:

@@ -375,7 +375,10 @@ class SoftmaxOp(Op):
               norm: str) -> list[Flow | None]:
         a = args[0]
         assert isinstance(a, Flow)
-        return [Flow(mul_up(a.lip, SOFTMAX_LIPSCHITZ), 1.0, out_shapes[0])]
+        axis = int(node.attrs.get("axis", -1)) % max(len(a.shape), 1)
+        # probabilities: a row along the softmax axis has 2-norm <= 1, any row <= sqrt(width)
+        radius = 1.0 if axis == len(a.shape) - 1 else sqrt_up(_row_width(a.shape))
+        return [Flow(mul_up(a.lip, SOFTMAX_LIPSCHITZ), radius, out_shapes[0])]
 
 
 @register
@@ -697,10 +700,9 @@ class ReduceOp(Op):
         a = args[0]
         assert isinstance(a, Flow)
         m = max(int(np.prod(a.shape)) // max(int(np.prod(out_shapes[0])), 1), 1)
-        if node.op_type == "ReduceSum":
-            factor = sqrt_up(m) if norm == "2" else float(m)
-        else:
-            factor = 1.0  # a mean or a max of m entries: 1-Lipschitz in both norms
+        # a mean or a max of m entries is 1-Lipschitz in both norms; a sum is not
+        factor = (sqrt_up(m) if norm == "2" else float(m)) if node.op_type == "ReduceSum" \
+            else 1.0
         return [Flow(mul_up(a.lip, factor), None, out_shapes[0])]
 
 
@@ -722,10 +724,11 @@ class WhereOp(Op):
         if any(f.shape != out_shapes[0] for f in flows):
             raise NotCertified(f"Where node {node.name} broadcasts an input-dependent tensor")
         # a constant mask selects entries: each output entry copies one input entry
-        if len(flows) == 2:
-            lip = max(flows[0].lip, flows[1].lip)
+        # (2-norm: the selected entries of both inputs, sqrt(Lx^2 + Ly^2); inf-norm: the max)
+        if len(flows) == 2 and norm == "2":
+            lip = sqrt_up(add_up(*(mul_up(f.lip, f.lip) for f in flows)))
         else:
-            lip = flows[0].lip
+            lip = max(f.lip for f in flows)
         return [Flow(lip, None, out_shapes[0])]
 
 

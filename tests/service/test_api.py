@@ -296,3 +296,21 @@ def test_bound_empirical_job_yields_the_report(client: TestClient, model_bytes: 
         {k: v for k, v in analytic.items() if k not in ("lower", "ratio", "witness")}
     again = client.post("/bound", json=req)
     assert again.status_code == 200 and again.json() == job["result"]
+
+
+def test_artifacts_content_addressed_with_metadata(client: TestClient) -> None:
+    from service.artifacts import store_artifact
+    from service.db import transaction
+    from service.models import Artifact
+
+    rt = client.app.state.runtime  # type: ignore[attr-defined]
+    data = b"png bytes " + bytes(range(256))
+    with transaction(rt.sessions) as s:
+        sha = store_artifact(s, rt.artifacts, data, "plot")
+        assert store_artifact(s, rt.artifacts, data, "plot") == sha
+    assert sha == hashlib.sha256(data).hexdigest()
+    assert rt.artifacts.path_for(sha) == rt.settings.artifact_dir / sha[:2] / sha
+    assert rt.artifacts.read_bytes(sha) == data
+    with rt.sessions() as s:
+        row = s.get(Artifact, sha)
+        assert row is not None and row.size_bytes == len(data) and row.kind == "plot"

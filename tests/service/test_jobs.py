@@ -227,3 +227,22 @@ def test_worker_refuses_without_redis() -> None:
     r = CliRunner().invoke(cli_app, ["worker"], env={"LSA_REDIS_URL": "",
                                                      "LSA_DATABASE_URL": "sqlite://"})
     assert r.exit_code == 2 and "LSA_REDIS_URL is not set" in r.output
+
+
+def test_jobs_cancel_stops_a_real_bound_search(app_client: tuple[TestClient, Runtime],
+                                               model_bytes: bytes) -> None:
+    from .conftest import needs_estimator
+
+    needs_estimator()
+    c, rt = app_client
+    m = upload(c, model_bytes)
+    slow = {"model_id": m["id"], "norm": "2", "seq_len": 8,
+            "empirical": {"restarts": 50, "steps": 100000, "seed": 1, "time_budget_s": 600}}
+    job_id = c.post("/bound", json=slow).json()["job_id"]
+    wait_for(rt, job_id, lambda j: j.status == "running" and j.progress > 0.1)
+    assert c.delete(f"/jobs/{job_id}").json()["status"] == "cancelled"
+    # One worker thread: the next job can only run once the cancelled search has stopped.
+    nxt = submit(rt, steps=1)
+    wait_for(rt, nxt, lambda j: j.status == "succeeded", timeout=15)
+    job = job_row(rt, job_id)
+    assert job.status == "cancelled" and job.result is None

@@ -37,11 +37,21 @@ def make_engine(url: str, *, null_pool: bool = False) -> Engine:
     if url.startswith("sqlite"):
         @event.listens_for(engine, "connect")
         def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+            # SQLAlchemy emits BEGIN itself (below), not the driver: savepoints work, and
+            # transactions take the write lock up front.
+            dbapi_conn.isolation_level = None
             cur = dbapi_conn.cursor()
             cur.execute("PRAGMA foreign_keys=ON")
             cur.execute("PRAGMA journal_mode=WAL")
             cur.execute("PRAGMA busy_timeout=30000")
             cur.close()
+
+        @event.listens_for(engine, "begin")
+        def _sqlite_begin(conn: Any) -> None:
+            # IMMEDIATE: a deferred transaction that reads and then writes fails at once
+            # ("database is locked", no busy wait) when another connection wrote in between;
+            # an immediate one waits its turn (busy_timeout) instead.
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
     return engine
 
 

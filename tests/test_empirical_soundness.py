@@ -24,6 +24,15 @@ from lsa_models import (
 )
 from lsa_models.empirical import estimate, lower_bound
 
+# The lower bound is a float64 Jacobian norm, not rounded downward, so where the bound is exact
+# it can sit a few ulps above it. Found case: a pre-norm block with D = 1 is the identity (a
+# width-1 LayerNorm outputs the constant beta), Lip = 1 exactly, certified upper 1 + 1.3e-15
+# (rounded up: sound), lower 1 + 1.8e-15; with larger weights the width-1 LayerNorm's float
+# Jacobian is rounding noise times gamma/sqrt(eps) (1 + 1.5e-11 seen). So blocks are drawn
+# with D >= 2, where LayerNorm is a genuine map, and the slack below is ~1000x rounding and
+# ~1e10x below any real error in a bound (a missing factor).
+ROUNDING = 1e-12
+
 KINDS = ("l2", "l2_causal", "block_pre", "block_post", "transformer")
 SHAPES = st.sampled_from([(1, 1), (2, 1), (2, 2), (4, 1), (4, 2)])  # (D, H)
 
@@ -62,12 +71,14 @@ def test_soundness_lower_never_above_certified_upper(kind: str, shape: tuple[int
                                                      norm: str, seed: int, weight_scale: float,
                                                      radius: float | None) -> None:
     d, h = shape
+    if kind not in ("l2", "l2_causal") and d == 1:
+        d = 2  # see ROUNDING: a width-1 LayerNorm is the constant map
     model = _build(kind, d, h, seed, weight_scale)
     cert = certify(model, norm, n, radius)  # type: ignore[arg-type]
     assert cert.verdict == "certified" and cert.upper is not None
     res = lower_bound(_seq(model), (n, d), norm, restarts=1, steps=3, seed=seed % 1000,
                       dtype=torch.float64, radius=radius, scales=(1.0, 3.0))
-    assert res.value <= cert.upper, (kind, shape, n, norm, seed, weight_scale, radius,
+    assert res.value <= cert.upper * (1 + ROUNDING), (kind, shape, n, norm, seed, weight_scale, radius,
                                      res.value, cert.upper)
 
 
@@ -90,7 +101,7 @@ def test_soundness_tight_scalar_l2(wq: float, wv: float, wo: float, n: int, norm
     assert upper is not None
     res = lower_bound(_seq(model), (n, 1), norm, restarts=2, steps=25, seed=seed,
                       dtype=torch.float64, scales=(1.0 / wq, 0.3 / wq))
-    assert res.value <= upper, (wq, wv, wo, n, norm, seed, res.value, upper)
+    assert res.value <= upper * (1 + ROUNDING), (wq, wv, wo, n, norm, seed, res.value, upper)
 
 
 def test_soundness_estimate_on_float32_models() -> None:

@@ -126,7 +126,7 @@ def test_export_l2_native_forward_value_path_is_not_certified(tmp_path: Path) ->
 
 def test_export_dp_transformer_matches_native_with_radius(tmp_path: Path) -> None:
     model = _l2_model(5, attention="dp", norm_first=False)
-    for dynamo in (False, True):
+    for dynamo in (False,):  # the dynamo spelling of DP attention: the MHA tests
         path = export_onnx(model, tmp_path / f"m{dynamo}.onnx", N, dynamo=dynamo)
         loaded = load_onnx(path.read_bytes())
         unbounded = analyse(loaded, "2")

@@ -68,8 +68,8 @@ def _register() -> None:
     from .. import analysis
 
     if not any(loader is load_onnx_model for _, loader in analysis.LOADERS):
-        # before the native sniffing: an .onnx never looks like safetensors, but be explicit
-        analysis.LOADERS.insert(0, (is_onnx, load_onnx_model))
+        # after the native loader: its sniffing is structural (header length + JSON)
+        analysis.LOADERS.append((is_onnx, load_onnx_model))
 
 
 _register()

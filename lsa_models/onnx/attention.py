@@ -146,24 +146,52 @@ class _Probe:
         self.n = self.shape[-2]
         self.width = self.shape[-1]
 
-    def run(self, x: np.ndarray) -> dict[str, Tensor]:
+    def run(self, x: np.ndarray, basis: bool = False) -> dict[str, Tensor]:
+        if not basis:
+            with torch.no_grad():
+                return self.info.eval_nodes(self.nodes, {self.source: torch.from_numpy(x)})
+        # Basis inputs: a product `T @ W` with a constant W and rows of T that are unit
+        # vectors or zero is a row gather of W; the same float64 numbers (1 * w, 0 * w)
+        # without the cost of the matrix product.
+        from .ops import OPS
+
+        env = dict(self.info.env)
+        env[self.source] = torch.from_numpy(x)
+        ctx = self.info.module.ctx
         with torch.no_grad():
-            return self.info.eval_nodes(self.nodes, {self.source: torch.from_numpy(x)})
+            for node in self.nodes:
+                ins = [env[i] if i else None for i in node.inputs]
+                out = _gather_product(node, ins, self.info) if node.op_type == "MatMul" \
+                    else None
+                outs = [out] if out is not None else OPS[node.op_type].run(node, ins, ctx)
+                for name, value in zip(node.outputs, outs, strict=False):
+                    if name:
+                        env[name] = value
+        return env
+
+    def _basis_runs(self) -> tuple[dict[str, Tensor], list[dict[str, Tensor]]]:
+        """The region at X = 0 and at the basis inputs (token i of run k is e_{kN+i}); run
+        once, every probed tensor is read from the same evaluations."""
+        if not hasattr(self, "_runs"):
+            n, width = self.n, self.width
+            zero = self.run(np.zeros(self.shape), basis=True)
+            bases = []
+            for k in range(-(-width // n)):
+                x = np.zeros(self.shape)
+                for i in range(n):
+                    if k * n + i < width:
+                        x[..., i, k * n + i] = 1.0
+                bases.append(self.run(x, basis=True))
+            self._runs = (zero, bases)
+        return self._runs
 
     def affine(self, targets: list[tuple[str, bool]], samples: list[dict[str, Tensor]],
                sample_inputs: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
         """For each (tensor, transposed): W (G, width, w) and b (G, w) with
         view(T(X))[g, i] = x_i W[g] + b[g], verified at the samples."""
         n, width = self.n, self.width
-        zero = self.run(np.zeros(self.shape))
+        zero, bases = self._basis_runs()
         results = []
-        bases = []
-        for k in range(-(-width // n)):
-            x = np.zeros(self.shape)
-            for i in range(n):
-                if k * n + i < width:
-                    x[..., i, k * n + i] = 1.0
-            bases.append(self.run(x))
         for name, tr in targets:
             b_all = _view(zero[name], n, tr)  # (G, N, w)
             if not np.allclose(b_all, b_all[:, :1, :], rtol=0, atol=1e-12 * (
@@ -180,12 +208,26 @@ class _Probe:
             for env, x in zip(samples, sample_inputs, strict=True):
                 got = _view(env[name], n, tr)
                 xs = x.reshape(-1, n, width)[0]
-                pred = np.einsum("nd,gdw->gnw", xs, weight) + b[:, None, :]
+                pred = xs @ weight + b[:, None, :]  # (G, N, w)
                 if not np.allclose(got, pred, rtol=0, atol=_TOL * (1 + np.abs(got).max())):
                     raise _NotAttention(f"tensor {name} is not a token-wise affine map of the "
                                         "layer input")
             results.append((weight, b))
         return results
+
+
+def _gather_product(node: Node, ins: list[Tensor | None], info: GraphInfo) -> Tensor | None:
+    a, w = ins[0], ins[1]
+    if a is None or w is None or node.inputs[1] in info.var or w.dim() != 2 or a.dim() < 2:
+        return None
+    rows = a.reshape(-1, a.shape[-1])
+    nonzero = rows != 0
+    counts = nonzero.sum(dim=1)
+    if bool((counts > 1).any()) or not bool((rows[nonzero] == 1).all()):
+        return None
+    idx = rows.argmax(dim=1)
+    out = w[idx] * (counts == 1).to(w.dtype)[:, None]
+    return out.reshape(*a.shape[:-1], w.shape[1])
 
 
 def _row_normalise(a: np.ndarray, j0: np.ndarray) -> np.ndarray:
@@ -328,11 +370,10 @@ def _analyse(info: GraphInfo, sm: Node, logits: str, x: str, layer: AttentionLay
                 va = [np.broadcast_to(v, (g_l, *v.shape[1:])) for v in va]
                 vb = [np.broadcast_to(v, (g_l, *v.shape[1:])) for v in vb]
                 if kind == "dp":
-                    gs = [np.einsum("gid,gjd->gij", qa, kb) for qa, kb in zip(va, vb,
-                                                                               strict=True)]
+                    gs = [qa @ np.swapaxes(kb, 1, 2) for qa, kb in zip(va, vb, strict=True)]
                 else:
-                    gs = [-(np.square(qa).sum(-1)[:, :, None] - 2 * np.einsum(
-                        "gid,gjd->gij", qa, kb) + np.square(kb).sum(-1)[:, None, :])
+                    gs = [-(np.square(qa).sum(-1)[:, :, None] - 2 * (qa @ np.swapaxes(kb, 1, 2))
+                            + np.square(kb).sum(-1)[:, None, :])
                           for qa, kb in zip(va, vb, strict=True)]
                 fit = _fit(ls, gs, finite, j0)
                 if fit is not None:
@@ -495,7 +536,7 @@ def _l2_values(info: GraphInfo, nodes: list[Node], probe: _Probe, envs: list[dic
         zv = _view(env[z_name], probe.n, False)
         vv = _view(env[v_name], probe.n, False)
         if zv.shape[0] != g or vv.shape[0] != g or not np.allclose(
-                np.einsum("gnd,gdw->gnw", zv, wv), vv, rtol=0,
+                zv @ wv, vv, rtol=0,
                 atol=_TOL * (1 + np.abs(vv).max())):
             layer.reason = reason
             return

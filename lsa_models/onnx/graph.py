@@ -81,6 +81,19 @@ class GraphModule(nn.Module):
                                      "length to certify with --seq-len N")
         return self.spec.seq_len
 
+    def _set_float_dtype(self, float_dtype: torch.dtype) -> GraphModule:
+        # constants are a plain dict (no parameters): nn.Module.double() would not see them
+        self.consts = {k: v.to(float_dtype) if v.is_floating_point() else v
+                       for k, v in self.consts.items()}
+        self.ctx = RunContext(float_dtype)
+        return self
+
+    def double(self) -> GraphModule:
+        return self._set_float_dtype(torch.float64)
+
+    def float(self) -> GraphModule:
+        return self._set_float_dtype(torch.float32)
+
     def with_dtype(self, float_dtype: torch.dtype) -> GraphModule:
         return GraphModule(self.spec, float_dtype)
 
@@ -209,6 +222,8 @@ class GraphInfo:
         from .ops import OPS
 
         for node in nodes:
+            if all(o in overrides for o in node.outputs if o):
+                continue
             outs = OPS[node.op_type].run(node, [env[i] if i else None for i in node.inputs], ctx)
             for name, value in zip(node.outputs, outs, strict=False):
                 if name:

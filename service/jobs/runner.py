@@ -16,6 +16,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import select, update
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from ..db import after_commit, transaction
@@ -98,6 +99,27 @@ def _finish(runtime: Runtime, job_id: str, attempt: int, **values: Any) -> bool:
         return bool(res.rowcount == 1)  # type: ignore[attr-defined]
 
 
+def _queue_of(kind_name: str) -> str:
+    try:
+        return get_job_kind(kind_name).queue
+    except ValueError:
+        return "bound"
+
+
+def _finish_retrying(runtime: Runtime, job_id: str, attempt: int, **values: Any) -> bool:
+    """`_finish`, retried on fresh connections: an interrupt (time limit) that hit the job
+    mid-query can leave a pooled connection unusable."""
+    for i in range(3):
+        try:
+            return _finish(runtime, job_id, attempt, **values)
+        except SQLAlchemyError:
+            log.warning("job %s: recording the outcome failed; retrying", job_id,
+                        exc_info=True)
+            runtime.engine.dispose()
+            time.sleep(0.2 * (i + 1))
+    return _finish(runtime, job_id, attempt, **values)
+
+
 class _Heartbeat(threading.Thread):
     """Keeps `heartbeat_at` fresh while a handler computes without reporting progress."""
 
@@ -123,6 +145,7 @@ def run_job(runtime: Runtime, job_id: str) -> None:
         log.info("job %s: not queued any more; skipping", job_id)
         return
     attempt, kind_name, params = claimed
+    started = time.monotonic()
     ctx = JobContext(runtime, job_id, attempt, params)
     beat = _Heartbeat(ctx, max(0.2, min(10.0, runtime.settings.job_stale_after_s / 4)))
     beat.start()
@@ -133,24 +156,27 @@ def run_job(runtime: Runtime, job_id: str) -> None:
         log.info("job %s: cancelled while running", job_id)
         return
     except BaseException as exc:
-        # BaseException: Dramatiq's time limit arrives as an asynchronous Interrupt.
-        if type(exc).__name__ == "TimeLimitExceeded":
-            queue = get_job_kind(kind_name).queue
-            message = (f"time limit exceeded: {runtime.settings.time_limit_s(queue):g} s on "
-                       f"queue {queue!r} (LSA_{queue.upper()}_TIME_LIMIT_S)")
-        elif isinstance(exc, (KeyboardInterrupt, SystemExit)):
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
+        # BaseException: Dramatiq's time limit arrives as an asynchronous Interrupt, which
+        # can land inside library code and come out as another error; the clock decides.
+        queue = runtime.settings.time_limit_s(_queue_of(kind_name))
+        if (type(exc).__name__ == "TimeLimitExceeded"
+                or time.monotonic() - started >= queue):
+            name = _queue_of(kind_name)
+            message = (f"time limit exceeded: {queue:g} s on queue {name!r} "
+                       f"(LSA_{name.upper()}_TIME_LIMIT_S)")
         else:
             log.warning("job %s failed", job_id, exc_info=True)
             message = f"{type(exc).__name__}: {exc}" if not isinstance(exc, ValueError) \
                 else str(exc)
-        _finish(runtime, job_id, attempt, status="failed", error=message[:4000],
-                stage="failed")
+        _finish_retrying(runtime, job_id, attempt, status="failed", error=message[:4000],
+                         stage="failed")
         return
     finally:
         beat.stopped.set()
-    if not _finish(runtime, job_id, attempt, status="succeeded", result=result, progress=1.0,
-                   stage="done"):
+    if not _finish_retrying(runtime, job_id, attempt, status="succeeded", result=result,
+                            progress=1.0, stage="done"):
         log.info("job %s: finished but was cancelled meanwhile; result dropped", job_id)
 
 

@@ -86,6 +86,14 @@ def run_one(corpus: CharCorpus, kind: str, depth: int, args: argparse.Namespace,
     return row
 
 
+def unigram_bpc(corpus: CharCorpus) -> float:
+    """Cross-entropy (bits/char) of the validation split under the training split's character
+    frequencies (add-one smoothed): the level a model reaches by ignoring context."""
+    counts = torch.bincount(corpus.train, minlength=corpus.vocab.size).double() + 1.0
+    logp = (counts / counts.sum()).log2()
+    return float(-logp[corpus.valid].mean())
+
+
 def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     import matplotlib
 
@@ -153,10 +161,15 @@ def main() -> None:
               else text_corpus(Path(args.corpus).read_text(encoding="utf-8"), args.corpus,
                                min_split_chars=args.seq_len + 1))
     t0 = time.perf_counter()
+    unigram = unigram_bpc(corpus)
     rows = []
     for depth in args.depths:
         for kind in args.kinds:
             row = run_one(corpus, kind, depth, args, width)
+            # Divergence events catch blow-ups; a run that never learns past the unigram
+            # statistics (the post-norm DP failure mode) is caught here.
+            row["failed_to_train"] = row["final_val_bpc"] is None or \
+                row["final_val_bpc"] > unigram - 0.1
             rows.append(row)
             print(f"{kind:15s} depth {depth:3d}: final val bpc {row['final_val_bpc']}, "
                   f"events {row['divergence_events']}, {row['wall_s']:.0f} s", file=sys.stderr)
@@ -178,9 +191,11 @@ def main() -> None:
         "torch": torch.__version__,
         "machine": platform.processor() or platform.machine(),
         "total_wall_s": time.perf_counter() - t0,
+        "unigram_val_bpc": unigram,
         "runs": rows,
         "summary": [{k: r.get(k) for k in ("attention", "depth", "final_val_bpc",
                                            "best_val_bpc", "divergence_events", "diverged",
+                                           "failed_to_train",
                                            "val_bpc_minus_dp", "tokens_per_s")}
                     for r in rows],
     }

@@ -18,6 +18,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,7 +30,10 @@ OUT = Path(__file__).resolve().parent / "out"
 NS = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1000)
 
 
-def unit_weights(model: nn.Module) -> nn.Module:
+Attention = L2MHA | DotProductMHA
+
+
+def unit_weights(model: Attention) -> Attention:
     with torch.no_grad():
         for lin in (model.q_proj, model.k_proj, model.v_proj, model.out_proj):
             if lin is not None:
@@ -38,9 +42,9 @@ def unit_weights(model: nn.Module) -> nn.Module:
     return model
 
 
-def models(seed: int, dtype: torch.dtype) -> list[tuple[str, nn.Module, bool]]:
+def models(seed: int, dtype: torch.dtype) -> list[tuple[str, Attention, bool]]:
     """(name, model, certifiable)."""
-    out: list[tuple[str, nn.Module, bool]] = [
+    out: list[tuple[str, Attention, bool]] = [
         ("L2 D=1 H=1 unit", unit_weights(L2MHA(AttentionConfig(1, 1))), True)]
     for d, h in ((4, 2), (16, 4)):
         torch.manual_seed(seed)
@@ -54,7 +58,7 @@ def models(seed: int, dtype: torch.dtype) -> list[tuple[str, nn.Module, bool]]:
     return out
 
 
-def plot(result: dict, path: Path) -> None:
+def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -80,7 +84,7 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--max-n", type=int, default=1000)
     ap.add_argument("--restarts", type=int, default=3)
@@ -94,14 +98,14 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = getattr(torch, args.dtype)
     ns = [n for n in NS if n <= args.max_n]
     t_start, load_start = time.perf_counter(), list(os.getloadavg())
-    series = []
+    series: list[dict[str, Any]] = []
     for name, model, certifiable in models(args.seed, dtype):
         d = model.config.d_model
 
         def f(x: torch.Tensor, model: nn.Module = model) -> torch.Tensor:  # (N, D) -> (N, D)
             return model(x.unsqueeze(0)).squeeze(0)
 
-        rows = []
+        rows: list[dict[str, Any]] = []
         for n in ns:
             t0 = time.perf_counter()
             upper = certify(model, "inf", n).upper if certifiable else None
@@ -114,9 +118,9 @@ def main(argv: list[str] | None = None) -> dict:
             print(json.dumps({"series": name, **row}), file=sys.stderr, flush=True)
             rows.append(row)
         series.append({"name": name, "d_model": d, "certifiable": certifiable, "rows": rows})
-    unit = series[0]["rows"]
-    small = [r["ratio"] for r in unit if r["n"] <= 50]
-    result = {
+    unit: list[dict[str, Any]] = series[0]["rows"]
+    small: list[float] = [r["ratio"] for r in unit if r["n"] <= 50]
+    result: dict[str, Any] = {
         "benchmark": "tightness",
         "norm": "inf",
         "restarts": args.restarts,

@@ -53,6 +53,10 @@ def _models() -> list[tuple[str, nn.Module]]:
 MODELS = _models()
 
 
+def _width(model: nn.Module) -> int:
+    return int(model.config.d_model)  # type: ignore[union-attr,arg-type]
+
+
 def _full_jacobian(f, x: Tensor) -> Tensor:
     with differentiable_attention():  # the fused kernel has no batching rule for jacrev
         return torch.func.jacrev(f)(x).reshape(-1, x.numel())  # (numel out, numel in)
@@ -68,7 +72,7 @@ CASES = [(n, m, "lanczos") for n, m in MODELS] + [
 def test_jacobian_two_norm_equals_jacrev_svd_float64(name: str, model: nn.Module,
                                                      method: str) -> None:
     f = _seq(model)
-    d = model.config.d_model
+    d = _width(model)
     for seed, (n, scale) in enumerate([(2, 1.0), (5, 0.5), (7, 2.0)]):
         x = torch.randn(n, d, generator=torch.Generator().manual_seed(seed),
                         dtype=torch.float64) * scale
@@ -82,7 +86,7 @@ def test_jacobian_two_norm_equals_jacrev_svd_float64(name: str, model: nn.Module
 @pytest.mark.parametrize(("name", "model"), MODELS, ids=[n for n, _ in MODELS])
 def test_jacobian_inf_norm_equals_largest_row_sum(name: str, model: nn.Module) -> None:
     f = _seq(model)
-    d = model.config.d_model
+    d = _width(model)
     x = torch.randn(6, d, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     sums = _full_jacobian(f, x).abs().sum(dim=1)  # (numel out,)
     for chunk in (1, 5, None):

@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from lsa_models import (
+    L2MHA,
     AttentionConfig,
     DotProductMHA,
-    L2MHA,
     Transformer,
     TransformerConfig,
     certify,

@@ -67,8 +67,9 @@ def estimate(module: nn.Module, input_shape: tuple[int, int], norm: str = "2",
     """Best empirical lower bound on `Lip_norm(module)` over inputs of shape (N, D).
 
     `module` maps (B, N, D) -> (B, N, D). With a `DotProductMHA` inside, also scans the
-    Theorem 3.1 construction and returns its growth pairs. Deterministic for a seed as long
-    as the time budget does not cut the run short (`stopped_early`). `progress(fraction,
+    Theorem 3.1 construction and returns its growth pairs. Deterministic for a seed (at a
+    fixed torch thread count) as long as the time budget does not cut the run short
+    (`stopped_early`). `progress(fraction,
     stage)` is called from this thread, at most about four times a second.
 
     `radius`: search only inputs whose tokens have 2-norm <= radius, so the result is a lower

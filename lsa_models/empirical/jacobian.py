@@ -112,7 +112,8 @@ class _Products:
     def __init__(self, f: Fn, x: Tensor) -> None:
         self.f, self.x = f, x
         with differentiable_attention():
-            y, self._vjp = torch.func.vjp(f, x)
+            pulled = torch.func.vjp(f, x)  # (f(x), vjp_fn)
+        y, self._vjp = pulled[0], pulled[1]
         self.out_shape = y.shape
 
     def jv(self, v: Tensor) -> Tensor:
@@ -231,7 +232,8 @@ def inf_norm_rows(f: Fn, x: Tensor, rows: Tensor | None = None,
     """Largest absolute row sum of J over `rows` (flat output indices; None: all rows)."""
     x = x.detach()
     with torch.no_grad(), differentiable_attention():
-        y, vjp_fn = torch.func.vjp(f, x)
+        pulled = torch.func.vjp(f, x)  # (f(x), vjp_fn)
+    y, vjp_fn = pulled[0], pulled[1]
     m = y.numel()
     idx = torch.arange(m) if rows is None else rows.reshape(-1).to(torch.long)
     if idx.numel() == 0:

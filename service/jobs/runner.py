@@ -160,12 +160,11 @@ def run_job(runtime: Runtime, job_id: str) -> None:
             raise
         # BaseException: Dramatiq's time limit arrives as an asynchronous Interrupt, which
         # can land inside library code and come out as another error; the clock decides.
-        queue = runtime.settings.time_limit_s(_queue_of(kind_name))
-        if (type(exc).__name__ == "TimeLimitExceeded"
-                or time.monotonic() - started >= queue):
-            name = _queue_of(kind_name)
-            message = (f"time limit exceeded: {queue:g} s on queue {name!r} "
-                       f"(LSA_{name.upper()}_TIME_LIMIT_S)")
+        queue = _queue_of(kind_name)
+        limit = runtime.settings.time_limit_s(queue)
+        if type(exc).__name__ == "TimeLimitExceeded" or time.monotonic() - started >= limit:
+            message = (f"time limit exceeded: {limit:g} s on queue {queue!r} "
+                       f"(LSA_{queue.upper()}_TIME_LIMIT_S)")
         else:
             log.warning("job %s failed", job_id, exc_info=True)
             message = f"{type(exc).__name__}: {exc}" if not isinstance(exc, ValueError) \

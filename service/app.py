@@ -85,9 +85,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     runtime.metrics = metrics
     install_error_handlers(app)
 
-    from .routes import bound, certificates, health, jobs, models
+    from .routes import bound, certificates, corpora, health, jobs, models
 
-    for module in (models, bound, certificates, jobs, health):
+    for module in (models, bound, certificates, jobs, corpora, health):
         app.include_router(module.router)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_upload_bytes + UPLOAD_OVERHEAD)
     app.add_middleware(MetricsMiddleware, metrics=metrics)

@@ -97,6 +97,20 @@ class Model(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
+class Corpus(Base):
+    """An uploaded UTF-8 text for training requests; its bytes live in the artifact store."""
+
+    __tablename__ = "corpora"
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True, default=new_id)
+    sha256: Mapped[str] = mapped_column(ForeignKey("artifacts.sha256"), unique=True)
+    filename: Mapped[str] = mapped_column(String(255))
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    chars: Mapped[int] = mapped_column(BigInteger)
+    vocab_size: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
 class BoundResultRow(Base):
     """One stored bound report; `request_key` makes identical requests hit the same row."""
 

@@ -37,6 +37,14 @@ class Settings(BaseSettings):
     max_empirical_elements: PositiveInt = Field(
         default=4_194_304,
         description="Largest input N x D an empirical (job) search may use; 422 above")
+    max_corpus_bytes: PositiveInt = Field(
+        default=64 * MiB, description="Largest accepted text corpus upload (413 above)")
+    max_training_steps: PositiveInt = Field(
+        default=200_000, description="Most optimizer steps a training request may ask for")
+    max_training_elements: PositiveInt = Field(
+        default=2**31,
+        description="Largest training step: batch_size x n_layers x seq_len x (d_model + d_ff"
+                    " + n_heads x seq_len), a proxy for the activations kept for backward")
     auth_required: bool = Field(default=False,
                                 description="Require API keys (read scope for GET, write else)")
     signing_key_path: Path = Field(default=Path("./var/signing_key.pem"),

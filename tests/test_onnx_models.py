@@ -9,6 +9,7 @@ import zipfile
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 import torch
@@ -255,9 +256,17 @@ def test_cli_bound_reads_onnx_and_zip(tmp_path: Path, l2_model: Transformer) -> 
     assert report["verdict"] == "certified"
     assert _same(report["upper"], certify(l2_model, "2", N).upper)
     assert any(lb["nodes"] for lb in report["layers"])
+    # torch's default layout: weights in model.onnx.data next to the graph, zipped together
+    ext = tmp_path / "ext"
+    ext.mkdir()
+    onnx.save_model(onnx.load(str(path)), str(ext / "model.onnx"), save_as_external_data=True,
+                    all_tensors_to_one_file=True, location="model.onnx.data",
+                    size_threshold=0)
+    assert (ext / "model.onnx.data").stat().st_size > 0
     zpath = tmp_path / "m.zip"
     with zipfile.ZipFile(zpath, "w") as zf:
-        zf.write(path, "m.onnx")
+        zf.write(ext / "model.onnx", "model.onnx")
+        zf.write(ext / "model.onnx.data", "model.onnx.data")
     code, out = _cli(["bound", str(zpath), "--json", "--norm", "inf"])
     assert code == 0, out
     assert _same(json.loads(out.strip().splitlines()[-1])["upper"],
@@ -284,3 +293,38 @@ def test_cli_hostile_file_exits_2(tmp_path: Path) -> None:
     (tmp_path / "bad.zip").write_bytes(buf.getvalue())
     code, out = _cli(["bound", str(tmp_path / "bad.zip")])
     assert code == 2 and "lsa: error" in out
+
+
+class _ManualLayerNorm(nn.Module):
+    """LayerNorm written out: exporters emit ReduceMean/Sub/Pow/Add/Sqrt/Div/Mul/Add."""
+
+    def __init__(self, ln: nn.LayerNorm) -> None:
+        super().__init__()
+        self.ln = ln
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mean = x.mean(-1, keepdim=True)  # (B, N, 1)
+        var = ((x - mean) ** 2).mean(-1, keepdim=True)  # (B, N, 1)
+        return (x - mean) / torch.sqrt(var + self.ln.eps) * self.ln.weight + self.ln.bias
+
+
+@pytest.mark.parametrize("dynamo", [False, True])
+def test_decomposed_layernorm_and_erf_gelu_are_recognised(tmp_path: Path, dynamo: bool) -> None:
+    torch.manual_seed(10)
+    ln = nn.LayerNorm(D)
+    with torch.no_grad():
+        ln.weight.uniform_(0.5, 2.0)
+        ln.bias.normal_()
+    native = nn.Sequential(nn.Linear(D, D), ln, nn.GELU(), nn.Linear(D, D)).eval()
+    manual = nn.Sequential(native[0], _ManualLayerNorm(ln), nn.GELU(), native[3]).eval()
+    path = _export_module(manual, tmp_path / "ln.onnx", dynamo)
+    loaded = load_onnx(path.read_bytes())
+    for norm in ("2", "inf"):
+        got = analyse(loaded, norm)  # type: ignore[arg-type]
+        assert got.verdict == "certified", got.reason
+        want = certify(native, norm, N).upper
+        assert got.upper is not None and want is not None
+        # gamma is fitted from the graph (with a 1e-9 upward margin)
+        assert want <= got.upper <= want * (1 + 1e-8)
+    kinds = [lb.kind for lb in got.layers]
+    assert "layernorm" in kinds and "activation:gelu" in kinds

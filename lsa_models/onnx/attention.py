@@ -150,24 +150,7 @@ class _Probe:
         if not basis:
             with torch.no_grad():
                 return self.info.eval_nodes(self.nodes, {self.source: torch.from_numpy(x)})
-        # Basis inputs: a product `T @ W` with a constant W and rows of T that are unit
-        # vectors or zero is a row gather of W; the same float64 numbers (1 * w, 0 * w)
-        # without the cost of the matrix product.
-        from .ops import OPS
-
-        env = dict(self.info.env)
-        env[self.source] = torch.from_numpy(x)
-        ctx = self.info.module.ctx
-        with torch.no_grad():
-            for node in self.nodes:
-                ins = [env[i] if i else None for i in node.inputs]
-                out = _gather_product(node, ins, self.info) if node.op_type == "MatMul" \
-                    else None
-                outs = [out] if out is not None else OPS[node.op_type].run(node, ins, ctx)
-                for name, value in zip(node.outputs, outs, strict=False):
-                    if name:
-                        env[name] = value
-        return env
+        return _eval_unit_rows(self.info, self.nodes, {self.source: torch.from_numpy(x)})
 
     def _basis_runs(self) -> tuple[dict[str, Tensor], list[dict[str, Tensor]]]:
         """The region at X = 0 and at the basis inputs (token i of run k is e_{kN+i}); run
@@ -214,6 +197,27 @@ class _Probe:
                                         "layer input")
             results.append((weight, b))
         return results
+
+
+def _eval_unit_rows(info: GraphInfo, nodes: list[Node],
+                    overrides: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Evaluate `nodes` for probe inputs: a product `T @ W` with a constant W and rows of T
+    that are unit vectors or zero is a row gather of W; the same float64 numbers (1 * w,
+    0 * w) without the cost of the matrix product."""
+    from .ops import OPS
+
+    env = dict(info.env)
+    env.update(overrides)
+    ctx = info.module.ctx
+    with torch.no_grad():
+        for node in nodes:
+            ins = [env[i] if i else None for i in node.inputs]
+            out = _gather_product(node, ins, info) if node.op_type == "MatMul" else None
+            outs = [out] if out is not None else OPS[node.op_type].run(node, ins, ctx)
+            for name, value in zip(node.outputs, outs, strict=False):
+                if name:
+                    env[name] = value
+    return env
 
 
 def _gather_product(node: Node, ins: list[Tensor | None], info: GraphInfo) -> Tensor | None:
@@ -460,8 +464,7 @@ def _probe_tail(info: GraphInfo, nodes: list[Node], o_name: str, y: str,
 
     def run(view: np.ndarray) -> np.ndarray:
         o = torch.from_numpy(np.ascontiguousarray(view).reshape(o_shape))
-        with torch.no_grad():
-            env = info.eval_nodes(tail, {o_name: o})
+        env = _eval_unit_rows(info, tail, {o_name: o})
         return env[y].detach().numpy().reshape(-1, n, info.shape(y)[-1])[0]
 
     zero = run(np.zeros_like(o_view))

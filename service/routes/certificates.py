@@ -5,9 +5,11 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
 from api_schemas.certificates import CERTIFICATE_EXAMPLE, Certificate, VerifyResult
+from api_schemas.jobs import JobAccepted
 from api_schemas.requests import CertifyRequest
 
 from ..bounding import (
@@ -45,11 +47,20 @@ class PublicKey(BaseModel):
 
 @router.post(
     "/certify", status_code=201, response_model=Certificate, dependencies=[WriteAccess],
-    summary="Issue a signed certificate: is the certified bound <= max_lipschitz?",
-    responses=responses(404),
+    summary="Issue a signed certificate: is the certified bound <= max_lipschitz? "
+            "(with `training`: train a model and certify it, as a job)",
+    responses={202: {"model": JobAccepted, "description": "A training request was queued on "
+                     "the training queue: poll GET /jobs/{job_id}"}, **responses(404)},
 )
-def certify(req: CertifyRequest, runtime: RuntimeDep, session: SessionDep) -> Certificate:
-    # Extension point: a training form of this request is routed to its job kind here.
+def certify(req: CertifyRequest, runtime: RuntimeDep,
+            session: SessionDep) -> Certificate | JSONResponse:
+    if req.training is not None:
+        from ..training import submit_training
+
+        job = submit_training(session, runtime, req.training)
+        accepted = JobAccepted(job_id=job.id, status="queued")
+        return JSONResponse(accepted.model_dump(mode="json"), status_code=202)
+    assert req.model_id is not None and req.max_lipschitz is not None  # the validator's rule
     model = get_model(session, req.model_id)
     seq_len = resolve_seq_len(model, req.seq_len)
     key = request_key(model.sha256, req.norm, seq_len, req.radius, None)

@@ -28,8 +28,8 @@ from service.settings import Settings
 
 from .conftest import PgSchemas
 
-TABLES = {"alembic_version", "api_keys", "artifacts", "bound_results", "certificates", "jobs",
-          "models"}
+TABLES = {"alembic_version", "api_keys", "artifacts", "bound_results", "certificates",
+          "corpora", "jobs", "models"}
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])

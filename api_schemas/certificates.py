@@ -44,7 +44,8 @@ class CertificateBody(BaseModel):
     lsa_version: str
     issued_at: datetime
     training: dict[str, Any] | None = Field(
-        default=None, description="Certificates of trained models (POST /certify with "
+        # Omitted when empty: other certificates keep the shape and signed bytes they had.
+        default=None, exclude_if=lambda v: v is None, description="Certificates of trained models (POST /certify with "
         "training): per-branch constants <= c < 1, the trunk's certified bound, the "
         "reconstruction error on held-out sequences, test bits per character, artifacts")
 
@@ -69,9 +70,6 @@ def canonical_bytes(body: CertificateBody | dict[str, Any]) -> bytes:
         body = CertificateBody.model_validate(fields)
     fields = body.model_dump(exclude={"signature"})
     data = CertificateBody.model_validate(fields).model_dump(mode="json")
-    if data.get("training") is None:
-        # Certificates without a training section sign the same bytes as before it existed.
-        data.pop("training", None)
     return json.dumps(data, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
 

@@ -48,8 +48,9 @@ class SearchConfig:
     """One lower-bound search. `lr` is relative to the restart's input scale. `row_candidates`
     rows are scored to pick the inf-norm row of a restart; at the witness all rows are
     evaluated when f has at most `full_eval_limit` outputs, else those candidates plus the
-    optimised row and the D rows of its token. `pair_floor` keeps `||X - Y||` above that
-    fraction of the scale, so rounding in `f(X) - f(Y)` cannot inflate the ratio."""
+    optimised row and the first rows of its token (up to `row_candidates`). `pair_floor`
+    keeps `||X - Y||` above that fraction of the scale, so rounding in `f(X) - f(Y)` cannot
+    inflate the ratio."""
 
     norm: Norm = "2"
     restarts: int = 4
@@ -384,7 +385,8 @@ def _final_eval(f: Fn, best: _Best, cfg: SearchConfig, gen: torch.Generator) -> 
         return inf_norm_rows(f, x, None)
     r = best.row if best.row is not None else 0
     width = y.shape[-1] if y.dim() >= 2 else 1
-    token_rows = torch.arange(r - r % width, r - r % width + width)  # r's token
+    first = r - r % width
+    token_rows = torch.arange(first, first + min(width, cfg.row_candidates))  # r's token
     extra = torch.randperm(m, generator=gen)[: cfg.row_candidates]
     rows = torch.unique(torch.cat([torch.tensor([r]), token_rows, extra]))
     return inf_norm_rows(f, x, rows)

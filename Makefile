@@ -6,6 +6,10 @@ BIN := $(VENV)/bin
 # bare `torch` (a multi-GB CUDA download).
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 TORCH ?= torch==2.13.0
+# Two cores: BLAS thread pools fighting torch's and each other's cost more than they give
+# (eigvalsh for certified spectral norms ran 20x slower multi-threaded).
+export OPENBLAS_NUM_THREADS ?= 1
+export OMP_NUM_THREADS ?= 1
 
 .PHONY: install serve test lint unit bench clean
 

@@ -79,6 +79,10 @@ def _is_safetensors(data: bytes, filename: str) -> bool:
 def load_native(data: bytes, filename: str = "") -> LoadedModel:
     meta = read_metadata(data)
     module = from_bytes(data)
+    # Models over discrete tokens (language models) are analysed after their embedding.
+    continuous = getattr(module, "continuous_part", None)
+    if callable(continuous):
+        module = continuous()
     d_model = getattr(module.config, "d_model", None)  # type: ignore[union-attr]
     summary = {
         "kind": meta.get("kind"),

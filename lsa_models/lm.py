@@ -102,7 +102,50 @@ class CharTransformerLM(nn.Module):
     def forward(self, idx: Tensor) -> Tensor:  # (B, N) -> (B, N, V)
         return self.readout(self.trunk(self.embed(idx)))
 
+    def continuous_part(self) -> LMContinuous:
+        """The map that bounds and empirical searches analyse: embedded tokens -> logits.
+
+        Token ids are discrete, so (as with an ONNX Gather) the continuous input starts after
+        the embedding lookup."""
+        return LMContinuous(self)
+
+
+class LMContinuous(nn.Module):
+    """`head(ln_f(trunk(H)))` on embedded sequences: (B, N, D) -> (B, N, V). Shares weights."""
+
+    def __init__(self, lm: CharTransformerLM) -> None:
+        super().__init__()
+        self.config = lm.config
+        self.default_seq_len = lm.config.seq_len
+        self.trunk = lm.trunk
+        self.ln_f = lm.ln_f
+        self.head = lm.head
+
+    def forward(self, h: Tensor) -> Tensor:  # (B, N, D) -> (B, N, V)
+        return self.head(self.ln_f(self.trunk(h)))
+
+
+def _register_rules() -> None:
+    from .bounds.analyzer import Analyzer
+    from .bounds.report import Domain, NormName
+    from .bounds.rules import Bound, compose, register_rule
+
+    @register_rule(LMContinuous)
+    class LMContinuousRule:
+        def bound(self, module: LMContinuous, name: str, norm: NormName, domain: Domain,
+                  analyzer: Analyzer) -> Bound:
+            prefix = f"{name}." if name else ""
+            parts = []
+            for child in ("trunk", "ln_f", "head"):
+                b = analyzer.bound(getattr(module, child), prefix + child, domain)
+                parts.append(b)
+                domain = domain.with_radius(b.out_radius)
+            return compose(parts)
+
+
+_register_rules()
+
 
 register_model_kind("char_lm", CharTransformerLM, LMConfig)
 
-__all__ = ["LM_ATTENTION_KINDS", "CharTransformerLM", "LMConfig"]
+__all__ = ["LM_ATTENTION_KINDS", "CharTransformerLM", "LMConfig", "LMContinuous"]

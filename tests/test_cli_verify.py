@@ -102,6 +102,8 @@ ALTER: dict[str, Callable[[Any], Any]] = {
     "lsa_version": lambda v: v + ".post1",
     "issued_at": _later,
     "signature": _flip_signature,
+    # Absent from certificates of uploaded models: adding one must invalidate them too.
+    "training": lambda v: {"test_bpc": 1.0} if v is None else {**v, "test_bpc": 0.0},
 }
 
 
@@ -113,7 +115,7 @@ def test_verify_alterations_cover_every_field() -> None:
 def test_verify_rejects_any_altered_field(issued: dict[str, Path], tmp_path: Path,
                                           field: str) -> None:
     data = json.loads(issued["cert"].read_text())
-    data[field] = ALTER[field](data[field])
+    data[field] = ALTER[field](data.get(field))
     altered = tmp_path / "altered.json"
     altered.write_text(json.dumps(data))
     code, out, _ = invoke(str(altered), "--public-key", str(issued["public"]))

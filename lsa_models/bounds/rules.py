@@ -32,8 +32,8 @@ class Bound:
     reason: str | None = None
 
 
-class UnsupportedModuleError(TypeError):
-    """A module type without a bound rule."""
+class UnsupportedModuleError(TypeError, ValueError):
+    """A module type without a bound rule (a ValueError too: it is the input that is wrong)."""
 
     def __init__(self, name: str, module: nn.Module) -> None:
         kind = type(module).__name__

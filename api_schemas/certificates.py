@@ -45,9 +45,10 @@ class CertificateBody(BaseModel):
     issued_at: datetime
     training: dict[str, Any] | None = Field(
         # Omitted when empty: other certificates keep the shape and signed bytes they had.
-        default=None, exclude_if=lambda v: v is None, description="Certificates of trained models (POST /certify with "
-        "training): per-branch constants <= c < 1, the trunk's certified bound, the "
-        "reconstruction error on held-out sequences, test bits per character, artifacts")
+        default=None, exclude_if=lambda v: v is None,
+        description="Certificates of trained models (POST /certify with training): "
+        "per-branch constants <= c < 1, the trunk's certified bound, the reconstruction "
+        "error on held-out sequences, test bits per character, artifacts")
 
 
 class Certificate(CertificateBody):

@@ -44,6 +44,12 @@ def run_training(ctx: JobContext) -> dict[str, Any]:
         done = s.get(CertificateRow, certificate_id_for_job(ctx.job_id))
         if done is not None:  # a re-run after a crash: the first run stored everything
             return result_from_certificate(dict(done.body), done.model_id)
+    key_path = Path(ctx.runtime.settings.signing_key_path)
+    if not key_path.is_file():
+        # A worker must sign with the server's key (the one GET /certificates/public-key
+        # shows); creating its own would issue certificates nobody can verify.
+        raise ValueError(f"the signing key LSA_SIGNING_KEY_PATH={key_path} does not exist on "
+                         "this worker: share the server's key file with its workers")
     ctx.progress(0.0, "loading corpus", force=True)
     from lsa_models.training import TrainRequest, train_certified
 

@@ -269,3 +269,44 @@ def test_training_canonical_bytes_unchanged_without_training() -> None:
     assert b"training" not in canonical_bytes(body)
     with_training = body.model_copy(update={"training": {"test_bpc": 1.5}})
     assert b'"training":{"test_bpc":1.5}' in canonical_bytes(with_training)
+
+
+def test_training_non_contractive_attention_is_certified_but_not_invertible(
+        sqlite_client: TestClient) -> None:
+    c = sqlite_client
+    spec = {**TINY, "attention": "dp", "steps": 5, "corpus": tiny_corpus_id(c)}
+    r = c.post("/certify", json={"training": spec})
+    assert r.status_code == 202, r.text
+    job = poll(c, r.json()["job_id"], timeout=60)
+    assert job["status"] == "succeeded", job["error"]
+    res = job["result"]
+    assert res["invertible"] is False and res["max_branch_lipschitz"] is None
+    cert = c.get(res["certificate_url"]).json()
+    assert cert["passed"] is False and cert["upper"] is None
+    assert cert["training"]["invertible"] is False
+    assert cert["training"]["reconstruction"] is None
+    assert "no invertibility certificate" in cert["method"]
+    assert c.post("/certificates/verify", json=cert).json()["valid"] is True
+
+
+def test_training_worker_without_the_signing_key_fails_clearly(
+        sqlite_migrated: str, make_settings: Callable[..., Settings], tmp_path: Path) -> None:
+    from lsa_models.training import TrainRequest
+    from service.jobs import submit_job
+
+    missing = tmp_path / "no-key.pem"
+    # A worker runtime: nothing consumes its queue, so run_job below is the only run.
+    rt = Runtime(make_settings(sqlite_migrated, signing_key_path=missing))
+    try:
+        request = TrainRequest(**{**TINY, "corpus": "ptb"}).to_dict()
+        with transaction(rt.sessions) as s:
+            job_id = submit_job(s, rt, "train_certified", {
+                "request": request, "corpus_id": None, "corpus_sha256": None}).id
+        run_job(rt, job_id)
+        with rt.sessions() as s:
+            job = s.get(Job, job_id)
+            assert job is not None and job.status == "failed"
+            assert job.error is not None and "LSA_SIGNING_KEY_PATH" in job.error
+        assert not missing.exists()
+    finally:
+        rt.close()

@@ -91,6 +91,7 @@ def _baseline_child(queue, d_model: int, heads: int, n: int, seed: int, chunk: i
     torch.set_num_threads(threads)
     warm_up(d_model, heads, torch.float32, with_baseline=False)
     f, x = build(d_model, heads, n, seed, torch.float32)
+    queue.put(("started", {"cpu_before_baseline": time.process_time()}))
     queue.put(("final", baseline(f, x, chunk, lambda part: queue.put(("partial", part)))))
 
 
@@ -106,6 +107,7 @@ def baseline_with_limit(args, n: int, limit_s: float) -> dict:
     start = time.perf_counter()
     proc.start()
     partial: dict = {}
+    cpu_before: float | None = None  # the child's start-up and warm-up: not baseline work
     try:
         while True:
             left = limit_s - (time.perf_counter() - start)
@@ -119,14 +121,29 @@ def baseline_with_limit(args, n: int, limit_s: float) -> dict:
                 continue
             if kind == "final":
                 return payload
+            if kind == "started":
+                cpu_before = payload["cpu_before_baseline"]
+                continue
             partial = payload
     finally:
+        cpu = _cpu_seconds_of(proc.pid)
         if proc.is_alive():
             proc.terminate()
         proc.join()
     partial["timed_out_after_s"] = time.perf_counter() - start
     partial["seconds_at_least"] = partial["timed_out_after_s"]
+    if cpu is not None and cpu_before is not None:
+        partial["cpu_seconds_at_least"] = cpu - cpu_before
     return partial
+
+
+def _cpu_seconds_of(pid: int | None) -> float | None:
+    """CPU time (user + system) a live child has used so far, from /proc (Linux)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def warm_up(d_model: int, heads: int, dtype: torch.dtype, with_baseline: bool = True) -> None:
@@ -199,11 +216,15 @@ def main(argv: list[str] | None = None) -> dict:
             b = baseline_with_limit(args, n, args.baseline_limit)
             row["baseline"] = b
             free = row["matrix_free"]["value"]
+            free_cpu = row["matrix_free"]["cpu_seconds"]
             if "value" in b:
                 row["speedup"] = b["seconds"] / row["matrix_free"]["seconds"]
+                row["speedup_cpu"] = b["cpu_seconds"] / free_cpu
                 row["rel_diff"] = abs(free - b["value"]) / b["value"]
             else:  # SVD stopped at the limit: the speed-up is at least this
                 row["speedup_at_least"] = b["seconds_at_least"] / row["matrix_free"]["seconds"]
+                if "cpu_seconds_at_least" in b:
+                    row["speedup_cpu_at_least"] = b["cpu_seconds_at_least"] / free_cpu
             if "arpack_reference" in b:
                 ref = b["arpack_reference"]
                 row["rel_diff_arpack"] = abs(free - ref) / ref

@@ -8,6 +8,7 @@ D = H = 1, upper/lower <= 1.35 for every N <= 50. Writes bench/out/tightness.jso
 prints the JSON. One thread.
 
     .venv/bin/python bench/tightness.py [--max-n 1000] [--restarts 3] [--steps 60]
+                                        [--unit-restarts 3] [--series unit d4 d16 dp]
 """
 
 from __future__ import annotations
@@ -42,16 +43,21 @@ def unit_weights(model: Attention) -> Attention:
     return model
 
 
-def models(seed: int, dtype: torch.dtype) -> list[tuple[str, Attention, bool]]:
-    """(name, model, certifiable)."""
-    out: list[tuple[str, Attention, bool]] = [
-        ("L2 D=1 H=1 unit", unit_weights(L2MHA(AttentionConfig(1, 1))), True)]
+SERIES = ("unit", "d4", "d16", "dp")
+
+
+def models(seed: int, dtype: torch.dtype,
+           keep: tuple[str, ...] = SERIES) -> list[tuple[str, str, Attention, bool]]:
+    """(key, name, model, certifiable) for the series in `keep`."""
+    out: list[tuple[str, str, Attention, bool]] = [
+        ("unit", "L2 D=1 H=1 unit", unit_weights(L2MHA(AttentionConfig(1, 1))), True)]
     for d, h in ((4, 2), (16, 4)):
         torch.manual_seed(seed)
-        out.append((f"L2 D={d} H={h} random", L2MHA(AttentionConfig(d, h)), True))
-    out.append(("DP D=1 H=1 unit", unit_weights(DotProductMHA(AttentionConfig(1, 1, "dp"))),
-                False))
-    for _, m, _ in out:
+        out.append((f"d{d}", f"L2 D={d} H={h} random", L2MHA(AttentionConfig(d, h)), True))
+    out.append(("dp", "DP D=1 H=1 unit",
+                unit_weights(DotProductMHA(AttentionConfig(1, 1, "dp"))), False))
+    out = [entry for entry in out if entry[0] in keep]
+    for _, _, m, _ in out:
         m.to(dtype).eval()
         for p in m.parameters():
             p.requires_grad_(False)
@@ -88,6 +94,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--max-n", type=int, default=1000)
     ap.add_argument("--restarts", type=int, default=3)
+    ap.add_argument("--unit-restarts", type=int, default=3,
+                    help="restarts for the D=H=1 unit series (cheap; the paper used 50)")
+    ap.add_argument("--series", nargs="*", choices=SERIES, default=list(SERIES))
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", choices=("float32", "float64"), default="float32")
@@ -99,8 +108,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ns = [n for n in NS if n <= args.max_n]
     t_start, load_start = time.perf_counter(), list(os.getloadavg())
     series: list[dict[str, Any]] = []
-    for name, model, certifiable in models(args.seed, dtype):
+    for key, name, model, certifiable in models(args.seed, dtype, tuple(args.series)):
         d = model.config.d_model
+        restarts = args.unit_restarts if key == "unit" else args.restarts
 
         def f(x: torch.Tensor, model: nn.Module = model) -> torch.Tensor:  # (N, D) -> (N, D)
             return model(x.unsqueeze(0)).squeeze(0)
@@ -109,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for n in ns:
             t0 = time.perf_counter()
             upper = certify(model, "inf", n).upper if certifiable else None
-            res = lower_bound(f, (n, d), "inf", restarts=args.restarts, steps=args.steps,
+            res = lower_bound(f, (n, d), "inf", restarts=restarts, steps=args.steps,
                               seed=args.seed, dtype=dtype)
             row = {"n": n, "upper": upper, "lower": res.value,
                    "ratio": None if upper is None else upper / res.value,
@@ -117,13 +127,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    if res.final else None, "seconds": time.perf_counter() - t0}
             print(json.dumps({"series": name, **row}), file=sys.stderr, flush=True)
             rows.append(row)
-        series.append({"name": name, "d_model": d, "certifiable": certifiable, "rows": rows})
-    unit: list[dict[str, Any]] = series[0]["rows"]
+        series.append({"key": key, "name": name, "d_model": d, "certifiable": certifiable,
+                       "restarts": restarts, "rows": rows})
+    unit: list[dict[str, Any]] = next(
+        (s["rows"] for s in series if s["key"] == "unit"), [])
     small: list[float] = [r["ratio"] for r in unit if r["n"] <= 50]
     result: dict[str, Any] = {
         "benchmark": "tightness",
         "norm": "inf",
         "restarts": args.restarts,
+        "unit_restarts": args.unit_restarts,
         "steps": args.steps,
         "seed": args.seed,
         "dtype": args.dtype,

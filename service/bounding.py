@@ -48,9 +48,6 @@ def load_bytes(data: bytes, filename: str) -> LoadedModel:
     _one_thread()
     with contextlib.suppress(ModuleNotFoundError):
         importlib.import_module("lsa_models.onnx")
-    from .training import register_lm_rule
-
-    register_lm_rule()  # trained character-level LMs (POST /certify with training)
     return load_model_bytes(data, filename)
 
 

@@ -1,12 +1,8 @@
-"""The service side of training requests: corpus checks, the Lipschitz rule that lets the
-analyser bound a trained character-level LM (so POST /bound works on it), and storing a
-training outcome (artifacts, model row, signed certificate).
+"""The service side of training requests: checking and queueing them (corpus, limits), and
+storing a training outcome (artifacts, model row, signed certificate).
 
-The rule: a `CharTransformerLM` maps token ids to logits; ids are discrete, so its Lipschitz
-constant is taken where the analyser can perturb, on the embedded sequence: the map
-X (N x D, token + position embeddings) -> head(ln_f(trunk(X))). Composition of the trunk's,
-the final LayerNorm's and the head's certified bounds, with radii propagated as in
-`nn.Sequential`.
+The trained model is registered like an upload: `lsa_models` loads a character-level LM as
+its continuous part (embedded tokens -> logits), so POST /bound works on it.
 """
 
 from __future__ import annotations
@@ -49,27 +45,6 @@ def check_corpus_fits(corpus: Corpus, seq_len: int) -> None:
             f"training.seq_len: {seq_len} is too long for corpus {corpus.id} ({corpus.chars} "
             f"characters; its 5% validation/test splits hold {smallest}): use seq_len <= "
             f"{max(smallest - 1, 0)} or upload a longer text")
-
-
-def register_lm_rule() -> None:
-    """Register the CharTransformerLM rule once (idempotent)."""
-    from lsa_models.bounds.rules import RULES, Bound, compose, register_rule
-    from lsa_models.lm import CharTransformerLM
-
-    if CharTransformerLM in RULES:
-        return
-
-    @register_rule(CharTransformerLM)
-    class CharLMRule:
-        def bound(self, module: CharTransformerLM, name: str, norm: Any, domain: Any,
-                  analyzer: Any) -> Bound:
-            prefix = f"{name}." if name else ""
-            parts = []
-            for child in ("trunk", "ln_f", "head"):
-                b = analyzer.bound(getattr(module, child), prefix + child, domain)
-                parts.append(b)
-                domain = domain.with_radius(b.out_radius)
-            return compose(parts)
 
 
 def _finite(value: Any) -> float | None:

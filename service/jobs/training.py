@@ -22,6 +22,7 @@ from .runner import JobContext
 
 # Training progress writes at most this often (the fenced write is also the cancel check).
 PROGRESS_INTERVAL_S = 0.5
+TRAINING_SHARE = 0.97
 
 
 class TrainingJobParams(BaseModel):
@@ -62,13 +63,14 @@ def run_training(ctx: JobContext) -> dict[str, Any]:
             raise ValueError(f"the text of corpus {p.corpus_id} is missing from "
                              "LSA_ARTIFACT_DIR: the server and its workers must share that "
                              "directory") from None
-    last = 0.0
+    last = float("-inf")
 
     def progress(fraction: float, message: str, details: dict[str, Any]) -> None:
         nonlocal last
+        # train_certified's 0..1 (its "done" included) maps onto 0..0.97: storing follows.
+        fraction = TRAINING_SHARE * fraction
         if message != "training":
             ctx.progress(fraction, message, force=True)
-            last = time.monotonic()
             return
         step, steps = int(details["step"]), int(details["steps"])
         now = time.monotonic()
@@ -83,7 +85,7 @@ def run_training(ctx: JobContext) -> dict[str, Any]:
     out_dir = work_dir(ctx)
     try:
         outcome = train_certified(request, text, out_dir, progress)
-        ctx.progress(0.99, "storing model, ONNX, plot and certificate", force=True)
+        ctx.progress(0.98, "storing model, ONNX, plot and certificate", force=True)
         from ..training import store_outcome
 
         corpus = {"id": p.corpus_id or "ptb", "sha256": p.corpus_sha256}

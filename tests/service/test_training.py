@@ -29,7 +29,7 @@ TINY_CORPUS = Path(__file__).resolve().parent.parent / "data" / "tiny_corpus.txt
 # Small enough for one CPU core in seconds; long enough (a few seconds of steps) that the
 # job's progress is seen while it trains.
 TINY: dict[str, Any] = {"d_model": 16, "n_heads": 2, "n_layers": 1, "d_ff": 32, "seq_len": 16,
-                        "attention": "contractive_l2", "c": 0.5, "steps": 60, "batch_size": 8,
+                        "attention": "contractive_l2", "c": 0.5, "steps": 120, "batch_size": 8,
                         "eval_tokens": 512, "recon_sequences": 2, "device": "cpu", "seed": 3}
 
 

@@ -122,12 +122,17 @@ class L2MHA(nn.Module):
         d = cfg.head_dim
         q = _split_heads(self.q_proj(x), cfg.n_heads)  # (B, H, N, d)
         k = q if self.k_proj is None else _split_heads(self.k_proj(x), cfg.n_heads)
-        ones = torch.ones_like(q[..., :1])  # (B, H, N, 1)
-        q_aug = torch.cat([2.0 * q, ones], dim=-1)  # (B, H, N, d+1)
-        k_aug = torch.cat([k, -(k * k).sum(-1, keepdim=True)], dim=-1)  # (B, H, N, d+1)
+        # torch's fused CPU kernel needs one head size for queries, keys and values and runs
+        # fastest at a multiple of 8: zero columns pad all three to e >= d + 1 at no change
+        # in value (they add 0 to every logit and give output columns that are dropped).
+        e = -(-(d + 1) // 8) * 8
+        pad = q.new_zeros(*q.shape[:-1], e - d - 1)  # (B, H, N, e-d-1)
+        q_aug = torch.cat([2.0 * q, torch.ones_like(q[..., :1]), pad], dim=-1)  # (B, H, N, e)
+        k_aug = torch.cat([k, -(k * k).sum(-1, keepdim=True), pad], dim=-1)  # (B, H, N, e)
+        v = F.pad(q, (0, e - d))  # (B, H, N, e)
         y = F.scaled_dot_product_attention(
-            q_aug, k_aug, q, is_causal=cfg.causal, scale=1.0 / math.sqrt(d)
-        )  # (B, H, N, d)
+            q_aug, k_aug, v, is_causal=cfg.causal, scale=1.0 / math.sqrt(d)
+        )[..., :d]  # (B, H, N, d)
         out = _merge_heads(y) @ self.folded_output_weight()  # (B, N, D)
         return out + self.out_proj.bias
 

@@ -11,6 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .config import AttentionConfig
 
@@ -53,7 +54,7 @@ class DotProductMHA(nn.Module):
         q = _split_heads(self.q_proj(x), h)  # (B, H, N, d)
         k = _split_heads(self.k_proj(x), h)  # (B, H, N, d)
         v = _split_heads(self.v_proj(x), h)  # (B, H, N, d)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.config.causal)  # (B, H, N, d)
+        y = _sdpa(q, k, v, self.config.causal, self.config.head_dim**-0.5)  # (B, H, N, d)
         return self.out_proj(_merge_heads(y))  # (B, N, D)
 
 
@@ -129,10 +130,8 @@ class L2MHA(nn.Module):
         pad = q.new_zeros(*q.shape[:-1], e - d - 1)  # (B, H, N, e-d-1)
         q_aug = torch.cat([2.0 * q, torch.ones_like(q[..., :1]), pad], dim=-1)  # (B, H, N, e)
         k_aug = torch.cat([k, -(k * k).sum(-1, keepdim=True), pad], dim=-1)  # (B, H, N, e)
-        v = F.pad(q, (0, e - d))  # (B, H, N, e)
-        y = F.scaled_dot_product_attention(
-            q_aug, k_aug, v, is_causal=cfg.causal, scale=1.0 / math.sqrt(d)
-        )[..., :d]  # (B, H, N, d)
+        v = torch.cat([q, pad, torch.zeros_like(q[..., :1])], dim=-1)  # (B, H, N, e)
+        y = _sdpa(q_aug, k_aug, v, cfg.causal, 1.0 / math.sqrt(d))[..., :d]  # (B, H, N, d)
         out = _merge_heads(y) @ self.folded_output_weight()  # (B, N, D)
         return out + self.out_proj.bias
 
@@ -182,6 +181,22 @@ class L2MHA(nn.Module):
             a = wq[h] @ wk[h].T / math.sqrt(d)  # (D, D)
             heads.append(p @ (x @ a @ wv[h]))  # (B, N, d)
         return torch.cat(heads, dim=-1) @ self.output_weight() + self.out_proj.bias
+
+
+def _in_function_transform() -> bool:
+    """Inside torch.func (jvp, jacrev, vmap, grad) or a forward-AD dual level."""
+    level = getattr(torch._C._functorch, "maybe_current_level", lambda: None)()
+    return level is not None or getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0
+
+
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> Tensor:
+    if not _in_function_transform():
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    # torch's fused CPU kernel has neither forward-mode AD nor a differentiable backward, which
+    # Jacobian norms (jvp/vjp) and their gradients need; the math kernel computes the same
+    # function with full autograd support.
+    with sdpa_kernel(SDPBackend.MATH):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
 
 
 def _head_columns(weight: Tensor, n_heads: int) -> Tensor:

@@ -35,11 +35,12 @@ def test_crash_recovery_server_killed_mid_job_finishes_once(tmp_path: Path) -> N
         data = tiny_model_bytes(seed=21, d_model=16, n_layers=2)
         model = http.post("/models", files={"file": ("m.safetensors", data)}).json()
         req = {"model_id": model["id"], "norm": "2", "seq_len": 16,
-               "empirical": {"restarts": 3, "steps": 100000, "seed": 7, "time_budget_s": 3}}
+               "empirical": {"restarts": 3, "steps": 100000, "seed": 7, "time_budget_s": 12}}
         r = http.post("/bound", json=req)
         assert r.status_code == 202, r.text
         job_id = r.json()["job_id"]
-        poll_job(http.get, job_id, lambda j: j["status"] == "running" and j["progress"] > 0.1)
+        # The search runs for its whole 12 s budget: a loaded machine still catches it running.
+        poll_job(http.get, job_id, lambda j: j["status"] == "running" and j["progress"] > 0.05)
         kill(server)
 
         server = start(args, env, tmp_path, log)

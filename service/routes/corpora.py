@@ -8,15 +8,13 @@ from typing import Annotated
 from fastapi import APIRouter, File, Response, UploadFile
 from fastapi.responses import FileResponse
 from sqlalchemy import select
-from sqlalchemy.exc import IntegrityError
 
 from api_schemas.training import CorpusOut
 
-from ..artifacts import TooLarge
 from ..deps import ReadAccess, RuntimeDep, SessionDep, WriteAccess
-from ..errors import NotFound, PayloadTooLarge, Unprocessable, responses
+from ..errors import NotFound, Unprocessable, responses
 from ..models import Artifact, Corpus
-from .models import _safe_name
+from .uploads import stage_upload, store_once
 
 router = APIRouter(tags=["training"])
 
@@ -44,13 +42,8 @@ def upload_corpus(
                                                  "LSA_MAX_CORPUS_BYTES)")],
     runtime: RuntimeDep, session: SessionDep, response: Response,
 ) -> CorpusOut:
-    filename = _safe_name(file.filename)
-    limit = runtime.settings.max_corpus_bytes
-    try:
-        staged = runtime.artifacts.stage(file.file, limit)
-    except TooLarge:
-        raise PayloadTooLarge(
-            f"{filename} is larger than LSA_MAX_CORPUS_BYTES={limit} bytes") from None
+    filename, staged = stage_upload(runtime, file, runtime.settings.max_corpus_bytes,
+                                    "LSA_MAX_CORPUS_BYTES")
     try:
         existing = session.scalar(select(Corpus).where(Corpus.sha256 == staged.sha256))
         if existing is not None:
@@ -63,23 +56,14 @@ def upload_corpus(
                                 f"{exc.reason}): upload a UTF-8 encoded text file") from None
         if not text:
             raise InvalidCorpus(f"{filename} is empty: upload a text to train on")
-        runtime.artifacts.commit(staged)
         corpus = Corpus(sha256=staged.sha256, filename=filename, size_bytes=staged.size,
                         chars=len(text), vocab_size=len(set(text)))
-        try:
-            with session.begin_nested():
-                if session.get(Artifact, staged.sha256) is None:
-                    session.add(Artifact(sha256=staged.sha256, size_bytes=staged.size,
-                                         kind="corpus"))
-                session.add(corpus)
-        except IntegrityError:
-            # The same text was uploaded concurrently and stored first.
-            existing = session.scalar(select(Corpus).where(Corpus.sha256 == staged.sha256))
-            if existing is None:
-                raise
+        stored, created = store_once(
+            session, runtime, staged, "corpus", corpus,
+            lambda: session.scalar(select(Corpus).where(Corpus.sha256 == staged.sha256)))
+        if not created:
             response.status_code = 200
-            return corpus_out(existing)
-        return corpus_out(corpus)
+        return corpus_out(stored)
     finally:
         staged.discard()
 

@@ -4,21 +4,19 @@ from __future__ import annotations
 
 import json
 import logging
-from pathlib import PurePath
 from typing import Annotated, Any
 
 from fastapi import APIRouter, File, Query, Response, UploadFile
 from fastapi.responses import FileResponse
 from sqlalchemy import func, select
-from sqlalchemy.exc import IntegrityError
 
 from api_schemas.models import ModelList, ModelOut
 
-from ..artifacts import TooLarge
 from ..bounding import get_model, load_bytes
 from ..deps import ReadAccess, RuntimeDep, SessionDep, WriteAccess
-from ..errors import InvalidModel, NotFound, PayloadTooLarge, responses
-from ..models import Artifact, Model
+from ..errors import InvalidModel, NotFound, responses
+from ..models import Model
+from .uploads import stage_upload, store_once
 
 log = logging.getLogger("lsa.service")
 router = APIRouter(tags=["models"])
@@ -29,11 +27,6 @@ def model_out(m: Model) -> ModelOut:
                     size_bytes=m.size_bytes, parameters=m.parameters,
                     default_seq_len=m.default_seq_len, fixed_seq_len=m.fixed_seq_len,
                     summary=m.summary, created_at=m.created_at)
-
-
-def _safe_name(name: str | None) -> str:
-    base = PurePath((name or "").replace("\\", "/")).name
-    return base[:255] or "upload"
 
 
 @router.post(
@@ -47,13 +40,8 @@ def upload_model(
                                                  "from the content, not the name")],
     runtime: RuntimeDep, session: SessionDep, response: Response,
 ) -> ModelOut:
-    filename = _safe_name(file.filename)
-    limit = runtime.settings.max_upload_bytes
-    try:
-        staged = runtime.artifacts.stage(file.file, limit)
-    except TooLarge:
-        raise PayloadTooLarge(
-            f"{filename} is larger than LSA_MAX_UPLOAD_BYTES={limit} bytes") from None
+    filename, staged = stage_upload(runtime, file, runtime.settings.max_upload_bytes,
+                                    "LSA_MAX_UPLOAD_BYTES")
     try:
         existing = session.scalar(select(Model).where(Model.sha256 == staged.sha256))
         if existing is not None:
@@ -75,25 +63,16 @@ def upload_model(
         params = summary.get("parameters")
         if params is None:
             params = sum(int(p.numel()) for p in loaded.module.parameters()) or None
-        runtime.artifacts.commit(staged)
         model = Model(sha256=staged.sha256, format=loaded.format, filename=filename,
                       size_bytes=staged.size, parameters=params, d_model=loaded.d_model,
                       default_seq_len=default_seq_len, fixed_seq_len=loaded.seq_len,
                       summary=summary)
-        try:
-            with session.begin_nested():
-                if session.get(Artifact, staged.sha256) is None:
-                    session.add(Artifact(sha256=staged.sha256, size_bytes=staged.size,
-                                         kind="model"))
-                session.add(model)
-        except IntegrityError:
-            # The same bytes were uploaded concurrently and stored first.
-            existing = session.scalar(select(Model).where(Model.sha256 == staged.sha256))
-            if existing is None:
-                raise
+        stored, created = store_once(
+            session, runtime, staged, "model", model,
+            lambda: session.scalar(select(Model).where(Model.sha256 == staged.sha256)))
+        if not created:
             response.status_code = 200
-            return model_out(existing)
-        return model_out(model)
+        return model_out(stored)
     finally:
         staged.discard()
 

@@ -19,8 +19,8 @@ def jacobian_matrix(f: Fn, x: Tensor) -> Tensor:
 
 def norm_of(j: Tensor, norm: str) -> float:
     if norm == "2":
-        return float(torch.linalg.matrix_norm(j, ord=2))
-    return float(j.abs().sum(dim=1).max())
+        return float(torch.linalg.matrix_norm(j.detach(), ord=2))
+    return float(j.detach().abs().sum(dim=1).max())
 
 
 def jacobian_norm(f: Fn, x: Tensor, norm: str) -> float:

@@ -14,6 +14,7 @@ import torch
 
 from .numerics import (
     add_up,
+    div_up,
     frobenius_upper,
     inf_norm_upper,
     inv_sqrt_up,
@@ -123,12 +124,10 @@ def layernorm_bound(gamma: ArrayLike, eps: float, norm: str) -> float:
     if norm == "2":
         return base
     if norm == "inf":
-        return mul_up(base, up_ratio(dim * dim - 2, dim))
+        return mul_up(base, div_up(dim * dim - 2, dim))
     raise ValueError(f"unknown norm {norm!r}; use '2' or 'inf'")
 
 
-def up_ratio(a: float, b: float) -> float:
-    return math.nextafter(a / b, math.inf)
 
 
 def _dp_head_terms(wq: ArrayLike, wk: ArrayLike, wv: ArrayLike, n: int, radius: float,

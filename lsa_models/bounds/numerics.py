@@ -9,7 +9,6 @@ backward error; we add an explicit relative margin for it (documented per functi
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 
 import numpy as np
 import torch
@@ -156,10 +155,6 @@ def phi_inv_upper(n_minus_1: float) -> float:
     if n_minus_1 < 0:
         raise ValueError("N must be >= 1")
     return lambert_w0_upper(up(n_minus_1 / math.e))
-
-
-def max_up(xs: Iterable[float]) -> float:
-    return max((float(x) for x in xs), default=0.0)
 
 
 # sup_x |d/dx GELU(x)| = Phi(sqrt 2) + sqrt 2 phi(sqrt 2) = 1.12897..., rounded up generously.

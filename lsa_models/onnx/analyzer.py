@@ -90,13 +90,15 @@ def _gelu_patterns(info: GraphInfo) -> list[Composite]:
         for t in reversed(cands):
             if info.shape(t) != tuple(xv.shape):
                 continue
-            if not torch.allclose(info.env[t], ref, rtol=1e-6, atol=1e-9):
+            # a loose first look at the reference point (module precision); the identity
+            # itself is checked below in float64 at fresh inputs
+            if not torch.allclose(info.env[t], ref, rtol=1e-4, atol=1e-5):
                 continue
             nodes = info.region(x, t)
             if nodes is None:
                 continue
             # an elementwise identity: confirm it at fresh inputs, large values included
-            fresh = [3.0 * torch.randn(xv.shape, generator=gen, dtype=xv.dtype)
+            fresh = [3.0 * torch.randn(xv.shape, generator=gen, dtype=torch.float64)
                      for _ in range(2)]
             with torch.no_grad():
                 if not all(torch.allclose(info.eval_nodes(nodes, {x: f})[t],
@@ -114,7 +116,7 @@ def _layernorm_patterns(info: GraphInfo) -> list[Composite]:
         if r.op_type != "ReduceMean" or r.inputs[0] not in info.var:
             continue
         x = r.inputs[0]
-        xv = info.env[x]
+        xv = info.env[x].to(torch.float64)
         width = xv.shape[-1]
         cands: list[str] = []
         frontier = [r.outputs[0]]
@@ -139,7 +141,8 @@ def _layernorm_patterns(info: GraphInfo) -> list[Composite]:
             if eps <= 0:
                 continue
             z = torch.nn.functional.layer_norm(xv, (width,), eps=eps)
-            tv = info.env[t]
+            with torch.no_grad():
+                tv = info.eval_nodes(nodes, {x: xv})[t]
             zf = z.reshape(-1, width)
             tf = tv.reshape(-1, width)
             # fit t = gamma z + beta per feature, then verify at fresh inputs

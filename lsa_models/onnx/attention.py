@@ -17,7 +17,10 @@ For each Softmax whose input depends on the model input:
 from __future__ import annotations
 
 import math
+from collections import ChainMap
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 import torch
@@ -29,6 +32,7 @@ from .ops import FLOAT_TYPES, Node
 _LAYOUT = {"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Identity", "Dropout", "Flatten",
            "Slice", "Split", "Concat", "Expand"}
 _TOL = 1e-8
+_FIT_MARGIN = 1e-12  # relative allowance for constants fitted by least squares in float64
 
 
 @dataclass
@@ -138,21 +142,26 @@ def _find_output(info: GraphInfo, start: str) -> str:
 
 
 class _Probe:
-    """Evaluates the region at chosen values of one tensor and reads token-wise affine maps."""
+    """Evaluates the region at chosen values of one tensor and reads token-wise affine maps.
 
-    def __init__(self, info: GraphInfo, nodes: list[Node], source: str) -> None:
-        self.info, self.nodes, self.source = info, nodes, source
+    `targets` are the tensors the analysis reads; only the nodes they depend on run (the
+    softmax and the output projection are not needed to read the projections)."""
+
+    def __init__(self, info: GraphInfo, nodes: list[Node], source: str,
+                 targets: list[str]) -> None:
+        self.info, self.source = info, source
+        self.nodes = info.needed(nodes, targets)
         self.shape = info.shape(source)
         self.n = self.shape[-2]
         self.width = self.shape[-1]
 
-    def run(self, x: np.ndarray, basis: bool = False) -> dict[str, Tensor]:
+    def run(self, x: np.ndarray, basis: bool = False) -> Mapping[str, Tensor]:
         if not basis:
             with torch.no_grad():
                 return self.info.eval_nodes(self.nodes, {self.source: torch.from_numpy(x)})
         return _eval_unit_rows(self.info, self.nodes, {self.source: torch.from_numpy(x)})
 
-    def _basis_runs(self) -> tuple[dict[str, Tensor], list[dict[str, Tensor]]]:
+    def _basis_runs(self) -> tuple[Mapping[str, Tensor], list[Mapping[str, Tensor]]]:
         """The region at X = 0 and at the basis inputs (token i of run k is e_{kN+i}); run
         once, every probed tensor is read from the same evaluations."""
         if not hasattr(self, "_runs"):
@@ -168,10 +177,14 @@ class _Probe:
             self._runs = (zero, bases)
         return self._runs
 
-    def affine(self, targets: list[tuple[str, bool]], samples: list[dict[str, Tensor]],
+    def affine(self, targets: list[tuple[str, bool]], samples: Sequence[Mapping[str, Tensor]],
                sample_inputs: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
         """For each (tensor, transposed): W (G, width, w) and b (G, w) with
-        view(T(X))[g, i] = x_i W[g] + b[g], verified at the samples."""
+        view(T(X))[g, i] = x_i W[g] + b[g].
+
+        The region's structure already makes T affine in X (`_affine`); the basis probes read
+        its coefficients as if it were token-wise, and one random sample confirms that (a
+        map mixing tokens or features differently disagrees there with probability one)."""
         n, width = self.n, self.width
         zero, bases = self._basis_runs()
         results = []
@@ -185,13 +198,14 @@ class _Probe:
             weight = np.zeros((g, width, w))
             for k, env in enumerate(bases):
                 v = _view(env[name], n, tr) - b_all
-                for i in range(n):
-                    if k * n + i < width:
-                        weight[:, k * n + i, :] = v[:, i, :]
-            for env, x in zip(samples, sample_inputs, strict=True):
-                got = _view(env[name], n, tr)
-                xs = x.reshape(-1, n, width)[0]
-                pred = xs @ weight + b[:, None, :]  # (G, N, w)
+                rows = min(n, width - k * n)
+                weight[:, k * n:k * n + rows, :] = v[:, :rows, :]
+            for env, x in list(zip(samples, sample_inputs, strict=True))[:1]:
+                got = _view(env[name], n, tr)  # (G, N, w)
+                xs = x.reshape(-1, n, width)[0]  # (N, width)
+                flat = np.ascontiguousarray(np.transpose(weight, (1, 0, 2))).reshape(width,
+                                                                                      g * w)
+                pred = (xs @ flat).reshape(n, g, w).transpose(1, 0, 2) + b[:, None, :]
                 if not np.allclose(got, pred, rtol=0, atol=_TOL * (1 + np.abs(got).max())):
                     raise _NotAttention(f"tensor {name} is not a token-wise affine map of the "
                                         "layer input")
@@ -200,23 +214,24 @@ class _Probe:
 
 
 def _eval_unit_rows(info: GraphInfo, nodes: list[Node],
-                    overrides: dict[str, Tensor]) -> dict[str, Tensor]:
+                    overrides: dict[str, Tensor]) -> Mapping[str, Tensor]:
     """Evaluate `nodes` for probe inputs: a product `T @ W` with a constant W and rows of T
     that are unit vectors or zero is a row gather of W; the same float64 numbers (1 * w,
     0 * w) without the cost of the matrix product."""
     from .ops import OPS
 
-    env = dict(info.env)
-    env.update(overrides)
-    ctx = info.module.ctx
+    computed: dict[str, Tensor] = {}
+    env: MutableMapping[str, Tensor] = ChainMap(
+        computed, overrides, cast(MutableMapping[str, Tensor], info.env))
     with torch.no_grad():
         for node in nodes:
             ins = [env[i] if i else None for i in node.inputs]
-            out = _gather_product(node, ins, info) if node.op_type == "MatMul" else None
-            outs = [out] if out is not None else OPS[node.op_type].run(node, ins, ctx)
+            out = _gather_product(node, ins, info) if node.op_type in ("MatMul", "Gemm") \
+                else None
+            outs = [out] if out is not None else OPS[node.op_type].run(node, ins, info.ctx)
             for name, value in zip(node.outputs, outs, strict=False):
                 if name:
-                    env[name] = value
+                    computed[name] = value
     return env
 
 
@@ -224,6 +239,12 @@ def _gather_product(node: Node, ins: list[Tensor | None], info: GraphInfo) -> Te
     a, w = ins[0], ins[1]
     if a is None or w is None or node.inputs[1] in info.var or w.dim() != 2 or a.dim() < 2:
         return None
+    gemm = node.op_type == "Gemm"
+    if gemm:
+        if a.dim() != 2 or node.attrs.get("transA", 0):
+            return None
+        if node.attrs.get("transB", 0):
+            w = w.T
     rows = a.reshape(-1, a.shape[-1])
     nonzero = rows != 0
     counts = nonzero.sum(dim=1)
@@ -231,7 +252,14 @@ def _gather_product(node: Node, ins: list[Tensor | None], info: GraphInfo) -> Te
         return None
     idx = rows.argmax(dim=1)
     out = w[idx] * (counts == 1).to(w.dtype)[:, None]
-    return out.reshape(*a.shape[:-1], w.shape[1])
+    out = out.reshape(*a.shape[:-1], w.shape[1])
+    if not gemm:
+        return out
+    # the same operations as GemmOp.run after the product
+    y = node.attrs.get("alpha", 1.0) * out
+    if len(ins) > 2 and ins[2] is not None:
+        y = y + node.attrs.get("beta", 1.0) * ins[2]
+    return y
 
 
 def _row_normalise(a: np.ndarray, j0: np.ndarray) -> np.ndarray:
@@ -352,7 +380,7 @@ def _analyse(info: GraphInfo, sm: Node, logits: str, x: str, layer: AttentionLay
                 cands.append((t, tr))
     if not cands:
         raise _NotAttention("no affine projection of the layer input feeds the logits")
-    probe = _Probe(info, nodes, x)
+    probe = _Probe(info, nodes, x, [logits, v_name])
     gen = np.random.default_rng(1234)
     xs = [gen.standard_normal(probe.shape) for _ in range(3)]
     envs = [probe.run(xi) for xi in xs]
@@ -413,6 +441,10 @@ def _analyse(info: GraphInfo, sm: Node, logits: str, x: str, layer: AttentionLay
             # float32 spellings of 1/sqrt(d) (e.g. sqrt(sqrt(1/d)) on both sides) land just
             # below it: the canonical, larger scale is still an upper bound (docs/bounds.md)
             scale = canonical
+        else:
+            # the fitted scale carries least-squares rounding (~1e-15 relative): certify a
+            # slightly larger one
+            scale = math.nextafter(scale * (1 + _FIT_MARGIN), math.inf)
         layer.scale = scale
         layer.wo, layer.bo = wo, bo
         return
@@ -467,13 +499,13 @@ def _probe_tail(info: GraphInfo, nodes: list[Node], o_name: str, y: str,
         env = _eval_unit_rows(info, tail, {o_name: o})
         return env[y].detach().numpy().reshape(-1, n, info.shape(y)[-1])[0]
 
-    zero = run(np.zeros_like(o_view))
+    zero = run(np.zeros(o_view.shape))
     if not np.allclose(zero, zero[:1], rtol=0, atol=1e-12 * (1 + np.abs(zero).max())):
         raise _NotAttention("its output projection is not token-wise")
     bias = zero[0]
     wo = np.zeros((width, zero.shape[-1]))
     for k in range(-(-width // n)):
-        view = np.zeros_like(o_view)
+        view = np.zeros(o_view.shape)
         for i in range(n):
             f = k * n + i
             if f < width:
@@ -491,9 +523,9 @@ def _probe_tail(info: GraphInfo, nodes: list[Node], o_name: str, y: str,
     return wo, bias, heads
 
 
-def _l2_values(info: GraphInfo, nodes: list[Node], probe: _Probe, envs: list[dict[str, Tensor]],
-               xs: list[np.ndarray], v_name: str, layer: AttentionLayer, g: int,
-               heads_o: int) -> None:
+def _l2_values(info: GraphInfo, nodes: list[Node], probe: _Probe,
+               envs: Sequence[Mapping[str, Tensor]], xs: list[np.ndarray], v_name: str,
+               layer: AttentionLayer, g: int, heads_o: int) -> None:
     """The value path must be `X A_h W^V_h` with `A_h = c' W^Q_h W^Q_h^T`: find the constant
     MatMul producing the values, probe its input Z (= X A_h) and check A_h."""
     reason = (f"attention at Softmax {layer.softmax}: L2 logits recognised, but the values do "
@@ -545,4 +577,4 @@ def _l2_values(info: GraphInfo, nodes: list[Node], probe: _Probe, envs: list[dic
             return
     layer.wv = wv
     # f = P X (c' W W^T) W^V = theorem's map with W^V scaled by c' sqrt(d) (docs/bounds.md)
-    layer.value_factor = max(factors)
+    layer.value_factor = math.nextafter(max(factors) * (1 + _FIT_MARGIN), math.inf)

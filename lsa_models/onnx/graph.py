@@ -8,7 +8,10 @@ with dynamic batch or sequence dimensions evaluate at any size they accept.
 
 from __future__ import annotations
 
+from collections import ChainMap
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
+from typing import cast
 
 import onnx
 import torch
@@ -52,6 +55,7 @@ class GraphModule(nn.Module):
             name: tensor_from_proto(t, self.ctx) for name, t in spec.initializers.items()
         }
         self.runtime_nodes: list[Node] = []
+        self.folded: dict[str, Node] = {}  # constant -> the node that folded it
         dynamic = {spec.input_name}
         if spec.ids_name:
             dynamic.add(spec.ids_name)
@@ -68,6 +72,7 @@ class GraphModule(nn.Module):
             for name, value in zip(node.outputs, outs, strict=False):
                 if name:
                     consts[name] = value
+                    self.folded[name] = node
         self.consts = consts
 
     @property
@@ -137,15 +142,52 @@ class GraphModule(nn.Module):
         return torch.cat([self._call_graph(c) for c in x.split(fixed)])
 
 
+class _Env(Mapping[str, Tensor]):
+    """The analysis' view of every tensor: input-dependent ones at the reference point (in
+    the module's own precision: their values only give shapes and starting points), all
+    others in float64 (constants converted from the file lazily, shape arithmetic re-run)."""
+
+    def __init__(self, info: GraphInfo) -> None:
+        self._info = info
+
+    def __getitem__(self, name: str) -> Tensor:
+        info = self._info
+        if name in info.var:
+            return info.ref[name]
+        hit = info.static.get(name)
+        if hit is not None:
+            return hit
+        return info.const64(name)
+
+    def __contains__(self, name: object) -> bool:
+        info = self._info
+        return isinstance(name, str) and (name in info.ref or name in info.static
+                                          or name in info.module.consts)
+
+    def __iter__(self) -> Iterator[str]:
+        info = self._info
+        return iter(dict.fromkeys([*info.module.consts, *info.ref, *info.static]))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
 class GraphInfo:
-    """One float64 reference evaluation of the graph with everything the analysis needs:
-    which tensors depend on the input (`var`; shape arithmetic does not count), producers,
-    consumers, static shapes, and the tensor dominator tree (`idom`) rooted at the input."""
+    """One reference evaluation of the graph with everything the analysis needs: which
+    tensors depend on the input (`var`; shape arithmetic does not count), producers,
+    consumers, static shapes, and the tensor dominator tree (`idom`) rooted at the input.
+
+    The reference evaluation runs in the module's precision (float32 as exported: it only
+    decides structure and shapes). Everything that feeds a bound is float64: `env` gives
+    constants converted from the file (lazily: most weights are only read by the rules),
+    and `eval_nodes` re-evaluates regions in float64 at chosen inputs.
+    """
 
     def __init__(self, module: GraphModule, seq_len: int, seed: int = 0) -> None:
         spec = module.spec
         self.spec = spec
-        self.module = module.with_dtype(torch.float64)
+        self.module = module
+        self.ctx = RunContext(torch.float64)
         self.seq_len = seq_len
         self.batch = spec.batch or 1
         gen = torch.Generator().manual_seed(seed)
@@ -154,8 +196,8 @@ class GraphInfo:
         self.input_shape = shape
         x0 = torch.randn(*shape, generator=gen, dtype=torch.float64)
         with torch.no_grad():
-            self.env = self.module.run_env(x0)
-        self.nodes = self.module.runtime_nodes
+            self.ref = module.run_env(x0.to(module.ctx.float_dtype))
+        self.nodes = module.runtime_nodes
         self.order = {n.name: i for i, n in enumerate(self.nodes)}
         self.producer: dict[str, Node] = {}
         self.consumers: dict[str, list[Node]] = {}
@@ -169,6 +211,29 @@ class GraphInfo:
                     self.consumers.setdefault(i, []).append(n)
             if n.op_type not in ("Shape", "Size") and any(i in self.var for i in n.inputs):
                 self.var.update(o for o in n.outputs if o)
+        self._c64: dict[str, Tensor] = {}
+        self._initializers = spec.initializers
+        # runtime tensors that do not depend on the input values (shape arithmetic, and what
+        # it computes, e.g. a 1/sqrt(d) scale) again in float64
+        self.static: dict[str, Tensor] = {}
+        with torch.no_grad():
+            for n in self.nodes:
+                outs_ = [o for o in n.outputs if o]
+                if not outs_ or any(o in self.var for o in outs_):
+                    continue
+                ins: list[Tensor | None] = []
+                for i in n.inputs:
+                    if not i:
+                        ins.append(None)
+                    elif i in self.var or (i not in self.static and i not in module.consts):
+                        ins.append(self.ref[i])  # Shape/Size of an input-dependent tensor
+                    else:
+                        ins.append(self.static[i] if i in self.static else self.const64(i))
+                vals = OPS[n.op_type].run(n, ins, self.ctx)
+                for name, value in zip(n.outputs, vals, strict=False):
+                    if name:
+                        self.static[name] = value
+        self.env: Mapping[str, Tensor] = _Env(self)
         # nodes whose values reach the output (a node read only through Shape is not)
         self.live: set[str] = set()
         stack = [o.name for o in spec.model.graph.output]
@@ -196,6 +261,31 @@ class GraphInfo:
                     self.idom[o] = dom
                     self.depth[o] = self.depth[dom] + 1
 
+    def const64(self, name: str) -> Tensor:
+        """A constant of the graph in float64: initializers converted from the file (exact
+        for float32/16 data, and a float64 file keeps its digits), folded ones re-folded."""
+        hit = self._c64.get(name)
+        if hit is not None:
+            return hit
+        module = self.module
+        if module.ctx.float_dtype == torch.float64:
+            value = module.consts[name]
+        elif name in self._initializers:
+            value = tensor_from_proto(self._initializers[name], self.ctx)
+        elif name in module.folded:
+            node = module.folded[name]
+            with torch.no_grad():
+                outs = OPS[node.op_type].run(
+                    node, [self.const64(i) if i else None for i in node.inputs], self.ctx)
+            for o, v in zip(node.outputs, outs, strict=False):
+                if o:
+                    self._c64[o] = v
+            return self._c64[name]
+        else:
+            value = module.consts[name]  # KeyError for a name the graph does not have
+        self._c64[name] = value
+        return value
+
     def _lca(self, a: str, b: str) -> str:
         while a != b:
             if self.depth[a] >= self.depth[b]:
@@ -214,21 +304,37 @@ class GraphInfo:
         s = self.shape(name)
         return len(s) == len(self.input_shape) and s[:-1] == self.input_shape[:-1]
 
-    def eval_nodes(self, nodes: list[Node], overrides: dict[str, Tensor]) -> dict[str, Tensor]:
-        """Run `nodes` (in graph order) on the reference environment with overrides."""
-        env = dict(self.env)
-        env.update(overrides)
-        ctx = self.module.ctx
-        from .ops import OPS
-
+    def eval_nodes(self, nodes: Iterable[Node],
+                   overrides: Mapping[str, Tensor]) -> MutableMapping[str, Tensor]:
+        """Run `nodes` (in graph order) in float64 on top of `env` with overrides; the nodes
+        must read only the overrides, each other and tensors that do not depend on the
+        input (a closed `region`)."""
+        computed: dict[str, Tensor] = {}
+        env: MutableMapping[str, Tensor] = ChainMap(
+            computed, dict(overrides), cast(MutableMapping[str, Tensor], self.env))
         for node in nodes:
             if all(o in overrides for o in node.outputs if o):
                 continue
-            outs = OPS[node.op_type].run(node, [env[i] if i else None for i in node.inputs], ctx)
+            outs = OPS[node.op_type].run(node, [env[i] if i else None for i in node.inputs],
+                                         self.ctx)
             for name, value in zip(node.outputs, outs, strict=False):
                 if name:
-                    env[name] = value
+                    computed[name] = value
         return env
+
+    def needed(self, nodes: list[Node], targets: Iterable[str]) -> list[Node]:
+        """The nodes of `nodes` that the targets depend on, in graph order."""
+        by_output = {o: n for n in nodes for o in n.outputs if o}
+        keep: dict[str, Node] = {}
+        stack = [t for t in targets]
+        while stack:
+            t = stack.pop()
+            n = by_output.get(t)
+            if n is None or n.name in keep:
+                continue
+            keep[n.name] = n
+            stack.extend(i for i in n.inputs if i)
+        return [n for n in nodes if n.name in keep]
 
     def region(self, source: str, sink: str) -> list[Node] | None:
         """The input-dependent nodes on paths source -> sink, in graph order, or None when the

@@ -108,6 +108,8 @@ def torch_dtype(onnx_type: int, ctx: RunContext) -> torch.dtype:
 
 def tensor_from_proto(t: onnx.TensorProto, ctx: RunContext) -> Tensor:
     arr = onnx.numpy_helper.to_array(t)
+    if np.issubdtype(arr.dtype, np.floating) and ctx.float_dtype == torch.float64:
+        return torch.from_numpy(arr.astype(np.float64))  # one pass: convert and own the copy
     out = torch.from_numpy(np.array(arr, copy=True))
     return out.to(ctx.float_dtype) if out.is_floating_point() else out
 
@@ -164,7 +166,13 @@ class MatMulOp(Op):
     types = ("MatMul",)
 
     def run(self, node: Node, ins: list[Tensor | None], ctx: RunContext) -> list[Tensor]:
-        return [torch.matmul(ins[0], ins[1])]  # type: ignore[arg-type]
+        a, b = ins[0], ins[1]
+        assert a is not None and b is not None
+        if a.dim() > 2 and b.dim() == 2:
+            # one (rows, k) @ (k, m) product: torch.matmul runs a seq-first (N, 1, k) input
+            # as N separate vector products that each stream the whole weight (4x slower)
+            return [(a.reshape(-1, a.shape[-1]) @ b).reshape(*a.shape[:-1], b.shape[-1])]
+        return [torch.matmul(a, b)]
 
     def bound(self, node: Node, args: list[Arg | None], out_shapes: list[tuple[int, ...]],
               norm: str) -> list[Flow | None]:
@@ -192,7 +200,7 @@ def _max_or_none(xs: list[float | None]) -> float | None:
 def _right_linear(a: Flow, w: np.ndarray, bias: np.ndarray | None, norm: str,
                   out_shape: tuple[int, ...]) -> Flow:
     """`x -> x W (+ b)` on every row, W (in, out) in the row-vector convention."""
-    wt = np.ascontiguousarray(w.T)  # torch layout (out, in) for linear_bound
+    wt = w.T  # torch layout (out, in) for linear_bound (a view: norms read any layout)
     lip = linear_bound(wt, norm)
     radius = None
     if a.radius is not None:

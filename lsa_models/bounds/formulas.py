@@ -8,6 +8,7 @@ way it arrives. Weights are in the paper's row-vector convention: per-head matri
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -130,15 +131,33 @@ def layernorm_bound(gamma: ArrayLike, eps: float, norm: str) -> float:
 
 
 
-def _dp_head_terms(wq: ArrayLike, wk: ArrayLike, wv: ArrayLike, n: int, radius: float,
-                   scale: float, bq: ArrayLike | None) -> list[float]:
+@dataclass(frozen=True)
+class _DpNorms:
+    """Certified spectral norms of one DP-MHA layer's matrices, each computed once."""
+
+    q: list[float]
+    k: list[float]
+    v: list[float]
+    o: float
+
+    @staticmethod
+    def of(wq: ArrayLike, wk: ArrayLike, wv: ArrayLike, wo: ArrayLike) -> _DpNorms:
+        heads = wq.shape[0]
+        return _DpNorms([spectral_norm_upper(wq[h]) for h in range(heads)],
+                        [spectral_norm_upper(wk[h]) for h in range(heads)],
+                        [spectral_norm_upper(wv[h]) for h in range(heads)],
+                        spectral_norm_upper(wo))
+
+
+def _dp_head_terms(norms: _DpNorms, n: int, radius: float, scale: float,
+                   bq: ArrayLike | None) -> list[float]:
     """Per-head `sqrt(N)||W^V|| + s (||W^V|| R) ||W^K|| (R ||W^Q|| + sqrt(N) Qmax)`,
     `Qmax = R ||W^Q|| + ||b^Q||` (docs/bounds.md, "Dot-product attention on a ball")."""
-    heads = wq.shape[0]
+    heads = len(norms.q)
     root_n = sqrt_up(n)
     terms = []
     for h in range(heads):
-        sq, sk, sv = (spectral_norm_upper(w[h]) for w in (wq, wk, wv))
+        sq, sk, sv = norms.q[h], norms.k[h], norms.v[h]
         bq_norm = 0.0 if bq is None else frobenius_upper(_head_bias(bq, h, heads))
         q_max = add_up(mul_up(sq, radius), bq_norm)
         sigma_v = mul_up(sv, radius)
@@ -153,6 +172,23 @@ def _head_bias(b: ArrayLike, h: int, heads: int) -> np.ndarray:
     return arr.reshape(heads, -1)[h]
 
 
+def dp_mha_ball(wq: ArrayLike, wk: ArrayLike, wv: ArrayLike, wo: ArrayLike, n: int,
+                radius: float, norm: str, scale: float | None = None,
+                bq: ArrayLike | None = None, bv: ArrayLike | None = None,
+                bo: ArrayLike | None = None) -> tuple[float, float]:
+    """(`dp_mha_radius_bound`, `dp_mha_out_radius`) of one layer, every weight's spectral
+    norm computed once for both."""
+    _check_radius(radius)
+    norms = _DpNorms.of(wq, wk, wv, wo)
+    return (_dp_lip(norms, wq.shape, n, radius, norm, scale, bq),
+            _dp_out_radius(norms, radius, bv, bo))
+
+
+def _check_radius(radius: float) -> None:
+    if not radius >= 0 or not math.isfinite(radius):
+        raise ValueError(f"radius must be finite and >= 0, got {radius}")
+
+
 def dp_mha_radius_bound(wq: ArrayLike, wk: ArrayLike, wv: ArrayLike, wo: ArrayLike, n: int,
                         radius: float, norm: str, scale: float | None = None,
                         bq: ArrayLike | None = None) -> float:
@@ -165,12 +201,16 @@ def dp_mha_radius_bound(wq: ArrayLike, wk: ArrayLike, wv: ArrayLike, wo: ArrayLi
     Weights (H, D, d) and `W^O` (D, D) in the row-vector convention; `scale` defaults to
     1/sqrt(d). Derivation: docs/bounds.md.
     """
-    if not radius >= 0 or not math.isfinite(radius):
-        raise ValueError(f"radius must be finite and >= 0, got {radius}")
-    heads, dim, d = wq.shape
+    _check_radius(radius)
+    return _dp_lip(_DpNorms.of(wq, wk, wv, wo), wq.shape, n, radius, norm, scale, bq)
+
+
+def _dp_lip(norms: _DpNorms, shape: tuple[int, ...], n: int, radius: float, norm: str,
+            scale: float | None, bq: ArrayLike | None) -> float:
+    heads, dim, d = shape
     s = inv_sqrt_up(d) if scale is None else abs(float(scale))
-    terms = _dp_head_terms(wq, wk, wv, max(int(n), 1), float(radius), s, bq)
-    lip2 = mul_up(spectral_norm_upper(wo), sqrt_up(add_up(*(mul_up(t, t) for t in terms))))
+    terms = _dp_head_terms(norms, max(int(n), 1), float(radius), s, bq)
+    lip2 = mul_up(norms.o, sqrt_up(add_up(*(mul_up(t, t) for t in terms))))
     if norm == "2":
         return lip2
     if norm == "inf":
@@ -183,11 +223,19 @@ def dp_mha_out_radius(wv: ArrayLike, wo: ArrayLike, radius: float,
     """Token 2-norm bound of the DP-MHA output: each head's row is a convex combination of
     values, so `||f^h_i|| <= R ||W^V_h||_2 + ||b^V_h||`; then the output projection."""
     heads = wv.shape[0]
+    norms = _DpNorms([], [], [spectral_norm_upper(wv[h]) for h in range(heads)],
+                     spectral_norm_upper(wo))
+    return _dp_out_radius(norms, radius, bv, bo)
+
+
+def _dp_out_radius(norms: _DpNorms, radius: float, bv: ArrayLike | None,
+                   bo: ArrayLike | None) -> float:
+    heads = len(norms.v)
     per_head = []
     for h in range(heads):
-        vmax = add_up(mul_up(spectral_norm_upper(wv[h]), radius),
+        vmax = add_up(mul_up(norms.v[h], radius),
                       0.0 if bv is None else frobenius_upper(_head_bias(bv, h, heads)))
         per_head.append(mul_up(vmax, vmax))
-    out = mul_up(spectral_norm_upper(wo), sqrt_up(add_up(*per_head)))
+    out = mul_up(norms.o, sqrt_up(add_up(*per_head)))
     return add_up(out, 0.0 if bo is None else frobenius_upper(
         np.asarray(bo.detach().double().cpu() if isinstance(bo, torch.Tensor) else bo)))

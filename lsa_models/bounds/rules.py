@@ -203,14 +203,14 @@ def _register_lsa_rules() -> None:
                 return Bound(None, status, None,
                              [LayerBound(name, "dp_mha", None, status, reason)], reason)
             from ..attention import _head_columns
-            from .formulas import dp_mha_out_radius, dp_mha_radius_bound
+            from .formulas import dp_mha_ball
 
             h = module.config.n_heads
             wq, wk, wv = (_head_columns(lin.weight, h)
                           for lin in (module.q_proj, module.k_proj, module.v_proj))
             wo = module.out_proj.weight.T
-            upper = dp_mha_radius_bound(wq, wk, wv, wo, domain.seq_len, domain.radius, norm)
-            out_r = dp_mha_out_radius(wv, wo, domain.radius, None, module.out_proj.bias)
+            upper, out_r = dp_mha_ball(wq, wk, wv, wo, domain.seq_len, domain.radius, norm,
+                                       bo=module.out_proj.bias)
             return leaf(name, "dp_mha_radius", upper, out_r)
 
     @register_rule(FeedForward)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..bounds.formulas import dp_mha_out_radius, dp_mha_radius_bound, l2_mha_bound
+from ..bounds.formulas import dp_mha_ball, l2_mha_bound
 from ..bounds.numerics import ACTIVATION_LIPSCHITZ, mul_up, up
 from ..bounds.report import BoundResult, LayerBound, NormName, Verdict
 from .attention import AttentionLayer, recognise
@@ -341,8 +341,8 @@ def _composite(c: Composite, info: GraphInfo, flows: dict[str, Flow | None], st:
         assert fx is not None and r is not None
         canonical = 1.0 / math.sqrt(a.wq.shape[-1])
         scale = None if a.scale == canonical else a.scale  # None: inv_sqrt_up(d), as native
-        local = dp_mha_radius_bound(a.wq, a.wk, a.wv, a.wo, n, r, norm, scale=scale, bq=a.bq)
-        out_r = dp_mha_out_radius(a.wv, a.wo, r, a.bv, a.bo)
+        local, out_r = dp_mha_ball(a.wq, a.wk, a.wv, a.wo, n, r, norm, scale=scale, bq=a.bq,
+                                   bv=a.bv, bo=a.bo)
         st.layers.append(LayerBound(name, "dp_mha_radius", local, nodes=c.nodes))
         flows[c.output] = Flow(mul_up(fx.lip, local), out_r, shape)
         return

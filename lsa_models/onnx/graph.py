@@ -8,11 +8,12 @@ with dynamic batch or sequence dimensions evaluate at any size they accept.
 
 from __future__ import annotations
 
-from collections import ChainMap
+from collections import ChainMap, OrderedDict
 from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import cast
 
+import numpy as np
 import onnx
 import torch
 from torch import Tensor, nn
@@ -142,6 +143,12 @@ class GraphModule(nn.Module):
         return torch.cat([self._call_graph(c) for c in x.split(fixed)])
 
 
+_EXACT_IN_FLOAT32 = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16,
+                     onnx.TensorProto.BFLOAT16}
+_SMALL_CONST_BYTES = 1 << 20
+_LARGE_CONST_BUDGET = 96 << 20
+
+
 class _Env(Mapping[str, Tensor]):
     """The analysis' view of every tensor: input-dependent ones at the reference point (in
     the module's own precision: their values only give shapes and starting points), all
@@ -211,7 +218,11 @@ class GraphInfo:
                     self.consumers.setdefault(i, []).append(n)
             if n.op_type not in ("Shape", "Size") and any(i in self.var for i in n.inputs):
                 self.var.update(o for o in n.outputs if o)
-        self._c64: dict[str, Tensor] = {}
+        # float64 constants: small ones kept, large ones (weights) in a bounded LRU; holding
+        # every weight of a large model in float64 at once costs more in fresh memory (page
+        # faults) than converting a weight again when it is read again much later
+        self._c64: OrderedDict[str, Tensor] = OrderedDict()
+        self._c64_bytes = 0
         self._initializers = spec.initializers
         # runtime tensors that do not depend on the input values (shape arithmetic, and what
         # it computes, e.g. a 1/sqrt(d) scale) again in float64
@@ -266,12 +277,20 @@ class GraphInfo:
         for float32/16 data, and a float64 file keeps its digits), folded ones re-folded."""
         hit = self._c64.get(name)
         if hit is not None:
+            self._c64.move_to_end(name)
             return hit
         module = self.module
         if module.ctx.float_dtype == torch.float64:
             value = module.consts[name]
         elif name in self._initializers:
-            value = tensor_from_proto(self._initializers[name], self.ctx)
+            init = self._initializers[name]
+            if init.data_type in _EXACT_IN_FLOAT32 and name in module.consts:
+                # the module's float32 copy holds the file's values exactly
+                # (converted by numpy: its allocations are reused, torch's fault in fresh
+                # pages every time)
+                value = torch.from_numpy(module.consts[name].numpy().astype(np.float64))
+            else:
+                value = tensor_from_proto(init, self.ctx)
         elif name in module.folded:
             node = module.folded[name]
             with torch.no_grad():
@@ -279,12 +298,26 @@ class GraphInfo:
                     node, [self.const64(i) if i else None for i in node.inputs], self.ctx)
             for o, v in zip(node.outputs, outs, strict=False):
                 if o:
-                    self._c64[o] = v
-            return self._c64[name]
+                    self._keep(o, v)
+            return dict(zip(node.outputs, outs, strict=False))[name]
         else:
             value = module.consts[name]  # KeyError for a name the graph does not have
-        self._c64[name] = value
+        self._keep(name, value)
         return value
+
+    def _keep(self, name: str, value: Tensor) -> None:
+        self._c64[name] = value
+        size = value.numel() * value.element_size()
+        if size < _SMALL_CONST_BYTES:
+            return
+        self._c64_bytes += size
+        for old in list(self._c64):
+            if self._c64_bytes <= _LARGE_CONST_BUDGET or old == name:
+                break
+            t = self._c64[old]
+            if t.numel() * t.element_size() >= _SMALL_CONST_BYTES:
+                self._c64_bytes -= t.numel() * t.element_size()
+                del self._c64[old]
 
     def _lca(self, a: str, b: str) -> str:
         while a != b:
@@ -297,6 +330,9 @@ class GraphInfo:
         return a
 
     def shape(self, name: str) -> tuple[int, ...]:
+        for where in (self.ref, self.static, self.module.consts):
+            if name in where:
+                return tuple(where[name].shape)  # no float64 conversion for a shape
         return tuple(self.env[name].shape)
 
     def is_token(self, name: str) -> bool:

@@ -195,8 +195,8 @@ def _lanczos_top(g: np.ndarray, max_steps: int = 160, tol: float = 1e-14) -> flo
     start. Only an estimate: soundness comes from the Cholesky certificate, never from here."""
     k = g.shape[0]
     steps = min(max_steps, k)
-    start = np.random.default_rng(0).standard_normal(k)
-    q: np.ndarray = start / np.linalg.norm(start)
+    start = np.asarray(np.random.default_rng(0).standard_normal(k))
+    q = start / float(np.linalg.norm(start))
     basis = np.empty((steps, k))
     alphas: list[float] = []
     betas: list[float] = []

@@ -145,12 +145,14 @@ class _Probe:
     """Evaluates the region at chosen values of one tensor and reads token-wise affine maps.
 
     `targets` are the tensors the analysis reads; only the nodes they depend on run (the
-    softmax and the output projection are not needed to read the projections)."""
+    softmax and the output projection are not needed to read the projections). The basis
+    probes only read `projections` (not the logits made from them)."""
 
     def __init__(self, info: GraphInfo, nodes: list[Node], source: str,
-                 targets: list[str]) -> None:
+                 targets: list[str], projections: list[str]) -> None:
         self.info, self.source = info, source
         self.nodes = info.needed(nodes, targets)
+        self.basis_nodes = info.needed(self.nodes, projections)
         self.shape = info.shape(source)
         self.n = self.shape[-2]
         self.width = self.shape[-1]
@@ -159,7 +161,7 @@ class _Probe:
         if not basis:
             with torch.no_grad():
                 return self.info.eval_nodes(self.nodes, {self.source: torch.from_numpy(x)})
-        return _eval_unit_rows(self.info, self.nodes, {self.source: torch.from_numpy(x)})
+        return _eval_unit_rows(self.info, self.basis_nodes, {self.source: torch.from_numpy(x)})
 
     def _basis_runs(self) -> tuple[Mapping[str, Tensor], list[Mapping[str, Tensor]]]:
         """The region at X = 0 and at the basis inputs (token i of run k is e_{kN+i}); run
@@ -383,7 +385,7 @@ def _analyse(info: GraphInfo, sm: Node, logits: str, x: str, layer: AttentionLay
                 cands.append((t, tr))
     if not cands:
         raise _NotAttention("no affine projection of the layer input feeds the logits")
-    probe = _Probe(info, nodes, x, [logits, v_name])
+    probe = _Probe(info, nodes, x, [logits, v_name], [t for t, _ in cands] + [v_name])
     gen = np.random.default_rng(1234)
     xs = [gen.standard_normal(probe.shape) for _ in range(2)]  # the fit needs two
     envs = [probe.run(xi) for xi in xs]

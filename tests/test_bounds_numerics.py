@@ -97,6 +97,7 @@ def test_spectral_norm_upper_of_zero_and_empty_matrices_is_zero() -> None:
     assert spectral_norm_upper(np.zeros((300, 300))) == 0.0
     assert spectral_norm_upper(np.zeros((0, 4))) == 0.0
     assert frobenius_upper(np.zeros((0,))) == 0.0
+    assert frobenius_upper(np.zeros((3,))) == 0.0  # no underflow allowance without entries
 
 
 def _spy_cholesky(monkeypatch: pytest.MonkeyPatch) -> list[float | None]:

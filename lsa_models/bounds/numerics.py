@@ -126,7 +126,10 @@ def frobenius_upper(w: torch.Tensor | np.ndarray) -> float:
     a = _as_float64(w)
     if a.size == 0:
         return 0.0
-    a, e = _pow2_scale(a, _peak(a))
+    peak = _peak(a)
+    if peak == 0.0:
+        return 0.0
+    a, e = _pow2_scale(a, peak)
     return _unscale(add_up(sqrt_up(_sum_sq(a)), _TINY), e)
 
 

@@ -288,7 +288,7 @@ class GraphInfo:
                 # the module's float32 copy holds the file's values exactly
                 # (converted by numpy: its allocations are reused, torch's fault in fresh
                 # pages every time)
-                value = torch.from_numpy(module.consts[name].numpy().astype(np.float64))
+                value = torch.from_numpy(module.consts[name].detach().numpy().astype(np.float64))
             else:
                 value = tensor_from_proto(init, self.ctx)
         elif name in module.folded:

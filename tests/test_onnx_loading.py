@@ -241,6 +241,44 @@ def test_loading_checker_rejects_broken_graph() -> None:
         load_onnx(model.SerializeToString())
 
 
+def test_loading_shape_inference_on_large_weights_still_catches_mismatches() -> None:
+    """Weights above 4096 elements reach shape inference as typed inputs, not data: a weight
+    whose shape does not fit the product is still an error."""
+    w = np.zeros((100, 100), dtype=np.float32)  # x is (1, N, 4): the inner dims disagree
+    with pytest.raises(OnnxCheckError, match="checker rejected"):
+        load_onnx(_mlp_graph(weight=w).SerializeToString())
+
+
+@pytest.mark.parametrize("dynamo", [False, True])
+def test_loading_shape_inference_matches_inference_on_the_whole_file(dynamo: bool) -> None:
+    torch.manual_seed(0)
+
+    class Attn(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mha = torch.nn.MultiheadAttention(96, 4, batch_first=True)  # 27648 weights
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.mha(x, x, x, need_weights=False)[0]
+
+    x = torch.randn(1, 8, 96)
+    if dynamo:
+        prog = torch.onnx.export(Attn().eval(), (x,), dynamo=True, opset_version=18)
+        assert prog is not None
+        blob = prog.model_proto.SerializeToString()
+    else:
+        buf = io.BytesIO()
+        torch.onnx.export(Attn().eval(), (x,), buf, dynamo=False, opset_version=18)
+        blob = buf.getvalue()
+    whole = onnx.shape_inference.infer_shapes(blob, strict_mode=True).graph
+    loaded = load_onnx(blob, "attn.onnx").spec.model.graph
+    assert [v.SerializeToString() for v in loaded.value_info] == \
+        [v.SerializeToString() for v in whole.value_info]
+    assert [v.SerializeToString() for v in loaded.output] == \
+        [v.SerializeToString() for v in whole.output]
+    assert len(loaded.value_info) > 20
+
+
 def test_loading_old_opset_is_rejected() -> None:
     with pytest.raises(OnnxCheckError, match="opset"):
         load_onnx(_mlp_graph(opset=9).SerializeToString())

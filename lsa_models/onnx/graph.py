@@ -38,6 +38,9 @@ class GraphSpec:
     skipped: set[str] = field(default_factory=set)
     ids_name: str | None = None  # the token-ids graph input when an embedding is skipped
     opset: int = 0
+    # the graph serialised as checked (no external data; shape annotations not added):
+    # what onnxruntime loads, so the graph is not serialised again for it
+    blob: bytes = b""
 
     @property
     def initializers(self) -> dict[str, onnx.TensorProto]:

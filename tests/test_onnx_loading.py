@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import stat
 import sys
+import warnings
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -262,14 +263,16 @@ def test_loading_shape_inference_matches_inference_on_the_whole_file(dynamo: boo
             return self.mha(x, x, x, need_weights=False)[0]
 
     x = torch.randn(1, 8, 96)
-    if dynamo:
-        prog = torch.onnx.export(Attn().eval(), (x,), dynamo=True, opset_version=18)
-        assert prog is not None
-        blob = prog.model_proto.SerializeToString()
-    else:
-        buf = io.BytesIO()
-        torch.onnx.export(Attn().eval(), (x,), buf, dynamo=False, opset_version=18)
-        blob = buf.getvalue()
+    with warnings.catch_warnings():  # the exporters' deprecation and tracer chatter
+        warnings.simplefilter("ignore")
+        if dynamo:
+            prog = torch.onnx.export(Attn().eval(), (x,), dynamo=True, opset_version=18)
+            assert prog is not None
+            blob = prog.model_proto.SerializeToString()
+        else:
+            buf = io.BytesIO()
+            torch.onnx.export(Attn().eval(), (x,), buf, dynamo=False, opset_version=18)
+            blob = buf.getvalue()
     whole = onnx.shape_inference.infer_shapes(blob, strict_mode=True).graph
     loaded = load_onnx(blob, "attn.onnx").spec.model.graph
     assert [v.SerializeToString() for v in loaded.value_info] == \

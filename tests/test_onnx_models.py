@@ -199,6 +199,35 @@ def test_transformer_encoder_layer_bounds_are_sound(tmp_path: Path, dynamo: bool
     assert res.upper is not None and low.lower <= res.upper
 
 
+class _CausalEnc(_Enc):
+    """A decoder-only block: self-attention under a causal mask. The dynamo exporter writes
+    the mask as float32's lowest number added to the logits, TorchScript as -inf."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1])
+        return self.enc(x, src_mask=mask, is_causal=True)
+
+
+@pytest.mark.parametrize("dynamo", [False, True])
+def test_causal_encoder_layer_is_recognised_whatever_the_mask_encoding(
+        tmp_path: Path, dynamo: bool) -> None:
+    torch.manual_seed(9)
+    causal = _CausalEnc(norm_first=True).eval()
+    plain = _Enc(norm_first=True).eval()
+    plain.load_state_dict(causal.state_dict())
+    res = analyse(load_onnx(_export_module(causal, tmp_path / "c.onnx", dynamo).read_bytes()),
+                  "2", None, 1.0)
+    assert res.verdict == "certified", res.reason
+    assert "dp_mha_radius" in {lb.kind for lb in res.layers}
+    # the DP bound holds for any constant additive mask: the same number as unmasked
+    ref = analyse(load_onnx(_export_module(plain, tmp_path / "p.onnx", dynamo).read_bytes()),
+                  "2", None, 1.0)
+    assert _same(res.upper, ref.upper)
+    low = lower_bound(load_onnx((tmp_path / "c.onnx").read_bytes()), "2", N, radius=1.0,
+                      restarts=1, steps=4)
+    assert res.upper is not None and low.lower <= res.upper
+
+
 @pytest.mark.parametrize("dynamo", [False, True])
 def test_mlp_bound_matches_native_sequential(tmp_path: Path, dynamo: bool) -> None:
     torch.manual_seed(8)

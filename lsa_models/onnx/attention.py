@@ -385,7 +385,11 @@ def _analyse(info: GraphInfo, sm: Node, logits: str, x: str, layer: AttentionLay
                 cands.append((t, tr))
     if not cands:
         raise _NotAttention("no affine projection of the layer input feeds the logits")
-    probe = _Probe(info, nodes, x, [logits, v_name], [t for t, _ in cands] + [v_name])
+    # a constant added to the logits (a mask written as a large finite negative number, as
+    # the dynamo exporter does for causal attention) swamps the fit numerically: DP attention
+    # allows any constant additive mask, so its fit may also run on the logits without it
+    scores = _strip_constant_terms(info, logits)
+    probe = _Probe(info, nodes, x, [logits, scores, v_name], [t for t, _ in cands] + [v_name])
     gen = np.random.default_rng(1234)
     xs = [gen.standard_normal(probe.shape) for _ in range(2)]  # the fit needs two
     envs = [probe.run(xi) for xi in xs]
@@ -395,31 +399,12 @@ def _analyse(info: GraphInfo, sm: Node, logits: str, x: str, layer: AttentionLay
         raise _NotAttention("its mask depends on the input")
     if not finite.any(axis=-1).all():
         raise _NotAttention("a row of its mask hides every key")
-    j0 = np.argmax(finite, axis=-1)
     views = {c: [_view(e[c[0]], n, c[1]) for e in envs] for c in cands}
-    found = None
-    for kind in ("dp", "l2"):
-        for a in cands:
-            for b in cands:
-                va, vb = views[a], views[b]
-                if va[0].shape[-1] != vb[0].shape[-1]:
-                    continue
-                va = [np.broadcast_to(v, (g_l, *v.shape[1:])) for v in va]
-                vb = [np.broadcast_to(v, (g_l, *v.shape[1:])) for v in vb]
-                if kind == "dp":
-                    gs = [qa @ np.swapaxes(kb, 1, 2) for qa, kb in zip(va, vb, strict=True)]
-                else:
-                    gs = [-(np.square(qa).sum(-1)[:, :, None] - 2 * (qa @ np.swapaxes(kb, 1, 2))
-                            + np.square(kb).sum(-1)[:, None, :])
-                          for qa, kb in zip(va, vb, strict=True)]
-                fit = _fit(ls, gs, finite, j0)
-                if fit is not None:
-                    found = (kind, a, b, fit)
-                    break
-            if found:
-                break
-        if found:
-            break
+    found = _search(ls, finite, views, cands, g_l, ("dp", "l2"))
+    if found is None and scores != logits:
+        ss = [e[scores].detach().numpy().reshape(-1, n, n) for e in envs]
+        if all(np.isfinite(sc).all() for sc in ss):
+            found = _search(ss, np.ones(ss[0].shape, dtype=bool), views, cands, g_l, ("dp",))
     if found is None:
         raise _NotAttention("its logits are neither a scaled dot product nor a negative "
                             "squared L2 distance of projections of the layer input")
@@ -478,6 +463,48 @@ def _analyse(info: GraphInfo, sm: Node, logits: str, x: str, layer: AttentionLay
                         "is not covered by Theorem 3.2")
         return
     _l2_values(info, nodes, probe, envs, xs, v_name, layer, g, heads_o)
+
+
+def _search(ls: list[np.ndarray], finite: np.ndarray,
+            views: dict[tuple[str, bool], list[np.ndarray]], cands: list[tuple[str, bool]],
+            g_l: int, kinds: tuple[str, ...]
+            ) -> tuple[str, tuple[str, bool], tuple[str, bool],
+                       tuple[np.ndarray, np.ndarray]] | None:
+    """The first (kind, a, b, fit) whose projections a, b explain the sampled logits `ls`."""
+    j0 = np.argmax(finite, axis=-1)
+    for kind in kinds:
+        for a in cands:
+            for b in cands:
+                va, vb = views[a], views[b]
+                if va[0].shape[-1] != vb[0].shape[-1]:
+                    continue
+                va = [np.broadcast_to(v, (g_l, *v.shape[1:])) for v in va]
+                vb = [np.broadcast_to(v, (g_l, *v.shape[1:])) for v in vb]
+                if kind == "dp":
+                    gs = [qa @ np.swapaxes(kb, 1, 2) for qa, kb in zip(va, vb, strict=True)]
+                else:
+                    gs = [-(np.square(qa).sum(-1)[:, :, None] - 2 * (qa @ np.swapaxes(kb, 1, 2))
+                            + np.square(kb).sum(-1)[:, None, :])
+                          for qa, kb in zip(va, vb, strict=True)]
+                fit = _fit(ls, gs, finite, j0)
+                if fit is not None:
+                    return kind, a, b, fit
+    return None
+
+
+def _strip_constant_terms(info: GraphInfo, logits: str) -> str:
+    """The tensor the logits are made from by adding (or subtracting) input-independent
+    tensors of the same shape: `scores` in `logits = scores + mask`."""
+    t = logits
+    while (prod := info.producer.get(t)) is not None and prod.op_type in ("Add", "Sub"):
+        ins = [i for i in prod.inputs if i]
+        var_in = [i for i in ins if i in info.var]
+        if len(ins) != 2 or len(var_in) != 1 or (prod.op_type == "Sub" and var_in[0] != ins[0]):
+            break
+        if info.shape(var_in[0]) != info.shape(t):
+            break
+        t = var_in[0]
+    return t
 
 
 def _per_head(w: np.ndarray, heads: int) -> np.ndarray:

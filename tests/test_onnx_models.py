@@ -338,6 +338,31 @@ class _ManualLayerNorm(nn.Module):
 
 
 @pytest.mark.parametrize("dynamo", [False, True])
+def test_tanh_approximate_gelu_is_recognised_and_matches_native(tmp_path: Path,
+                                                               dynamo: bool) -> None:
+    """GPT-2's GELU: `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`, written out by both
+    exporters at opset 18 (Pow or Mul chains around a Tanh)."""
+    torch.manual_seed(11)
+    mlp = nn.Sequential(nn.Linear(D, 16), nn.GELU(approximate="tanh"), nn.Linear(16, D)).eval()
+    loaded = load_onnx(_export_module(mlp, tmp_path / "gelu.onnx", dynamo).read_bytes())
+    for norm in ("inf", "2"):
+        got = analyse(loaded, norm)  # type: ignore[arg-type]
+        assert got.verdict == "certified", got.reason
+        assert _same(got.upper, certify(mlp, norm, N).upper)
+    assert "activation:gelu" in [lb.kind for lb in got.layers]
+    low = lower_bound(loaded, "2", N, restarts=2, steps=8)
+    assert got.upper is not None and low.lower <= got.upper
+
+
+def test_tanh_without_the_gelu_around_it_stays_a_tanh(tmp_path: Path) -> None:
+    mlp = nn.Sequential(nn.Linear(D, 16), nn.Tanh(), nn.Linear(16, D)).eval()
+    got = analyse(load_onnx(_export_module(mlp, tmp_path / "t.onnx", False).read_bytes()), "2")
+    assert got.verdict == "certified"
+    assert "activation:tanh" in [lb.kind for lb in got.layers]
+    assert "activation:gelu" not in [lb.kind for lb in got.layers]
+
+
+@pytest.mark.parametrize("dynamo", [False, True])
 def test_decomposed_layernorm_and_erf_gelu_are_recognised(tmp_path: Path, dynamo: bool) -> None:
     torch.manual_seed(10)
     ln = nn.LayerNorm(D)

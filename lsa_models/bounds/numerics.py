@@ -297,7 +297,8 @@ def phi_inv_upper(n_minus_1: float) -> float:
     return lambert_w0_upper(up(n_minus_1 / math.e))
 
 
-# sup_x |d/dx GELU(x)| = Phi(sqrt 2) + sqrt 2 phi(sqrt 2) = 1.12897..., rounded up generously.
+# sup_x |d/dx GELU(x)| = Phi(sqrt 2) + sqrt 2 phi(sqrt 2) = 1.128904... (exact GELU) and
+# 1.128993... for the tanh approximation (GPT-2's): one constant above both.
 GELU_LIPSCHITZ = 1.1290
 ACTIVATION_LIPSCHITZ: dict[str, float] = {
     "relu": 1.0,

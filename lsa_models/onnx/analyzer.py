@@ -2,10 +2,11 @@
 
 Walks the nodes in graph order carrying a `Flow` (Lipschitz constant from the model input,
 token-norm bound) for every input-dependent tensor. Recognised composites (attention layers,
-the Erf form of GELU, decomposed LayerNorm) are bounded as a whole with the formulas the
-native analyser uses (lsa_models/bounds/formulas.py), so an exported native model gets the
-same number; every other node goes through its op's rule (ops.py). Composition follows
-bounds/rules.py: `Lip(f o g) <= Lip(f) Lip(g)`, sums add (residuals: 1 + Lip(g)).
+GELU written out in its Erf or tanh form, decomposed LayerNorm) are bounded as a whole with
+the formulas the native analyser uses (lsa_models/bounds/formulas.py), so an exported native
+model gets the same number; every other node goes through its op's rule (ops.py).
+Composition follows bounds/rules.py: `Lip(f o g) <= Lip(f) Lip(g)`, sums add (residuals:
+1 + Lip(g)).
 """
 
 from __future__ import annotations
@@ -63,51 +64,79 @@ def resolve_seq_len(model: OnnxModel, seq_len: int | None) -> int:
 
 
 
-def _gelu_patterns(info: GraphInfo) -> list[Composite]:
-    out = []
-    for e in info.nodes:
-        if e.op_type != "Erf" or e.inputs[0] not in info.var:
-            continue
+def _gelu_inputs(info: GraphInfo, e: Node) -> list[str]:
+    """Candidate GELU inputs x for an Erf (`erf(x / sqrt 2)`) or Tanh
+    (`tanh(sqrt(2/pi) (x + 0.044715 x^3))`) node: input-dependent tensors that dominate its
+    argument, nearest first."""
+    if e.op_type == "Erf":
         pre = info.producer.get(e.inputs[0])
         if pre is None or pre.op_type not in ("Div", "Mul"):
-            continue
+            return []
         x = next((i for i in pre.inputs if i in info.var), None)
-        if x is None:
-            continue
-        # candidate outputs: up to three Add/Mul hops after the Erf
-        frontier, cands = [e.outputs[0]], []
-        for _ in range(3):
-            nxt = []
-            for t in frontier:
-                for c in info.consumers.get(t, []):
-                    if c.op_type in ("Add", "Mul"):
-                        nxt.append(c.outputs[0])
-            cands.extend(nxt)
-            frontier = nxt
-        xv = info.env[x]
-        ref = torch.nn.functional.gelu(xv)
-        gen = torch.Generator().manual_seed(3)
-        for t in reversed(cands):
-            if info.shape(t) != tuple(xv.shape):
-                continue
-            # a loose first look at the reference point (module precision); the identity
-            # itself is checked below in float64 at fresh inputs
-            if not torch.allclose(info.env[t], ref, rtol=1e-4, atol=1e-5):
-                continue
-            nodes = info.region(x, t)
-            if nodes is None:
-                continue
-            # an elementwise identity: confirm it at fresh inputs, large values included
-            fresh = [3.0 * torch.randn(xv.shape, generator=gen, dtype=torch.float64)
-                     for _ in range(2)]
-            with torch.no_grad():
-                if not all(torch.allclose(info.eval_nodes(nodes, {x: f})[t],
-                                          torch.nn.functional.gelu(f), rtol=1e-6, atol=1e-9)
-                           for f in fresh):
-                    continue
-            out.append(Composite("gelu", x, t, [n.name for n in nodes]))
+        return [] if x is None else [x]
+    shape = info.shape(e.inputs[0])
+    out, t = [], info.idom.get(e.inputs[0])
+    for _ in range(6):  # x^3 and the sums above it are a few ops deep
+        if t is None:
             break
+        if info.shape(t) == shape:
+            out.append(t)
+        t = info.idom.get(t)
     return out
+
+
+def _gelu_patterns(info: GraphInfo) -> list[Composite]:
+    """GELU written out elementwise: the Erf form (exact GELU) and the tanh approximation
+    (GPT-2's), both bounded by the GELU constant (it covers both: test_bounds_formulas)."""
+    out = []
+    for e in info.nodes:
+        if e.op_type not in ("Erf", "Tanh") or e.inputs[0] not in info.var:
+            continue
+        approximate = "none" if e.op_type == "Erf" else "tanh"
+        for x in _gelu_inputs(info, e):
+            found = _gelu_at(info, e, x, approximate)
+            if found is not None:
+                out.append(found)
+                break
+    return out
+
+
+def _gelu_at(info: GraphInfo, e: Node, x: str, approximate: str) -> Composite | None:
+    def gelu(v: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.gelu(v, approximate=approximate)
+
+    # candidate outputs: up to three Add/Mul hops after the Erf/Tanh
+    frontier, cands = [e.outputs[0]], []
+    for _ in range(3):
+        nxt = []
+        for t in frontier:
+            for c in info.consumers.get(t, []):
+                if c.op_type in ("Add", "Mul"):
+                    nxt.append(c.outputs[0])
+        cands.extend(nxt)
+        frontier = nxt
+    xv = info.env[x]
+    ref = gelu(xv)
+    gen = torch.Generator().manual_seed(3)
+    for t in reversed(cands):
+        if info.shape(t) != tuple(xv.shape):
+            continue
+        # a loose first look at the reference point (module precision); the identity
+        # itself is checked below in float64 at fresh inputs
+        if not torch.allclose(info.env[t], ref, rtol=1e-4, atol=1e-5):
+            continue
+        nodes = info.region(x, t)
+        if nodes is None or e.name not in {n.name for n in nodes}:
+            continue
+        # an elementwise identity: confirm it at fresh inputs, large values included
+        fresh = [3.0 * torch.randn(xv.shape, generator=gen, dtype=torch.float64)
+                 for _ in range(2)]
+        with torch.no_grad():
+            if not all(torch.allclose(info.eval_nodes(nodes, {x: f})[t], gelu(f),
+                                      rtol=1e-6, atol=1e-9) for f in fresh):
+                continue
+        return Composite("gelu", x, t, [n.name for n in nodes])
+    return None
 
 
 def _layernorm_patterns(info: GraphInfo) -> list[Composite]:

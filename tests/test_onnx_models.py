@@ -229,6 +229,50 @@ def test_causal_encoder_layer_is_recognised_whatever_the_mask_encoding(
 
 
 @pytest.mark.parametrize("dynamo", [False, True])
+def test_sequence_first_export_is_analysed_like_batch_first(tmp_path: Path,
+                                                             dynamo: bool) -> None:
+    """torch's default layout (`batch_first=False`) traced with one sequence: input (N, 1, D).
+    The loader puts transposes around it; the bound equals the batch-first export's."""
+    torch.manual_seed(12)
+    seq_first = nn.TransformerEncoderLayer(D, H, 16, dropout=0.0).eval()
+    batch_first = nn.TransformerEncoderLayer(D, H, 16, dropout=0.0, batch_first=True).eval()
+    batch_first.load_state_dict(seq_first.state_dict())
+
+    class Wrap(nn.Module):
+        def __init__(self, layer: nn.Module) -> None:
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.layer(x, src_mask=None, is_causal=False)
+
+    path = tmp_path / "sf.onnx"
+    x = torch.randn(N, 1, D)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if dynamo:
+            prog = torch.onnx.export(Wrap(seq_first), (x,), dynamo=True, opset_version=18)
+            assert prog is not None
+            prog.save(str(path), external_data=False)
+        else:
+            torch.onnx.export(Wrap(seq_first), (x,), str(path), dynamo=False, opset_version=18)
+    loaded = load_model_bytes(path.read_bytes(), "sf.onnx")  # checked against onnxruntime
+    assert loaded.summary["layout"] == "seq_first" and loaded.seq_len == N
+    got = loaded.onnx.spec  # type: ignore[attr-defined]
+    xb = torch.randn(1, N, D)
+    with torch.no_grad():  # the analysed graph takes (1, N, D) and gives (1, N, D)
+        want = seq_first(xb.transpose(0, 1)).transpose(0, 1)
+        assert torch.allclose(loaded.onnx.module(xb), want, atol=1e-5)  # type: ignore[attr-defined]
+    assert got.seq_first
+    res = analyse(loaded.onnx, "2", None, 1.0)  # type: ignore[attr-defined]
+    ref = analyse(load_onnx(_export_module(Wrap(batch_first), tmp_path / "bf.onnx",
+                                           dynamo).read_bytes()), "2", None, 1.0)
+    assert res.verdict == ref.verdict == "certified", res.reason
+    assert _same(res.upper, ref.upper)
+    assert load_onnx((tmp_path / "bf.onnx").read_bytes()).spec.seq_first is False
+
+
+@pytest.mark.parametrize("dynamo", [False, True])
 def test_mlp_bound_matches_native_sequential(tmp_path: Path, dynamo: bool) -> None:
     torch.manual_seed(8)
     mlp = nn.Sequential(nn.Linear(D, 16), nn.ReLU(), nn.Linear(16, 16), nn.GELU(),

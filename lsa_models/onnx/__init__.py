@@ -48,6 +48,8 @@ def load_onnx_model(data: bytes, filename: str = ""):  # type: ignore[no-untyped
         "d_model": spec.d_model,
         "seq_len": spec.seq_len,
         "input": spec.input_name,
+        # "seq_first": the upload takes (N, 1, D); analysed (and reported) as (1, N, D)
+        "layout": "seq_first" if spec.seq_first else "batch_first",
         "output": spec.output_name,
         "onnxruntime_max_abs_diff": model.max_abs_diff,
     }

@@ -153,15 +153,20 @@ class _Probe:
         self.info, self.source = info, source
         self.nodes = info.needed(nodes, targets)
         self.basis_nodes = info.needed(self.nodes, projections)
-        self.shape = info.shape(source)
-        self.n = self.shape[-2]
-        self.width = self.shape[-1]
+        actual = info.shape(source)
+        self.n = info.seq_len
+        self.width = actual[-1]
+        # probes are written (batch, N, width); a sequence-first source (N, 1, width) holds
+        # the same rows in the same memory order (`GraphInfo.is_token`)
+        self.shape = (int(np.prod(actual[:-1])) // self.n, self.n, self.width)
+        self._actual = actual
 
     def run(self, x: np.ndarray, basis: bool = False) -> Mapping[str, Tensor]:
+        src = {self.source: torch.from_numpy(x.reshape(self._actual))}
         if not basis:
             with torch.no_grad():
-                return self.info.eval_nodes(self.nodes, {self.source: torch.from_numpy(x)})
-        return _eval_unit_rows(self.info, self.basis_nodes, {self.source: torch.from_numpy(x)})
+                return self.info.eval_nodes(self.nodes, src)
+        return _eval_unit_rows(self.info, self.basis_nodes, src)
 
     def _basis_runs(self) -> tuple[Mapping[str, Tensor], list[Mapping[str, Tensor]]]:
         """The region at X = 0 and at the basis inputs (token i of run k is e_{kN+i}); run

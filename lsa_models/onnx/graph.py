@@ -41,6 +41,9 @@ class GraphSpec:
     # the graph serialised as checked (no external data; shape annotations not added):
     # what onnxruntime loads, so the graph is not serialised again for it
     blob: bytes = b""
+    # the upload's input (and output) were sequence-first (N, 1, D): the graph was given
+    # transposes to batch-first (loading._to_batch_first)
+    seq_first: bool = False
 
     @property
     def initializers(self) -> dict[str, onnx.TensorProto]:
@@ -341,7 +344,12 @@ class GraphInfo:
     def is_token(self, name: str) -> bool:
         """Shape (batch, N, width) like the input: last axis = features of each token."""
         s = self.shape(name)
-        return len(s) == len(self.input_shape) and s[:-1] == self.input_shape[:-1]
+        if len(s) == len(self.input_shape) and s[:-1] == self.input_shape[:-1]:
+            return True
+        # with one sequence, (N, 1, width) holds the same rows in the same order: the
+        # sequence-first layout of torch's attention internals and of seq-first exports
+        return len(s) == 3 == len(self.input_shape) and self.input_shape[0] == 1 and \
+            s[0] == self.seq_len and s[1] == 1
 
     def eval_nodes(self, nodes: Iterable[Node],
                    overrides: Mapping[str, Tensor]) -> MutableMapping[str, Tensor]:

@@ -295,6 +295,57 @@ def _dims(vi: onnx.ValueInfoProto) -> list[int | None]:
             for d in vi.type.tensor_type.shape.dim]
 
 
+_SEQ_FIRST = "__seq_first"
+
+
+def _to_batch_first(model: onnx.ModelProto) -> bool:
+    """A graph exported with a sequence-first input (N, 1, D) (torch's default layout,
+    `batch_first=False`, traced with one sequence) gets a Transpose in front of it, and one
+    behind a sequence-first (N, 1, D') output, so the analysis sees (1, N, D) like every other
+    graph. Permuting coordinates changes no norm: the Lipschitz constant is the same, and a
+    token is still a token (row x_i in both layouts). True when it rewrote the graph."""
+    g = model.graph
+    inits = {t.name for t in g.initializer}
+    floats = [vi for vi in g.input if vi.name not in inits
+              and vi.type.tensor_type.elem_type in FLOAT_TYPES]
+    if len(floats) != 1:
+        return False
+    vi = floats[0]
+    dims = _dims(vi)
+    if len(dims) != 3 or dims[0] is None or dims[0] < 2 or dims[1] != 1:
+        return False
+    x, inner = vi.name, vi.name + _SEQ_FIRST
+    _rename_uses(g, x, inner)
+    shape = vi.type.tensor_type.shape.dim
+    shape[0].dim_value, shape[1].dim_value = 1, dims[0]
+    nodes = [onnx.helper.make_node("Transpose", [x], [inner], name=inner, perm=[1, 0, 2])]
+    out = g.output[0]
+    odims = _dims(out)
+    if len(g.output) == 1 and len(odims) == 3 and odims[0] == dims[0] and odims[1] == 1:
+        y, y_inner = out.name, out.name + _SEQ_FIRST
+        for nd in g.node:
+            nd.output[:] = [y_inner if o == y else o for o in nd.output]
+        _rename_uses(g, y, y_inner)
+        for v in g.value_info:
+            if v.name == y:
+                v.name = y_inner
+        oshape = out.type.tensor_type.shape.dim
+        oshape[0].dim_value, oshape[1].dim_value = 1, odims[0]
+        tail = [onnx.helper.make_node("Transpose", [y_inner], [y], name=y_inner, perm=[1, 0, 2])]
+    else:
+        tail = []
+    old = list(g.node)
+    del g.node[:]
+    g.node.extend(nodes + old + tail)
+    return True
+
+
+def _rename_uses(g: onnx.GraphProto, name: str, new: str) -> None:
+    """Every node input reading `name` reads `new` (subgraphs are not used by supported ops)."""
+    for nd in g.node:
+        nd.input[:] = [new if i == name else i for i in nd.input]
+
+
 def _select_input(model: onnx.ModelProto, nodes: list[Node]) -> tuple[
         str, int, int | None, int | None, int, set[str], str | None]:
     """(input tensor, D, fixed N, fixed batch, rank, skipped nodes, ids input)."""
@@ -354,13 +405,14 @@ def load_onnx(data: bytes, filename: str = "", opts: LoadOptions | None = None,
                              f"{MIN_OPSET}..{MAX_OPSET} (17-20 recommended)")
     _check_declared_shapes(model, opts)
     inlined = _resolve_external(model, files, main, opts)
-    nodes = [Node.from_proto(n, i) for i, n in enumerate(model.graph.node)]
-    bad = unsupported_ops(nodes)
+    bad = unsupported_ops([Node.from_proto(n, i) for i, n in enumerate(model.graph.node)])
     if bad:
         raise UnsupportedOpsError(bad)
+    seq_first = _to_batch_first(model)
+    nodes = [Node.from_proto(n, i) for i, n in enumerate(model.graph.node)]
     # one serialised form for the checker, shape inference and onnxruntime: the upload itself
-    # unless external data was inlined (serialising a 340 MB model costs ~1.2 s each time)
-    blob = model.SerializeToString() if inlined else raw
+    # unless it changed (serialising a 340 MB model costs ~1.2 s each time)
+    blob = model.SerializeToString() if inlined or seq_first else raw
     try:
         onnx.checker.check_model(blob)
         _infer_shapes(model)
@@ -373,7 +425,7 @@ def load_onnx(data: bytes, filename: str = "", opts: LoadOptions | None = None,
         raise OnnxCheckError("the graph has no output")
     name, d_model, n, batch, rank, skipped, ids = _select_input(model, nodes)
     spec = GraphSpec(model, nodes, name, model.graph.output[0].name, d_model, n, batch, rank,
-                     skipped, ids, opset, blob)
+                     skipped, ids, opset, blob, seq_first)
     try:
         module = GraphModule(spec)
     except (RuntimeError, ValueError, IndexError, NotImplementedError, KeyError) as exc:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import warnings
 import zipfile
 from pathlib import Path
@@ -226,6 +227,53 @@ def test_causal_encoder_layer_is_recognised_whatever_the_mask_encoding(
     low = lower_bound(load_onnx((tmp_path / "c.onnx").read_bytes()), "2", N, radius=1.0,
                       restarts=1, steps=4)
     assert res.upper is not None and low.lower <= res.upper
+
+
+class _MaskedAttention(nn.Module):
+    """Attention with the keys 3.. hidden by -1e9, added (`attn_mask`) or filled in
+    (`masked_fill`): a large finite constant inside the logits."""
+
+    def __init__(self, fill: bool) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(D, 3 * D)
+        self.out = nn.Linear(D, D)
+        self.fill = fill
+        self.register_buffer("hidden", torch.arange(N)[None, :].expand(N, N) >= 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        q, k, v = (t.view(b, n, H, D // H).transpose(1, 2) for t in self.qkv(x).split(D, 2))
+        if self.fill:
+            logits = (q @ k.transpose(-1, -2)) / math.sqrt(D // H)
+            y = logits.masked_fill(self.hidden, -1e9).softmax(-1) @ v
+        else:
+            mask = torch.zeros(N, N).masked_fill(self.hidden, -1e9)
+            y = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.out(y.transpose(1, 2).reshape(b, n, D))
+
+
+@pytest.mark.parametrize("fill", [False, True])
+@pytest.mark.parametrize("dynamo", [False, True])
+def test_large_finite_mask_does_not_fool_the_scale_fit(tmp_path: Path, dynamo: bool,
+                                                        fill: bool) -> None:
+    """Regression: -1e9 in the logits once set the fit's tolerance, so a wrong scale (0.024
+    for 1/sqrt(8)) passed and the certified number came out 24% below the formula's. An
+    added mask is certified (any constant additive mask, docs/bounds.md); a filled-in one
+    replaces logits instead of adding to them, which the derivation does not cover: it stays
+    uncertified rather than certified wrongly."""
+    torch.manual_seed(13)
+    mod = _MaskedAttention(fill).eval()
+    res = analyse(load_onnx(_export_module(mod, tmp_path / "m.onnx", dynamo).read_bytes()),
+                  "2", None, 1.0)
+    if fill:
+        assert res.verdict == "not_certified" and "Softmax" in (res.reason or "")
+        return
+    assert res.verdict == "certified", res.reason
+    w, b = mod.qkv.weight.detach(), mod.qkv.bias.detach()
+    wq, wk, wv = (_head_columns(w[i * D:(i + 1) * D], H) for i in range(3))
+    expect = dp_mha_radius_bound(wq, wk, wv, mod.out.weight.detach().T, N, 1.0, "2",
+                                 bq=b[:D])
+    assert res.upper is not None and expect <= res.upper <= expect * (1 + 1e-5)
 
 
 @pytest.mark.parametrize("dynamo", [False, True])

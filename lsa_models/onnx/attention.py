@@ -278,9 +278,10 @@ def _row_normalise(a: np.ndarray, j0: np.ndarray) -> np.ndarray:
 
 
 def _fit(ls: list[np.ndarray], gs: list[np.ndarray], finite: np.ndarray,
-         j0: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+         j0: np.ndarray) -> tuple[np.ndarray, np.ndarray, float] | None:
     """Per-head c with `L = c G + R`, R the same at every sample (after removing a per-row
-    constant). Returns (c, R) or None."""
+    constant). Returns (c, R, err) or None; err bounds the relative error of c that the
+    evaluation's rounding (the residual of the fit) can explain, times 10."""
     dl = [np.where(finite, _row_normalise(np.where(finite, lg, 0.0), j0), 0.0) for lg in ls]
     dg = [np.where(finite, _row_normalise(np.broadcast_to(g, lg.shape), j0), 0.0)
           for g, lg in zip(gs, ls, strict=True)]
@@ -291,7 +292,9 @@ def _fit(ls: list[np.ndarray], gs: list[np.ndarray], finite: np.ndarray,
         ddl, ddg = dl[s] - dl[0], dg[s] - dg[0]
         num_h += (ddl * ddg).reshape(heads, -1).sum(axis=1)
         den_h += (ddg * ddg).reshape(heads, -1).sum(axis=1)
-    scale = max(float(np.abs(d).max()) for d in dl) + 1e-300
+    # tolerances scale with how much the logits vary between samples, not with their size: a
+    # large constant (a mask of -1e9) would otherwise let any c pass
+    scale = max(float(np.abs(d - dl[0]).max()) for d in dl[1:]) + 1e-300
     if np.any(den_h <= 1e-20 * scale * scale):
         return None
     c = num_h / den_h
@@ -299,7 +302,16 @@ def _fit(ls: list[np.ndarray], gs: list[np.ndarray], finite: np.ndarray,
     for r in res[1:]:
         if not np.max(np.abs(r - res[0])) <= 1e-7 * scale:
             return None
-    return c, res[0]
+    # c - c_true = sum(e ddg) / sum(ddg^2) for the noise e of the differences: bounded by
+    # max|e| sum|ddg| / sum(ddg^2), with the observed residual standing in for max|e|
+    err = 0.0
+    for s in range(1, len(ls)):
+        ddl, ddg = dl[s] - dl[0], dg[s] - dg[0]
+        resid = np.abs(ddl - c[:, None, None] * ddg).reshape(heads, -1).max(axis=1)
+        l1 = np.abs(ddg).reshape(heads, -1).sum(axis=1)
+        rel = resid * l1 / den_h / np.maximum(np.abs(c), 1e-300)
+        err = max(err, 10.0 * float(rel.max()))
+    return c, res[0], err
 
 
 def recognise(info: GraphInfo) -> list[AttentionLayer]:
@@ -405,15 +417,17 @@ def _analyse(info: GraphInfo, sm: Node, logits: str, x: str, layer: AttentionLay
     if not finite.any(axis=-1).all():
         raise _NotAttention("a row of its mask hides every key")
     views = {c: [_view(e[c[0]], n, c[1]) for e in envs] for c in cands}
-    found = _search(ls, finite, views, cands, g_l, ("dp", "l2"))
-    if found is None and scores != logits:
+    found = None
+    if scores != logits:  # DP first on the logits without their constant: a cleaner fit
         ss = [e[scores].detach().numpy().reshape(-1, n, n) for e in envs]
         if all(np.isfinite(sc).all() for sc in ss):
             found = _search(ss, np.ones(ss[0].shape, dtype=bool), views, cands, g_l, ("dp",))
     if found is None:
+        found = _search(ls, finite, views, cands, g_l, ("dp", "l2"))
+    if found is None:
         raise _NotAttention("its logits are neither a scaled dot product nor a negative "
                             "squared L2 distance of projections of the layer input")
-    kind, a, b, (c, resid) = found
+    kind, a, b, (c, resid, fit_err) = found
     layer.kind = kind
     g = ls[0].shape[0]
     causal_mask = np.tril(np.ones((n, n), dtype=bool))
@@ -437,9 +451,9 @@ def _analyse(info: GraphInfo, sm: Node, logits: str, x: str, layer: AttentionLay
             # below it: the canonical, larger scale is still an upper bound (docs/bounds.md)
             scale = canonical
         else:
-            # the fitted scale carries least-squares rounding (~1e-15 relative): certify a
-            # slightly larger one
-            scale = math.nextafter(scale * (1 + _FIT_MARGIN), math.inf)
+            # the fitted scale carries the evaluation's rounding (~1e-15 relative, more
+            # when large constants sit in the logits): certify a slightly larger one
+            scale = math.nextafter(scale * (1 + max(_FIT_MARGIN, fit_err)), math.inf)
         layer.scale = scale
         layer.wo, layer.bo = wo, bo
         return
@@ -474,7 +488,7 @@ def _search(ls: list[np.ndarray], finite: np.ndarray,
             views: dict[tuple[str, bool], list[np.ndarray]], cands: list[tuple[str, bool]],
             g_l: int, kinds: tuple[str, ...]
             ) -> tuple[str, tuple[str, bool], tuple[str, bool],
-                       tuple[np.ndarray, np.ndarray]] | None:
+                       tuple[np.ndarray, np.ndarray, float]] | None:
     """The first (kind, a, b, fit) whose projections a, b explain the sampled logits `ls`."""
     j0 = np.argmax(finite, axis=-1)
     for kind in kinds:

@@ -276,6 +276,24 @@ def test_large_finite_mask_does_not_fool_the_scale_fit(tmp_path: Path, dynamo: b
     assert res.upper is not None and expect <= res.upper <= expect * (1 + 1e-5)
 
 
+def test_huge_projection_bias_never_certifies_below_the_formula(tmp_path: Path) -> None:
+    """The read-out checks compare values at a random input within a tolerance relative to
+    the input-dependent part, not to a huge bias on top of it (which would bury a token-mixing
+    term in its rounding). Whatever path recognition takes, the number is not below the
+    formula's with the true weights."""
+    torch.manual_seed(14)
+    mod = _MHA().eval()
+    with torch.no_grad():
+        mod.mha.in_proj_bias[:D] = 1e8  # query bias (a key bias only shifts logit rows)
+    res = analyse(load_onnx(_export_module(mod, tmp_path / "b.onnx", False).read_bytes()),
+                  "2", None, 1.0)
+    w, b = mod.mha.in_proj_weight.detach(), mod.mha.in_proj_bias.detach()
+    wq, wk, wv = (_head_columns(w[i * D:(i + 1) * D], H) for i in range(3))
+    expect = dp_mha_radius_bound(wq, wk, wv, mod.mha.out_proj.weight.detach().T, N, 1.0, "2",
+                                 bq=b[:D])
+    assert res.verdict == "not_certified" or (res.upper is not None and res.upper >= expect)
+
+
 @pytest.mark.parametrize("dynamo", [False, True])
 def test_sequence_first_export_is_analysed_like_batch_first(tmp_path: Path,
                                                              dynamo: bool) -> None:

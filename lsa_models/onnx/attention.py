@@ -213,9 +213,10 @@ class _Probe:
                 got = _view(env[name], n, tr).transpose(1, 0, 2)  # (N, G, w)
                 xs = x.reshape(-1, n, width)[0]  # (N, width)
                 pred = (xs @ stacked.reshape(width, g * w)).reshape(n, g, w)
+                scale = _check_scale(pred, b)
                 pred += b[None, :, :]
                 pred -= got
-                if not np.abs(pred).max() <= _TOL * (1 + np.abs(got).max()):
+                if not np.abs(pred).max() <= _TOL * scale:
                     raise _NotAttention(f"tensor {name} is not a token-wise affine map of the "
                                         "layer input")
             weight = stacked.transpose(1, 0, 2)  # (G, width, w)
@@ -526,6 +527,17 @@ def _strip_constant_terms(info: GraphInfo, logits: str) -> str:
     return t
 
 
+def _check_scale(linear: np.ndarray, bias: np.ndarray) -> float:
+    """The size a read-out check's tolerance is relative to: the input-dependent part, not a
+    constant bias on top of it (a huge bias would otherwise hide a token-mixing term). Its
+    rounding (~u |bias|) must stay far below that tolerance, which caps the bias."""
+    scale = 1.0 + float(np.abs(linear).max())
+    if float(np.abs(bias).max(initial=0.0)) > 1e6 * scale:
+        raise _NotAttention("a projection bias is over 1e6 times its input-dependent part; "
+                            "its rounding would hide what the checks must see")
+    return scale
+
+
 def _per_head(w: np.ndarray, heads: int) -> np.ndarray:
     if w.shape[0] == heads:
         return w
@@ -567,8 +579,9 @@ def _probe_tail(info: GraphInfo, nodes: list[Node], o_name: str, y: str,
                 wo[k * n + i] = out[i]
     check = np.random.default_rng(7).standard_normal(o_view.shape)
     got = run(check)
-    pred = np.transpose(check, (1, 0, 2)).reshape(n, width) @ wo + bias
-    if not np.allclose(got, pred, rtol=0, atol=_TOL * (1 + np.abs(got).max())):
+    linear = np.transpose(check, (1, 0, 2)).reshape(n, width) @ wo
+    scale = _check_scale(linear, bias)
+    if not np.allclose(got, linear + bias, rtol=0, atol=_TOL * scale):
         raise _NotAttention("its output projection is not a token-wise affine map of the "
                             "concatenated heads")
     return wo, bias, heads

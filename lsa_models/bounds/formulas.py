@@ -181,7 +181,7 @@ def dp_mha_ball(wq: ArrayLike, wk: ArrayLike, wv: ArrayLike, wo: ArrayLike, n: i
     _check_radius(radius)
     norms = _DpNorms.of(wq, wk, wv, wo)
     return (_dp_lip(norms, wq.shape, n, radius, norm, scale, bq),
-            _dp_out_radius(norms, radius, bv, bo))
+            _dp_out_radius(norms.v, norms.o, radius, bv, bo))
 
 
 def _check_radius(radius: float) -> None:
@@ -222,20 +222,18 @@ def dp_mha_out_radius(wv: ArrayLike, wo: ArrayLike, radius: float,
                       bv: ArrayLike | None = None, bo: ArrayLike | None = None) -> float:
     """Token 2-norm bound of the DP-MHA output: each head's row is a convex combination of
     values, so `||f^h_i|| <= R ||W^V_h||_2 + ||b^V_h||`; then the output projection."""
-    heads = wv.shape[0]
-    norms = _DpNorms([], [], [spectral_norm_upper(wv[h]) for h in range(heads)],
-                     spectral_norm_upper(wo))
-    return _dp_out_radius(norms, radius, bv, bo)
+    return _dp_out_radius([spectral_norm_upper(wv[h]) for h in range(wv.shape[0])],
+                          spectral_norm_upper(wo), radius, bv, bo)
 
 
-def _dp_out_radius(norms: _DpNorms, radius: float, bv: ArrayLike | None,
+def _dp_out_radius(v_norms: list[float], o_norm: float, radius: float, bv: ArrayLike | None,
                    bo: ArrayLike | None) -> float:
-    heads = len(norms.v)
+    heads = len(v_norms)
     per_head = []
     for h in range(heads):
-        vmax = add_up(mul_up(norms.v[h], radius),
+        vmax = add_up(mul_up(v_norms[h], radius),
                       0.0 if bv is None else frobenius_upper(_head_bias(bv, h, heads)))
         per_head.append(mul_up(vmax, vmax))
-    out = mul_up(norms.o, sqrt_up(add_up(*per_head)))
+    out = mul_up(o_norm, sqrt_up(add_up(*per_head)))
     return add_up(out, 0.0 if bo is None else frobenius_upper(
         np.asarray(bo.detach().double().cpu() if isinstance(bo, torch.Tensor) else bo)))

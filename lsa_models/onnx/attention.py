@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from .graph import GraphInfo
-from .ops import FLOAT_TYPES, Node
+from .ops import FLOAT_TYPES, Node, gemm_epilogue
 
 _LAYOUT = {"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Identity", "Dropout", "Flatten",
            "Slice", "Split", "Concat", "Expand"}
@@ -209,16 +209,15 @@ class _Probe:
                 v = _view(env[name], n, tr)[:, :rows, :]  # (G, rows, w)
                 np.subtract(v.transpose(1, 0, 2), b_all[:, :rows, :].transpose(1, 0, 2),
                             out=stacked[k * n:k * n + rows])
-            for env, x in list(zip(samples, sample_inputs, strict=True))[:1]:
-                got = _view(env[name], n, tr).transpose(1, 0, 2)  # (N, G, w)
-                xs = x.reshape(-1, n, width)[0]  # (N, width)
-                pred = (xs @ stacked.reshape(width, g * w)).reshape(n, g, w)
-                scale = _check_scale(pred, b)
-                pred += b[None, :, :]
-                pred -= got
-                if not np.abs(pred).max() <= _TOL * scale:
-                    raise _NotAttention(f"tensor {name} is not a token-wise affine map of the "
-                                        "layer input")
+            got = _view(samples[0][name], n, tr).transpose(1, 0, 2)  # (N, G, w)
+            xs = sample_inputs[0].reshape(-1, n, width)[0]  # (N, width)
+            pred = (xs @ stacked.reshape(width, g * w)).reshape(n, g, w)
+            scale = _check_scale(pred, b)
+            pred += b[None, :, :]
+            pred -= got
+            if not np.abs(pred).max() <= _TOL * scale:
+                raise _NotAttention(f"tensor {name} is not a token-wise affine map of the "
+                                    "layer input")
             weight = stacked.transpose(1, 0, 2)  # (G, width, w)
             results.append((weight, b))
         return results
@@ -264,13 +263,7 @@ def _gather_product(node: Node, ins: list[Tensor | None], info: GraphInfo) -> Te
     idx = rows.argmax(dim=1)
     out = w[idx] * (counts == 1).to(w.dtype)[:, None]
     out = out.reshape(*a.shape[:-1], w.shape[1])
-    if not gemm:
-        return out
-    # the same operations as GemmOp.run after the product
-    y = node.attrs.get("alpha", 1.0) * out
-    if len(ins) > 2 and ins[2] is not None:
-        y = y + node.attrs.get("beta", 1.0) * ins[2]
-    return y
+    return gemm_epilogue(node, out, ins) if gemm else out
 
 
 def _row_normalise(a: np.ndarray, j0: np.ndarray) -> np.ndarray:
@@ -287,15 +280,12 @@ def _fit(ls: list[np.ndarray], gs: list[np.ndarray], finite: np.ndarray,
     dg = [np.where(finite, _row_normalise(np.broadcast_to(g, lg.shape), j0), 0.0)
           for g, lg in zip(gs, ls, strict=True)]
     heads = dl[0].shape[0]
-    num_h = np.zeros(heads)
-    den_h = np.zeros(heads)
-    for s in range(1, len(ls)):
-        ddl, ddg = dl[s] - dl[0], dg[s] - dg[0]
-        num_h += (ddl * ddg).reshape(heads, -1).sum(axis=1)
-        den_h += (ddg * ddg).reshape(heads, -1).sum(axis=1)
+    diffs = [(dl[s] - dl[0], dg[s] - dg[0]) for s in range(1, len(ls))]
+    num_h = sum((ddl * ddg).reshape(heads, -1).sum(axis=1) for ddl, ddg in diffs)
+    den_h = sum((ddg * ddg).reshape(heads, -1).sum(axis=1) for _, ddg in diffs)
     # tolerances scale with how much the logits vary between samples, not with their size: a
     # large constant (a mask of -1e9) would otherwise let any c pass
-    scale = max(float(np.abs(d - dl[0]).max()) for d in dl[1:]) + 1e-300
+    scale = max(float(np.abs(ddl).max()) for ddl, _ in diffs) + 1e-300
     if np.any(den_h <= 1e-20 * scale * scale):
         return None
     c = num_h / den_h
@@ -306,8 +296,7 @@ def _fit(ls: list[np.ndarray], gs: list[np.ndarray], finite: np.ndarray,
     # c - c_true = sum(e ddg) / sum(ddg^2) for the noise e of the differences: bounded by
     # max|e| sum|ddg| / sum(ddg^2), with the observed residual standing in for max|e|
     err = 0.0
-    for s in range(1, len(ls)):
-        ddl, ddg = dl[s] - dl[0], dg[s] - dg[0]
+    for ddl, ddg in diffs:
         resid = np.abs(ddl - c[:, None, None] * ddg).reshape(heads, -1).max(axis=1)
         l1 = np.abs(ddg).reshape(heads, -1).sum(axis=1)
         rel = resid * l1 / den_h / np.maximum(np.abs(c), 1e-300)

@@ -405,11 +405,11 @@ def load_onnx(data: bytes, filename: str = "", opts: LoadOptions | None = None,
                              f"{MIN_OPSET}..{MAX_OPSET} (17-20 recommended)")
     _check_declared_shapes(model, opts)
     inlined = _resolve_external(model, files, main, opts)
-    bad = unsupported_ops([Node.from_proto(n, i) for i, n in enumerate(model.graph.node)])
+    seq_first = _to_batch_first(model)  # adds Transposes only: supported
+    nodes = [Node.from_proto(n, i) for i, n in enumerate(model.graph.node)]
+    bad = unsupported_ops(nodes)
     if bad:
         raise UnsupportedOpsError(bad)
-    seq_first = _to_batch_first(model)
-    nodes = [Node.from_proto(n, i) for i, n in enumerate(model.graph.node)]
     # one serialised form for the checker, shape inference and onnxruntime: the upload itself
     # unless it changed (serialising a 340 MB model costs ~1.2 s each time)
     blob = model.SerializeToString() if inlined or seq_first else raw

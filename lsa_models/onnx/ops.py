@@ -212,6 +212,14 @@ def _right_linear(a: Flow, w: np.ndarray, bias: np.ndarray | None, norm: str,
     return Flow(mul_up(a.lip, lip), radius, out_shape)
 
 
+def gemm_epilogue(node: Node, product: Tensor, ins: list[Tensor | None]) -> Tensor:
+    """What Gemm does after its product: `alpha A'B' + beta C`."""
+    y = node.attrs.get("alpha", 1.0) * product
+    if len(ins) > 2 and ins[2] is not None:
+        y = y + node.attrs.get("beta", 1.0) * ins[2]
+    return y
+
+
 @register
 class GemmOp(Op):
     types = ("Gemm",)
@@ -223,10 +231,7 @@ class GemmOp(Op):
             a = a.T
         if node.attrs.get("transB", 0):
             b = b.T
-        y = node.attrs.get("alpha", 1.0) * (a @ b)
-        if len(ins) > 2 and ins[2] is not None:
-            y = y + node.attrs.get("beta", 1.0) * ins[2]
-        return [y]
+        return [gemm_epilogue(node, a @ b, ins)]
 
     def bound(self, node: Node, args: list[Arg | None], out_shapes: list[tuple[int, ...]],
               norm: str) -> list[Flow | None]:

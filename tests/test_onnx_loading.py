@@ -289,8 +289,9 @@ def test_loading_old_opset_is_rejected() -> None:
 
 def test_loading_mismatch_with_onnxruntime_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
     from lsa_models.onnx import ops
+    from lsa_models.onnx.ops.activation import ActivationOp
 
-    class Wrong(ops.ActivationOp):
+    class Wrong(ActivationOp):
         def run(self, node, ins, ctx):  # type: ignore[no-untyped-def]
             return [torch.tanh(ins[0])]
 

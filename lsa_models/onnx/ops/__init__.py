@@ -1,0 +1,58 @@
+"""The ONNX op registry: for each op family, a torch implementation and a Lipschitz rule.
+
+One module per op family (auto_LiRPA's `operators/` layout): `linear` (MatMul, Gemm),
+`arithmetic` (Add/Sub/Mul/Div/Neg), `activation` (pointwise activations, Softmax),
+`normalization` (LayerNormalization), `layout` (reshape, transpose, slice, gather, concat, ...),
+`reduce` (reductions, Where), `constant` (ops that only see constants or shapes). Each module
+registers its ops in `base.OPS` with `@register`; importing this package imports them all, so
+the registry is complete whenever `OPS` is reachable.
+"""
+
+from __future__ import annotations
+
+from . import activation, arithmetic, constant, layout, linear, normalization, reduce
+from .base import (
+    ERF_LIPSCHITZ,
+    FLOAT_TYPES,
+    OPS,
+    SOFTMAX_LIPSCHITZ,
+    Arg,
+    Flow,
+    Node,
+    NotCertified,
+    Op,
+    RunContext,
+    UnsupportedOnnxError,
+    register,
+    supported_op_types,
+    tensor_from_proto,
+    torch_dtype,
+    unsupported_ops,
+)
+from .linear import gemm_epilogue
+from .normalization import decimal_attr, layernorm_flow
+
+FAMILIES = (activation, arithmetic, constant, layout, linear, normalization, reduce)
+
+__all__ = [
+    "ERF_LIPSCHITZ",
+    "FAMILIES",
+    "FLOAT_TYPES",
+    "OPS",
+    "SOFTMAX_LIPSCHITZ",
+    "Arg",
+    "Flow",
+    "Node",
+    "NotCertified",
+    "Op",
+    "RunContext",
+    "UnsupportedOnnxError",
+    "decimal_attr",
+    "gemm_epilogue",
+    "layernorm_flow",
+    "register",
+    "supported_op_types",
+    "tensor_from_proto",
+    "torch_dtype",
+    "unsupported_ops",
+]

@@ -1,0 +1,77 @@
+"""LayerNormalization and the LayerNorm flow shared with the decomposed pattern."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ...bounds.formulas import layernorm_bound, linear_bound
+from ...bounds.numerics import (
+    add_up,
+    mul_up,
+    sqrt_up,
+)
+from .base import (
+    Arg,
+    Flow,
+    Node,
+    NotCertified,
+    Op,
+    RunContext,
+    _row_width,
+    register,
+)
+
+
+@register
+class LayerNormOp(Op):
+    types = ("LayerNormalization",)
+
+    def run(self, node: Node, ins: list[Tensor | None], ctx: RunContext) -> list[Tensor]:
+        x, scale = ins[0], ins[1]
+        assert x is not None and scale is not None
+        bias = ins[2] if len(ins) > 2 else None
+        axis = int(node.attrs.get("axis", -1)) % x.dim()
+        y = torch.nn.functional.layer_norm(x, tuple(x.shape[axis:]), scale, bias,
+                                           float(node.attrs.get("epsilon", 1e-5)))
+        return [y]
+
+    def bound(self, node: Node, args: list[Arg | None], out_shapes: list[tuple[int, ...]],
+              norm: str) -> list[Flow | None]:
+        a, gamma = args[0], args[1]
+        beta = args[2] if len(args) > 2 else None
+        if not isinstance(a, Flow) or not isinstance(gamma, np.ndarray) \
+                or isinstance(beta, Flow):
+            raise NotCertified(f"LayerNormalization node {node.name}: scale and bias must be "
+                               "constants")
+        if int(node.attrs.get("axis", -1)) % len(a.shape) != len(a.shape) - 1:
+            raise NotCertified(f"LayerNormalization node {node.name} normalises over more "
+                               "than the last axis")
+        eps = decimal_attr(float(node.attrs.get("epsilon", 1e-5)))
+        return [layernorm_flow(a, gamma, beta, eps, norm, out_shapes[0])]
+
+
+def decimal_attr(x: float) -> float:
+    """A float32 attribute read as the shortest decimal that rounds to it: the value the
+    exporter was given (eps=1e-5 is stored as 9.99999974738e-06). The native analyser reads
+    the configured value too; see docs/bounds.md, "Conventions"."""
+    return float(np.format_float_positional(np.float32(x), unique=True, trim="-")) \
+        if abs(x) >= 1e-30 else float(x)
+
+
+def layernorm_flow(a: Flow, gamma: np.ndarray, beta: np.ndarray | None, eps: float, norm: str,
+                   shape: tuple[int, ...]) -> Flow:
+    """Shared by the LayerNormalization op and the decomposed pattern (native rule's numbers)."""
+    width = _row_width(shape)
+    g = np.broadcast_to(np.asarray(gamma, dtype=np.float64), (width,))
+    if eps <= 0:
+        raise NotCertified("LayerNorm with epsilon <= 0 is not Lipschitz")
+    upper = layernorm_bound(g, eps, norm)
+    gmax = float(np.abs(g).max())
+    b = 0.0 if beta is None else linear_bound(
+        np.broadcast_to(np.asarray(beta, dtype=np.float64), (width,))[None, :], "2")
+    radius = add_up(mul_up(sqrt_up(width), gmax), b)
+    return Flow(mul_up(a.lip, upper), radius, shape)
+
+

@@ -4,7 +4,7 @@ Walks the nodes in graph order carrying a `Flow` (Lipschitz constant from the mo
 token-norm bound) for every input-dependent tensor. Recognised composites (attention layers,
 GELU written out in its Erf or tanh form, decomposed LayerNorm) are bounded as a whole with
 the formulas the native analyser uses (lsa_models/bounds/formulas.py), so an exported native
-model gets the same number; every other node goes through its op's rule (ops.py).
+model gets the same number; every other node goes through its op's rule (the `ops` package).
 Composition follows bounds/rules.py: `Lip(f o g) <= Lip(f) Lip(g)`, sums add (residuals:
 1 + Lip(g)).
 """

@@ -1,6 +1,6 @@
 """The torch evaluator of an ONNX graph: an `nn.Module` mapping (B, N, D) -> the graph output.
 
-Every node runs through the op registry (ops.py), so the graph is differentiable with
+Every node runs through the op registry (the `ops` package), so the graph is differentiable with
 autograd. Tensors that do not depend on the model input are folded once at build time;
 shape arithmetic (Shape, Gather of shapes, Concat of dims) runs at call time, so graphs
 with dynamic batch or sequence dimensions evaluate at any size they accept.

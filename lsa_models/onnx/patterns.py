@@ -1,0 +1,183 @@
+"""Composite patterns recognised before the per-node rules run: attention layers (attention.py),
+GELU written out in its Erf or tanh form, and LayerNorm decomposed into ReduceMean/Sub/Pow/Sqrt/Div.
+
+Each is found by what it computes (checked in float64 at fresh inputs), not by how it is spelled;
+the analyser bounds a composite as a whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .attention import AttentionLayer, recognise
+from .graph import GraphInfo
+from .ops import Node, decimal_attr
+
+
+@dataclass
+class Composite:
+    kind: str  # "attention" | "gelu" | "layernorm"
+    input: str
+    output: str
+    nodes: list[str]
+    attention: AttentionLayer | None = None
+    gamma: np.ndarray | None = None
+    beta: np.ndarray | None = None
+    eps: float = 0.0
+
+
+def _gelu_inputs(info: GraphInfo, e: Node) -> list[str]:
+    """Candidate GELU inputs x for an Erf (`erf(x / sqrt 2)`) or Tanh
+    (`tanh(sqrt(2/pi) (x + 0.044715 x^3))`) node: input-dependent tensors that dominate its
+    argument, nearest first."""
+    if e.op_type == "Erf":
+        pre = info.producer.get(e.inputs[0])
+        if pre is None or pre.op_type not in ("Div", "Mul"):
+            return []
+        x = next((i for i in pre.inputs if i in info.var), None)
+        return [] if x is None else [x]
+    shape = info.shape(e.inputs[0])
+    out, t = [], info.idom.get(e.inputs[0])
+    for _ in range(6):  # x^3 and the sums above it are a few ops deep
+        if t is None:
+            break
+        if info.shape(t) == shape:
+            out.append(t)
+        t = info.idom.get(t)
+    return out
+
+
+def _gelu_patterns(info: GraphInfo) -> list[Composite]:
+    """GELU written out elementwise: the Erf form (exact GELU) and the tanh approximation
+    (GPT-2's), both bounded by the GELU constant (it covers both: test_bounds_formulas)."""
+    out = []
+    for e in info.nodes:
+        if e.op_type not in ("Erf", "Tanh") or e.inputs[0] not in info.var:
+            continue
+        approximate = "none" if e.op_type == "Erf" else "tanh"
+        for x in _gelu_inputs(info, e):
+            found = _gelu_at(info, e, x, approximate)
+            if found is not None:
+                out.append(found)
+                break
+    return out
+
+
+def _gelu_at(info: GraphInfo, e: Node, x: str, approximate: str) -> Composite | None:
+    def gelu(v: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.gelu(v, approximate=approximate)
+
+    # candidate outputs: up to three Add/Mul hops after the Erf/Tanh
+    frontier, cands = [e.outputs[0]], []
+    for _ in range(3):
+        nxt = []
+        for t in frontier:
+            for c in info.consumers.get(t, []):
+                if c.op_type in ("Add", "Mul"):
+                    nxt.append(c.outputs[0])
+        cands.extend(nxt)
+        frontier = nxt
+    xv = info.env[x]
+    ref = gelu(xv)
+    gen = torch.Generator().manual_seed(3)
+    for t in reversed(cands):
+        if info.shape(t) != tuple(xv.shape):
+            continue
+        # a loose first look at the reference point (module precision); the identity
+        # itself is checked below in float64 at fresh inputs
+        if not torch.allclose(info.env[t], ref, rtol=1e-4, atol=1e-5):
+            continue
+        nodes = info.region(x, t)
+        if nodes is None or e.name not in {n.name for n in nodes}:
+            continue
+        # an elementwise identity: confirm it at fresh inputs, large values included
+        fresh = [3.0 * torch.randn(xv.shape, generator=gen, dtype=torch.float64)
+                 for _ in range(2)]
+        with torch.no_grad():
+            if not all(torch.allclose(info.eval_nodes(nodes, {x: f})[t], gelu(f),
+                                      rtol=1e-6, atol=1e-9) for f in fresh):
+                continue
+        return Composite("gelu", x, t, [n.name for n in nodes])
+    return None
+
+
+def _layernorm_patterns(info: GraphInfo) -> list[Composite]:
+    out = []
+    for r in info.nodes:
+        if r.op_type != "ReduceMean" or r.inputs[0] not in info.var:
+            continue
+        x = r.inputs[0]
+        xv = info.env[x].to(torch.float64)
+        width = xv.shape[-1]
+        cands: list[str] = []
+        frontier = [r.outputs[0]]
+        for _ in range(10):
+            nxt = [c.outputs[0] for t in frontier for c in info.consumers.get(t, [])
+                   if c.outputs and c.outputs[0] in info.var]
+            cands.extend(nxt)
+            frontier = nxt
+        for t in reversed(list(dict.fromkeys(cands))):
+            if info.shape(t) != tuple(xv.shape):
+                continue
+            nodes = info.region(x, t)
+            if nodes is None or r.name not in {n.name for n in nodes}:
+                continue
+            eps_nodes = [n for n in nodes if n.op_type == "Add"
+                         and any(i not in info.var and info.env[i].numel() == 1
+                                 for i in n.inputs)]
+            if len(eps_nodes) != 1:
+                continue
+            eps_t = next(i for i in eps_nodes[0].inputs if i not in info.var)
+            eps = decimal_attr(float(info.env[eps_t].reshape(())))
+            if eps <= 0:
+                continue
+            z = torch.nn.functional.layer_norm(xv, (width,), eps=eps)
+            with torch.no_grad():
+                tv = info.eval_nodes(nodes, {x: xv})[t]
+            zf = z.reshape(-1, width)
+            tf = tv.reshape(-1, width)
+            # fit t = gamma z + beta per feature, then verify at fresh inputs
+            zc = zf - zf.mean(0)
+            denom = (zc * zc).sum(0)
+            if bool((denom <= 0).any()):
+                continue
+            gamma = ((tf - tf.mean(0)) * zc).sum(0) / denom
+            beta = tf.mean(0) - gamma * zf.mean(0)
+            ok = True
+            gen = torch.Generator().manual_seed(5)
+            for _ in range(2):
+                xs = torch.randn(xv.shape, generator=gen, dtype=xv.dtype)
+                with torch.no_grad():
+                    env = info.eval_nodes(nodes, {x: xs})
+                want = torch.nn.functional.layer_norm(xs, (width,), eps=eps) * gamma + beta
+                if not torch.allclose(env[t], want, rtol=1e-6, atol=1e-6):
+                    ok = False
+                    break
+            if not ok:
+                continue
+            # gamma is fitted in float64: a relative 1e-9 margin covers the fit's rounding
+            out.append(Composite("layernorm", x, t, [n.name for n in nodes],
+                                 gamma=gamma.numpy() * (1 + 1e-9), beta=beta.numpy(), eps=eps))
+            break
+    return out
+
+
+def find_composites(info: GraphInfo) -> tuple[list[Composite], list[str]]:
+    """Every recognised composite (attention first, then GELU and LayerNorm patterns on nodes
+    no earlier composite took) and the hints of attention recognised without a region."""
+    comps: list[Composite] = []
+    hints: list[str] = []
+    for a in recognise(info):
+        if a.output:
+            comps.append(Composite("attention", a.input, a.output, a.nodes, a))
+        elif a.reason:
+            hints.append(a.reason)  # no region: the generic rules decide, sound either way
+    taken = {nm for c in comps for nm in c.nodes}
+    for c in _gelu_patterns(info) + _layernorm_patterns(info):
+        if not taken & set(c.nodes):
+            comps.append(c)
+            taken |= set(c.nodes)
+    return comps, hints

@@ -20,8 +20,8 @@ if TYPE_CHECKING:
     from api_schemas.training import TrainingSpec
     from lsa_models.training import TrainOutcome
 
-    from .models import Corpus, Job
     from .runtime import Runtime
+    from .tables import Corpus, Job
 
 # Certificate ids of training jobs are derived from the job id: a job re-run after a crash
 # finds the certificate its first run stored instead of training again.
@@ -65,7 +65,7 @@ def store_outcome(session: Session, runtime: Runtime, job_id: str, outcome: Trai
     from .artifacts import store_artifact
     from .bounding import load_bytes
     from .certificates import new_certificate_body, sign_certificate
-    from .models import CertificateRow, Model
+    from .tables import CertificateRow, UploadedModel
 
     model_bytes = outcome.model_path.read_bytes()
     model_sha = store_artifact(session, runtime.artifacts, model_bytes, "model")
@@ -74,7 +74,7 @@ def store_outcome(session: Session, runtime: Runtime, job_id: str, outcome: Trai
     cert = outcome.certificate
     seq_len = int(cert["seq_len"])
 
-    model = session.scalar(select(Model).where(Model.sha256 == model_sha))
+    model = session.scalar(select(UploadedModel).where(UploadedModel.sha256 == model_sha))
     if model is None:
         loaded = load_bytes(model_bytes, "model.safetensors")
         summary: dict[str, Any] = json.loads(json.dumps(loaded.summary, default=str))
@@ -84,7 +84,7 @@ def store_outcome(session: Session, runtime: Runtime, job_id: str, outcome: Trai
             params = sum(int(p.numel()) for p in loaded.module.parameters())
         # The LM's positional table fixes its context length: bounds and certificates are for
         # exactly the sequences it was trained on.
-        model = Model(sha256=model_sha, format=loaded.format,
+        model = UploadedModel(sha256=model_sha, format=loaded.format,
                       filename=f"char_lm-{job_id[:8]}.safetensors", size_bytes=len(model_bytes),
                       parameters=params, d_model=loaded.d_model, default_seq_len=seq_len,
                       fixed_seq_len=seq_len, summary=summary)
@@ -157,8 +157,8 @@ def submit_training(session: Session, runtime: Runtime, spec: TrainingSpec) -> J
     from lsa_models.training import RequestError, TrainRequest
 
     from .errors import NotFound
-    from .jobs import submit_job
-    from .models import Corpus
+    from .jobs.runner import submit_job
+    from .tables import Corpus
 
     limit = runtime.settings.max_training_steps
     if spec.steps > limit:

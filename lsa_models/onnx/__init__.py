@@ -29,12 +29,15 @@ from .loading import (
 from .ops import OPS, supported_op_types
 
 
-def load_onnx_model(data: bytes, filename: str = ""):  # type: ignore[no-untyped-def]
-    """The `LOADERS` entry: an upload -> `LoadedModel(format="onnx"|"onnx-zip")`."""
+def load_onnx_model(data: bytes, filename: str = "", *, check_ort: bool = True):  # type: ignore[no-untyped-def]
+    """The `LOADERS` entry: an upload -> `LoadedModel(format="onnx"|"onnx-zip")`.
+    `check_ort=False` skips the onnxruntime comparison (for bytes that already passed it)."""
+    import dataclasses
+
     from ..analysis import LoadedModel, sha256_hex
     from ..bounds.report import NormName
 
-    model = load_onnx(data, filename)
+    model = load_onnx(data, filename, dataclasses.replace(LoadOptions(), check_ort=check_ort))
     spec = model.spec
 
     def certify_fn(norm: NormName, seq_len: int, radius: float | None):  # type: ignore[no-untyped-def]

@@ -127,7 +127,7 @@ def decision_message(cert: Certificate, bound: BoundReport) -> str:
 def certify_local(req: Request, key_path: Path | None, progress: StageProgress
                   ) -> tuple[Certificate, BoundReport]:
     from service.certificates import (
-        KeyError_,
+        SigningKeyError,
         load_or_create_signing_key,
         new_certificate_body,
         sign_certificate,
@@ -145,7 +145,7 @@ def certify_local(req: Request, key_path: Path | None, progress: StageProgress
     path = key_path if key_path is not None else default_key_path()
     try:
         key = load_or_create_signing_key(path)
-    except (KeyError_, OSError) as exc:
+    except (SigningKeyError, OSError) as exc:
         raise CertifyError(f"signing key: {exc}; pass --key FILE (an Ed25519 PEM private "
                            f"key, created if missing)") from None
     # As the server does: an upper bound is stated only when it is certified.

@@ -44,7 +44,7 @@ def read_public_key_file(path: Path) -> Any:
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-    from service.certificates import KeyError_, load_public_key
+    from service.certificates import SigningKeyError, load_public_key
 
     try:
         data = path.read_bytes()
@@ -60,12 +60,12 @@ def read_public_key_file(path: Path) -> Any:
         return key.public_key()
     try:
         return load_public_key(data)
-    except KeyError_ as exc:
+    except SigningKeyError as exc:
         raise ValueError(f"{path}: {exc}") from None
 
 
 def server_public_key(server: str, api_key: str | None) -> Any:
-    from service.certificates import KeyError_, load_public_key
+    from service.certificates import SigningKeyError, load_public_key
     from service.client import ClientConfig, ClientError, LSAClient
 
     with LSAClient(ClientConfig(base_url=server, api_key=api_key)) as client:
@@ -75,7 +75,7 @@ def server_public_key(server: str, api_key: str | None) -> Any:
             raise ValueError(f"server {server}: {exc}") from None
     try:
         return load_public_key(pem)
-    except KeyError_ as exc:
+    except SigningKeyError as exc:
         raise ValueError(f"server {server}: public key: {exc}") from None
 
 

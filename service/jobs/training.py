@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from ..models import CertificateRow
+from ..tables import CertificateRow
 from .registry import JobKind, register_job_kind
 from .runner import JobContext
 

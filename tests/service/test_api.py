@@ -14,9 +14,9 @@ from lsa_models.analysis import load_model_bytes
 from service.app import create_app
 from service.certificates import verify_certificate
 from service.cli.bound import compute_report
-from service.models import BoundResultRow, CertificateRow
 from service.reports import bound_report
 from service.settings import Settings
+from service.tables import BoundResultRow, CertificateRow
 
 from .conftest import tiny_model_bytes, upload
 
@@ -274,9 +274,6 @@ def test_bound_empirical_job_yields_the_report(client: TestClient, model_bytes: 
 
     from api_schemas import BoundReport
 
-    from .conftest import needs_estimator
-
-    needs_estimator()
     m = upload(client, model_bytes)
     base = {"model_id": m["id"], "norm": "2", "seq_len": 4}
     req = {**base, "empirical": {"restarts": 1, "steps": 3, "seed": 0, "time_budget_s": 30}}
@@ -301,7 +298,7 @@ def test_bound_empirical_job_yields_the_report(client: TestClient, model_bytes: 
 def test_artifacts_content_addressed_with_metadata(client: TestClient) -> None:
     from service.artifacts import store_artifact
     from service.db import transaction
-    from service.models import Artifact
+    from service.tables import Artifact
 
     rt = client.app.state.runtime  # type: ignore[attr-defined]
     data = b"png bytes " + bytes(range(256))

@@ -20,9 +20,9 @@ from api_schemas.certificates import CertificateBody, canonical_bytes
 from service.app import create_app
 from service.db import transaction
 from service.jobs import run_job
-from service.models import CertificateRow, Job, Model
 from service.runtime import Runtime
 from service.settings import Settings
+from service.tables import CertificateRow, Job, UploadedModel
 
 TINY_CORPUS = Path(__file__).resolve().parent.parent / "data" / "tiny_corpus.txt"
 
@@ -168,8 +168,8 @@ def test_training_end_to_end_stores_model_onnx_certificate_and_plot(
         assert again.result == res
         assert s.scalar(select(func.count()).select_from(CertificateRow)
                         .where(CertificateRow.model_id == model_id)) == 1
-        assert s.scalar(select(func.count()).select_from(Model)
-                        .where(Model.sha256 == m["sha256"])) == 1
+        assert s.scalar(select(func.count()).select_from(UploadedModel)
+                        .where(UploadedModel.sha256 == m["sha256"])) == 1
 
 
 def test_training_cancel_stops_the_job(sqlite_client: TestClient) -> None:
@@ -195,8 +195,8 @@ def test_training_cancel_stops_the_job(sqlite_client: TestClient) -> None:
     job = c.get(f"/jobs/{job_id}").json()
     assert job["status"] == "cancelled" and job["result"] is None
     with runtime_of(c).sessions() as s:
-        assert s.scalar(select(func.count()).select_from(Model)
-                        .where(Model.filename == f"char_lm-{job_id[:8]}.safetensors")) == 0
+        assert s.scalar(select(func.count()).select_from(UploadedModel)
+                        .where(UploadedModel.filename == f"char_lm-{job_id[:8]}.safetensors")) == 0
 
 
 @pytest.mark.parametrize(("change", "status", "field"), [

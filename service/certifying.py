@@ -238,5 +238,5 @@ def register_model(runtime: Runtime, staged: Staged, filename: str) -> tuple[Upl
         stored, created = store_once(s, runtime.artifacts, staged, "model", row,
                                      lambda: s.scalar(select(UploadedModel).where(
                                          UploadedModel.sha256 == staged.sha256)))
-    runtime.models.get(staged.sha256, lambda: loaded)
+    runtime.models.put(staged.sha256, loaded)
     return stored, created

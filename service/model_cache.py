@@ -70,13 +70,18 @@ class ModelCache:
                 model = load()
                 with self._lock:
                     self.loads += 1
-                    self._models[sha256] = model
-                    while len(self._models) > self.size:
-                        self._models.popitem(last=False)
+                self.put(sha256, model)
                 return model
         finally:
             with self._lock:
                 self._loading.pop(sha256, None)
+
+    def put(self, sha256: str, model: LoadedModel) -> None:
+        """Keep a model parsed elsewhere (an upload)."""
+        with self._lock:
+            self._models[sha256] = model
+            while len(self._models) > self.size:
+                self._models.popitem(last=False)
 
     def clear(self) -> None:
         with self._lock:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lsa_models import L2MHA, AttentionConfig, DotProductMHA, certify
+from lsa_models import L2MHA, DotProductMHA, certify
 from lsa_models.empirical import lower_bound
 
 OUT = Path(__file__).resolve().parent / "out"
@@ -50,12 +50,12 @@ def models(seed: int, dtype: torch.dtype,
            keep: tuple[str, ...] = SERIES) -> list[tuple[str, str, Attention, bool]]:
     """(key, name, model, certifiable) for the series in `keep`."""
     out: list[tuple[str, str, Attention, bool]] = [
-        ("unit", "L2 D=1 H=1 unit", unit_weights(L2MHA(AttentionConfig(1, 1))), True)]
+        ("unit", "L2 D=1 H=1 unit", unit_weights(L2MHA(1, 1)), True)]
     for d, h in ((4, 2), (16, 4)):
         torch.manual_seed(seed)
-        out.append((f"d{d}", f"L2 D={d} H={h} random", L2MHA(AttentionConfig(d, h)), True))
+        out.append((f"d{d}", f"L2 D={d} H={h} random", L2MHA(d, h), True))
     out.append(("dp", "DP D=1 H=1 unit",
-                unit_weights(DotProductMHA(AttentionConfig(1, 1, "dp"))), False))
+                unit_weights(DotProductMHA(1, 1)), False))
     out = [entry for entry in out if entry[0] in keep]
     for _, _, m, _ in out:
         m.to(dtype).eval()

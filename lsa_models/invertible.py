@@ -169,8 +169,7 @@ class ContractiveL2Block(ResidualBlock):
     def __init__(self, config: ContractiveL2Config) -> None:
         super().__init__()
         self.config = config
-        self.attn = L2MHA(AttentionConfig(config.d_model, config.n_heads, "l2", True,
-                                          config.causal))
+        self.attn = L2MHA(config.d_model, config.n_heads, causal=config.causal)
         self._cache_key: tuple[object, ...] | None = None
         self._cache: tuple[float, float] = (0.0, 0.0)  # (U_cert, scale32)
         self.frozen: float | None = None
@@ -300,7 +299,7 @@ class DPResidualBlock(ResidualBlock):
     def __init__(self, config: AttentionConfig) -> None:
         super().__init__()
         self.config = config
-        self.attn = DotProductMHA(config)
+        self.attn = DotProductMHA.from_config(config)
 
     def lipschitz_upper(self, seq_len: int | None = None) -> None:
         return None

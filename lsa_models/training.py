@@ -430,7 +430,7 @@ class TrainRequest:
     n_layers: int = 2
     d_ff: int = 256
     seq_len: int = 64
-    attention: Literal["dp", "l2", "l2_tied", "contractive_l2"] = "contractive_l2"
+    attention: Literal["dp", "l2", "l2_untied", "contractive_l2", "l2_tied"] = "contractive_l2"
     c: float = 0.9
     activation: Literal["relu", "gelu", "tanh", "sigmoid"] = "relu"
     steps: int = 1000
@@ -450,7 +450,7 @@ class TrainRequest:
     device: Literal["auto", "cpu", "cuda"] = "auto"
 
     def __post_init__(self) -> None:
-        if self.attention not in LM_ATTENTION_KINDS:
+        if self.attention not in (*LM_ATTENTION_KINDS, "l2_tied"):
             raise RequestError("attention", f"unknown attention {self.attention!r}; use one of "
                                f"{', '.join(LM_ATTENTION_KINDS)}")
         _int_field("d_model", self.d_model, 1, 4096)
@@ -477,7 +477,8 @@ class TrainRequest:
 
     def model_config(self, vocab_size: int) -> LMConfig:
         return LMConfig(vocab_size, self.d_model, self.n_heads, self.n_layers, self.d_ff,
-                        self.seq_len, self.attention, self.c, self.activation)
+                        self.seq_len, self.attention, self.c,  # type: ignore[arg-type]  # alias l2_tied
+                        self.activation)
 
     def train_config(self) -> TrainConfig:
         return TrainConfig(

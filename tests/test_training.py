@@ -95,7 +95,7 @@ def test_checkpoints_are_safetensors_without_pickle(corpus, tmp_path):
 
 def test_progress_callback_reports_step_loss_and_throughput(corpus):
     seen: list[tuple[int, float, float]] = []
-    train_lm(_lm_config(corpus, "l2_tied"), corpus, _train_config(steps=7, checkpoint_every=0),
+    train_lm(_lm_config(corpus, "l2"), corpus, _train_config(steps=7, checkpoint_every=0),
              on_step=lambda s, loss, tps: seen.append((s, loss, tps)))
     assert [s for s, _, _ in seen] == [3, 6, 7]
     assert all(math.isfinite(loss) and loss > 0 and tps > 0 for _, loss, tps in seen)

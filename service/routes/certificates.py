@@ -55,7 +55,7 @@ class PublicKey(BaseModel):
 def certify(req: CertifyRequest, runtime: RuntimeDep,
             session: SessionDep) -> Certificate | JSONResponse:
     if req.training is not None:
-        from ..training import submit_training
+        from ..jobs.training import submit_training
 
         job = submit_training(session, runtime, req.training)
         accepted = JobAccepted(job_id=job.id, status="queued")

@@ -8,8 +8,8 @@ from torch import nn
 from .report import BoundResult, Domain, NormName
 from .rules import Bound, UnsupportedModuleError, rule_for
 
-METHOD = "analytic: Theorem 3.2 (Kim et al. 2021) + LayerNorm/linear/activation rules, " \
-         "composition; float64 with upward rounding"
+METHOD = ("analytic: Theorem 3.2 (Kim et al. 2021) + LayerNorm/linear/activation rules, "
+          "composition; float64 with upward rounding")
 
 
 class Analyzer:

@@ -1,4 +1,4 @@
-"""Depth stability of character-level LMs under a fixed learning rate (science.md,
+"""Depth stability of character-level LMs under a fixed learning rate (docs/theory.md,
 "The language-modelling experiment"): DP vs tied L2 vs Contractive-L2 at several depths.
 
 Every configuration trains with plain Adam (AdamW, weight decay 0) at one fixed learning rate:

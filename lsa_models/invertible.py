@@ -1,6 +1,6 @@
 """Certified invertible residual blocks: contractive L2 attention and contractive FFN.
 
-science.md, "Invertible (contractive) self-attention": `G(X) = X + g(X)` is invertible when
+docs/theory.md, "Invertible (contractive) self-attention": `G(X) = X + g(X)` is invertible when
 `Lip_2(g) <= c < 1`. Every block here scales its branch by a factor computed from a certified
 float64 upper bound of the branch's Lipschitz constant for the *current* weights, so the
 certificate holds after every optimiser step:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lsa_models import L2MHA, AttentionConfig, DotProductMHA, certify
+from lsa_models import L2MHA, DotProductMHA, certify
 from lsa_models.bounds.formulas import l2_mha_bound, l2_mha_candidates
 from lsa_models.empirical import lower_bound
 
@@ -57,12 +57,12 @@ def models(seed: int, dtype: torch.dtype,
            keep: tuple[str, ...] = SERIES) -> list[tuple[str, str, Attention, bool]]:
     """(key, name, model, certifiable) for the series in `keep`."""
     out: list[tuple[str, str, Attention, bool]] = [
-        ("unit", "L2 D=1 H=1 unit", unit_weights(L2MHA(AttentionConfig(1, 1))), True)]
+        ("unit", "L2 D=1 H=1 unit", unit_weights(L2MHA(1, 1)), True)]
     for d, h in ((4, 2), (16, 4)):
         torch.manual_seed(seed)
-        out.append((f"d{d}", f"L2 D={d} H={h} random", L2MHA(AttentionConfig(d, h)), True))
+        out.append((f"d{d}", f"L2 D={d} H={h} random", L2MHA(d, h), True))
     out.append(("dp", "DP D=1 H=1 unit",
-                unit_weights(DotProductMHA(AttentionConfig(1, 1, "dp"))), False))
+                unit_weights(DotProductMHA(1, 1)), False))
     out = [entry for entry in out if entry[0] in keep]
     for _, _, m, _ in out:
         m.to(dtype).eval()
@@ -76,7 +76,7 @@ def d8_case(seed: int, restarts: int, steps: int) -> dict[str, Any]:
     the best lower bound found, in both norms."""
     n, d_model, heads = 12, 8, 2
     torch.manual_seed(seed)
-    model = L2MHA(AttentionConfig(d_model, heads)).double().eval()
+    model = L2MHA(d_model, heads).double().eval()
     with torch.no_grad():
         for lin in (model.q_proj, model.v_proj, model.out_proj):
             lin.weight.copy_(torch.randn(lin.weight.shape, dtype=torch.float64) * 0.6)

@@ -1,6 +1,6 @@
 """Certified invertible residual blocks: contractive L2 attention and contractive FFN.
 
-science.md, "Invertible (contractive) self-attention": `G(X) = X + g(X)` is invertible when
+docs/theory.md, "Invertible (contractive) self-attention": `G(X) = X + g(X)` is invertible when
 `Lip_2(g) <= c < 1`. Every block here scales its branch by a factor computed from a certified
 float64 upper bound of the branch's Lipschitz constant for the *current* weights, so the
 certificate holds after every optimiser step:
@@ -169,8 +169,7 @@ class ContractiveL2Block(ResidualBlock):
     def __init__(self, config: ContractiveL2Config) -> None:
         super().__init__()
         self.config = config
-        self.attn = L2MHA(AttentionConfig(config.d_model, config.n_heads, "l2", True,
-                                          config.causal))
+        self.attn = L2MHA(config.d_model, config.n_heads, causal=config.causal)
         self._cache_key: tuple[object, ...] | None = None
         self._cache: tuple[float, float] = (0.0, 0.0)  # (U_cert, scale32)
         self.frozen: float | None = None
@@ -308,7 +307,7 @@ class DPResidualBlock(ResidualBlock):
     def __init__(self, config: AttentionConfig) -> None:
         super().__init__()
         self.config = config
-        self.attn = DotProductMHA(config)
+        self.attn = DotProductMHA.from_config(config)
 
     def lipschitz_upper(self, seq_len: int | None = None) -> None:
         return None

@@ -16,7 +16,6 @@ from scipy.special import lambertw
 
 from lsa_models import (
     L2MHA,
-    AttentionConfig,
     Transformer,
     TransformerConfig,
     certify,
@@ -247,7 +246,7 @@ def test_linear_bound_uses_the_row_vector_convention() -> None:
 
 def test_native_l2_mha_bound_uses_its_own_weights() -> None:
     torch.manual_seed(0)
-    m = L2MHA(AttentionConfig(8, 2))
+    m = L2MHA(8, 2)
     r = certify(m, "2", 16)
     assert r.verdict == "certified" and r.upper is not None
     ref = l2_mha_bound(m.query_weights().detach(), m.value_weights().detach(),
@@ -268,7 +267,7 @@ def test_transformer_bound_is_the_product_of_its_block_bounds() -> None:
 
 
 def test_untied_l2_is_not_certified_with_a_reason() -> None:
-    r = certify(L2MHA(AttentionConfig(4, 2, tied=False)), "2", 4)
+    r = certify(L2MHA(4, 2, tied=False), "2", 4)
     assert r.verdict == "not_certified" and r.upper is None and r.lipschitz is None
     assert r.reason is not None and "tied" in r.reason
 

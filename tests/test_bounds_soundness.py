@@ -64,7 +64,7 @@ def _check(module: nn.Module, x: torch.Tensor, norm: str) -> None:
 def test_l2_mha_bound_never_below_jacobian_norm(seed: int, n: int, heads: int, head_dim: int,
                                                 norm: str, w_scale: float,
                                                 x_scale: float) -> None:
-    m = _randomise(L2MHA(AttentionConfig(heads * head_dim, heads)), seed, w_scale)
+    m = _randomise(L2MHA(heads * head_dim, heads), seed, w_scale)
     _check(m, _input(seed, (n, heads * head_dim), x_scale), norm)
 
 
@@ -73,7 +73,7 @@ def test_l2_mha_bound_never_below_jacobian_norm(seed: int, n: int, heads: int, h
 def test_causal_l2_mha_bound_never_below_jacobian_norm(seed: int, n: int, heads: int,
                                                        head_dim: int, norm: str,
                                                        w_scale: float, x_scale: float) -> None:
-    m = _randomise(L2MHA(AttentionConfig(heads * head_dim, heads, causal=True)), seed, w_scale)
+    m = _randomise(L2MHA(heads * head_dim, heads, causal=True), seed, w_scale)
     _check(m, _input(seed, (n, heads * head_dim), x_scale), norm)
 
 

@@ -1,4 +1,4 @@
-"""The certified formulas of science.md on raw float64 weights.
+"""The certified formulas of docs/theory.md on raw float64 weights.
 
 Shared by the native-model rules and the ONNX rules, so a model gets the same number whichever
 way it arrives. Weights are in the paper's row-vector convention: per-head matrices
@@ -53,7 +53,7 @@ def _two_norm_lead(n: int) -> float:
 def _two_norm_weights(wq: ArrayLike, wv: ArrayLike, wo: ArrayLike) -> float:
     """`(1/sqrt(d)) sqrt(sum_h ||W^{Q,h}||_2^4 ||W^{V,h}||_2^2) ||W^O||_2`, rounded up.
 
-    The fourth power is not a typo. science.md (like some copies of the paper) writes
+    The fourth power is not a typo. The paper (as commonly printed) writes
     `||W^{Q,h}||_2^2` here, but that statement is unsound: scaling W^Q by t scales the map as
     F_t(X) = t G(tX), so its Lipschitz constant grows like t^2 while the stated bound grows like
     t. The proof bounds each head's Jacobian by `sqrt(N) (4 phi^{-1}(N-1) + 1) ||A_h||_2` with

@@ -22,7 +22,7 @@ from ..deps import ReadAccess, ReadSessionDep, RuntimeDep, WriteAccess
 from ..errors import NotFound, responses
 from ..runtime import Runtime
 from ..tables import CertificateRow
-from ..training import submit_training
+from ..jobs.training import submit_training
 
 router = APIRouter(tags=["certificates"])
 

@@ -231,11 +231,11 @@ def test_health_ready_metrics(client: TestClient, model_bytes: bytes) -> None:
 def test_certify_dot_product_attention_never_passes(client: TestClient) -> None:
     import torch
 
-    from lsa_models import AttentionConfig, DotProductMHA, to_bytes
+    from lsa_models import DotProductMHA, to_bytes
 
     torch.manual_seed(3)
     # Bare dot-product attention (no LayerNorm in front bounding its input).
-    dp = DotProductMHA(AttentionConfig(d_model=8, n_heads=2, kind="dp"))
+    dp = DotProductMHA(8, 2)
     m = upload(client, to_bytes(dp))
     report = client.post("/bound", json={"model_id": m["id"], "norm": "2"}).json()
     assert report["verdict"] == "not_lipschitz" and report["upper"] is None

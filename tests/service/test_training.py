@@ -291,17 +291,18 @@ def test_training_non_contractive_attention_is_certified_but_not_invertible(
 
 def test_training_worker_without_the_signing_key_fails_clearly(
         sqlite_migrated: str, make_settings: Callable[..., Settings], tmp_path: Path) -> None:
-    from lsa_models.training import TrainRequest
+    from api_schemas.training import TrainingSpec
     from service.jobs import submit_job
+    from service.jobs.training import TrainingJobParams
 
     missing = tmp_path / "no-key.pem"
     # A worker runtime: nothing consumes its queue, so run_job below is the only run.
     rt = Runtime(make_settings(sqlite_migrated, signing_key_path=missing))
     try:
-        request = TrainRequest(**{**TINY, "corpus": "ptb"}).to_dict()
+        params = TrainingJobParams(spec=TrainingSpec(**{**TINY, "corpus": "ptb"}),
+                                   corpus_id=None, corpus_sha256=None)
         with transaction(rt.sessions) as s:
-            job_id = submit_job(s, rt, "train_certified", {
-                "request": request, "corpus_id": None, "corpus_sha256": None}).id
+            job_id = submit_job(s, rt, "train_certified", params.model_dump(mode="json")).id
         run_job(rt, job_id)
         with rt.sessions() as s:
             job = s.get(Job, job_id)

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from .graph import GraphInfo
-from .ops import FLOAT_TYPES, Node, gemm_epilogue
+from .ops import FLOAT_TYPES, OPS, Node, gemm_epilogue
 
 _LAYOUT = {"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Identity", "Dropout", "Flatten",
            "Slice", "Split", "Concat", "Expand"}
@@ -228,8 +228,6 @@ def _eval_unit_rows(info: GraphInfo, nodes: list[Node],
     """Evaluate `nodes` for probe inputs: a product `T @ W` with a constant W and rows of T
     that are unit vectors or zero is a row gather of W; the same float64 numbers (1 * w,
     0 * w) without the cost of the matrix product."""
-    from .ops import OPS
-
     computed: dict[str, Tensor] = {}
     env: MutableMapping[str, Tensor] = ChainMap(
         computed, overrides, cast(MutableMapping[str, Tensor], info.env))

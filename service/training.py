@@ -26,8 +26,8 @@ from .artifacts import store_artifact
 from .bounding import load_bytes
 from .certificates import new_certificate_body, sign_certificate
 from .errors import InvalidRequest
-from .tables import CertificateRow, Corpus, UploadedModel
 from .settings import Settings
+from .tables import CertificateRow, Corpus, UploadedModel
 
 if TYPE_CHECKING:
     from lsa_models.lm import LMConfig

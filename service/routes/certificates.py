@@ -20,9 +20,9 @@ from ..certifying import find_model, issue_certificate, report_json
 from ..db import transaction
 from ..deps import ReadAccess, ReadSessionDep, RuntimeDep, WriteAccess
 from ..errors import NotFound, responses
+from ..jobs.training import submit_training
 from ..runtime import Runtime
 from ..tables import CertificateRow
-from ..jobs.training import submit_training
 
 router = APIRouter(tags=["certificates"])
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sqlalchemy import select
+from starlette.concurrency import run_in_threadpool
 
 from api_schemas import BoundReport
 from api_schemas.certificates import Certificate
@@ -30,7 +31,6 @@ from .bounding import (
     best_lower,
     check_sync_size,
     find_result,
-    load_bytes,
     request_key,
     store_result,
 )
@@ -38,6 +38,7 @@ from .certificates import new_certificate_body, sign_certificate
 from .compute import ComputeBusy
 from .db import transaction
 from .errors import InvalidModel, NotFound
+from .model_cache import load_bytes
 from .runtime import Runtime
 from .tables import CertificateRow, UploadedModel, utcnow
 
@@ -149,9 +150,6 @@ async def report_json(runtime: Runtime, model: ModelRef, norm: str, seq_len: int
     """`get_or_compute_report` for the server, as JSON bytes: the stored report from memory
     or a read-only transaction, else computed on the compute pool (a bounded queue: 503 with
     Retry-After when it is full). Request threads never wait for a computation."""
-    # Deferred import: anyio's threadpool is the request threads (sized at app start).
-    from starlette.concurrency import run_in_threadpool
-
     key = request_key(model.sha256, norm, seq_len, radius, None)
     cached = _reports.get(_scoped(runtime, key))
     if isinstance(cached, bytes):

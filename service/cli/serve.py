@@ -40,4 +40,8 @@ def serve(
     typer.echo(f"lsa: serving on http://{shown}:{port}  (OpenAPI UI: http://{shown}:{port}/docs)")
     typer.echo(f"lsa: database {settings.database_url}; jobs "
                + ("in-process" if settings.redis_url is None else f"via {settings.redis_url}"))
-    uvicorn.run(create_app(settings), host=host, port=port, log_level=log_level)
+    # Keep-alive longer than clients' idle pools (httpx: 5 s, load balancers: 60 s): a server
+    # closing an idle connection as the client reuses it reads to the client as a dropped
+    # connection. The backlog holds bursts of new connections while the loop is busy.
+    uvicorn.run(create_app(settings), host=host, port=port, log_level=log_level,
+                timeout_keep_alive=75, backlog=4096)

@@ -1,0 +1,221 @@
+"""Residual blocks `X + g(X)`: contractive L2 attention, contractive FFN, and DP (uncertified)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor, nn
+
+from ..attention import L2MHA, DotProductMHA
+from ..bounds.formulas import l2_mha_bound
+from ..bounds.numerics import ACTIVATION_LIPSCHITZ, mul_up, spectral_norm_upper
+from ..config import AttentionConfig
+from .common import (
+    _SCALE_MARGIN,
+    ContractiveFFNConfig,
+    ContractiveL2Config,
+    _float32_down,
+    _lead,
+    _outside_transforms,
+    _param_key,
+    _require_finite,
+    _spec_norms,
+)
+from .inverse import InverseResult, fixed_point_inverse
+
+
+class ResidualBlock(nn.Module):
+    """`G(X) = X + g(X)` with `branch = g`; `lipschitz_upper()` is Lip_2(g) or None."""
+
+    def branch(self, x: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def lipschitz_upper(self, seq_len: int | None = None) -> float | None:
+        """Certified upper bound on Lip_2 of the branch on sequences of `seq_len` tokens."""
+        raise NotImplementedError
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, N, D)
+        return x + self.branch(x)
+
+    def inverse(self, y: Tensor, atol: float = 1e-6, rtol: float = 0.0,
+                max_iter: int = 1000) -> InverseResult:
+        with torch.no_grad():
+            return fixed_point_inverse(self.branch, y, self.lipschitz_upper(y.shape[1]),
+                                       atol=atol, rtol=rtol, max_iter=max_iter)
+
+
+class ContractiveL2Block(ResidualBlock):
+    """`X + c F(X) / U(F)` with F a tied L2-MHA and U its certified Theorem 3.2 2-norm bound."""
+
+    def __init__(self, config: ContractiveL2Config) -> None:
+        super().__init__()
+        self.config = config
+        self.attn = L2MHA(AttentionConfig(config.d_model, config.n_heads, "l2", True,
+                                          config.causal))
+        self._cache_key: tuple[object, ...] | None = None
+        self._cache: tuple[float, float] = (0.0, 0.0)  # (U_cert, scale32)
+        self.frozen: float | None = None
+
+    def _weights(self) -> list[Tensor]:
+        return [self.attn.q_proj.weight, self.attn.v_proj.weight, self.attn.out_proj.weight]
+
+    def certified_u(self, seq_len: int | None = None) -> float:
+        """Theorem 3.2 (2-norm, causal extension when causal) for the current weights."""
+        a = self.attn
+        n = self.config.max_len if seq_len is None else seq_len
+        return l2_mha_bound(a.query_weights(), a.value_weights(), a.output_weight(), n, "2",
+                            self.config.causal)
+
+    def _certified(self) -> tuple[float, float]:
+        with _outside_transforms():
+            key = _param_key(self._weights())
+            if key != self._cache_key:
+                _require_finite(self._weights(), "contractive L2 attention")
+                with torch.no_grad():
+                    u = self.certified_u()
+                scale = _float32_down(self.config.c / u * _SCALE_MARGIN) if u > 0 else 0.0
+                self._cache, self._cache_key = (u, scale), key
+        return self._cache
+
+    def _surrogate_u(self) -> Tensor:
+        """The certified bound's formula in torch (differentiable; for gradients only): the
+        smallest of `bounds.formulas.l2_mha_candidates` in the 2-norm, exact float32 SVDs."""
+        a = self.attn
+        h, d = self.config.n_heads, self.config.d_model // self.config.n_heads
+        lead = _lead(self.config.max_len, self.config.causal)
+        with torch.autocast(a.q_proj.weight.device.type, enabled=False):
+            wq, wv = a.query_weights().float(), a.value_weights().float()  # (H, D, d)
+            wo = a.output_weight().float()  # (D, D)
+            m = torch.einsum("hke,hkf->hef", wq, wv) / math.sqrt(d)  # (H, d, d)
+            b = torch.bmm(m, wo.reshape(h, d, -1))  # (H, d, D)
+            sq, sv, so = _spec_norms(wq), _spec_norms(wv), _spec_norms(wo)  # (H,), (H,), ()
+            sm, sb = _spec_norms(m), _spec_norms(b)  # (H,), (H,)
+            # ||W^Q||^4: the corrected weight term of bounds.formulas._two_norm_weights
+            # (test_forward_uses_certified_scale_and_surrogate_gradient keeps them in step).
+            theorem = torch.sqrt((sq**4 * sv * sv).sum()) * so / math.sqrt(d)
+            per_head = so * torch.sqrt(((sq * sm) ** 2).sum())
+            head_sum = (sq * sb).sum()
+            concat = _spec_norms(a.q_proj.weight) * _spec_norms(b.reshape(h * d, -1))
+            return lead * torch.stack([theorem, per_head, head_sum, concat]).min()
+
+    def scale(self) -> Tensor | float:
+        """The factor multiplying F(X): value `<= c / U_cert`, gradient of `c / U_torch`."""
+        if self.frozen is not None:
+            return self.frozen
+        _, s = self._certified()
+        w = self.attn.q_proj.weight
+        if torch.is_grad_enabled() and w.requires_grad:
+            sur = self.config.c / self._surrogate_u()
+            return (sur - sur.detach()) + s  # forward value exactly s
+        return s
+
+    def lipschitz_upper(self, seq_len: int | None = None) -> float:
+        n = self.config.max_len if seq_len is None else seq_len
+        u_n = self._certified()[0] if n <= self.config.max_len else self.certified_u(n)
+        # Lip(g) = scale * Lip(F) <= scale * U(n); U(n) <= U(max_len) for n <= max_len.
+        return mul_up(self._certified()[1], u_n)
+
+    def branch(self, x: Tensor) -> Tensor:  # (B, N, D)
+        if x.shape[1] > self.config.max_len:
+            raise ValueError(f"sequence length {x.shape[1]} exceeds the certified max_len="
+                             f"{self.config.max_len}")
+        return self.attn(x) * self.scale()  # (B, N, D)
+
+
+class ContractiveFFNBlock(ResidualBlock):
+    """Token-wise `x + c (W2/s2) act((W1/s1) x + b1) / L_act + b2`, s_i certified norms."""
+
+    def __init__(self, config: ContractiveFFNConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.fc1 = nn.Linear(config.d_model, config.d_ff)
+        self.fc2 = nn.Linear(config.d_ff, config.d_model)
+        self.act = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh,
+                    "sigmoid": nn.Sigmoid}[config.activation]()
+        nn.init.normal_(self.fc1.weight, std=config.d_model ** -0.5)
+        nn.init.normal_(self.fc2.weight, std=config.d_ff ** -0.5)
+        nn.init.zeros_(self.fc1.bias)
+        nn.init.zeros_(self.fc2.bias)
+        self._cache_key: tuple[object, ...] | None = None
+        self._cache: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+        self.frozen: tuple[float, float] | None = None
+
+    def _certified(self) -> tuple[float, float, float, float]:
+        """(s1, s2, a, b): certified spectral norms and the float32 scales a <= 1/s1,
+        b <= c / (L_act s2)."""
+        with _outside_transforms():
+            key = _param_key([self.fc1.weight, self.fc2.weight])
+            if key != self._cache_key:
+                _require_finite([self.fc1.weight, self.fc2.weight], "contractive FFN")
+                with torch.no_grad():
+                    s1 = spectral_norm_upper(self.fc1.weight)
+                    s2 = spectral_norm_upper(self.fc2.weight)
+                lact = ACTIVATION_LIPSCHITZ[self.config.activation]
+                a = _float32_down(_SCALE_MARGIN / s1) if s1 > 0 else 1.0
+                b = _float32_down(self.config.c * _SCALE_MARGIN / (lact * s2)) if s2 > 0 else 0.0
+                self._cache, self._cache_key = (s1, s2, a, b), key
+        return self._cache
+
+    def scales(self) -> tuple[Tensor | float, Tensor | float]:
+        if self.frozen is not None:
+            return self.frozen
+        _, _, a, b = self._certified()
+        w = self.fc1.weight
+        if torch.is_grad_enabled() and w.requires_grad:
+            lact = ACTIVATION_LIPSCHITZ[self.config.activation]
+            with torch.autocast(w.device.type, enabled=False):
+                sa = 1.0 / _spec_norms(self.fc1.weight)
+                sb = self.config.c / (lact * _spec_norms(self.fc2.weight))
+            return (sa - sa.detach()) + a, (sb - sb.detach()) + b
+        return a, b
+
+    def lipschitz_upper(self, seq_len: int | None = None) -> float:
+        s1, s2, a, b = self._certified()
+        lact = ACTIVATION_LIPSCHITZ[self.config.activation]
+        return mul_up(a, s1, lact, b, s2)  # token-wise: same constant on sequences
+
+    def branch(self, x: Tensor) -> Tensor:  # (B, N, D)
+        # Scale the products, not the weights: the certified map is then exactly
+        # `a W1 x` with the stored W1 (a rounded weight copy fl(a W1) would not be).
+        a, b = self.scales()
+        h = self.act(nn.functional.linear(x, self.fc1.weight) * a + self.fc1.bias)  # (B, N, F)
+        return nn.functional.linear(h, self.fc2.weight) * b + self.fc2.bias  # (B, N, D)
+
+
+class DPResidualBlock(ResidualBlock):
+    """`X + F(X)` with dot-product attention: not Lipschitz (Theorem 3.1), so no certificate
+    and no guaranteed inverse. Here to show what the fixed-point inverse does without one."""
+
+    def __init__(self, config: AttentionConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.attn = DotProductMHA(config)
+
+    def lipschitz_upper(self, seq_len: int | None = None) -> None:
+        return None
+
+    def branch(self, x: Tensor) -> Tensor:
+        return self.attn(x)
+
+
+
+@contextmanager
+def frozen_scales(model: nn.Module) -> Iterator[nn.Module]:
+    """Within the block, contractive scales are fixed python floats (their certified values),
+    so the model can be traced for ONNX export and evaluated without re-checking weights."""
+    blocks = [m for m in model.modules()
+              if isinstance(m, (ContractiveL2Block, ContractiveFFNBlock))]
+    try:
+        for m in blocks:
+            if isinstance(m, ContractiveL2Block):
+                m.frozen = m._certified()[1]
+            else:
+                _, _, a, b = m._certified()
+                m.frozen = (a, b)
+        yield model
+    finally:
+        for m in blocks:
+            m.frozen = None

@@ -1,19 +1,21 @@
 """Certified invertible residual blocks: contractive L2 attention and contractive FFN.
 
 science.md, "Invertible (contractive) self-attention": `G(X) = X + g(X)` is invertible when
-`Lip_2(g) <= c < 1`. Every block here scales its branch by a factor computed from a certified
-float64 upper bound of the branch's Lipschitz constant for the *current* weights, so the
-certificate holds after every optimiser step:
+`Lip_2(g) <= c < 1`. Outside training (eval mode, no grad, `lipschitz_upper`, `inverse`,
+`frozen_scales`, `certify`) every block scales its branch by a factor computed from a
+certified float64 upper bound of the branch's Lipschitz constant for the *current* weights:
 
 - `ContractiveL2Block`: `g(X) = c F(X) / U(F)`, F a tied L2-MHA (causal or not), U the
-  Theorem 3.2 2-norm bound from `bounds.formulas.l2_mha_bound` at the block's `max_len`
-  (the bound grows with N, so it covers every shorter sequence too).
+  certified 2-norm bound `bounds.formulas.l2_mha_bound` (the chained bound or Theorem 3.2,
+  whichever is smaller) at the block's `max_len` (it grows with N, so it covers every
+  shorter sequence too).
 - `ContractiveFFNBlock`: `g(x) = c (W2/s2) act((W1/s1) x + b1) / L_act + b2` per token, with
   s1, s2 certified spectral norms and L_act the activation's Lipschitz constant.
 
-Training needs a gradient through U. The forward pass uses the certified float64 value
-(rounded so the float32 scale factor is never above `c / U_cert`); a torch surrogate of the
-same formula only supplies the gradient (`surrogate - surrogate.detach()` is exactly 0).
+Training mode (grad on, `module.train()`) uses the same formulas on estimated spectral norms
+(`common.estimate_norms`, Gram powers): cheap and differentiable, not certified;
+the certificate is always computed on the final weights with the certified factor
+(docs/certification.md, "Contractive (invertible) blocks").
 
 The inverse is Banach's fixed point `X_{k+1} = Y - g(X_k)` with the a-posteriori bound
 `||X_k - X*|| <= c/(1-c) ||X_k - X_{k-1}||` (Frobenius norm per sequence). A residual block

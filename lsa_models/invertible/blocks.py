@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from ..attention import L2MHA, DotProductMHA
-from ..bounds.formulas import l2_mha_bound
+from ..bounds.formulas import l2_mha_bound, l2_mha_candidates
 from ..bounds.numerics import ACTIVATION_LIPSCHITZ, mul_up, spectral_norm_upper
 from ..config import AttentionConfig
 from .common import (
@@ -23,8 +23,13 @@ from .common import (
     _param_key,
     _require_finite,
     _spec_norms,
+    estimate_norms,
 )
 from .inverse import InverseResult, fixed_point_inverse
+
+# The spectral norms each 2-norm candidate of `bounds.formulas.l2_mha_candidates` uses.
+_L2_NORMS_NEEDED = {"theorem_3_2": ("q", "v", "o"), "per_head": ("q", "m", "o"),
+                    "head_sum": ("q", "b"), "concat": ("q_all", "b_stack")}
 
 
 class ResidualBlock(nn.Module):
@@ -48,7 +53,22 @@ class ResidualBlock(nn.Module):
 
 
 class ContractiveL2Block(ResidualBlock):
-    """`X + c F(X) / U(F)` with F a tied L2-MHA and U its certified Theorem 3.2 2-norm bound."""
+    """`X + c F(X) / U(F)` with F a tied L2-MHA and U its certified 2-norm bound
+    (`bounds.formulas.l2_mha_bound`: the smallest of the chained bounds and Theorem 3.2).
+
+    In training mode (grad enabled, `self.training`) the scale is `c / U_est`, U_est the same
+    formula on estimates of the spectral norms (`common.estimate_norms`): cheap and
+    differentiable, but not certified. Everywhere else (eval mode, no grad, `lipschitz_upper`,
+    `inverse`, `frozen_scales`, export, certification) the scale is the certified
+    `<= c / U_cert`, so `Lip(g) <= c` holds for the weights as they are used there.
+
+    `bound_names` (class attribute; None: all of `l2_mha_candidates`) and
+    `estimate_in_training` (False: certified value at every step with an SVD surrogate for the
+    gradient, the slower scheme) exist for benchmarks that compare rescaling schemes.
+    """
+
+    bound_names: tuple[str, ...] | None = None
+    estimate_in_training: bool = True
 
     def __init__(self, config: ContractiveL2Config) -> None:
         super().__init__()
@@ -63,11 +83,16 @@ class ContractiveL2Block(ResidualBlock):
         return [self.attn.q_proj.weight, self.attn.v_proj.weight, self.attn.out_proj.weight]
 
     def certified_u(self, seq_len: int | None = None) -> float:
-        """Theorem 3.2 (2-norm, causal extension when causal) for the current weights."""
+        """The certified 2-norm bound (causal extension when causal) for the current weights:
+        the smallest of the candidates in `bound_names`."""
         a = self.attn
         n = self.config.max_len if seq_len is None else seq_len
-        return l2_mha_bound(a.query_weights(), a.value_weights(), a.output_weight(), n, "2",
-                            self.config.causal)
+        args = (a.query_weights(), a.value_weights(), a.output_weight(), n, "2",
+                self.config.causal)
+        if self.bound_names is None:
+            return l2_mha_bound(*args)
+        found = l2_mha_candidates(*args)
+        return min(found[k] for k in self.bound_names)
 
     def _certified(self) -> tuple[float, float]:
         with _outside_transforms():
@@ -80,37 +105,62 @@ class ContractiveL2Block(ResidualBlock):
                 self._cache, self._cache_key = (u, scale), key
         return self._cache
 
-    def _surrogate_u(self) -> Tensor:
-        """The certified bound's formula in torch (differentiable; for gradients only): the
-        smallest of `bounds.formulas.l2_mha_candidates` in the 2-norm, exact float32 SVDs."""
+    def _torch_u(self, exact: bool) -> Tensor:
+        """The certified formula in torch (differentiable): the smallest of the 2-norm
+        `l2_mha_candidates` in `bound_names` (default: all but Theorem 3.2, which `per_head`
+        never exceeds), spectral norms by SVD (`exact`) or by `estimate_norms`."""
         a = self.attn
         h, d = self.config.n_heads, self.config.d_model // self.config.n_heads
-        lead = _lead(self.config.max_len, self.config.causal)
+        names = self.bound_names or ("per_head", "head_sum", "concat")
         with torch.autocast(a.q_proj.weight.device.type, enabled=False):
             wq, wv = a.query_weights().float(), a.value_weights().float()  # (H, D, d)
             wo = a.output_weight().float()  # (D, D)
-            m = torch.einsum("hke,hkf->hef", wq, wv) / math.sqrt(d)  # (H, d, d)
-            b = torch.bmm(m, wo.reshape(h, d, -1))  # (H, d, D)
-            sq, sv, so = _spec_norms(wq), _spec_norms(wv), _spec_norms(wo)  # (H,), (H,), ()
-            sm, sb = _spec_norms(m), _spec_norms(b)  # (H,), (H,)
-            # ||W^Q||^4: the corrected weight term of bounds.formulas._two_norm_weights
-            # (test_forward_uses_certified_scale_and_surrogate_gradient keeps them in step).
-            theorem = torch.sqrt((sq**4 * sv * sv).sum()) * so / math.sqrt(d)
-            per_head = so * torch.sqrt(((sq * sm) ** 2).sum())
-            head_sum = (sq * sb).sum()
-            concat = _spec_norms(a.q_proj.weight) * _spec_norms(b.reshape(h * d, -1))
-            return lead * torch.stack([theorem, per_head, head_sum, concat]).min()
+            m = torch.einsum("hke,hkf->hef", wq, wv) / math.sqrt(d)  # (H, d, d) = M_h
+            b = torch.bmm(m, wo.reshape(h, d, -1))  # (H, d, D) = M_h W^O_h
+            mats = {"q": wq, "v": wv, "o": wo, "m": m, "b": b,
+                    "q_all": a.q_proj.weight.float(), "b_stack": b.reshape(h * d, -1)}
+            need = sorted({k for n in names for k in _L2_NORMS_NEEDED[n]})
+            got = (_spec_norms(mats[k]) for k in need) if exact else \
+                iter(estimate_norms([mats[k] for k in need]))
+            s = dict(zip(need, got, strict=True))
+            values = []
+            for n in names:
+                if n == "theorem_3_2":
+                    # ||W^Q||^4: the corrected weight term of bounds.formulas._two_norm_weights
+                    values.append(torch.sqrt((s["q"]**4 * s["v"]**2).sum()) * s["o"]
+                                  / math.sqrt(d))
+                elif n == "per_head":
+                    values.append(s["o"] * torch.sqrt(((s["q"] * s["m"]) ** 2).sum()))
+                elif n == "head_sum":
+                    values.append((s["q"] * s["b"]).sum())
+                else:
+                    values.append(s["q_all"] * s["b_stack"])
+            lead = _lead(self.config.max_len, self.config.causal)
+            return lead * torch.stack(values).min()
+
+    def _surrogate_u(self) -> Tensor:
+        """`_torch_u` with exact (SVD) spectral norms."""
+        return self._torch_u(exact=True)
+
+    def estimated_u(self) -> Tensor:
+        """`_torch_u` with `estimate_norms` (Rayleigh quotients: an estimate from below)."""
+        return self._torch_u(exact=False)
 
     def scale(self) -> Tensor | float:
-        """The factor multiplying F(X): value `<= c / U_cert`, gradient of `c / U_torch`."""
+        """The factor multiplying F(X). Training: `c / U_est` (differentiable). Otherwise the
+        certified value `<= c / U_cert` (with grad but not training: that value, with the
+        gradient of `c / U_surrogate`)."""
         if self.frozen is not None:
             return self.frozen
-        _, s = self._certified()
         w = self.attn.q_proj.weight
         if torch.is_grad_enabled() and w.requires_grad:
+            if self.training and self.estimate_in_training:
+                # NaN weights give a NaN scale and loss here; train_lm stops on it.
+                return self.config.c / self.estimated_u()
+            _, s = self._certified()
             sur = self.config.c / self._surrogate_u()
             return (sur - sur.detach()) + s  # forward value exactly s
-        return s
+        return self._certified()[1]
 
     def lipschitz_upper(self, seq_len: int | None = None) -> float:
         n = self.config.max_len if seq_len is None else seq_len
@@ -126,7 +176,10 @@ class ContractiveL2Block(ResidualBlock):
 
 
 class ContractiveFFNBlock(ResidualBlock):
-    """Token-wise `x + c (W2/s2) act((W1/s1) x + b1) / L_act + b2`, s_i certified norms."""
+    """Token-wise `x + c (W2/s2) act((W1/s1) x + b1) / L_act + b2`, s_i certified norms
+    (training mode: power-iteration estimates, as in `ContractiveL2Block`)."""
+
+    estimate_in_training: bool = True
 
     def __init__(self, config: ContractiveFFNConfig) -> None:
         super().__init__()
@@ -162,10 +215,15 @@ class ContractiveFFNBlock(ResidualBlock):
     def scales(self) -> tuple[Tensor | float, Tensor | float]:
         if self.frozen is not None:
             return self.frozen
-        _, _, a, b = self._certified()
         w = self.fc1.weight
+        lact = ACTIVATION_LIPSCHITZ[self.config.activation]
+        if torch.is_grad_enabled() and w.requires_grad and self.training \
+                and self.estimate_in_training:
+            with torch.autocast(w.device.type, enabled=False):
+                s1, s2 = estimate_norms([self.fc1.weight.float(), self.fc2.weight.float()])
+            return 1.0 / s1, self.config.c / (lact * s2)
+        _, _, a, b = self._certified()
         if torch.is_grad_enabled() and w.requires_grad:
-            lact = ACTIVATION_LIPSCHITZ[self.config.activation]
             with torch.autocast(w.device.type, enabled=False):
                 sa = 1.0 / _spec_norms(self.fc1.weight)
                 sb = self.config.c / (lact * _spec_norms(self.fc2.weight))

@@ -68,7 +68,7 @@ class LMConfig:
         if self.attention == "contractive_l2":
             return ContractiveTrunkConfig(self.d_model, self.n_heads, self.n_layers, self.d_ff,
                                           self.seq_len, self.c, True, self.activation)
-        word: Literal["dp", "l2", "l2_untied"] = self.attention  # type: ignore[assignment]
+        word: Literal["dp", "l2", "l2_untied"] = self.attention
         return TransformerConfig(self.d_model, self.n_heads, self.n_layers, self.d_ff,
                                  attention=word, causal=True,
                                  activation=self.activation, norm_first=self.norm_first,

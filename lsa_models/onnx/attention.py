@@ -111,6 +111,21 @@ def _data_consumers(info: GraphInfo, t: str) -> list[Node]:
             if c.op_type not in ("Shape", "Size") and c.name in info.live]
 
 
+def _through_noops(info: GraphInfo, t: str) -> str:
+    """Follow single-consumer ops that leave the values alone: a float -> float Cast (GPT-2's
+    TorchScript export casts the probabilities to their own dtype), Identity, Dropout."""
+    while True:
+        cons = _data_consumers(info, t)
+        if len(cons) != 1:
+            return t
+        c = cons[0]
+        noop = c.op_type in ("Identity", "Dropout") or (
+            c.op_type == "Cast" and int(c.attrs.get("to", 0)) in FLOAT_TYPES)
+        if not noop or not c.outputs or not c.outputs[0]:
+            return t
+        t = c.outputs[0]
+
+
 def _find_output(info: GraphInfo, start: str) -> str:
     """Follow token-wise affine single-consumer ops from `P @ V` to the layer output."""
     t, last_token = start, None
@@ -387,7 +402,7 @@ def _analyse(info: GraphInfo, sm: Node, logits: str, x: str, layer: AttentionLay
         raise _NotAttention("the softmax is not over the last (key) axis")
     n = info.seq_len
     # 2. P @ V and the layer output
-    p = sm.outputs[0]
+    p = _through_noops(info, sm.outputs[0])
     cons = _data_consumers(info, p)
     pv = [c for c in cons if c.op_type == "MatMul" and c.inputs[0] == p]
     if len(cons) != 1 or len(pv) != 1 or pv[0].inputs[1] not in info.var:

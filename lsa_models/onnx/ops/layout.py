@@ -67,7 +67,9 @@ class FlattenOp(_LayoutOp):
     def run(self, node: Node, ins: list[Tensor | None], ctx: RunContext) -> list[Tensor]:
         x = ins[0]
         assert x is not None
-        axis = int(node.attrs.get("axis", 1)) % max(x.dim(), 1)
+        # ONNX allows axis in [-r, r]: axis = r flattens everything into the first dimension
+        axis = int(node.attrs.get("axis", 1))
+        axis = axis + x.dim() if axis < 0 else axis
         lead = int(np.prod(x.shape[:axis])) if axis else 1
         return [x.reshape(lead, -1)]
 

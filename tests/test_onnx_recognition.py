@@ -13,6 +13,7 @@ import warnings
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 import torch
 from torch import nn
@@ -117,8 +118,6 @@ def test_onnx_recognition_cdist_exponent_is_read_as_exact(tmp_path: Path) -> Non
     # exact squared distance the module computes (docs/bounds.md, Conventions)
     m = L2Attention(D, 1, "cdist", seed=5).eval()
     data = _export(m, _input("cdist", 3), tmp_path / "m.onnx", False)
-    import onnx
-
     exps = [float(onnx.numpy_helper.to_array(n.attribute[0].t).reshape(-1)[0])
             for n in onnx.load_from_string(data).graph.node
             if n.op_type == "Constant" and n.attribute[0].t.dims in ([], [1])

@@ -71,3 +71,45 @@ def test_onnx_recognition_gpt2_inputs_embeds_both_exporters_agree(tmp_path: Path
     assert uppers[0] is not None and uppers[1] is not None
     assert abs(uppers[0] - uppers[1]) <= 1e-6 * uppers[1], uppers
     assert uppers[0] >= _ball_lower(m, 1.0, "2")
+
+
+class _Ids(nn.Module):
+    """Token ids in, last hidden state out (explicit all-ones mask, as in `_Embeds`)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (B, N) int64 -> (B, N, D)
+        return self.model(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state
+
+
+def _bert() -> nn.Module:
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(hidden_size=D, num_hidden_layers=1, num_attention_heads=2,
+                                  intermediate_size=32, vocab_size=50,
+                                  max_position_embeddings=16, attn_implementation="eager")
+    return transformers.BertModel(cfg, add_pooling_layer=False).eval()
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+@pytest.mark.parametrize("dynamo", [False, True])
+def test_onnx_recognition_token_id_models_start_at_the_lookup(
+        tmp_path: Path, name: str, dynamo: bool) -> None:
+    # GPT-2 reshapes the ids before the `wte` Gather; BERT's TorchScript export gathers its
+    # position ids with GatherElements: both load, and the bound is the same as with
+    # `inputs_embeds` (the continuous input is the lookup's output)
+    inner = _gpt2().model if name == "gpt2" else _bert()
+    ids = torch.randint(0, 50, (1, N))
+    path = tmp_path / "m.onnx"
+    _export(_Ids(inner), ids, path, dynamo)
+    model = load_onnx(path.read_bytes())
+    assert model.spec.ids_name == "x"
+    got = analyse(model, "2")
+    assert got.verdict == "certified", got.reason
+    embeds = load_onnx(_export(_Embeds(inner), torch.randn(1, N, D), tmp_path / "e.onnx",
+                               dynamo))
+    ref = analyse(embeds, "2")
+    assert ref.verdict == "certified" and got.upper is not None and ref.upper is not None
+    if name == "gpt2":  # the position embedding is added after the lookup: same map
+        assert abs(got.upper - ref.upper) <= 1e-9 * ref.upper, (got.upper, ref.upper)

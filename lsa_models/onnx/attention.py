@@ -178,9 +178,16 @@ _TOKEN_AFFINE = _LAYOUT | {"MatMul", "Gemm", "Add", "Sub", "Mul", "Div", "Neg"}
 def _input_candidates(info: GraphInfo, logits: str) -> list[str]:
     """Token tensors dominating the logits, farthest first: up the dominator tree through
     token-wise affine ops (projections), up to the first tensor made otherwise (a LayerNorm,
-    a residual sum, the model input)."""
+    a residual sum, the model input). Then, tried last, the same walk once more above that
+    tensor: with one sequence a tensor of pairwise terms (1, N, N) has the token layout of an
+    (N, D) input, and the layer input lies above it."""
+    first = _token_chain(info, info.idom.get(logits))
+    more = _token_chain(info, info.idom.get(first[-1])) if first else []
+    return first[::-1] + more[::-1]
+
+
+def _token_chain(info: GraphInfo, x: str | None) -> list[str]:
     chain: list[str] = []
-    x = info.idom.get(logits)
     while x is not None:
         if info.is_token(x):
             chain.append(x)
@@ -189,7 +196,7 @@ def _input_candidates(info: GraphInfo, logits: str) -> list[str]:
                     sum(i in info.var for i in prod.inputs) != 1:
                 break
         x = info.idom.get(x)
-    return chain[::-1]
+    return chain
 
 
 def _recognise_one(info: GraphInfo, sm: Node) -> AttentionLayer:
@@ -239,7 +246,7 @@ def _analyse(info: GraphInfo, sm: Node, logits: str, x: str, layer: AttentionLay
     xs = [gen.standard_normal(probe.shape) for _ in range(2)]  # the fit needs two
     envs = [probe.run(xi) for xi in xs]
     ls, finite = _sampled_logits(envs, logits, reg.n)
-    found = _find_form(envs, logits, scores, ls, finite, cands, reg)
+    found = _find_form(envs, logits, scores, ls, finite, cands, reg, info.var)
     kind, a, b, (c, resid, fit_err) = found
     layer.kind = kind
     g = ls[0].shape[0]
@@ -325,7 +332,7 @@ def _sampled_logits(envs: list[Mapping[str, Tensor]], logits: str,
 
 def _find_form(envs: list[Mapping[str, Tensor]], logits: str, scores: str,
                ls: list[np.ndarray], finite: np.ndarray, cands: list[tuple[str, bool]],
-               reg: _Region) -> tuple[str, tuple[str, bool], tuple[str, bool],
+               reg: _Region, var: set[str]) -> tuple[str, tuple[str, bool], tuple[str, bool],
                                       tuple[np.ndarray, np.ndarray, float]]:
     """Step 4: the polynomial identity the logits satisfy (dot product or L2 distance)."""
     n = reg.n
@@ -340,8 +347,22 @@ def _find_form(envs: list[Mapping[str, Tensor]], logits: str, scores: str,
         found = _search(ls, finite, views, cands, reg.g_l, ("dp", "l2"))
     if found is None:
         raise NotAttention("its logits are neither a scaled dot product nor a negative "
-                           "squared L2 distance of projections of the layer input")
+                           "squared L2 distance of projections of the layer input"
+                           + _where_hint(envs[0], logits, reg, var))
     return found
+
+
+def _where_hint(env: Mapping[str, Tensor], logits: str, reg: _Region, var: set[str]) -> str:
+    """A mask applied by replacing logits with a finite constant (`masked_fill(mask,
+    -finfo.max)`, as x-transformers does) is not an additive mask: say so, and how to fix it."""
+    prod = next((nd for nd in reg.nodes if logits in nd.outputs), None)
+    if prod is None or prod.op_type != "Where":
+        return ""
+    fills = [env[i] for i in prod.inputs[1:] if i and i not in var]
+    if not fills or any(bool(f.isinf().all()) for f in fills):
+        return ""
+    return (f" (Where node {prod.name} replaces masked logits by a finite constant; mask "
+            "with float('-inf') or add the mask instead)")
 
 
 def _finish_dp(probe: Probe, envs: list[Mapping[str, Tensor]], xs: list[np.ndarray],

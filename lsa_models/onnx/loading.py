@@ -34,6 +34,7 @@ from .errors import (
 )
 from .graph import GraphModule, GraphSpec
 from .ops import FLOAT_TYPES, Node, unsupported_ops
+from .rewrite import lower_einsum
 
 __all__ = [  # the error classes live in errors.py; re-exported for callers of this module
     "DynamicSeqLenError", "LoadOptions", "OnnxCheckError", "OnnxExternalDataError",
@@ -430,6 +431,7 @@ def load_onnx(data: bytes, filename: str = "", opts: LoadOptions | None = None,
     _check_declared_shapes(model, opts)
     if not model.graph.output:
         raise OnnxCheckError("the graph has no output")
+    nodes = lower_einsum(nodes)  # after the checks: they and onnxruntime see the upload
     name, d_model, n, batch, rank, skipped, ids = _select_input(model, nodes)
     spec = GraphSpec(model, nodes, name, model.graph.output[0].name, d_model, n, batch, rank,
                      skipped, ids, opset, blob, seq_first)

@@ -25,6 +25,7 @@ from . import certify as _certify  # noqa: E402,F401
 from . import db as _db  # noqa: E402,F401
 from . import keys as _keys  # noqa: E402,F401
 from . import serve as _serve  # noqa: E402,F401
+from . import supports as _supports  # noqa: E402,F401
 from . import verify as _verify  # noqa: E402,F401
 from . import worker as _worker  # noqa: E402,F401
 

@@ -61,7 +61,26 @@ class Ids(nn.Module):
         return self.model(input_ids=ids, attention_mask=mask)[0]  # (1, N, D)
 
 
+_TV_LIB: list[torch.library.Library] = []
+
+
+def declare_torchvision_schemas() -> None:
+    """transformers imports torchvision, whose registry wheel (a CUDA build, installed with
+    --no-deps) fails to import against CPU torch registering fake kernels for `nms`/`qnms`;
+    declaring the two schemas lets it finish (tests/zoo/tv_schemas.py explains)."""
+    try:
+        torch.ops.torchvision.nms  # noqa: B018  (defined: torchvision's C ops loaded)
+        return
+    except (AttributeError, RuntimeError):
+        pass
+    lib = torch.library.Library("torchvision", "DEF")
+    for op in ("nms", "qnms"):
+        lib.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+    _TV_LIB.append(lib)  # the schemas live as long as the library object
+
+
 def build(args: argparse.Namespace) -> tuple[nn.Module, nn.Module, Tensor]:
+    declare_torchvision_schemas()
     from transformers import GPT2Config, GPT2Model
 
     torch.manual_seed(0)

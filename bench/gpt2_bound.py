@@ -7,7 +7,8 @@ token ids (`--ids`) with an all-ones attention mask, exported by torch's TorchSc
 Timed, one CPU thread:
 - export (for information);
 - `lsa bound FILE --json` as a subprocess, wall clock: process start, imports, loading,
-  the onnxruntime check, recognition, the bound (target < 15 s);
+  the onnxruntime check, recognition, the bound (target < 15 s); then the same phases
+  in-process (load, onnxruntime check, analysis) to show where the time goes;
 - baselines in the same run: one onnxruntime inference of the same file (session build +
   run), and the certified spectral norms of every weight matrix (the irreducible part of any
   certified bound; bench/spectral_norm_speed.py).
@@ -124,6 +125,28 @@ def lsa_bound(path: Path) -> tuple[float, dict]:  # type: ignore[type-arg]
                                           if "mha" in lb["kind"])}
 
 
+def phases(path: Path) -> dict[str, float | str]:
+    """The same work in-process, phase by phase: where `lsa bound`'s time goes."""
+    from lsa_models.onnx import LoadOptions, analyse, load_onnx
+    from lsa_models.onnx.loading import compare_with_onnxruntime
+
+    out: dict[str, float | str] = {}
+    data = path.read_bytes()
+    t0 = time.perf_counter()
+    try:
+        model = load_onnx(data, path.name, LoadOptions(check_ort=False))
+        out["load_s"] = round(time.perf_counter() - t0, 2)
+        t0 = time.perf_counter()
+        compare_with_onnxruntime(model.spec, model.module, LoadOptions(), None)
+        out["ort_check_s"] = round(time.perf_counter() - t0, 2)
+        t0 = time.perf_counter()
+        analyse(model, "2")
+        out["analyse_s"] = round(time.perf_counter() - t0, 2)
+    except ValueError as exc:  # the loader's errors (exit 2 in the CLI)
+        out["phase_error"] = str(exc)[:200]
+    return out
+
+
 def ort_inference(path: Path, x: Tensor) -> float:
     import onnxruntime as ort
 
@@ -193,7 +216,7 @@ def main() -> None:
             rows.append({"exporter": exporter, "onnx_bytes": path.stat().st_size,
                          "export_s": round(export_s, 2), "lsa_bound_s": round(wall, 2),
                          "ort_inference_s": round(ort_inference(path, x), 2),
-                         "spectral_norms_s": round(spectral_s, 2), **report,
+                         "spectral_norms_s": round(spectral_s, 2), **phases(path), **report,
                          "meets_target": wall < TARGET_S})
     out = {"benchmark": "gpt2_bound", "threads": torch.get_num_threads(),
            "layers": args.layers, "d_model": args.d_model, "heads": args.heads,

@@ -21,14 +21,14 @@ from .common import app
 
 # (pattern, what it covers, what lsa certifies for it)
 PATTERNS: tuple[tuple[str, str, str], ...] = (
-    ("L2 self-attention, tied", "logits -c||q_i - q_j||^2 (+ masks, causal), values "
-     "X c' W^Q W^Q^T W^V, any number of heads",
+    ("L2 self-attention, tied", ("logits -c||q_i - q_j||^2 (+ masks, causal), values "
+     "X c' W^Q W^Q^T W^V, any number of heads"),
      "Theorem 3.2 bound (times max(1, c' sqrt(d)))"),
     ("L2 self-attention, untied", "logits -c||q_i - k_j||^2 with W^K != W^Q",
      "not_certified (not Lipschitz in general)"),
     ("dot-product self-attention", "logits c q_i.k_j (+ additive or boolean masks, causal)",
-     "ball bound when its input norms are bounded (LayerNorm before it, or --radius); "
-     "otherwise not_lipschitz (Theorem 3.1)"),
+     ("ball bound when its input norms are bounded (LayerNorm before it, or --radius); "
+     "otherwise not_lipschitz (Theorem 3.1)")),
     ("LayerNorm", "LayerNormalization, or decomposed ReduceMean/Sub/Pow/Sqrt/Div",
      "max|gamma| / sqrt(eps) (eps > 0), output radius sqrt(D) max|gamma| + ||beta||"),
     ("GELU", "Gelu, or written out with Erf or tanh (GPT-2)", "1.1290"),
@@ -38,8 +38,8 @@ LAYOUTS: tuple[tuple[str, str], ...] = (
     ("(batch, N, D)", "one float input, batch first"),
     ("(N, D)", "one float input without a batch axis"),
     ("(N, 1, D)", "sequence first (torch's batch_first=False), analysed through transposes"),
-    ("token ids (batch, N)", "an integer input whose only use is a Gather from a constant "
-     "(V, D) table: the map after the embedding lookup is bounded"),
+    ("token ids (batch, N)", ("an integer input whose only use is a Gather from a constant "
+     "(V, D) table: the map after the embedding lookup is bounded")),
     ("native .safetensors", "lsa_models checkpoints (lsa_models.save)"),
 )
 NORMS = ("2", "inf")

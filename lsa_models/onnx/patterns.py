@@ -180,14 +180,16 @@ def _squared_input(info: GraphInfo, r: Node) -> str | None:
     return None
 
 
-def _rms_candidate(info: GraphInfo, r: Node, x: str, t: str) -> Composite | None:
+def _rms_candidate(info: GraphInfo, r: Node, x: str, t: str,
+                   avoid: set[str]) -> Composite | None:
     """The composite when `t = g * x / sqrt(mean(x^2) + eps)` on the region x -> t (g fitted
     per feature, then checked at fresh inputs, large and small)."""
     xv = info.env[x].to(torch.float64)
     if info.shape(t) != tuple(xv.shape):
         return None
     nodes = info.region(x, t)
-    if nodes is None or r.name not in {n.name for n in nodes}:
+    if nodes is None or r.name not in {n.name for n in nodes} or \
+            avoid & {n.name for n in nodes}:
         return None
     eps_nodes = [n for n in nodes if n.op_type == "Add"
                  and any(i not in info.var and info.env[i].numel() == 1 for i in n.inputs)]
@@ -221,7 +223,9 @@ def _rms_candidate(info: GraphInfo, r: Node, x: str, t: str) -> Composite | None
                      gamma=gamma.abs().numpy() * (1 + 1e-9), eps=eps)
 
 
-def _rmsnorm_patterns(info: GraphInfo) -> list[Composite]:
+def _rmsnorm_patterns(info: GraphInfo, avoid: set[str]) -> list[Composite]:
+    """Decomposed RMSNorms on nodes outside `avoid` (an attention layer may start inside one,
+    after its cast back to the model dtype: the weight is then part of the projections)."""
     out = []
     for r in info.nodes:
         if r.op_type != "ReduceMean" or r.inputs[0] not in info.var:
@@ -237,7 +241,7 @@ def _rmsnorm_patterns(info: GraphInfo) -> list[Composite]:
             cands.extend(nxt)
             frontier = nxt
         for t in reversed(list(dict.fromkeys(cands))):
-            comp = _rms_candidate(info, r, x, t)
+            comp = _rms_candidate(info, r, x, t, avoid)
             if comp is not None:
                 out.append(comp)
                 break
@@ -255,7 +259,7 @@ def find_composites(info: GraphInfo) -> tuple[list[Composite], list[str]]:
         elif a.reason:
             hints.append(a.reason)  # no region: the generic rules decide, sound either way
     taken = {nm for c in comps for nm in c.nodes}
-    for c in _gelu_patterns(info) + _layernorm_patterns(info) + _rmsnorm_patterns(info):
+    for c in _gelu_patterns(info) + _layernorm_patterns(info) + _rmsnorm_patterns(info, taken):
         if not taken & set(c.nodes):
             comps.append(c)
             taken |= set(c.nodes)

@@ -213,6 +213,7 @@ def test_loading_unsupported_ops_are_listed_with_counts() -> None:
         load_onnx(model.SerializeToString())
     assert err.value.counts == {"Conv": 2, "LSTM": 1}
     assert "Conv x2" in str(err.value) and "LSTM x1" in str(err.value)
+    assert "patch embeddings" in str(err.value)  # what the user can do about it
 
 
 def test_loading_huge_declared_shape_is_rejected_without_allocating() -> None:

@@ -156,3 +156,33 @@ def test_onnx_recognition_encoder_layer_on_2d_input(tmp_path: Path, dynamo: bool
         assert got.verdict == "certified", got.reason
         assert any(lb.kind == "dp_mha_radius" for lb in got.layers)
         assert got.upper is not None and got.upper >= _jacobian_lower(m, x, "2")
+
+
+class _SDPA(nn.Module):
+    """Pre-norm block around `F.scaled_dot_product_attention` with a packed QKV projection."""
+
+    def __init__(self, causal: bool) -> None:
+        super().__init__()
+        torch.manual_seed(11)
+        self.ln, self.qkv, self.out = nn.LayerNorm(D), nn.Linear(D, 3 * D), nn.Linear(D, D)
+        self.causal = causal
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (1, N, D)
+        q, k, v = self.qkv(self.ln(x)).view(1, N, 3, 2, D // 2).permute(2, 0, 3, 1, 4)
+        o = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        return x + self.out(o.transpose(1, 2).reshape(1, N, D))  # (1, N, D)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_onnx_recognition_sdpa_both_exporters_agree(tmp_path: Path, causal: bool) -> None:
+    m = _SDPA(causal).eval()
+    x = torch.randn(1, N, D)
+    uppers = []
+    for dynamo in (False, True):
+        got = analyse(load_onnx(_export(m, x, tmp_path / f"s{int(dynamo)}.onnx", dynamo)), "2")
+        assert got.verdict == "certified", got.reason
+        assert any(lb.kind == "dp_mha_radius" for lb in got.layers)
+        uppers.append(got.upper)
+    assert uppers[0] is not None and uppers[1] is not None
+    assert abs(uppers[0] - uppers[1]) <= 1e-9 * uppers[1]
+    assert uppers[0] >= _jacobian_lower(m, x, "2")

@@ -113,3 +113,20 @@ def test_onnx_recognition_token_id_models_start_at_the_lookup(
     assert ref.verdict == "certified" and got.upper is not None and ref.upper is not None
     if name == "gpt2":  # the position embedding is added after the lookup: same map
         assert abs(got.upper - ref.upper) <= 1e-9 * ref.upper, (got.upper, ref.upper)
+
+
+def test_onnx_recognition_llama_loads_and_names_what_is_missing(tmp_path: Path) -> None:
+    # rotary tables are computed from position ids with Cos/Sin (constants of the input):
+    # the graph loads, its RMSNorms are recognised, and the refusal names the rotary maps
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=D, intermediate_size=32, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=2,
+                                   vocab_size=50, max_position_embeddings=16, bos_token_id=0,
+                                   eos_token_id=0, pad_token_id=0,
+                                   attn_implementation="eager")
+    m = _Embeds(transformers.LlamaModel(cfg)).eval()
+    model = load_onnx(_export(m, torch.randn(1, N, D), tmp_path / "l.onnx", False))
+    got = analyse(model, "2")
+    assert [lb.kind for lb in got.layers].count("rmsnorm") == 3
+    assert got.verdict == "not_certified"
+    assert "rotary" in (got.reason or "") and "Softmax" in (got.reason or "")

@@ -21,7 +21,7 @@ from ..bounds.numerics import ACTIVATION_LIPSCHITZ, mul_up, up
 from ..bounds.report import BoundResult, LayerBound, NormName, Verdict
 from .graph import GraphInfo
 from .loading import DynamicSeqLenError, OnnxModel
-from .ops import OPS, Flow, Node, NotCertified, layernorm_flow
+from .ops import OPS, Flow, Node, NotCertified, layernorm_flow, rmsnorm_flow
 from .patterns import Composite, find_composites
 
 METHOD = ("analytic on the ONNX graph: recognised attention (Theorem 3.2 for tied L2; the "
@@ -178,6 +178,12 @@ def _composite(c: Composite, info: GraphInfo, flows: dict[str, Flow | None], st:
         assert c.gamma is not None
         f = layernorm_flow(Flow(1.0, None, shape), c.gamma, c.beta, c.eps, norm, shape)
         st.layers.append(LayerBound(c.output, "layernorm", f.lip, nodes=c.nodes))
+        flows[c.output] = None if fx is None else Flow(mul_up(fx.lip, f.lip), f.radius, shape)
+        return
+    if c.kind == "rmsnorm":  # docs/bounds.md, "RMSNorm"
+        assert c.gamma is not None
+        f = rmsnorm_flow(Flow(1.0, None, shape), c.gamma, c.eps, norm, shape)
+        st.layers.append(LayerBound(c.output, "rmsnorm", f.lip, nodes=c.nodes))
         flows[c.output] = None if fx is None else Flow(mul_up(fx.lip, f.lip), f.radius, shape)
         return
     a = c.attention

@@ -23,6 +23,9 @@ from .ops import OPS, Node, gemm_epilogue
 
 TOL = 1e-8  # relative tolerance of the read-out checks, far above float64 rounding
 FIT_MARGIN = 1e-12  # relative allowance for constants fitted by least squares in float64
+_POSITION_HINT = (" (position-dependent query/key maps such as rotary position embeddings are "
+                  "not covered yet; a model without them, or with learned absolute positions "
+                  "added to its input, is)")
 
 
 @dataclass
@@ -123,7 +126,8 @@ class Probe:
             b_all = token_view(zero[name], n, tr)  # (G, N, w)
             if not np.allclose(b_all, b_all[:, :1, :], rtol=0, atol=1e-12 * (
                     1 + np.abs(b_all).max())):
-                raise NotAttention(f"tensor {name} is not a token-wise map of the layer input")
+                raise NotAttention(f"tensor {name} is not the same map of the layer input at "
+                                   f"every position{_POSITION_HINT}")
             b = b_all[:, 0, :]  # (G, w)
             g, _, w = b_all.shape
             # filled in (width, G, w) order: the check below is then one plain 2-D product
@@ -140,8 +144,8 @@ class Probe:
             pred += b[None, :, :]
             pred -= got
             if not np.abs(pred).max() <= TOL * scale:
-                raise NotAttention(f"tensor {name} is not a token-wise affine map of the "
-                                    "layer input")
+                raise NotAttention(f"tensor {name} is not the same affine map of the layer "
+                                   f"input at every position{_POSITION_HINT}")
             weight = stacked.transpose(1, 0, 2)  # (G, width, w)
             results.append((weight, b))
         return results

@@ -39,11 +39,28 @@ class OnnxMismatchError(OnnxLoadError):
     pass
 
 
+# What a user can do about an op the service does not read, by op type.
+_HINTS = {
+    "Conv": "a convolution (a ViT patch embedding?): export the model from its patch "
+            "embeddings on, with a (batch, N, D) input",
+    "If": "control flow: export with torch.onnx.export(..., dynamo=True) or trace with fixed "
+          "shapes",
+    "Loop": "control flow: export with torch.onnx.export(..., dynamo=True) or trace with fixed "
+            "shapes",
+    "Attention": "a fused attention op: export with opset 17-20 so attention is written out",
+    "RMSNormalization": "the fused RMSNorm op: export with opset 17-20 (written out, it is "
+                        "recognised)",
+}
+
+
 class UnsupportedOpsError(OnnxLoadError):
     def __init__(self, counts: dict[str, int]) -> None:
         listing = ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()))
+        hints = "; ".join(f"{k}: {_HINTS[k]}" for k in sorted(counts) if k in _HINTS)
         super().__init__(f"the graph uses ops this service cannot evaluate or bound: {listing}. "
-                         "Export the model with standard ONNX ops (opset 17-20)")
+                         + (f"{hints}. " if hints else "")
+                         + "Export the model with standard ONNX ops (opset 17-20); "
+                         "`lsa_models.onnx.supported_op_types()` lists the ops read")
         self.counts = counts
 
 

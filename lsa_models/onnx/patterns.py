@@ -1,5 +1,6 @@
 """Composite patterns recognised before the per-node rules run: attention layers (attention.py),
-GELU written out in its Erf or tanh form, and LayerNorm decomposed into ReduceMean/Sub/Pow/Sqrt/Div.
+GELU written out in its Erf or tanh form, LayerNorm decomposed into ReduceMean/Sub/Pow/Sqrt/Div,
+and RMSNorm decomposed into Pow/ReduceMean/Add/Sqrt/Reciprocal/Mul (LLaMA, Qwen).
 
 Each is found by what it computes (checked in float64 at fresh inputs), not by how it is spelled;
 the analyser bounds a composite as a whole.
@@ -19,7 +20,7 @@ from .ops import Node, decimal_attr
 
 @dataclass
 class Composite:
-    kind: str  # "attention" | "gelu" | "layernorm"
+    kind: str  # "attention" | "gelu" | "layernorm" | "rmsnorm"
     input: str
     output: str
     nodes: list[str]
@@ -165,6 +166,88 @@ def _layernorm_patterns(info: GraphInfo) -> list[Composite]:
     return out
 
 
+def _squared_input(info: GraphInfo, r: Node) -> str | None:
+    """x for a ReduceMean of `x ** 2` (Pow with exponent 2, or Mul(x, x)), else None."""
+    sq = info.producer.get(r.inputs[0])
+    if sq is None:
+        return None
+    if sq.op_type == "Mul" and sq.inputs[0] == sq.inputs[1] and sq.inputs[0] in info.var:
+        return sq.inputs[0]
+    if sq.op_type == "Pow" and sq.inputs[0] in info.var and sq.inputs[1] not in info.var:
+        e = info.env[sq.inputs[1]]
+        if e.numel() == 1 and float(e.reshape(())) == 2.0:
+            return sq.inputs[0]
+    return None
+
+
+def _rms_candidate(info: GraphInfo, r: Node, x: str, t: str,
+                   avoid: set[str]) -> Composite | None:
+    """The composite when `t = g * x / sqrt(mean(x^2) + eps)` on the region x -> t (g fitted
+    per feature, then checked at fresh inputs, large and small)."""
+    xv = info.env[x].to(torch.float64)
+    if info.shape(t) != tuple(xv.shape):
+        return None
+    nodes = info.region(x, t)
+    if nodes is None or r.name not in {n.name for n in nodes} or \
+            avoid & {n.name for n in nodes}:
+        return None
+    eps_nodes = [n for n in nodes if n.op_type == "Add"
+                 and any(i not in info.var and info.env[i].numel() == 1 for i in n.inputs)]
+    if len(eps_nodes) != 1:
+        return None
+    eps_t = next(i for i in eps_nodes[0].inputs if i not in info.var)
+    eps = decimal_attr(float(info.env[eps_t].reshape(())))
+    if eps <= 0:
+        return None
+
+    def rms(z: torch.Tensor) -> torch.Tensor:  # (..., D)
+        return z / torch.sqrt(z.pow(2).mean(-1, keepdim=True) + eps)
+
+    width = xv.shape[-1]
+    with torch.no_grad():
+        zf = rms(xv).reshape(-1, width)
+        tf = info.eval_nodes(nodes, {x: xv})[t].reshape(-1, width)
+    denom = (zf * zf).sum(0)
+    if bool((denom <= 0).any()):
+        return None
+    gamma = (tf * zf).sum(0) / denom
+    gen = torch.Generator().manual_seed(6)
+    for scale in (1.0, 1e-3, 30.0):
+        xs = scale * torch.randn(xv.shape, generator=gen, dtype=xv.dtype)
+        with torch.no_grad():
+            got = info.eval_nodes(nodes, {x: xs})[t]
+        if not torch.allclose(got, rms(xs) * gamma, rtol=1e-6, atol=1e-9):
+            return None
+    # gamma is fitted in float64: a relative 1e-9 margin covers the fit's rounding
+    return Composite("rmsnorm", x, t, [n.name for n in nodes],
+                     gamma=gamma.abs().numpy() * (1 + 1e-9), eps=eps)
+
+
+def _rmsnorm_patterns(info: GraphInfo, avoid: set[str]) -> list[Composite]:
+    """Decomposed RMSNorms on nodes outside `avoid` (an attention layer may start inside one,
+    after its cast back to the model dtype: the weight is then part of the projections)."""
+    out = []
+    for r in info.nodes:
+        if r.op_type != "ReduceMean" or r.inputs[0] not in info.var:
+            continue
+        x = _squared_input(info, r)
+        if x is None:
+            continue
+        cands: list[str] = []
+        frontier = [r.outputs[0]]
+        for _ in range(8):
+            nxt = [c.outputs[0] for t in frontier for c in info.consumers.get(t, [])
+                   if c.outputs and c.outputs[0] in info.var]
+            cands.extend(nxt)
+            frontier = nxt
+        for t in reversed(list(dict.fromkeys(cands))):
+            comp = _rms_candidate(info, r, x, t, avoid)
+            if comp is not None:
+                out.append(comp)
+                break
+    return out
+
+
 def find_composites(info: GraphInfo) -> tuple[list[Composite], list[str]]:
     """Every recognised composite (attention first, then GELU and LayerNorm patterns on nodes
     no earlier composite took) and the hints of attention recognised without a region."""
@@ -176,7 +259,7 @@ def find_composites(info: GraphInfo) -> tuple[list[Composite], list[str]]:
         elif a.reason:
             hints.append(a.reason)  # no region: the generic rules decide, sound either way
     taken = {nm for c in comps for nm in c.nodes}
-    for c in _gelu_patterns(info) + _layernorm_patterns(info):
+    for c in _gelu_patterns(info) + _layernorm_patterns(info) + _rmsnorm_patterns(info, taken):
         if not taken & set(c.nodes):
             comps.append(c)
             taken |= set(c.nodes)

@@ -30,7 +30,7 @@ from .base import (
     unsupported_ops,
 )
 from .linear import gemm_epilogue
-from .normalization import decimal_attr, layernorm_flow
+from .normalization import decimal_attr, layernorm_flow, rmsnorm_bound, rmsnorm_flow
 
 FAMILIES = (activation, arithmetic, constant, layout, linear, normalization, reduce)
 
@@ -51,6 +51,8 @@ __all__ = [
     "gemm_epilogue",
     "layernorm_flow",
     "register",
+    "rmsnorm_bound",
+    "rmsnorm_flow",
     "supported_op_types",
     "tensor_from_proto",
     "torch_dtype",

@@ -77,11 +77,12 @@ class ConstantOfShapeOp(_ConstantOnly):
 @register
 class ElementwiseConstOp(_ConstantOnly):
     """Mask and shape arithmetic; Sqrt, Pow and Reciprocal also appear in decomposed
-    LayerNorm and scale computations, which patterns or constant folding take care of."""
+    LayerNorm and scale computations, which patterns or constant folding take care of; Cos and
+    Sin in rotary position tables computed from position ids (constants of the input)."""
 
     types = ("Sqrt", "Pow", "Reciprocal", "Equal", "Less", "Greater", "LessOrEqual",
              "GreaterOrEqual", "Not", "And", "Or", "Mod", "Range", "Trilu", "Exp", "Log",
-             "Max", "Min", "IsNaN", "IsInf")
+             "Max", "Min", "IsNaN", "IsInf", "Cos", "Sin")
 
     def run(self, node: Node, ins: list[Tensor | None], ctx: RunContext) -> list[Tensor]:
         t = node.op_type
@@ -89,6 +90,7 @@ class ElementwiseConstOp(_ConstantOnly):
         assert x is not None
         y = ins[1] if len(ins) > 1 else None
         simple = {"Sqrt": torch.sqrt, "Reciprocal": torch.reciprocal, "Not": torch.logical_not,
+                  "Cos": torch.cos, "Sin": torch.sin,
                   "Exp": torch.exp, "Log": torch.log, "IsNaN": torch.isnan,
                   "IsInf": torch.isinf}
         if t in simple:

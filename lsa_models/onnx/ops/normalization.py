@@ -1,4 +1,5 @@
-"""LayerNormalization and the LayerNorm flow shared with the decomposed pattern."""
+"""LayerNormalization, the LayerNorm flow shared with the decomposed pattern, and RMSNorm's
+bound (the decomposed LLaMA/Qwen form is recognised in patterns.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from torch import Tensor
 from ...bounds.formulas import layernorm_bound, linear_bound
 from ...bounds.numerics import (
     add_up,
+    inv_sqrt_up,
     mul_up,
     sqrt_up,
 )
@@ -75,3 +77,28 @@ def layernorm_flow(a: Flow, gamma: np.ndarray, beta: np.ndarray | None, eps: flo
     return Flow(mul_up(a.lip, upper), radius, shape)
 
 
+
+
+def rmsnorm_bound(gamma: np.ndarray, eps: float, norm: str) -> float:
+    """RMSNorm `y = g * x / sqrt(mean(x^2) + eps)` per token (docs/bounds.md, "RMSNorm"):
+    `max|g| / sqrt(eps)` in the 2-norm, `max|g| (1 + sqrt(D)) / sqrt(eps)` in the inf-norm,
+    rounded up."""
+    g = np.abs(np.asarray(gamma, dtype=np.float64)).reshape(-1)
+    if eps <= 0:
+        raise NotCertified("RMSNorm with epsilon <= 0 is not Lipschitz")
+    base = mul_up(float(g.max()), inv_sqrt_up(eps))
+    if norm == "2":
+        return base
+    if norm == "inf":
+        return mul_up(base, add_up(1.0, sqrt_up(g.size)))
+    raise ValueError(f"unknown norm {norm!r}; use '2' or 'inf'")
+
+
+def rmsnorm_flow(a: Flow, gamma: np.ndarray, eps: float, norm: str,
+                 shape: tuple[int, ...]) -> Flow:
+    """The RMSNorm composite's flow: output tokens have 2-norm below `sqrt(D) max|g|`."""
+    width = _row_width(shape)
+    g = np.broadcast_to(np.asarray(gamma, dtype=np.float64), (width,))
+    upper = rmsnorm_bound(g, eps, norm)
+    radius = mul_up(sqrt_up(width), float(np.abs(g).max()))
+    return Flow(mul_up(a.lip, upper), radius, shape)

@@ -102,3 +102,66 @@ def local_lower_bound(f: Callable[[Tensor], Tensor], x0: np.ndarray, eps: float,
             break
     return LocalLowerBound(best, best_x.numpy(), norm, eps, seed, restarts, steps,
                            time.monotonic() - start)
+
+
+def _margin(f: Callable[[Tensor], Tensor], x: Tensor, label: int) -> Tensor:
+    """max_{j != label} f_j - f_label: positive once the label is flipped."""
+    y = f(x).reshape(-1)
+    others = torch.cat([y[:label], y[label + 1:]])
+    return others.max() - y[label]
+
+
+def _pgd(f: Callable[[Tensor], Tensor], c: Tensor, label: int, r: float, norm: str,
+         restarts: int, steps: int, gen: torch.Generator) -> Tensor | None:
+    """A point of the ball of radius r around c where the label is flipped, or None."""
+    for k in range(restarts):
+        if k == 0:
+            x = c.clone()
+        elif norm == "inf":
+            x = c + r * (2 * torch.rand(c.shape, generator=gen, dtype=c.dtype) - 1)
+        else:
+            d = torch.randn(c.shape, generator=gen, dtype=c.dtype)
+            x = c + d * (r / float(d.norm()))
+        for _ in range(steps):
+            x = x.detach().requires_grad_(True)
+            m = _margin(f, x, label)
+            if float(m) > 0:
+                return x.detach()
+            (g,) = torch.autograd.grad(m, x)
+            x = project(x.detach() + _step(g, r, norm, 0.1), c, r, norm)
+        with torch.no_grad():
+            if float(_margin(f, x, label)) > 0:
+                return x.detach()
+    return None
+
+
+def attack_radius(f: Callable[[Tensor], Tensor], x0: np.ndarray, label: int, norm: str,
+                  restarts: int = 3, steps: int = 40, seed: int = 0,
+                  max_radius: float = 1e3, iters: int = 14) -> float | None:
+    """The smallest perturbation norm found by PGD (margin loss, bisection on the radius)
+    that flips `label`; None when no flip is found up to max_radius. The returned value is
+    the norm of an actual flipping perturbation (checked in float64), so the true
+    robustness radius is <= it."""
+    c = torch.from_numpy(np.asarray(x0, dtype=np.float64))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        if float(_margin(f, c, label)) > 0:
+            return 0.0
+    hi, found = 1e-3, None
+    while hi <= max_radius:
+        found = _pgd(f, c, label, hi, norm, restarts, steps, gen)
+        if found is not None:
+            break
+        hi *= 2
+    if found is None:
+        return None
+    lo = hi / 2 if hi > 1e-3 else 0.0
+    for _ in range(iters):
+        mid = 0.5 * (lo + hi)
+        x = _pgd(f, c, label, mid, norm, restarts, steps, gen)
+        if x is None:
+            lo = mid
+        else:
+            hi, found = mid, x
+    d = (found - c).reshape(-1)
+    return float(d.abs().max()) if norm == "inf" else float(d.norm())

@@ -16,8 +16,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..bounds.numerics import add_up, inf_norm_upper, spectral_norm_upper
+from ..bounds.numerics import U, add_up, inf_norm_upper, mul_up, spectral_norm_upper, sqrt_up
 from ..onnx.loading import OnnxModel
+from ..onnx.ops import Node, decimal_attr
+from .primitives import LIBM_REL, derivative
 from .rules import LOCAL_RULES, exact
 from .values import Ball, LocalNotCertified, LocalValue, input_value
 
@@ -36,7 +38,8 @@ class LocalJacobian:
     jr: np.ndarray  # (K, P)
     out_lo: np.ndarray  # enclosure of F over the ball (K,)
     out_hi: np.ndarray
-    layers: list[tuple[str, str, float]] = field(default_factory=list)  # (node, kind, factor)
+    # (node, kind, local factor, rule) per reported layer
+    layers: list[tuple[str, str, float, str]] = field(default_factory=list)
 
     def upper(self) -> float:
         """Certified bound on sup ||J_F(X)||_p over the ball."""
@@ -90,7 +93,8 @@ def _check_eps(eps: float) -> None:
         raise ValueError(f"eps must be finite and >= 0, got {eps}")
 
 
-def local_jacobian(model: OnnxModel, x0: np.ndarray, eps: float, norm: str) -> LocalJacobian:
+def local_jacobian(model: OnnxModel, x0: np.ndarray, eps: float, norm: str,
+                   telescope: bool = True) -> LocalJacobian:
     """Enclose the output's Jacobian over `{X : ||X - X0||_norm <= eps}`. Raises
     LocalNotCertified when an op has no local rule or a range leaves an op's domain."""
     if norm not in ("2", "inf"):
@@ -103,7 +107,7 @@ def local_jacobian(model: OnnxModel, x0: np.ndarray, eps: float, norm: str) -> L
         env = module.run_env(torch.from_numpy(x))
     ball = Ball(x, float(eps), norm)
     values: dict[str, LocalValue | np.ndarray] = {spec.input_name: input_value(ball)}
-    layers: list[tuple[str, str, float]] = []
+    layers: list[tuple[str, str, float, str]] = []
     for node in module.runtime_nodes:
         args: list[LocalValue | np.ndarray | None] = []
         for i in node.inputs:
@@ -139,39 +143,98 @@ def local_jacobian(model: OnnxModel, x0: np.ndarray, eps: float, norm: str) -> L
         for o, v in zip(node.outputs, outs, strict=False):
             if o and v is not None:
                 values[o] = v
-        factor = _layer_factor(node.op_type, args, outs)
+        factor = _layer_factor(node, args, norm)
         if factor is not None:
-            layers.append((node.name, factor[0], factor[1]))
+            layers.append((node.name, *factor))
     out = values[spec.output_name]
     if not isinstance(out, LocalValue):
         c = np.asarray(out, dtype=np.float64)
         out = exact(c, ball)
     k = out.center.size
-    return LocalJacobian(ball, out.center.reshape(k), out.jc.reshape(k, -1),
-                         out.jr.reshape(k, -1), out.lo.reshape(k), out.hi.reshape(k), layers)
+    jr = out.jr.reshape(k, -1)
+    if telescope and eps > 0:
+        jr = np.minimum(jr, _telescoped(model, x, values, k, norm))
+    return LocalJacobian(ball, out.center.reshape(k), out.jc.reshape(k, -1), jr,
+                         out.lo.reshape(k), out.hi.reshape(k), layers)
 
 
-_FACTOR_KIND = {"LayerNormalization": "layernorm", "Softmax": "softmax", "Relu":
-                "activation:relu", "Gelu": "activation:gelu", "Erf": "activation:erf",
-                "Tanh": "activation:tanh", "Sigmoid": "activation:sigmoid"}
+# Relative allowance on the adjoints G computed by autograd in float64 at the centre (they
+# only scale remainder terms): far above float64 backward-pass rounding.
+ADJOINT_MARGIN = 1e-9
 
 
-def _layer_factor(op: str, args: list, outs: list) -> tuple[str, float] | None:
-    """A reported per-layer local factor: the largest slope of an elementwise op over the
-    ball, LayerNorm's and Softmax's largest per-token Jacobian row sum (inf-norm style; for
-    reading what dominates, the certificate is the whole-graph enclosure)."""
-    kind = _FACTOR_KIND.get(op)
-    if kind is None or not outs or not isinstance(outs[0], LocalValue):
-        return None
-    x = args[0]
+def _telescoped(model: OnnxModel, x: np.ndarray, values: dict[str, LocalValue | np.ndarray],
+                k: int, norm: str) -> np.ndarray:
+    """The remainder J(X) - J(X0) bounded by telescoping over the ops in graph order:
+    J(X) - J(X0) = sum_ops G_op (D_op(X) - D_op(X0)) J_in(X), with G_op the output's exact
+    adjoint at X0 (downstream ops at the centre, so their cancellations are kept) and each
+    op's term from its local rule; plus the rounding of the centre Jacobian (the same
+    enclosure at eps = 0)."""
+    names = [t for t, v in values.items() if isinstance(v, LocalValue) and v.term is not None]
+    grads = _adjoints(model, x, names, k)
+    total = np.zeros((k, x.size))
+    for t in names:
+        v = values[t]
+        assert isinstance(v, LocalValue) and v.term is not None
+        g = grads.get(t)
+        if g is None:
+            continue
+        ga = np.abs(g) * (1 + ADJOINT_MARGIN) + ADJOINT_MARGIN * float(np.abs(g).max())
+        total += v.term(ga)
+    zero = local_jacobian(model, x, 0.0, norm, telescope=False)
+    return (total + zero.jr) * (1 + 1e-12)
+
+
+def _adjoints(model: OnnxModel, x: np.ndarray, names: list[str],
+              k: int) -> dict[str, np.ndarray]:
+    """d out_i / d t at X0 for every output entry i and tensor t: (K, *shape(t))."""
+    module = model.module.with_dtype(torch.float64)
+    xt = torch.from_numpy(x).requires_grad_(True)
+    env = module.run_env(xt)
+    y = env[model.spec.output_name].reshape(-1)
+    ts = [env[t] for t in names]
+    rows: list[list[np.ndarray | None]] = []
+    for i in range(k):
+        gs = torch.autograd.grad(y[i], ts, retain_graph=True, allow_unused=True)
+        rows.append([None if g is None else g.detach().numpy() for g in gs])
+    out: dict[str, np.ndarray] = {}
+    for j, t in enumerate(names):
+        if all(r[j] is None for r in rows):
+            continue
+        zero = np.zeros(tuple(ts[j].shape))
+        out[t] = np.stack([zero if (g := r[j]) is None else g for r in rows])
+    return out
+
+
+_ACT = {"Relu": "relu", "Gelu": "gelu", "Erf": "erf", "Tanh": "tanh", "Sigmoid": "sigmoid"}
+
+
+def _layer_factor(node: Node, args: list, norm: str) -> tuple[str, float, str] | None:
+    """A reported per-layer local factor (what dominates; the certificate is the whole-graph
+    enclosure): LayerNorm's constant on the ball from a lower bound on each token's centred
+    norm, an activation's largest slope over its input range."""
+    x = args[0] if args else None
     if not isinstance(x, LocalValue):
         return None
-    y = outs[0]
-    # ratio of output to input Jacobian magnitudes is not a factor; instead: the op's own
-    # worst slope, reconstructed from the enclosures where the op is entrywise
-    if kind.startswith("activation"):
-        num = np.abs(y.jc).sum(-1) + y.jr.sum(-1)
-        den = np.abs(x.jc).sum(-1) + x.jr.sum(-1)
-        ok = den > 0
-        return kind, float(np.max(num[ok] / den[ok])) if np.any(ok) else 0.0
-    return None
+    if node.op_type == "LayerNormalization" and isinstance(args[1], np.ndarray):
+        d = x.shape[-1]
+        eps = decimal_attr(float(node.attrs.get("epsilon", 1e-5)))
+        pc = x.center - x.center.mean(axis=-1, keepdims=True)
+        cn = np.sqrt(np.square(pc).sum(axis=-1)) * (1 - 4 * U)  # ||P x0_i||, rounded down
+        rho = np.sqrt(np.square(x.rad).sum(axis=-1)) * (1 + 4 * U)  # ||x - x0|| per token
+        low = np.maximum(cn - rho, 0.0)
+        sigma = np.sqrt((low * low / d + eps) * (1 - 4 * U)) * (1 - 2 * U)
+        gmax = float(np.abs(args[1]).max())
+        f = float(np.max(gmax / sigma)) * (1 + 8 * U)
+        if norm == "inf":
+            f = mul_up(f, sqrt_up(d))
+        return ("layernorm", f, "local LayerNorm: max|gamma| / sqrt(max(0, ||P x0|| - rho)^2"
+                "/D + eps) per token" + (" x sqrt(D) (inf)" if norm == "inf" else ""))
+    kind = _ACT.get(node.op_type)
+    if kind is None or (kind == "gelu" and node.attrs.get("approximate", b"none")
+                        not in (b"none", "none")):
+        return None
+    _, rng = derivative(kind, x.lo, x.hi)
+    dlo, dhi = rng(x.lo, x.hi)
+    f = float(np.max(np.maximum(np.abs(dlo), np.abs(dhi)))) * (1 + LIBM_REL) + 1e-300
+    return (f"activation:{kind}", f, f"local {kind}: largest slope over the input's range")

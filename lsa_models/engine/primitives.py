@@ -134,7 +134,15 @@ def elementwise(v: LocalValue, kind: str, out_center: np.ndarray, ball: Ball,
         lo, hi = np.full(out_center.shape, a), np.full(out_center.shape, b)
     elif kind == "pow" and exponent == 2.0:
         lo = np.zeros(out_center.shape)
-    return enclose(out_center, jc, jr, ball, lo, hi)
+    out = enclose(out_center, jc, jr, ball, lo, hi)
+    upstream = ajc + v.jr  # (*S, P)
+
+    def term(g: np.ndarray) -> np.ndarray:  # sum_s |G_s| dr_s |J_in(X)|_s
+        k = g.shape[0]
+        flat = upstream.reshape(-1, upstream.shape[-1])
+        return (np.abs(g).reshape(k, -1) * dr.reshape(-1)) @ flat
+    out.term = term
+    return out
 
 
 def _t(x: np.ndarray) -> np.ndarray:
@@ -178,9 +186,28 @@ def product(a: LocalValue | np.ndarray, b: LocalValue | np.ndarray, out_center: 
            + mul(ar, abjc, False, True) + mul(ar, bjr, False, True))
     err = gamma(k) * (mul(aajc, np.abs(bc), True, False) + mul(np.abs(ac), abjc, False, True))
     jr = widen_up(rad + err, 8 * k)
-    jc = np.broadcast_to(jc, (*out_center.shape, p))
-    jr = np.broadcast_to(jr, (*out_center.shape, p))
-    return enclose(out_center, np.ascontiguousarray(jc), np.ascontiguousarray(jr), ball)
+    shape = out_center.shape
+    jc = np.broadcast_to(jc, (*shape, p))
+    jr = np.broadcast_to(jr, (*shape, p))
+    out = enclose(out_center, np.ascontiguousarray(jc), np.ascontiguousarray(jr), ball)
+    ua, ub = aajc + ajr, abjc + bjr  # |J_a(X)|, |J_b(X)| bounds (*S_a, P), (*S_b, P)
+
+    def term(g: np.ndarray) -> np.ndarray:
+        # G (D(X) - D(X0)) J(X) with D(X) - D(X0) = [(.)(B(X) - Bc), (A(X) - Ac)(.)]
+        k, ag = g.shape[0], np.abs(g)
+        if matmul:
+            h1 = ag @ np.swapaxes(br, -1, -2)  # (K, ..., n, k)
+            h2 = np.swapaxes(ar, -1, -2) @ ag  # (K, ..., k, m)
+            t1 = h1.reshape(k, -1) @ np.broadcast_to(ua, (*h1.shape[1:], p)).reshape(-1, p)
+            t2 = h2.reshape(k, -1) @ np.broadcast_to(ub, (*h2.shape[1:], p)).reshape(-1, p)
+            return t1 + t2
+        t1 = (ag * np.broadcast_to(br, shape)).reshape(k, -1) @ \
+            np.broadcast_to(ua, (*shape, p)).reshape(-1, p)
+        t2 = (ag * np.broadcast_to(ar, shape)).reshape(k, -1) @ \
+            np.broadcast_to(ub, (*shape, p)).reshape(-1, p)
+        return t1 + t2
+    out.term = term
+    return out
 
 
 def softmax(v: LocalValue, axis: int, out_center: np.ndarray, ball: Ball) -> LocalValue:
@@ -220,5 +247,13 @@ def softmax(v: LocalValue, axis: int, out_center: np.ndarray, ball: Ball) -> Loc
     asc = np.abs(sc)
     jr = widen_up(asc @ jr_in + sr @ (ajc + jr_in) + gamma(n) * (asc @ ajc), 4 * n)
     jc, jr = np.moveaxis(jc, -2, ax), np.moveaxis(jr, -2, ax)
-    return enclose(out_center, np.ascontiguousarray(jc), np.ascontiguousarray(jr), ball,
-                   np.moveaxis(plo, -1, ax), np.moveaxis(phi, -1, ax))
+    out = enclose(out_center, np.ascontiguousarray(jc), np.ascontiguousarray(jr), ball,
+                  np.moveaxis(plo, -1, ax), np.moveaxis(phi, -1, ax))
+    upstream = ajc + jr_in  # (..., n, P)
+
+    def term(g: np.ndarray) -> np.ndarray:  # sum_ij |G_i| sr_ij |J_in(X)|_j
+        k = g.shape[0]
+        h = (np.moveaxis(np.abs(g), ax + 1, -1)[..., None, :] @ sr)[..., 0, :]  # (K, ..., n)
+        return h.reshape(k, -1) @ upstream.reshape(-1, upstream.shape[-1])
+    out.term = term
+    return out

@@ -177,7 +177,25 @@ def _divide(node: Node, args: list[Arg], centers: list[np.ndarray | None],
     assert c is not None
     a = args[0]
     assert a is not None
-    return pr.product(a, inv, c, ball, matmul=False)
+    out = pr.product(a, inv, c, ball, matmul=False)
+    prod_term, inv_term = out.term, inv.term
+    assert prod_term is not None and inv_term is not None
+    ac = a.center if isinstance(a, LocalValue) else np.asarray(a, dtype=np.float64)
+
+    def term(g: np.ndarray) -> np.ndarray:
+        # the adjoint of 1/b: G * a at the centre, summed over the broadcast axes
+        return prod_term(g) + inv_term(_unbroadcast(g * ac, inv.shape))
+    out.term = term
+    return out
+
+
+def _unbroadcast(g: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """Sum a (K, *S_out) adjoint down to (K, *shape) (numpy broadcasting reversed)."""
+    extra = g.ndim - 1 - len(shape)
+    if extra > 0:
+        g = g.sum(axis=tuple(range(1, 1 + extra)))
+    axes = tuple(i + 1 for i, d in enumerate(shape) if d == 1 and g.shape[i + 1] != 1)
+    return g.sum(axis=axes, keepdims=True) if axes else g
 
 
 _KIND = {"Relu": "relu", "Tanh": "tanh", "Sigmoid": "sigmoid", "Erf": "erf", "Gelu": "gelu",
@@ -240,7 +258,19 @@ def layernorm(x: LocalValue, gamma: np.ndarray, beta: np.ndarray | None, eps: fl
     z = pr.product(u, r, uc * r.center, ball, matmul=False)
     g = np.broadcast_to(np.asarray(gamma, dtype=np.float64), (d,))
     ag = np.abs(g)[:, None]
-    return pr.linear(out_center, z.jc * g[:, None], z.jr * ag, np.abs(z.jc) * ag, 2, ball)
+    out = pr.linear(out_center, z.jc * g[:, None], z.jr * ag, np.abs(z.jc) * ag, 2, ball)
+    sq_t, r_t, z_t = sq.term, r.term, z.term
+    assert sq_t is not None and r_t is not None and z_t is not None
+    rs = -0.5 * np.power(s.center, -1.5)  # dr/ds at the centre
+
+    def term(gy: np.ndarray) -> np.ndarray:
+        # adjoints of the chain's links at the centre, from the output's
+        gz = gy * g  # (K, ..., D)
+        gr = (gz * uc).sum(axis=-1, keepdims=True)  # (K, ..., 1)
+        gsq = np.broadcast_to(gr * rs / d, gz.shape)
+        return z_t(gz) + r_t(gr) + sq_t(gsq)
+    out.term = term
+    return out
 
 
 @register_local

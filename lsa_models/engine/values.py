@@ -12,7 +12,8 @@ Tensors that do not depend on the input are plain float64 arrays.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -49,6 +50,10 @@ class LocalValue:
     hi: np.ndarray  # (*S,)
     jc: np.ndarray  # (*S, P)
     jr: np.ndarray  # (*S, P), >= 0
+    # The op's remainder term for the output's bound (driver.py, "telescoping"): maps the
+    # output's adjoint G = d out / d this tensor at X0, (K, *S), to a nonnegative (K, P)
+    # bound on G (D_op(X) - D_op(X0)) J_in(X) over the ball. None: the op is linear.
+    term: Callable[[np.ndarray], np.ndarray] | None = field(default=None, repr=False)
 
     @property
     def shape(self) -> tuple[int, ...]:

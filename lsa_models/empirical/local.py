@@ -89,7 +89,7 @@ def local_lower_bound(f: Callable[[Tensor], Tensor], x0: np.ndarray, eps: float,
             jac = torch.autograd.functional.jacobian(flat, x.reshape(-1),
                                                      create_graph=not last).reshape(-1, p)
             val = jacobian_norm(jac, norm)
-            v = float(val)
+            v = float(val.detach())
             if v > best:
                 best, best_x = v, x.detach().clone()
             if last:
@@ -125,7 +125,7 @@ def _pgd(f: Callable[[Tensor], Tensor], c: Tensor, label: int, r: float, norm: s
         for _ in range(steps):
             x = x.detach().requires_grad_(True)
             m = _margin(f, x, label)
-            if float(m) > 0:
+            if float(m.detach()) > 0:
                 return x.detach()
             (g,) = torch.autograd.grad(m, x)
             x = project(x.detach() + _step(g, r, norm, 0.1), c, r, norm)

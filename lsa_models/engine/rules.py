@@ -42,7 +42,7 @@ def register_local(cls: type[LocalRule]) -> type[LocalRule]:
 
 
 def _torch(x: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(x))
+    return torch.from_numpy(np.array(x, order="C"))  # a writable copy (torch needs one)
 
 
 def _variables(args: list[Arg]) -> list[int]:

@@ -24,6 +24,7 @@ from . import bound as _bound  # noqa: E402,F401
 from . import certify as _certify  # noqa: E402,F401
 from . import db as _db  # noqa: E402,F401
 from . import keys as _keys  # noqa: E402,F401
+from . import robustness as _robustness  # noqa: E402,F401
 from . import serve as _serve  # noqa: E402,F401
 from . import verify as _verify  # noqa: E402,F401
 from . import worker as _worker  # noqa: E402,F401

@@ -49,8 +49,9 @@ def _check(fn, v: LocalValue, c: np.ndarray, a: np.ndarray, pts: list[np.ndarray
         assert np.all(val >= v.lo - 1e-12) and np.all(val <= v.hi + 1e-12)
 
 
-_FUNCS = {"gelu": torch.nn.functional.gelu, "erf": torch.erf, "tanh": torch.tanh,
-          "sigmoid": torch.sigmoid, "exp": torch.exp, "relu": torch.relu}
+_FUNCS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu": torch.nn.functional.gelu, "erf": torch.erf, "tanh": torch.tanh,
+    "sigmoid": torch.sigmoid, "exp": torch.exp, "relu": torch.relu}
 
 
 @settings(max_examples=500)

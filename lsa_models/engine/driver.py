@@ -21,7 +21,7 @@ from ..onnx.loading import OnnxModel
 from ..onnx.ops import Node, decimal_attr
 from .primitives import LIBM_REL, derivative
 from .rules import LOCAL_RULES, exact
-from .values import Ball, LocalNotCertified, LocalValue, input_value
+from .values import Ball, LocalNotCertified, LocalValue, enclose, input_value
 
 # Jacobian entries the engine will hold for one tensor (float64): beyond it, the ball is
 # bounded by per-layer rules instead.
@@ -96,40 +96,65 @@ def _check_eps(eps: float) -> None:
 def local_jacobian(model: OnnxModel, x0: np.ndarray, eps: float, norm: str,
                    telescope: bool = True) -> LocalJacobian:
     """Enclose the output's Jacobian over `{X : ||X - X0||_norm <= eps}`. Raises
-    LocalNotCertified when an op has no local rule or a range leaves an op's domain."""
+    LocalNotCertified when an op has no local rule or a range leaves an op's domain.
+
+    With `telescope`, the inputs of the range-sensitive ops (CHECKPOINTS) and the output get
+    the telescoped remainder (exact adjoints at X0) instead of the forward one, whichever is
+    smaller entrywise."""
     if norm not in ("2", "inf"):
         raise ValueError(f"unknown norm {norm!r}; use '2' or 'inf'")
     _check_eps(eps)
     x = check_center(model, x0)
-    spec = model.spec
     module = model.module.with_dtype(torch.float64)
     with torch.no_grad():
         env = module.run_env(torch.from_numpy(x))
     ball = Ball(x, float(eps), norm)
-    values: dict[str, LocalValue | np.ndarray] = {spec.input_name: input_value(ball)}
+    tight: _Telescope | None = None
+    if telescope and eps > 0:
+        zero, _ = _walk(model, module, env, Ball(x, 0.0, norm), None)
+        tight = _Telescope(model, x, zero)
+    values, layers = _walk(model, module, env, ball, tight)
+    out = values[model.spec.output_name]
+    if not isinstance(out, LocalValue):
+        out = exact(np.asarray(out, dtype=np.float64), ball)
+    if tight is not None:
+        out = tight.tighten(model.spec.output_name, out, values, ball)
+    k = out.center.size
+    if not (np.all(np.isfinite(out.jc)) and np.all(np.isfinite(out.jr))):
+        raise LocalNotCertified("the Jacobian enclosure overflowed on this ball (too wide "
+                                "for the op-by-op ranges)")
+    return LocalJacobian(ball, out.center.reshape(k), out.jc.reshape(k, -1),
+                         out.jr.reshape(k, -1), out.lo.reshape(k), out.hi.reshape(k), layers)
+
+
+# Ops whose enclosures depend most on their input's range: their inputs are tightened.
+CHECKPOINTS = ("LayerNormalization", "Softmax", "Erf", "Gelu", "Tanh", "Sigmoid", "Div", "Relu",
+               "Exp", "Sqrt", "Reciprocal", "Pow", "Mul", "MatMul")
+Values = dict[str, LocalValue | np.ndarray]
+
+
+def _walk(model: OnnxModel, module: torch.nn.Module, env: dict[str, torch.Tensor], ball: Ball,
+          tight: _Telescope | None) -> tuple[Values, list[tuple[str, str, float, str]]]:
+    """One pass over the input-dependent nodes in graph order."""
+    values: Values = {model.spec.input_name: input_value(ball)}
     layers: list[tuple[str, str, float, str]] = []
-    for node in module.runtime_nodes:
-        args: list[LocalValue | np.ndarray | None] = []
-        for i in node.inputs:
-            if not i:
-                args.append(None)
-            elif i in values:
-                args.append(values[i])
-            else:
-                args.append(env[i].detach().numpy() if i in env else None)
-        centers = [env[o].detach().to(torch.float64).numpy()
-                   if o and o in env and env[o].is_floating_point() else
-                   (env[o].detach().numpy() if o and o in env else None)
+    for node in module.runtime_nodes:  # type: ignore[union-attr]
+        if tight is not None and node.op_type in CHECKPOINTS and (
+                node.op_type not in ("Mul", "MatMul", "Div") or
+                sum(isinstance(values.get(i), LocalValue) for i in node.inputs if i) > 1):
+            for i in node.inputs:
+                v = values.get(i) if i else None
+                if isinstance(v, LocalValue):
+                    values[i] = tight.tighten(i, v, values, ball)
+        args = [None if not i else values[i] if i in values else
+                (env[i].detach().numpy() if i in env else None) for i in node.inputs]
+        centers = [None if not o or o not in env else env[o].detach().numpy()
                    for o in node.outputs]
-        if not any(isinstance(a, LocalValue) for a in args):
+        if not any(isinstance(a, LocalValue) for a in args) or \
+                node.op_type in ("Shape", "Size"):
             for o, c in zip(node.outputs, centers, strict=False):
                 if o and c is not None:
                     values[o] = c  # shape arithmetic and constants
-            continue
-        if node.op_type in ("Shape", "Size"):
-            for o, c in zip(node.outputs, centers, strict=False):
-                if o and c is not None:
-                    values[o] = c
             continue
         rule = LOCAL_RULES.get(node.op_type)
         if rule is None:
@@ -143,19 +168,10 @@ def local_jacobian(model: OnnxModel, x0: np.ndarray, eps: float, norm: str,
         for o, v in zip(node.outputs, outs, strict=False):
             if o and v is not None:
                 values[o] = v
-        factor = _layer_factor(node, args, norm)
+        factor = _layer_factor(node, args, ball.norm)
         if factor is not None:
             layers.append((node.name, *factor))
-    out = values[spec.output_name]
-    if not isinstance(out, LocalValue):
-        c = np.asarray(out, dtype=np.float64)
-        out = exact(c, ball)
-    k = out.center.size
-    jr = out.jr.reshape(k, -1)
-    if telescope and eps > 0:
-        jr = np.minimum(jr, _telescoped(model, x, values, k, norm))
-    return LocalJacobian(ball, out.center.reshape(k), out.jc.reshape(k, -1), jr,
-                         out.lo.reshape(k), out.hi.reshape(k), layers)
+    return values, layers
 
 
 # Relative allowance on the adjoints G computed by autograd in float64 at the centre (they
@@ -163,47 +179,46 @@ def local_jacobian(model: OnnxModel, x0: np.ndarray, eps: float, norm: str,
 ADJOINT_MARGIN = 1e-9
 
 
-def _telescoped(model: OnnxModel, x: np.ndarray, values: dict[str, LocalValue | np.ndarray],
-                k: int, norm: str) -> np.ndarray:
-    """The remainder J(X) - J(X0) bounded by telescoping over the ops in graph order:
-    J(X) - J(X0) = sum_ops G_op (D_op(X) - D_op(X0)) J_in(X), with G_op the output's exact
-    adjoint at X0 (downstream ops at the centre, so their cancellations are kept) and each
-    op's term from its local rule; plus the rounding of the centre Jacobian (the same
-    enclosure at eps = 0)."""
-    names = [t for t, v in values.items() if isinstance(v, LocalValue) and v.term is not None]
-    grads = _adjoints(model, x, names, k)
-    total = np.zeros((k, x.size))
-    for t in names:
-        v = values[t]
-        assert isinstance(v, LocalValue) and v.term is not None
-        g = grads.get(t)
-        if g is None:
-            continue
-        ga = np.abs(g) * (1 + ADJOINT_MARGIN) + ADJOINT_MARGIN * float(np.abs(g).max())
-        total += v.term(ga)
-    zero = local_jacobian(model, x, 0.0, norm, telescope=False)
-    return (total + zero.jr) * (1 + 1e-12)
+class _Telescope:
+    """The remainder of a tensor's Jacobian by telescoping over the ops before it:
+    J_t(X) - J_t(X0) = sum_ops G_op (D_op(X) - D_op(X0)) J_in(X), G_op = d t / d (op output)
+    at X0 (downstream ops at the centre, their cancellations kept), each op's term from its
+    local rule; plus the rounding of the centre Jacobian (the enclosure at eps = 0)."""
 
+    def __init__(self, model: OnnxModel, x: np.ndarray, zero: Values) -> None:
+        module = model.module.with_dtype(torch.float64)
+        self.xt = torch.from_numpy(x).requires_grad_(True)
+        self.env = module.run_env(self.xt)
+        self.zero = zero
 
-def _adjoints(model: OnnxModel, x: np.ndarray, names: list[str],
-              k: int) -> dict[str, np.ndarray]:
-    """d out_i / d t at X0 for every output entry i and tensor t: (K, *shape(t))."""
-    module = model.module.with_dtype(torch.float64)
-    xt = torch.from_numpy(x).requires_grad_(True)
-    env = module.run_env(xt)
-    y = env[model.spec.output_name].reshape(-1)
-    ts = [env[t] for t in names]
-    rows: list[list[np.ndarray | None]] = []
-    for i in range(k):
-        gs = torch.autograd.grad(y[i], ts, retain_graph=True, allow_unused=True)
-        rows.append([None if g is None else g.detach().numpy() for g in gs])
-    out: dict[str, np.ndarray] = {}
-    for j, t in enumerate(names):
-        if all(r[j] is None for r in rows):
-            continue
-        zero = np.zeros(tuple(ts[j].shape))
-        out[t] = np.stack([zero if (g := r[j]) is None else g for r in rows])
-    return out
+    def tighten(self, name: str, v: LocalValue, values: Values, ball: Ball) -> LocalValue:
+        z = self.zero.get(name)
+        if not isinstance(z, LocalValue) or name not in self.env:
+            return v
+        names = [t for t, u in values.items()
+                 if isinstance(u, LocalValue) and u.term is not None and t in self.env]
+        if not names:
+            return v
+        target = self.env[name].reshape(-1)
+        ts = [self.env[t] for t in names]
+        k = target.numel()
+        total = np.zeros((k, ball.size))
+        rows = [torch.autograd.grad(target[i], ts, retain_graph=True, allow_unused=True)
+                for i in range(k)]
+        for j, t in enumerate(names):
+            if all(r[j] is None for r in rows):
+                continue
+            zero_g = np.zeros(tuple(ts[j].shape))
+            g = np.stack([zero_g if (gi := r[j]) is None else gi.detach().numpy()
+                          for r in rows])
+            ga = np.abs(g) * (1 + ADJOINT_MARGIN) + ADJOINT_MARGIN * float(np.abs(g).max())
+            u = values[t]
+            assert isinstance(u, LocalValue) and u.term is not None
+            total += u.term(ga)
+        jr = np.minimum(v.jr, ((total + z.jr.reshape(k, -1)) * (1 + 1e-12)).reshape(v.jr.shape))
+        out = enclose(v.center, v.jc, jr, ball, v.lo, v.hi)
+        out.term = v.term
+        return out
 
 
 _ACT = {"Relu": "relu", "Gelu": "gelu", "Erf": "erf", "Tanh": "tanh", "Sigmoid": "sigmoid"}

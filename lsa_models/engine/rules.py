@@ -251,9 +251,16 @@ def layernorm(x: LocalValue, gamma: np.ndarray, beta: np.ndarray | None, eps: fl
                   np.abs(x.jc) + np.abs(x.jc).mean(axis=-2, keepdims=True), d, ball)
     sq = pr.elementwise(u, "pow", uc * uc, ball)
     sc = sq.center.mean(axis=-1, keepdims=True) + eps
+    # ||P x|| is within ||P x0|| +- rho, rho >= ||x - x0|| per token (P is a projection):
+    # s = ||P x||^2 / D + eps lies in [(||P x0|| - rho)_+^2 / D + eps, (||P x0|| + rho)^2 / D + eps]
+    norm0 = np.sqrt(np.square(uc).sum(axis=-1, keepdims=True))
+    rho = np.sqrt(np.square(x.rad).sum(axis=-1, keepdims=True))
+    slack = 1e-12 * (norm0 * norm0 / d + eps)  # rounding of these few float64 operations
+    s_lo = np.maximum(norm0 - rho, 0.0) ** 2 / d + eps - slack
+    s_hi = (norm0 + rho) ** 2 / d + eps + slack
     s = pr.linear(sc, sq.jc.mean(axis=-2, keepdims=True), sq.jr.mean(axis=-2, keepdims=True),
                   np.abs(sq.jc).mean(axis=-2, keepdims=True), d, ball,
-                  lo=np.full(sc.shape, eps), hi=None)
+                  lo=np.maximum(s_lo, eps * (1 - 1e-12)), hi=s_hi)
     r = pr.elementwise(s, "pow", 1.0 / np.sqrt(s.center), ball, exponent=-0.5)
     z = pr.product(u, r, uc * r.center, ball, matmul=False)
     g = np.broadcast_to(np.asarray(gamma, dtype=np.float64), (d,))

@@ -25,9 +25,12 @@ $(VENV)/.installed: pyproject.toml
 serve: install
 	$(BIN)/lsa serve
 
+# ruff (C90: no function above complexity 15), mypy, and the import contracts of pyproject.toml
+# (layers, lsa_models pure, no import cycles inside lsa_models).
 lint: install
 	$(BIN)/ruff check lsa_models api_schemas service tests bench
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 unit: install
 	$(BIN)/python -m pytest -q

@@ -9,7 +9,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-AttentionKind = Literal["dp", "l2", "l2_tied", "contractive_l2"]
+# The library's vocabulary (lsa_models.config.ATTENTION_NAMES; a test keeps them equal), plus
+# `l2_tied`, the deprecated name of `l2`.
+AttentionKind = Literal["dp", "l2", "l2_untied", "contractive_l2", "l2_tied"]
 
 TRAINING_EXAMPLE: dict[str, Any] = {
     "d_model": 64, "n_heads": 4, "n_layers": 2, "d_ff": 256, "seq_len": 64,
@@ -41,7 +43,9 @@ class TrainingSpec(BaseModel):
     seq_len: int = Field(default=64, ge=2, le=4096, description="Context length N (characters)")
     attention: AttentionKind = Field(
         default="contractive_l2",
-        description="dp | l2 (untied) | l2_tied | contractive_l2 (certified invertible)")
+        description="dp | l2 (tied L2, certifiable: Theorem 3.2) | l2_untied (not "
+                    "certifiable) | contractive_l2 (certified invertible); l2_tied: the old "
+                    "name of l2 (deprecated)")
     c: float = Field(default=0.9, gt=0, lt=1, allow_inf_nan=False,
                      description="Contraction constant of every residual branch (< 1)")
     activation: Literal["relu", "gelu", "tanh", "sigmoid"] = "relu"

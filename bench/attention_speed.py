@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lsa_models import L2MHA, AttentionConfig
+from lsa_models import L2MHA
 
 OUT = Path(__file__).resolve().parent / "out"
 
@@ -50,7 +50,7 @@ def main() -> None:
     torch.manual_seed(0)
 
     x = torch.randn(args.batch, args.seq_len, args.d_model)  # (B, N, D)
-    l2 = L2MHA(AttentionConfig(args.d_model, args.heads))
+    l2 = L2MHA(args.d_model, args.heads)
     mha = nn.MultiheadAttention(args.d_model, args.heads, batch_first=True)
 
     def run_mha(z: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Depth stability of character-level LMs under a fixed learning rate (science.md,
+"""Depth stability of character-level LMs under a fixed learning rate (docs/theory.md,
 "The language-modelling experiment"): DP vs tied L2 vs Contractive-L2 at several depths.
 
 Every configuration trains with plain Adam (AdamW, weight decay 0) at one fixed learning rate:
@@ -38,6 +38,7 @@ from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 
+from lsa_models.config import ATTENTION_NAMES  # noqa: E402
 from lsa_models.data import CharCorpus, ptb_corpus, text_corpus  # noqa: E402
 from lsa_models.lm import LMConfig  # noqa: E402
 from lsa_models.training import LN2, TrainConfig, evaluate_bpc, train_lm  # noqa: E402
@@ -127,8 +128,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--depths", type=int, nargs="+", default=[2, 4, 8, 12, 16])
-    ap.add_argument("--kinds", nargs="+", default=["dp", "l2_tied", "contractive_l2"],
-                    choices=["dp", "l2", "l2_tied", "contractive_l2"])
+    ap.add_argument("--kinds", nargs="+", default=["dp", "l2", "contractive_l2"],
+                    choices=list(ATTENTION_NAMES))
     ap.add_argument("--d-model", type=int, default=32)
     ap.add_argument("--heads", type=int, default=2)
     ap.add_argument("--seq-len", type=int, default=64)

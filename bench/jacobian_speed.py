@@ -27,7 +27,7 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from lsa_models import L2MHA, AttentionConfig  # noqa: E402
+from lsa_models import L2MHA  # noqa: E402
 from lsa_models.empirical import jacobian_norm  # noqa: E402
 from lsa_models.empirical.jacobian import differentiable_attention  # noqa: E402
 
@@ -36,7 +36,7 @@ OUT = Path(__file__).resolve().parent / "out"
 
 def build(d_model: int, heads: int, n: int, seed: int, dtype: torch.dtype):
     torch.manual_seed(seed)
-    model = L2MHA(AttentionConfig(d_model, heads)).to(dtype).eval()
+    model = L2MHA(d_model, heads).to(dtype).eval()
     for p in model.parameters():
         p.requires_grad_(False)
     g = torch.Generator().manual_seed(seed + 1)

@@ -4,11 +4,17 @@ As in the paper's figure (Kim et al. 2021): for each N, the Theorem 3.2 inf-norm
 best `||J(X)||_inf` found by gradient ascent with random restarts, for L2-MHA with D = H = 1 and
 unit weights, and for random weights (D=4, H=2; D=16, H=4); plus the lower bound found the
 same way for DP-MHA (D = H = 1, unit weights), which keeps growing. Target (issue 3): for
-D = H = 1, upper/lower <= 1.35 for every N <= 50. Writes bench/out/tightness.json and .png and
+D = H = 1, upper/lower <= 1.35 for every N <= 50.
+
+Also science.md's random-weight case (issue 15: D = 8, H = 2, N = 12, weight entries of
+scale 0.6) in both norms: Theorem 3.2 alone and the certified bound `l2_mha_bound` reports
+(the smallest of the chained candidates, docs/certification.md), each against the best lower
+bound found (`--d8-restarts` restarts, float64). Writes bench/out/tightness.json and .png and
 prints the JSON. One thread.
 
     .venv/bin/python bench/tightness.py [--max-n 1000] [--restarts 3] [--steps 60]
                                         [--unit-restarts 3] [--series unit d4 d16 dp]
+                                        [--d8-restarts 12]
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lsa_models import L2MHA, AttentionConfig, DotProductMHA, certify
+from lsa_models import L2MHA, DotProductMHA, certify
+from lsa_models.bounds.formulas import l2_mha_bound, l2_mha_candidates
 from lsa_models.empirical import lower_bound
 
 OUT = Path(__file__).resolve().parent / "out"
@@ -50,12 +57,12 @@ def models(seed: int, dtype: torch.dtype,
            keep: tuple[str, ...] = SERIES) -> list[tuple[str, str, Attention, bool]]:
     """(key, name, model, certifiable) for the series in `keep`."""
     out: list[tuple[str, str, Attention, bool]] = [
-        ("unit", "L2 D=1 H=1 unit", unit_weights(L2MHA(AttentionConfig(1, 1))), True)]
+        ("unit", "L2 D=1 H=1 unit", unit_weights(L2MHA(1, 1)), True)]
     for d, h in ((4, 2), (16, 4)):
         torch.manual_seed(seed)
-        out.append((f"d{d}", f"L2 D={d} H={h} random", L2MHA(AttentionConfig(d, h)), True))
+        out.append((f"d{d}", f"L2 D={d} H={h} random", L2MHA(d, h), True))
     out.append(("dp", "DP D=1 H=1 unit",
-                unit_weights(DotProductMHA(AttentionConfig(1, 1, "dp"))), False))
+                unit_weights(DotProductMHA(1, 1)), False))
     out = [entry for entry in out if entry[0] in keep]
     for _, _, m, _ in out:
         m.to(dtype).eval()
@@ -64,13 +71,62 @@ def models(seed: int, dtype: torch.dtype,
     return out
 
 
+def d8_case(seed: int, restarts: int, steps: int) -> dict[str, Any]:
+    """D = 8, H = 2, N = 12, weight entries N(0, 0.6^2): old and new certified bounds against
+    the best lower bound found, in both norms."""
+    n, d_model, heads = 12, 8, 2
+    torch.manual_seed(seed)
+    model = L2MHA(d_model, heads).double().eval()
+    with torch.no_grad():
+        for lin in (model.q_proj, model.v_proj, model.out_proj):
+            lin.weight.copy_(torch.randn(lin.weight.shape, dtype=torch.float64) * 0.6)
+        model.out_proj.bias.zero_()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    wq, wv, wo = model.query_weights(), model.value_weights(), model.output_weight()
+
+    def f(x: torch.Tensor) -> torch.Tensor:  # (N, D) -> (N, D)
+        return model(x.unsqueeze(0)).squeeze(0)
+
+    rows: dict[str, Any] = {}
+    for norm in ("2", "inf"):
+        t0 = time.perf_counter()
+        candidates = l2_mha_candidates(wq, wv, wo, n, norm)
+        upper = l2_mha_bound(wq, wv, wo, n, norm)
+        t_bound = time.perf_counter() - t0
+        res = lower_bound(f, (n, d_model), norm, restarts=restarts, steps=steps, seed=seed,
+                          dtype=torch.float64)
+        rows[norm] = {"upper_theorem_3_2": candidates["theorem_3_2"], "upper": upper,
+                      "candidates": candidates, "lower": res.value,
+                      "ratio_theorem_3_2": candidates["theorem_3_2"] / res.value,
+                      "ratio": upper / res.value,
+                      "bound_seconds": t_bound,
+                      "search_seconds": time.perf_counter() - t0 - t_bound}
+        print(json.dumps({"series": "d8 h2 n12", "norm": norm, **rows[norm]}), file=sys.stderr,
+              flush=True)
+    return {"n": n, "d_model": d_model, "n_heads": heads, "weight_scale": 0.6,
+            "restarts": restarts, "steps": steps, "norms": rows}
+
+
 def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.5), width_ratios=(2, 1))
+    d8 = result.get("d8")
+    if d8 is not None:
+        labels = list(d8["norms"])
+        xs = range(len(labels))
+        for off, key, name in ((-0.25, "upper_theorem_3_2", "Theorem 3.2"),
+                               (0.0, "upper", "certified (chained)"), (0.25, "lower", "lower")):
+            bx.bar([x + off for x in xs], [d8["norms"][k][key] for k in labels], width=0.25,
+                   label=name)
+        bx.set_xticks(list(xs), [f"{k}-norm" for k in labels])
+        bx.set_yscale("log")
+        bx.set_title("D=8 H=2 N=12, weights x0.6")
+        bx.legend(fontsize=7)
     colours = ["C0", "C1", "C2", "C3"]
     for colour, series in zip(colours, result["series"], strict=False):
         ns = [r["n"] for r in series["rows"]]
@@ -98,6 +154,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="restarts for the D=H=1 unit series (cheap; the paper used 50)")
     ap.add_argument("--series", nargs="*", choices=SERIES, default=list(SERIES))
     ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--d8-restarts", type=int, default=12,
+                    help="restarts for the D=8 H=2 N=12 case (0: skip it)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     ap.add_argument("--threads", type=int, default=1)
@@ -129,6 +187,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             rows.append(row)
         series.append({"key": key, "name": name, "d_model": d, "certifiable": certifiable,
                        "restarts": restarts, "rows": rows})
+    d8 = d8_case(args.seed, args.d8_restarts, 2 * args.steps) if args.d8_restarts else None
     unit: list[dict[str, Any]] = next(
         (s["rows"] for s in series if s["key"] == "unit"), [])
     small: list[float] = [r["ratio"] for r in unit if r["n"] <= 50]
@@ -146,6 +205,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "load_average_at_start": load_start,
         "load_average_at_end": list(os.getloadavg()),
         "series": series,
+        "d8": d8,
         "target": "D=H=1 unit weights: upper/lower <= 1.35 for N <= 50",
         "max_ratio_unit_n_le_50": max(small) if small else None,
         "target_met": bool(small) and max(small) <= 1.35,

@@ -1,4 +1,8 @@
-"""Multi-head self-attention: dot-product (DP-MHA) and L2 (L2-MHA), as in science.md.
+"""Multi-head self-attention: dot-product (DP-MHA) and L2 (L2-MHA), as in docs/theory.md.
+
+Built like torch's layers: `DotProductMHA(d_model, n_heads, *, causal=False)`,
+`L2MHA(d_model, n_heads, *, tied=True, causal=False)`. Each keeps its arguments as an
+`AttentionConfig` in `.config` (what checkpoints store); `from_config` rebuilds a layer from one.
 
 Weights follow torch's `nn.Linear` layout (out, in); the row-vector matrices of the paper are
 their transposes: `W^Q = q_proj.weight.T` (D x D), and head h owns columns h*d:(h+1)*d.
@@ -13,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .config import AttentionConfig
+from .config import AttentionConfig, ConfigError
 
 
 def _split_heads(x: Tensor, n_heads: int) -> Tensor:
@@ -31,12 +35,10 @@ class DotProductMHA(nn.Module):
 
     Not Lipschitz on R^{N x D} (Theorem 3.1)."""
 
-    def __init__(self, config: AttentionConfig) -> None:
+    def __init__(self, d_model: int, n_heads: int, *, causal: bool = False) -> None:
         super().__init__()
-        if config.kind != "dp":
-            raise ValueError(f"DotProductMHA needs kind='dp', got {config.kind!r}")
+        config = AttentionConfig(d_model, n_heads, "dp", causal=causal)  # validates
         self.config = config
-        d_model = config.d_model
         self.q_proj = nn.Linear(d_model, d_model, bias=False)
         self.k_proj = nn.Linear(d_model, d_model, bias=False)
         self.v_proj = nn.Linear(d_model, d_model, bias=False)
@@ -48,6 +50,19 @@ class DotProductMHA(nn.Module):
         for lin in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
             nn.init.normal_(lin.weight, mean=0.0, std=std)
         nn.init.zeros_(self.out_proj.bias)
+
+    @classmethod
+    def from_config(cls, config: AttentionConfig) -> DotProductMHA:
+        """The layer a checkpoint's `AttentionConfig` describes (its `tied` means nothing
+        here: dot-product attention has separate key weights by definition)."""
+        if config.kind != "dp":
+            raise ConfigError("kind", f"DotProductMHA needs kind='dp', got {config.kind!r}; "
+                              "build L2MHA for kind='l2'")
+        return cls(config.d_model, config.n_heads, causal=config.causal)
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return f"d_model={c.d_model}, n_heads={c.n_heads}, causal={c.causal}"
 
     def forward(self, x: Tensor) -> Tensor:  # x: (B, N, D)
         h = self.config.n_heads
@@ -69,12 +84,11 @@ class L2MHA(nn.Module):
     so the values are the queries themselves and no value projection runs per token.
     """
 
-    def __init__(self, config: AttentionConfig) -> None:
+    def __init__(self, d_model: int, n_heads: int, *, tied: bool = True,
+                 causal: bool = False) -> None:
         super().__init__()
-        if config.kind != "l2":
-            raise ValueError(f"L2MHA needs kind='l2', got {config.kind!r}")
+        config = AttentionConfig(d_model, n_heads, "l2", tied=tied, causal=causal)  # validates
         self.config = config
-        d_model = config.d_model
         self.q_proj = nn.Linear(d_model, d_model, bias=False)
         # Untied keys are allowed for experiments; the bound analyser refuses to certify them.
         self.k_proj: nn.Linear | None = (
@@ -90,6 +104,18 @@ class L2MHA(nn.Module):
             if lin is not None:
                 nn.init.normal_(lin.weight, mean=0.0, std=std)
         nn.init.zeros_(self.out_proj.bias)
+
+    @classmethod
+    def from_config(cls, config: AttentionConfig) -> L2MHA:
+        """The layer a checkpoint's `AttentionConfig` describes."""
+        if config.kind != "l2":
+            raise ConfigError("kind", f"L2MHA needs kind='l2', got {config.kind!r}; build "
+                              "DotProductMHA for kind='dp'")
+        return cls(config.d_model, config.n_heads, tied=config.tied, causal=config.causal)
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return f"d_model={c.d_model}, n_heads={c.n_heads}, tied={c.tied}, causal={c.causal}"
 
     # Per-head matrices in the paper's row-vector convention.
     def query_weights(self) -> Tensor:
@@ -206,4 +232,5 @@ def _head_columns(weight: Tensor, n_heads: int) -> Tensor:
 
 
 def build_attention(config: AttentionConfig) -> DotProductMHA | L2MHA:
-    return L2MHA(config) if config.kind == "l2" else DotProductMHA(config)
+    """The layer for a stored `AttentionConfig` (blocks and checkpoints)."""
+    return L2MHA.from_config(config) if config.kind == "l2" else DotProductMHA.from_config(config)

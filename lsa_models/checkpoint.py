@@ -32,7 +32,10 @@ from .config import (
 )
 
 FORMAT = "lsa-native"
-FORMAT_VERSION = "1"
+# 2: one attention vocabulary (config.ATTENTION_NAMES). Version 1 spelled untied L2 attention
+# `attention="l2"` in language models and `tied=false` in Transformer configs; both still load.
+FORMAT_VERSION = "2"
+READABLE_VERSIONS = ("1", "2")
 
 
 class CheckpointError(ValueError):
@@ -64,8 +67,24 @@ def register_model_kind(name: str, module_type: type[nn.Module], config_type: ty
 
 register_model_kind("transformer", Transformer, TransformerConfig)
 register_model_kind("block", TransformerBlock, BlockConfig)
-register_model_kind("l2_mha", L2MHA, AttentionConfig)
-register_model_kind("dp_mha", DotProductMHA, AttentionConfig)
+register_model_kind("l2_mha", L2MHA, AttentionConfig, L2MHA.from_config)
+register_model_kind("dp_mha", DotProductMHA, AttentionConfig, DotProductMHA.from_config)
+
+
+def _upgrade_v1(kind: str, cfg: Any) -> Any:
+    """A version-1 config in today's vocabulary (what each word meant when it was written)."""
+    if not isinstance(cfg, dict):
+        return cfg
+    cfg = dict(cfg)
+    if kind == "transformer" and "tied" in cfg:
+        tied = cfg.pop("tied")
+        if cfg.get("attention", "l2") == "l2" and tied is False:
+            cfg["attention"] = "l2_untied"
+    elif kind == "char_lm":
+        # v1 language models: "l2" was the untied layer, "l2_tied" the certifiable one.
+        cfg["attention"] = {"l2": "l2_untied", "l2_tied": "l2"}.get(cfg.get("attention"),
+                                                                   cfg.get("attention"))
+    return cfg
 
 
 def _kind_of(model: nn.Module) -> ModelKind:
@@ -119,6 +138,10 @@ def read_metadata(data: bytes) -> dict[str, str]:
                               "by lsa_models.save (no architecture config)")
     if meta.get("format") != FORMAT:
         raise CheckpointError("format", f"expected {FORMAT!r}, got {meta.get('format')!r}")
+    version = meta.get("format_version", "1")
+    if version not in READABLE_VERSIONS:
+        raise CheckpointError("format_version", f"{version!r} is newer than this lsa_models "
+                              f"reads ({', '.join(READABLE_VERSIONS)}); upgrade lsa")
     return {str(k): str(v) for k, v in meta.items()}
 
 
@@ -138,6 +161,8 @@ def from_bytes(data: bytes) -> nn.Module:
         cfg_dict = json.loads(raw)
     except json.JSONDecodeError as exc:
         raise CheckpointError("config", f"not valid JSON ({exc.msg})") from None
+    if meta.get("format_version", "1") == "1":
+        cfg_dict = _upgrade_v1(kind_name, cfg_dict)
     try:
         config = config_from_dict(kind.config_type, cfg_dict)
     except ConfigError as exc:

@@ -4,14 +4,26 @@ exactly these as JSON, so every field must be JSON-representable and validated o
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
 from typing import Any, Literal
 
+# The layer-level kind stored in `AttentionConfig` (checkpoints of single layers and blocks).
 AttentionKind = Literal["dp", "l2"]
 Activation = Literal["relu", "gelu", "tanh", "sigmoid"]
 
 ATTENTION_KINDS: tuple[str, ...] = ("dp", "l2")
 ACTIVATIONS: tuple[str, ...] = ("relu", "gelu", "tanh", "sigmoid")
+
+# The one attention vocabulary of the library, the CLI, the REST schemas and training requests:
+# - `dp`: dot-product attention (no Lipschitz constant on an unbounded domain, Theorem 3.1);
+# - `l2`: L2 attention with tied query/key weights, the certifiable one (Theorem 3.2);
+# - `l2_untied`: L2 attention with separate key weights (trains, but no certificate);
+# - `contractive_l2`: the certified invertible trunk (`invertible.ContractiveTrunk`).
+AttentionName = Literal["dp", "l2", "l2_untied", "contractive_l2"]
+ATTENTION_NAMES: tuple[str, ...] = ("dp", "l2", "l2_untied", "contractive_l2")
+# Old words still accepted (with a DeprecationWarning) and what they mean now.
+ATTENTION_ALIASES: dict[str, str] = {"l2_tied": "l2"}
 
 
 class ConfigError(ValueError):
@@ -21,6 +33,23 @@ class ConfigError(ValueError):
         super().__init__(f"{field_name}: {message}")
         self.field = field_name
         self.message = message
+
+
+def attention_name(word: Any, field_name: str = "attention",
+                   allowed: tuple[str, ...] = ATTENTION_NAMES) -> str:
+    """The canonical attention word for `word` (an alias is translated, with a warning)."""
+    if isinstance(word, str) and word in ATTENTION_ALIASES:
+        new = ATTENTION_ALIASES[word]
+        warnings.warn(f"{field_name}={word!r} is deprecated: it is now spelled {new!r}",
+                      DeprecationWarning, stacklevel=3)
+        word = new
+    if not isinstance(word, str) or word not in allowed:
+        raise ConfigError(field_name, f"unknown attention {word!r}; use one of "
+                          f"{', '.join(allowed)} ({_ALIAS_NOTE})")
+    return word
+
+
+_ALIAS_NOTE = "l2 is tied L2 attention, the certifiable one; l2_tied is its old name"
 
 
 def _positive_int(name: str, value: Any) -> None:
@@ -97,8 +126,7 @@ class TransformerConfig:
     n_heads: int
     n_layers: int
     d_ff: int
-    attention: AttentionKind = "l2"
-    tied: bool = True
+    attention: Literal["dp", "l2", "l2_untied"] = "l2"  # the vocabulary of ATTENTION_NAMES
     causal: bool = False
     activation: Activation = "gelu"
     norm_first: bool = True
@@ -107,12 +135,15 @@ class TransformerConfig:
 
     def __post_init__(self) -> None:
         _positive_int("n_layers", self.n_layers)
+        word = attention_name(self.attention, allowed=("dp", "l2", "l2_untied"))
+        object.__setattr__(self, "attention", word)  # frozen: the canonical word is stored
         self.block()  # validates the shared fields
 
     def block(self) -> BlockConfig:
+        kind: AttentionKind = "dp" if self.attention == "dp" else "l2"
         return BlockConfig(
-            attention=AttentionConfig(self.d_model, self.n_heads, self.attention, self.tied,
-                                      self.causal),
+            attention=AttentionConfig(self.d_model, self.n_heads, kind,
+                                      tied=self.attention != "l2_untied", causal=self.causal),
             ffn=FFNConfig(self.d_model, self.d_ff, self.activation),
             norm_first=self.norm_first,
             ln_eps=self.ln_eps,
@@ -155,11 +186,15 @@ _NESTED: dict[str, type] = {
 }
 
 __all__ = [
+    "ATTENTION_ALIASES",
+    "ATTENTION_NAMES",
     "AttentionConfig",
+    "AttentionName",
     "BlockConfig",
     "ConfigError",
     "FFNConfig",
     "TransformerConfig",
+    "attention_name",
     "config_from_dict",
     "config_to_dict",
 ]

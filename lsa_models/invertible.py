@@ -1,6 +1,6 @@
 """Certified invertible residual blocks: contractive L2 attention and contractive FFN.
 
-science.md, "Invertible (contractive) self-attention": `G(X) = X + g(X)` is invertible when
+docs/theory.md, "Invertible (contractive) self-attention": `G(X) = X + g(X)` is invertible when
 `Lip_2(g) <= c < 1`. Every block here scales its branch by a factor computed from a certified
 float64 upper bound of the branch's Lipschitz constant for the *current* weights, so the
 certificate holds after every optimiser step:
@@ -169,8 +169,7 @@ class ContractiveL2Block(ResidualBlock):
     def __init__(self, config: ContractiveL2Config) -> None:
         super().__init__()
         self.config = config
-        self.attn = L2MHA(AttentionConfig(config.d_model, config.n_heads, "l2", True,
-                                          config.causal))
+        self.attn = L2MHA(config.d_model, config.n_heads, causal=config.causal)
         self._cache_key: tuple[object, ...] | None = None
         self._cache: tuple[float, float] = (0.0, 0.0)  # (U_cert, scale32)
         self.frozen: float | None = None
@@ -197,17 +196,25 @@ class ContractiveL2Block(ResidualBlock):
         return self._cache
 
     def _surrogate_u(self) -> Tensor:
-        """The Theorem 3.2 2-norm formula in torch (differentiable; for gradients only)."""
+        """The certified bound's formula in torch (differentiable; for gradients only): the
+        smallest of `bounds.formulas.l2_mha_candidates` in the 2-norm, exact float32 SVDs."""
         a = self.attn
-        d = self.config.d_model // self.config.n_heads
+        h, d = self.config.n_heads, self.config.d_model // self.config.n_heads
         lead = _lead(self.config.max_len, self.config.causal)
         with torch.autocast(a.q_proj.weight.device.type, enabled=False):
-            sq = _spec_norms(a.query_weights())  # (H,)
-            sv = _spec_norms(a.value_weights())  # (H,)
-            so = _spec_norms(a.output_weight())  # ()
+            wq, wv = a.query_weights().float(), a.value_weights().float()  # (H, D, d)
+            wo = a.output_weight().float()  # (D, D)
+            m = torch.einsum("hke,hkf->hef", wq, wv) / math.sqrt(d)  # (H, d, d)
+            b = torch.bmm(m, wo.reshape(h, d, -1))  # (H, d, D)
+            sq, sv, so = _spec_norms(wq), _spec_norms(wv), _spec_norms(wo)  # (H,), (H,), ()
+            sm, sb = _spec_norms(m), _spec_norms(b)  # (H,), (H,)
             # ||W^Q||^4: the corrected weight term of bounds.formulas._two_norm_weights
             # (test_forward_uses_certified_scale_and_surrogate_gradient keeps them in step).
-            return lead / math.sqrt(d) * torch.sqrt((sq**4 * sv * sv).sum()) * so
+            theorem = torch.sqrt((sq**4 * sv * sv).sum()) * so / math.sqrt(d)
+            per_head = so * torch.sqrt(((sq * sm) ** 2).sum())
+            head_sum = (sq * sb).sum()
+            concat = _spec_norms(a.q_proj.weight) * _spec_norms(b.reshape(h * d, -1))
+            return lead * torch.stack([theorem, per_head, head_sum, concat]).min()
 
     def scale(self) -> Tensor | float:
         """The factor multiplying F(X): value `<= c / U_cert`, gradient of `c / U_torch`."""
@@ -300,7 +307,7 @@ class DPResidualBlock(ResidualBlock):
     def __init__(self, config: AttentionConfig) -> None:
         super().__init__()
         self.config = config
-        self.attn = DotProductMHA(config)
+        self.attn = DotProductMHA.from_config(config)
 
     def lipschitz_upper(self, seq_len: int | None = None) -> None:
         return None

@@ -1,14 +1,16 @@
-"""A causal character-level Transformer language model (science.md, "The language-modelling
-experiment"): token + learned position embeddings, a trunk of residual blocks, a final
-LayerNorm and a linear read-out.
+"""A causal character-level Transformer language model (docs/theory.md, "The
+language-modelling experiment"): token + learned position embeddings, a trunk of residual
+blocks, a final LayerNorm and a linear read-out.
 
-Attention kinds:
+Attention (the library's one vocabulary, `config.ATTENTION_NAMES`):
 - `dp`: dot-product attention, pre-norm blocks;
-- `l2`: L2 attention with untied query/key weights (not certifiable), pre-norm blocks;
-- `l2_tied`: L2 attention with tied weights (Theorem 3.2), pre-norm blocks;
+- `l2`: L2 attention with tied query/key weights (Theorem 3.2), pre-norm blocks;
+- `l2_untied`: L2 attention with separate key weights (not certifiable), pre-norm blocks;
 - `contractive_l2`: the certified invertible trunk of `invertible.ContractiveTrunk`
   (no LayerNorm inside the residual branches: its Lipschitz bound 1/sqrt(eps) would force the
   branch scale towards zero).
+`l2_tied` is still accepted as the old name of `l2`. Checkpoints of format version 1 used `l2`
+for the untied layer; `checkpoint` translates them on load.
 """
 
 from __future__ import annotations
@@ -21,11 +23,10 @@ from torch import Tensor, nn
 
 from .blocks import Transformer
 from .checkpoint import register_model_kind
-from .config import ConfigError, TransformerConfig
+from .config import ATTENTION_NAMES, AttentionName, ConfigError, TransformerConfig, attention_name
 from .invertible import ContractiveTrunk, ContractiveTrunkConfig
 
-LMAttention = Literal["dp", "l2", "l2_tied", "contractive_l2"]
-LM_ATTENTION_KINDS: tuple[str, ...] = ("dp", "l2", "l2_tied", "contractive_l2")
+LM_ATTENTION_KINDS: tuple[str, ...] = ATTENTION_NAMES
 
 
 def _positive(name: str, value: object) -> None:
@@ -41,20 +42,19 @@ class LMConfig:
     n_layers: int = 2
     d_ff: int = 256
     seq_len: int = 64
-    attention: LMAttention = "contractive_l2"
+    attention: AttentionName = "contractive_l2"
     c: float = 0.9
     activation: Literal["relu", "gelu", "tanh", "sigmoid"] = "relu"
     ln_eps: float = 1e-5
-    norm_first: bool = True  # pre-norm blocks (dp, l2, l2_tied); False: post-norm
+    norm_first: bool = True  # pre-norm blocks (dp, l2, l2_untied); False: post-norm
 
     # (contractive_l2 has no LayerNorm in its residual branches, so norm_first does not apply.)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_heads", "n_layers", "d_ff", "seq_len"):
             _positive(name, getattr(self, name))
-        if self.attention not in LM_ATTENTION_KINDS:
-            raise ConfigError("attention", f"unknown attention {self.attention!r}; use one of "
-                              f"{', '.join(LM_ATTENTION_KINDS)}")
+        # frozen: the canonical word (an alias translated) is what the checkpoint stores
+        object.__setattr__(self, "attention", attention_name(self.attention))
         if not isinstance(self.norm_first, bool):
             raise ConfigError("norm_first", f"must be a boolean, got {self.norm_first!r}")
         self.trunk_config()  # validates the shared fields (heads divide width, c in (0,1), ...)
@@ -63,9 +63,9 @@ class LMConfig:
         if self.attention == "contractive_l2":
             return ContractiveTrunkConfig(self.d_model, self.n_heads, self.n_layers, self.d_ff,
                                           self.seq_len, self.c, True, self.activation)
-        kind: Literal["dp", "l2"] = "dp" if self.attention == "dp" else "l2"
+        word: Literal["dp", "l2", "l2_untied"] = self.attention  # type: ignore[assignment]
         return TransformerConfig(self.d_model, self.n_heads, self.n_layers, self.d_ff,
-                                 attention=kind, tied=self.attention != "l2", causal=True,
+                                 attention=word, causal=True,
                                  activation=self.activation, norm_first=self.norm_first,
                                  ln_eps=self.ln_eps, final_norm=False)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from alembic import context
 
 from service.db import make_engine
-from service.models import Base
+from service.tables import Base
 
 config = context.config
 target_metadata = Base.metadata

@@ -11,12 +11,17 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from importlib.metadata import PackageNotFoundError, version
 
+import anyio.to_thread
 from fastapi import FastAPI
 
+from . import tasks
 from .db import ensure_migrated, upgrade
+from .docs import install_docs
 from .errors import BodyLimitMiddleware, install_error_handlers
 from .metrics import Metrics, MetricsMiddleware
+from .routes import bound, certificates, corpora, health, jobs, model_uploads
 from .runtime import Runtime
 from .settings import Settings
 
@@ -36,8 +41,6 @@ jobs (`GET /jobs/{id}`). Errors are `{"error": code, "detail": message}`.
 def _version() -> str:
     # importlib.metadata, not lsa_models.__version__: importing lsa_models loads torch,
     # which app start-up does not need.
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version("lsa")
     except PackageNotFoundError:
@@ -53,7 +56,8 @@ def prepare_database(runtime: Runtime) -> None:
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
-    runtime = Runtime(settings)
+    metrics = Metrics()
+    runtime = Runtime(settings, metrics=metrics)
 
     active = 0  # lifespans entered; test clients may nest them on one app
 
@@ -63,8 +67,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if active == 0:
             prepare_database(runtime)
             runtime.signing_key  # noqa: B018  (created on first start)
+            # Blocking request work (sync routes, database reads) runs on this many threads;
+            # the connection pool has a connection for each.
+            anyio.to_thread.current_default_thread_limiter().total_tokens = \
+                settings.request_threads
             if runtime.queue.embedded:
-                runtime.queue.start_worker()
+                tasks.start_worker(runtime)
         active += 1
         try:
             yield
@@ -78,16 +86,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         version=_version(),
         description=DESCRIPTION,
         lifespan=lifespan,
+        # Served from the app itself (service.docs), never from a CDN.
+        docs_url=None, redoc_url=None,
     )
     app.state.runtime = runtime
-    metrics = Metrics(runtime)
     app.state.metrics = metrics
-    runtime.metrics = metrics
     install_error_handlers(app)
-
-    from .routes import bound, certificates, corpora, health, jobs, models
-
-    for module in (models, bound, certificates, jobs, corpora, health):
+    install_docs(app)
+    for module in (model_uploads, bound, certificates, jobs, corpora, health):
         app.include_router(module.router)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_upload_bytes + UPLOAD_OVERHEAD)
     app.add_middleware(MetricsMiddleware, metrics=metrics)

@@ -9,11 +9,15 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, TypeVar
 
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
+
+from .tables import Artifact
 
 CHUNK = 1024 * 1024
 
@@ -96,10 +100,29 @@ class ArtifactStore:
 def store_artifact(session: Session, store: ArtifactStore, data: bytes, kind: str) -> str:
     """Store bytes (trained weights, a plot, ...) and record their metadata; returns the
     sha256. Idempotent: equal bytes are one file and one row."""
-    from .models import Artifact
-
     sha = store.put_bytes(data)
     if session.get(Artifact, sha) is None:
         session.add(Artifact(sha256=sha, size_bytes=len(data), kind=kind))
         session.flush()
     return sha
+
+
+Row = TypeVar("Row")
+
+
+def store_once(session: Session, store: ArtifactStore, staged: Staged, kind: str, row: Row,
+               find_existing: Callable[[], Row | None]) -> tuple[Row, bool]:
+    """Commit the staged bytes and insert their row; (row, True) when new. When the same
+    bytes were stored concurrently first, (that row, False)."""
+    store.commit(staged)
+    try:
+        with session.begin_nested():
+            if session.get(Artifact, staged.sha256) is None:
+                session.add(Artifact(sha256=staged.sha256, size_bytes=staged.size, kind=kind))
+            session.add(row)
+    except IntegrityError:
+        existing = find_existing()
+        if existing is None:
+            raise
+        return existing, False
+    return row, True

@@ -10,7 +10,7 @@ import secrets
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from .models import KEY_SCOPES, ApiKey, utcnow
+from .tables import KEY_SCOPES, ApiKey, utcnow
 
 
 def hash_key(key: str) -> str:

@@ -1,65 +1,54 @@
-"""Bounds as the service computes and stores them: request keys, the synchronous size limit,
-and idempotent storage (identical requests are answered from the stored result)."""
+"""Bounds as the service computes and stores them: the model snapshot requests work on,
+request keys, the size limits, the one report computation, and idempotent storage (identical
+requests are answered from the stored result)."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import threading
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
 
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from api_schemas import BoundReport
+from api_schemas.bounds import Norm
 
-from .errors import InvalidModel, InvalidRequest, ModelTooLarge, NotFound
-from .models import BoundResultRow, Model
+from .errors import InvalidModel, InvalidRequest, ModelTooLarge
+from .model_cache import load_bytes
+from .runtime import Runtime
+from .tables import BoundResultRow, UploadedModel
 
 if TYPE_CHECKING:
     from lsa_models.analysis import LoadedModel
 
-    from .runtime import Runtime
 
-_threads_lock = threading.Lock()
-_threads_set = False
+@dataclass(frozen=True)
+class ModelRef:
+    """What requests need of an uploaded model. Rows never change once stored (the bytes are
+    content-addressed), so a snapshot may be cached."""
 
+    id: str
+    sha256: str
+    format: str
+    filename: str
+    parameters: int | None
+    d_model: int | None
+    default_seq_len: int
+    fixed_seq_len: int | None
+    ort_verified: bool
 
-def _one_thread() -> None:
-    global _threads_set
-    with _threads_lock:
-        if not _threads_set:
-            import torch
-
-            # Request threads and workers share few cores; one thread each is fastest.
-            torch.set_num_threads(1)
-            _threads_set = True
-
-
-def load_bytes(data: bytes, filename: str) -> LoadedModel:
-    """lsa_models' format sniffing, with every loader registered (the ONNX one registers on
-    import of lsa_models.onnx)."""
-    import importlib
-
-    from lsa_models.analysis import load_model_bytes
-
-    _one_thread()
-    with contextlib.suppress(ModuleNotFoundError):
-        importlib.import_module("lsa_models.onnx")
-    return load_model_bytes(data, filename)
+    @classmethod
+    def of(cls, row: UploadedModel) -> ModelRef:
+        return cls(id=row.id, sha256=row.sha256, format=row.format, filename=row.filename,
+                   parameters=row.parameters, d_model=row.d_model,
+                   default_seq_len=row.default_seq_len, fixed_seq_len=row.fixed_seq_len,
+                   ort_verified=row.ort_verified_at is not None)
 
 
-def get_model(session: Session, model_id: str) -> Model:
-    model = session.get(Model, model_id)
-    if model is None:
-        raise NotFound(f"no model with id {model_id}; upload one with POST /models "
-                       "(GET /models lists them)")
-    return model
-
-
-def resolve_seq_len(model: Model, seq_len: int | None) -> int:
+def resolve_seq_len(model: ModelRef, seq_len: int | None) -> int:
     if seq_len is None:
         return model.default_seq_len
     if model.fixed_seq_len is not None and seq_len != model.fixed_seq_len:
@@ -81,7 +70,7 @@ def find_result(session: Session, key: str) -> BoundResultRow | None:
     return session.scalar(select(BoundResultRow).where(BoundResultRow.request_key == key))
 
 
-def check_sync_size(runtime: Runtime, model: Model) -> None:
+def check_sync_size(runtime: Runtime, model: ModelRef) -> None:
     limit = runtime.settings.max_sync_parameters
     if model.parameters is not None and model.parameters > limit:
         raise ModelTooLarge(
@@ -90,7 +79,7 @@ def check_sync_size(runtime: Runtime, model: Model) -> None:
             "as a job, or raise the limit")
 
 
-def check_empirical_size(runtime: Runtime, model: Model, seq_len: int) -> None:
+def check_empirical_size(runtime: Runtime, model: ModelRef, seq_len: int) -> None:
     limit = runtime.settings.max_empirical_elements
     width = model.d_model or 1
     if seq_len * width > limit:
@@ -99,23 +88,34 @@ def check_empirical_size(runtime: Runtime, model: Model, seq_len: int) -> None:
             f"LSA_MAX_EMPIRICAL_ELEMENTS={limit}: lower seq_len")
 
 
-def load_model(runtime: Runtime, model: Model) -> LoadedModel:
-    return load_bytes(runtime.artifacts.read_bytes(model.sha256), model.filename)
+def load_model(runtime: Runtime, model: ModelRef) -> LoadedModel:
+    """The parsed model, from the LRU when it is there. An ONNX upload whose onnxruntime
+    comparison passed at upload is not compared again."""
+
+    def load() -> LoadedModel:
+        if runtime.metrics is not None:
+            runtime.metrics.models_loaded.inc()
+        data = runtime.artifacts.read_bytes(model.sha256)
+        return load_bytes(data, model.filename, check_ort=not model.ort_verified)
+
+    return runtime.models.get(model.sha256, load)
 
 
-def analytic_report(runtime: Runtime, model: Model, norm: str, seq_len: int,
+def analytic_report(runtime: Runtime, model: ModelRef, norm: str, seq_len: int,
                     radius: float | None, loaded: LoadedModel | None = None) -> BoundReport:
+    """The one computation of a certified bound report (the bound engine extends it)."""
+    # Deferred: service.reports imports lsa_models, hence torch (seconds at start-up).
     from .reports import bound_report
 
     loaded = loaded or load_model(runtime, model)
     try:
-        result = loaded.certify(norm, seq_len, radius)  # type: ignore[arg-type]
+        result = loaded.certify(cast(Norm, norm), seq_len, radius)
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from None
     return bound_report(result, model.sha256)
 
 
-def store_result(session: Session, model: Model, key: str, report: BoundReport,
+def store_result(session: Session, model: ModelRef, key: str, report: BoundReport,
                  empirical: dict[str, Any] | None) -> BoundResultRow:
     """Insert once; a concurrent identical request that stored first wins and is returned."""
     row = BoundResultRow(model_id=model.id, request_key=key, norm=report.norm,
@@ -133,7 +133,7 @@ def store_result(session: Session, model: Model, key: str, report: BoundReport,
     return row
 
 
-def best_lower(session: Session, model: Model, norm: str, seq_len: int,
+def best_lower(session: Session, model: ModelRef, norm: str, seq_len: int,
                radius: float | None) -> float | None:
     """The largest empirical lower bound stored for this exact domain, if any."""
     q = select(BoundResultRow.lower).where(

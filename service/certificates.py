@@ -22,7 +22,7 @@ from pydantic import ValidationError
 from api_schemas.certificates import Certificate, CertificateBody, VerifyResult, canonical_bytes
 
 
-class KeyError_(ValueError):
+class SigningKeyError(ValueError):
     """A key file cannot be read or is not an Ed25519 key."""
 
 
@@ -32,9 +32,9 @@ def load_or_create_signing_key(path: Path) -> Ed25519PrivateKey:
         try:
             key = serialization.load_pem_private_key(path.read_bytes(), password=None)
         except (ValueError, TypeError) as exc:
-            raise KeyError_(f"{path}: not a PEM private key ({exc})") from None
+            raise SigningKeyError(f"{path}: not a PEM private key ({exc})") from None
         if not isinstance(key, Ed25519PrivateKey):
-            raise KeyError_(f"{path}: not an Ed25519 private key")
+            raise SigningKeyError(f"{path}: not an Ed25519 private key")
         return key
     path.parent.mkdir(parents=True, exist_ok=True)
     key = Ed25519PrivateKey.generate()
@@ -61,9 +61,9 @@ def load_public_key(pem: str | bytes) -> Ed25519PublicKey:
     try:
         key = serialization.load_pem_public_key(data)
     except (ValueError, TypeError) as exc:
-        raise KeyError_(f"not a PEM public key ({exc})") from None
+        raise SigningKeyError(f"not a PEM public key ({exc})") from None
     if not isinstance(key, Ed25519PublicKey):
-        raise KeyError_("not an Ed25519 public key")
+        raise SigningKeyError("not an Ed25519 public key")
     return key
 
 
@@ -84,7 +84,7 @@ def verify_certificate(cert: Certificate | dict[str, Any],
     try:
         pub = public_key if isinstance(public_key, Ed25519PublicKey) else load_public_key(
             public_key)
-    except KeyError_ as exc:
+    except SigningKeyError as exc:
         return VerifyResult(valid=False, reason=str(exc))
     try:
         parsed = cert if isinstance(cert, Certificate) else Certificate.model_validate(cert)

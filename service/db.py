@@ -23,10 +23,19 @@ class NotMigratedError(RuntimeError):
     """The database schema is not at the latest migration."""
 
 
-def make_engine(url: str, *, null_pool: bool = False) -> Engine:
+# Execution option marking a connection whose transactions only read (see `read_only`).
+READ_ONLY = "lsa_read_only"
+
+
+def make_engine(url: str, *, pool_size: int = 5, null_pool: bool = False) -> Engine:
+    """`pool_size`: the threads that may hold a connection at once (request threads, compute
+    threads, job threads): none of them ever waits for the pool."""
     kwargs: dict[str, Any] = {"pool_pre_ping": True}
     if null_pool:
         kwargs["poolclass"] = NullPool
+    else:
+        # The overflow covers short-lived extras (readiness probes, metrics scrapes).
+        kwargs.update(pool_size=pool_size, max_overflow=max(4, pool_size // 4), pool_timeout=60)
     if url.startswith("sqlite"):
         db_path = make_url(url).database
         if db_path and db_path != ":memory:":
@@ -48,15 +57,24 @@ def make_engine(url: str, *, null_pool: bool = False) -> Engine:
 
         @event.listens_for(engine, "begin")
         def _sqlite_begin(conn: Any) -> None:
-            # IMMEDIATE: a deferred transaction that reads and then writes fails at once
-            # ("database is locked", no busy wait) when another connection wrote in between;
-            # an immediate one waits its turn (busy_timeout) instead.
-            conn.exec_driver_sql("BEGIN IMMEDIATE")
+            # IMMEDIATE for transactions that may write: a deferred transaction that reads and
+            # then writes fails at once ("database is locked", no busy wait) when another
+            # connection wrote in between; an immediate one waits its turn (busy_timeout).
+            # Read-only transactions are DEFERRED: in WAL mode they read a snapshot and never
+            # take (or wait for) the write lock.
+            read_only = conn.get_execution_options().get(READ_ONLY, False)
+            conn.exec_driver_sql("BEGIN DEFERRED" if read_only else "BEGIN IMMEDIATE")
     return engine
 
 
 def make_session_factory(engine: Engine) -> sessionmaker[Session]:
     return sessionmaker(engine, expire_on_commit=False)
+
+
+def make_read_session_factory(engine: Engine) -> sessionmaker[Session]:
+    """Sessions for transactions that only read (SQLite: no write lock). The option engine
+    shares `engine`'s pool."""
+    return sessionmaker(engine.execution_options(**{READ_ONLY: True}), expire_on_commit=False)
 
 
 @contextmanager

@@ -1,23 +1,31 @@
-"""FastAPI dependencies. The session dependency is the one transaction boundary: it commits
-when the route returns (before the response is sent) and rolls back on any error."""
+"""FastAPI dependencies. The session dependencies are the transaction boundary: the write one
+commits when the route returns (before the response is sent) and rolls back on any error; the
+read one never takes SQLite's write lock."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from datetime import timedelta
 from typing import Annotated
 
 from fastapi import Depends, Request
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
 
 from .auth import allows, lookup_key
 from .db import transaction
 from .errors import Forbidden, Unauthorized
-from .models import utcnow
 from .runtime import Runtime
+from .tables import ApiKey, utcnow
+
+# `last_used_at` is refreshed at most this often: a write per request would serialise every
+# authenticated read behind SQLite's write lock.
+LAST_USED_RESOLUTION = timedelta(minutes=1)
 
 
-def get_runtime(request: Request) -> Runtime:
+async def get_runtime(request: Request) -> Runtime:
+    # async: a plain attribute read needs no worker thread.
     runtime = request.app.state.runtime
     assert isinstance(runtime, Runtime)
     return runtime
@@ -31,32 +39,49 @@ def get_session(runtime: RuntimeDep) -> Iterator[Session]:
         yield session
 
 
+def get_read_session(runtime: RuntimeDep) -> Iterator[Session]:
+    with transaction(runtime.read_sessions) as session:
+        yield session
+
+
 # scope="function": commit before the response goes out, so a 201 means it is stored.
 SessionDep = Annotated[Session, Depends(get_session, scope="function")]
+ReadSessionDep = Annotated[Session, Depends(get_read_session, scope="function")]
 
 _bearer = HTTPBearer(auto_error=False, description="API key: `Authorization: Bearer lsa_...`")
 _header = APIKeyHeader(name="X-API-Key", auto_error=False, description="API key (alternative)")
 
 
-def require_scope(scope: str) -> Callable[..., None]:
-    def check(runtime: RuntimeDep,
-              bearer: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
-              header: Annotated[str | None, Depends(_header)]) -> None:
+def check_key(runtime: Runtime, key: str | None, scope: str) -> None:
+    if not key:
+        raise Unauthorized(f"this endpoint needs an API key with scope {scope!r}: send "
+                           "`Authorization: Bearer <key>` (create one with `lsa keys "
+                           f"create --scope {scope}`)")
+    with transaction(runtime.read_sessions) as session:
+        row = lookup_key(session, key)
+        if row is None:
+            raise Unauthorized("unknown or revoked API key")
+        if not allows(row.scope, scope):
+            raise Forbidden(f"this API key has scope {row.scope!r}; this endpoint needs "
+                            f"{scope!r}")
+        key_id, last = row.id, row.last_used_at
+    now = utcnow()
+    if last is None or now - last > LAST_USED_RESOLUTION:
+        with transaction(runtime.sessions) as session:
+            found = session.get(ApiKey, key_id)
+            if found is not None:
+                found.last_used_at = now
+
+
+def require_scope(scope: str) -> Callable[..., Awaitable[None]]:
+    async def check(runtime: RuntimeDep,
+                    bearer: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+                    header: Annotated[str | None, Depends(_header)]) -> None:
+        # async, so that with auth off no request spends a thread on it.
         if not runtime.settings.auth_required:
             return
         key = bearer.credentials if bearer is not None else header
-        if not key:
-            raise Unauthorized(f"this endpoint needs an API key with scope {scope!r}: send "
-                               "`Authorization: Bearer <key>` (create one with `lsa keys "
-                               f"create --scope {scope}`)")
-        with transaction(runtime.sessions) as session:
-            row = lookup_key(session, key)
-            if row is None:
-                raise Unauthorized("unknown or revoked API key")
-            if not allows(row.scope, scope):
-                raise Forbidden(f"this API key has scope {row.scope!r}; this endpoint needs "
-                                f"{scope!r}")
-            row.last_used_at = utcnow()
+        await run_in_threadpool(check_key, runtime, key, scope)
 
     return check
 

@@ -145,7 +145,8 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 def responses(*codes: int) -> dict[int | str, dict[str, Any]]:
     """OpenAPI `responses` for the error codes a route can return (plus auth errors)."""
     descriptions = {400: "Bad request", 409: "Conflict with the resource's state",
-                    413: "Upload larger than LSA_MAX_UPLOAD_BYTES", 503: "Not ready"}
+                    413: "Upload larger than LSA_MAX_UPLOAD_BYTES",
+                    503: "Not ready, or busy: retry after the Retry-After seconds"}
     out: dict[int | str, dict[str, Any]] = {c: ERROR_RESPONSES[c] for c in (401, 403, 422)}
     for c in codes:
         out[c] = ERROR_RESPONSES.get(c) or {"model": ErrorBody, "description": descriptions[c]}

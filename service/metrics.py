@@ -4,22 +4,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from sqlalchemy import func, select
+from sqlalchemy.orm import Session, sessionmaker
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .models import JOB_STATUSES, Job, Model
-
-if TYPE_CHECKING:
-    from .runtime import Runtime
+from .tables import JOB_STATUSES, Job, UploadedModel
 
 
 class Metrics:
-    def __init__(self, runtime: Runtime) -> None:
+    def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter("lsa_http_requests", "HTTP requests by route and status",
                                 ["method", "route", "status"], registry=self.registry)
@@ -29,23 +27,30 @@ class Metrics:
                               registry=self.registry)
         self.certificates = Counter("lsa_certificates_issued", "Certificates signed",
                                     registry=self.registry)
-        self.registry.register(_StoreCollector(runtime))
+        self.models_loaded = Counter("lsa_models_loaded", "Models parsed (LRU misses)",
+                                     registry=self.registry)
+        self.rejected = Counter("lsa_compute_rejected", "Bound requests refused with 503: "
+                                "the compute queue was full", registry=self.registry)
+
+    def watch_store(self, sessions: sessionmaker[Session]) -> None:
+        """Report job and model counts, read from the database on every scrape."""
+        self.registry.register(_StoreCollector(sessions))
 
 
 class _StoreCollector(Collector):
     """Job counts by status and the number of models, read from the database on scrape."""
 
-    def __init__(self, runtime: Runtime) -> None:
-        self.runtime = runtime
+    def __init__(self, sessions: sessionmaker[Session]) -> None:
+        self.sessions = sessions
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         jobs = GaugeMetricFamily("lsa_jobs", "Jobs by status", labels=["status"])
         models = GaugeMetricFamily("lsa_models", "Models stored")
         try:
-            with self.runtime.sessions() as s:
+            with self.sessions() as s:
                 counts = {status: int(n) for status, n in s.execute(
                     select(Job.status, func.count()).group_by(Job.status))}
-                n_models = s.scalar(select(func.count()).select_from(Model)) or 0
+                n_models = s.scalar(select(func.count()).select_from(UploadedModel)) or 0
         except Exception:
             return
         for status in JOB_STATUSES:

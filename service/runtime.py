@@ -1,54 +1,65 @@
-"""What the server and the workers share: settings, database, artifact store, job queue."""
+"""What the server and the workers share: settings, database, artifact store, job queue,
+loaded models, the compute pool and (in the server) the request metrics."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from .artifacts import ArtifactStore
-from .db import make_engine, make_session_factory
+from .broker import JobQueue
+from .certificates import load_or_create_signing_key
+from .compute import ComputePool
+from .db import make_engine, make_read_session_factory, make_session_factory
+from .metrics import Metrics
+from .model_cache import ModelCache
 from .settings import Settings
-
-if TYPE_CHECKING:
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
-    from .jobs.queue import JobQueue
-    from .metrics import Metrics
 
 
 @dataclass
 class Runtime:
     settings: Settings
+    # Request-side Prometheus counters (the app's); None in workers and the CLI.
+    metrics: Metrics | None = None
     engine: Engine = field(init=False)
     sessions: sessionmaker[Session] = field(init=False)
+    # Transactions that only read: on SQLite they never take the write lock.
+    read_sessions: sessionmaker[Session] = field(init=False)
     artifacts: ArtifactStore = field(init=False)
-    # Set by the app (None in workers): request-side Prometheus counters.
-    metrics: Metrics | None = field(default=None, init=False)
+    models: ModelCache = field(init=False)
 
     def __post_init__(self) -> None:
-        self.engine = make_engine(self.settings.database_url)
+        self.engine = make_engine(self.settings.database_url,
+                                  pool_size=self.settings.db_pool_size)
         self.sessions = make_session_factory(self.engine)
+        self.read_sessions = make_read_session_factory(self.engine)
         self.artifacts = ArtifactStore(self.settings.artifact_dir)
+        self.models = ModelCache(self.settings.model_cache_size)
+        if self.metrics is not None:
+            self.metrics.watch_store(self.read_sessions)
 
     @cached_property
     def queue(self) -> JobQueue:
-        from .jobs.queue import JobQueue
+        return JobQueue(self.settings)
 
-        return JobQueue(self)
+    @cached_property
+    def compute(self) -> ComputePool:
+        return ComputePool(self.settings.compute_threads, self.settings.compute_queue_limit)
 
     @cached_property
     def signing_key(self) -> Ed25519PrivateKey:
-        from .certificates import load_or_create_signing_key
-
         return load_or_create_signing_key(self.settings.signing_key_path)
 
     def close(self) -> None:
+        # A later start (another lifespan on the same app) builds a fresh queue and pool.
         if "queue" in self.__dict__:
             self.queue.close()
-            # A later start (another lifespan on the same app) builds a fresh queue.
             del self.__dict__["queue"]
+        if "compute" in self.__dict__:
+            self.compute.close()
+            del self.__dict__["compute"]
         self.engine.dispose()

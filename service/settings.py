@@ -57,6 +57,17 @@ class Settings(BaseSettings):
     training_time_limit_s: PositiveSeconds = Field(
         default=48 * 3600.0, description="Hard limit of a job on 'training'")
     worker_threads: PositiveInt = Field(default=1, description="Jobs run at once per worker")
+    request_threads: PositiveInt = Field(
+        default=40, description="Threads serving blocking request work (database, uploads); "
+                                "the connection pool is sized to them")
+    compute_threads: PositiveInt = Field(
+        default=2, description="Synchronous bound computations run at once (off the request "
+                               "threads)")
+    compute_queue_limit: PositiveInt = Field(
+        default=256, description="Bound computations running or waiting; past it 503 with "
+                                 "Retry-After")
+    model_cache_size: PositiveInt = Field(
+        default=16, description="Loaded models kept in memory (LRU by sha256)")
     job_stale_after_s: PositiveSeconds = Field(
         default=60.0, description="A running job silent this long is taken to have crashed")
 
@@ -90,6 +101,11 @@ class Settings(BaseSettings):
         if self.migrate_on_start is not None:
             return self.migrate_on_start
         return self.is_sqlite
+
+    @property
+    def db_pool_size(self) -> int:
+        """Every thread that may hold a connection at once, plus the reaper and heartbeats."""
+        return self.request_threads + self.compute_threads + 2 * self.worker_threads + 2
 
     def time_limit_s(self, queue: str) -> float:
         limits = {"bound": self.bound_time_limit_s, "training": self.training_time_limit_s}

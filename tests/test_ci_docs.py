@@ -14,7 +14,7 @@ import torch
 import yaml
 
 from api_schemas.ci import CertifyReport
-from lsa_models import L2MHA, AttentionConfig, save
+from lsa_models import L2MHA, save
 from service.cli.bound import compute_report
 
 from .test_e2e_server import Server, clean_env, running_server
@@ -67,7 +67,7 @@ def model_with_bound(path: Path, seq_len: int, below: float | None = None,
     """Save an L2 attention model whose certified bound lies below/above the given value
     (weights rescaled until it does); returns the bound."""
     torch.manual_seed(7)
-    model = L2MHA(AttentionConfig(8, 2, "l2"))
+    model = L2MHA(8, 2)
     for _ in range(60):
         save(model, path)
         upper = compute_report(path, "2", seq_len, None).upper

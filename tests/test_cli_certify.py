@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from api_schemas.certificates import Certificate
 from api_schemas.ci import CertifyReport
-from lsa_models import L2MHA, AttentionConfig, DotProductMHA, save
+from lsa_models import L2MHA, DotProductMHA, save
 from service.certificates import load_or_create_signing_key, verify_certificate
 from service.cli import app
 from service.cli.bound import compute_report
@@ -33,8 +33,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     torch.manual_seed(0)
     out = {"l2": root / "l2.safetensors", "dp": root / "dp.safetensors",
            "junk": root / "junk.safetensors"}
-    save(L2MHA(AttentionConfig(8, 2, "l2")), out["l2"])
-    save(DotProductMHA(AttentionConfig(8, 2, "dp")), out["dp"])
+    save(L2MHA(8, 2), out["l2"])
+    save(DotProductMHA(8, 2), out["dp"])
     out["junk"].write_bytes(b"definitely not a model")
     return out
 

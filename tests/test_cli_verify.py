@@ -17,7 +17,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from typer.testing import CliRunner
 
 from api_schemas.certificates import Certificate
-from lsa_models import L2MHA, AttentionConfig, save
+from lsa_models import L2MHA, save
 from service.certificates import (
     load_or_create_signing_key,
     new_certificate_body,
@@ -41,8 +41,8 @@ def issued(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A model, its `lsa certify --json` report, the bare certificate, and key files."""
     root = tmp_path_factory.mktemp("verify")
     torch.manual_seed(1)
-    model = save(L2MHA(AttentionConfig(8, 2, "l2")), root / "model.safetensors")
-    other = save(L2MHA(AttentionConfig(8, 2, "l2")), root / "other.safetensors")
+    model = save(L2MHA(8, 2), root / "model.safetensors")
+    other = save(L2MHA(8, 2), root / "other.safetensors")
     key = root / "signing.pem"
     report = root / "report.json"
     result = runner.invoke(app, ["certify", str(model), "--max-lipschitz", "1e6", "--seq-len",

@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 
 from api_schemas.certificates import Certificate
 from api_schemas.ci import CertifyReport
-from lsa_models import L2MHA, AttentionConfig, DotProductMHA, save
+from lsa_models import L2MHA, DotProductMHA, save
 from service.certificates import public_key_pem
 from service.cli import app
 from service.cli.bound import compute_report
@@ -117,8 +117,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("e2e-models")
     torch.manual_seed(3)
-    return {"l2": save(L2MHA(AttentionConfig(8, 2, "l2")), root / "l2.safetensors"),
-            "dp": save(DotProductMHA(AttentionConfig(8, 2, "dp")), root / "dp.safetensors")}
+    return {"l2": save(L2MHA(8, 2), root / "l2.safetensors"),
+            "dp": save(DotProductMHA(8, 2), root / "dp.safetensors")}
 
 
 def lsa(*args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:

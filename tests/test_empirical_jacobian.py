@@ -41,9 +41,9 @@ def _randomised(module: nn.Module, seed: int) -> nn.Module:
 def _models() -> list[tuple[str, nn.Module]]:
     out: list[tuple[str, nn.Module]] = []
     for seed, (d, h) in enumerate([(1, 1), (4, 2), (6, 3)]):
-        out.append((f"l2-{d}-{h}", _randomised(L2MHA(AttentionConfig(d, h)), seed)))
-        out.append((f"dp-{d}-{h}", _randomised(DotProductMHA(AttentionConfig(d, h, "dp")), seed)))
-    out.append(("l2-causal", _randomised(L2MHA(AttentionConfig(4, 2, causal=True)), 7)))
+        out.append((f"l2-{d}-{h}", _randomised(L2MHA(d, h), seed)))
+        out.append((f"dp-{d}-{h}", _randomised(DotProductMHA(d, h), seed)))
+    out.append(("l2-causal", _randomised(L2MHA(4, 2, causal=True), 7)))
     for norm_first in (True, False):
         cfg = BlockConfig(AttentionConfig(4, 2), FFNConfig(4, 8, "tanh"), norm_first=norm_first)
         out.append((f"block-{norm_first}", _randomised(TransformerBlock(cfg), 11)))
@@ -113,7 +113,7 @@ def test_jacobian_linear_map_known_norms() -> None:
 
 
 def test_jacobian_float32_close_to_float64() -> None:
-    model = _randomised(L2MHA(AttentionConfig(8, 2)), 5)
+    model = _randomised(L2MHA(8, 2), 5)
     x64 = torch.randn(16, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     ref = jacobian_norm(_seq(model), x64, "2", tol=1e-12).value
     model32 = model.float()
@@ -125,7 +125,7 @@ def test_jacobian_float32_close_to_float64() -> None:
 
 
 def test_jacobian_iteration_cap_reports_not_converged_and_stays_below() -> None:
-    model = _randomised(L2MHA(AttentionConfig(6, 2)), 2)
+    model = _randomised(L2MHA(6, 2), 2)
     f = _seq(model)
     x = torch.randn(8, 6, generator=torch.Generator().manual_seed(4), dtype=torch.float64) * 2
     exact = float(torch.linalg.matrix_norm(_full_jacobian(f, x), ord=2))
@@ -139,7 +139,7 @@ def test_jacobian_iteration_cap_reports_not_converged_and_stays_below() -> None:
 
 
 def test_jacobian_same_seed_same_value() -> None:
-    model = _randomised(L2MHA(AttentionConfig(4, 2)), 9)
+    model = _randomised(L2MHA(4, 2), 9)
     x = torch.randn(5, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     a = jacobian_norm(_seq(model), x, "2", max_iter=3, seed=5)
     b = jacobian_norm(_seq(model), x, "2", max_iter=3, seed=5)

@@ -15,7 +15,6 @@ from typer.testing import CliRunner
 from api_schemas import BoundReport
 from lsa_models import (
     L2MHA,
-    AttentionConfig,
     Transformer,
     TransformerConfig,
     certify,
@@ -32,14 +31,14 @@ def _seq(module: nn.Module):  # (N, D) -> (N, D)
 
 def _l2(d: int, h: int, seed: int, causal: bool = False) -> L2MHA:
     torch.manual_seed(seed)
-    m = L2MHA(AttentionConfig(d, h, causal=causal)).double().eval()
+    m = L2MHA(d, h, causal=causal).double().eval()
     for p in m.parameters():
         p.requires_grad_(False)
     return m
 
 
 def _unit_l2() -> L2MHA:
-    m = L2MHA(AttentionConfig(1, 1)).double().eval()
+    m = L2MHA(1, 1).double().eval()
     with torch.no_grad():
         for lin in (m.q_proj, m.v_proj, m.out_proj):
             lin.weight.fill_(1.0)

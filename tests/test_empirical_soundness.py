@@ -41,7 +41,7 @@ def _build(kind: str, d: int, h: int, seed: int, weight_scale: float) -> nn.Modu
     torch.manual_seed(seed)
     att = AttentionConfig(d, h, causal=kind == "l2_causal")
     if kind in ("l2", "l2_causal"):
-        model: nn.Module = L2MHA(att)
+        model: nn.Module = L2MHA.from_config(att)
     elif kind == "transformer":
         model = Transformer(TransformerConfig(d, h, 2, 2 * d, activation="tanh",
                                               norm_first=seed % 2 == 0))
@@ -90,7 +90,7 @@ def test_soundness_lower_never_above_certified_upper(kind: str, shape: tuple[int
        norm=st.sampled_from(["2", "inf"]), seed=st.integers(0, 1000))
 def test_soundness_tight_scalar_l2(wq: float, wv: float, wo: float, n: int, norm: str,
                                    seed: int) -> None:
-    model = L2MHA(AttentionConfig(1, 1)).double().eval()
+    model = L2MHA(1, 1).double().eval()
     with torch.no_grad():
         model.q_proj.weight.fill_(wq)
         model.v_proj.weight.fill_(wv)

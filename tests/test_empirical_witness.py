@@ -10,7 +10,6 @@ from torch import nn
 
 from lsa_models import (
     L2MHA,
-    AttentionConfig,
     DotProductMHA,
     Transformer,
     TransformerConfig,
@@ -34,7 +33,7 @@ def _seq(module: nn.Module):  # (N, D) -> (N, D)
 
 def _dp(d: int, h: int, seed: int) -> DotProductMHA:
     torch.manual_seed(seed)
-    m = DotProductMHA(AttentionConfig(d, h, "dp")).double().eval()
+    m = DotProductMHA(d, h).double().eval()
     for p in m.parameters():
         p.requires_grad_(False)
     return m
@@ -121,7 +120,7 @@ def test_growth_rejects_single_token() -> None:
 def test_estimate_dp_models_carry_growth(norm: str) -> None:
     torch.manual_seed(0)
     post = Transformer(TransformerConfig(4, 2, 2, 8, attention="dp", norm_first=False))
-    for model in (DotProductMHA(AttentionConfig(4, 2, "dp")), post):
+    for model in (DotProductMHA(4, 2), post):
         res = estimate(model, (5, 4), norm, restarts=1, steps=3, seed=2)
         assert res.dot_product and res.growth is not None
         assert _strictly_increasing(res.growth)
@@ -145,9 +144,9 @@ def test_estimate_dp_models_carry_growth(norm: str) -> None:
 
 def test_estimate_l2_and_bounded_dp_have_no_growth() -> None:
     torch.manual_seed(1)
-    l2 = estimate(L2MHA(AttentionConfig(4, 2)), (4, 4), "2", restarts=1, steps=2)
+    l2 = estimate(L2MHA(4, 2), (4, 4), "2", restarts=1, steps=2)
     assert l2.growth is None and not l2.dot_product
-    dp = estimate(DotProductMHA(AttentionConfig(4, 2, "dp")), (4, 4), "2", restarts=1,
+    dp = estimate(DotProductMHA(4, 2), (4, 4), "2", restarts=1,
                   steps=2, radius=1.0)
     assert dp.dot_product and dp.growth is None  # Theorem 3.1 needs an unbounded domain
     assert float(dp.witness.norm(dim=-1).max()) <= 1.0 + 1e-6
@@ -156,7 +155,7 @@ def test_estimate_l2_and_bounded_dp_have_no_growth() -> None:
 
 def test_estimate_time_budget_cuts_growth_scan() -> None:
     torch.manual_seed(2)
-    res = estimate(DotProductMHA(AttentionConfig(4, 2, "dp")), (5, 4), "2", restarts=100,
+    res = estimate(DotProductMHA(4, 2), (5, 4), "2", restarts=100,
                    steps=10_000, time_budget_s=0.3)
     assert res.stopped_early
     assert math.isfinite(res.lower)

@@ -165,8 +165,8 @@ def test_banach_iterations_is_the_smallest_sufficient_count():
 
 
 def _theorem31_dp_block() -> tuple[DPResidualBlock, torch.Tensor]:
-    """D = H = 1, all weights 1, x_1 = 0 and the other tokens spread out (science.md)."""
-    blk = DPResidualBlock(AttentionConfig(1, 1, "dp", True, False)).double()
+    """D = H = 1, all weights 1, x_1 = 0 and the other tokens spread out (docs/theory.md)."""
+    blk = DPResidualBlock(AttentionConfig(1, 1, "dp")).double()
     with torch.no_grad():
         for lin in (blk.attn.q_proj, blk.attn.k_proj, blk.attn.v_proj, blk.attn.out_proj):
             lin.weight.fill_(1.0)

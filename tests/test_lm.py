@@ -50,8 +50,8 @@ def test_lm_save_load_roundtrip(kind, tmp_path):
 
 def test_lm_trunk_kinds():
     assert isinstance(_model("contractive_l2").trunk, ContractiveTrunk)
-    tied = _model("l2_tied").trunk.blocks[0].attn  # type: ignore[union-attr]
-    untied = _model("l2").trunk.blocks[0].attn  # type: ignore[union-attr]
+    tied = _model("l2").trunk.blocks[0].attn  # type: ignore[union-attr]
+    untied = _model("l2_untied").trunk.blocks[0].attn  # type: ignore[union-attr]
     assert tied.config.tied and not untied.config.tied
     assert tied.config.causal and untied.config.causal
 
@@ -60,11 +60,11 @@ def test_lm_trunk_certificates_by_kind():
     c = certify(_model("contractive_l2", layers=3).trunk, "2", 6)
     assert c.verdict == "certified" and c.upper is not None
     assert c.upper <= 1.9**6  # six residual blocks, each branch <= 0.9
-    assert certify(_model("l2").trunk, "2", 6).verdict == "not_certified"
+    assert certify(_model("l2_untied").trunk, "2", 6).verdict == "not_certified"
     # Bare DP attention is not Lipschitz (Theorem 3.1); inside pre-norm blocks its input is
     # bounded by LayerNorm, which is the analyser's business, not this model's.
     assert certify(_model("dp").trunk.blocks[0].attn, "2", 6).verdict == "not_lipschitz"
-    assert certify(_model("l2_tied").trunk, "2", 6).verdict == "certified"
+    assert certify(_model("l2").trunk, "2", 6).verdict == "certified"
 
 
 def test_lm_any_depth_trains_a_step():

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
-from lsa_models import AttentionConfig, DotProductMHA, Transformer, TransformerConfig, certify
+from lsa_models import DotProductMHA, Transformer, TransformerConfig, certify
 from lsa_models.bounds.formulas import dp_mha_out_radius, dp_mha_radius_bound
 from lsa_models.onnx import analyse, export_onnx, load_onnx
 from lsa_models.onnx.empirical import lower_bound
@@ -51,7 +51,7 @@ def _jacobian(f, x: torch.Tensor, create_graph: bool = False) -> torch.Tensor:  
 
 def _dp_case(dm: int, h: int, causal: bool, scale: float, seed: int) -> DotProductMHA:
     torch.manual_seed(seed)
-    m = DotProductMHA(AttentionConfig(dm, h, kind="dp", causal=causal))
+    m = DotProductMHA(dm, h, causal=causal)
     with torch.no_grad():
         for p in m.parameters():
             p.mul_(scale)

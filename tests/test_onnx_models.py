@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from typer.testing import CliRunner
 
-from lsa_models import L2MHA, AttentionConfig, Transformer, TransformerConfig, certify
+from lsa_models import L2MHA, Transformer, TransformerConfig, certify
 from lsa_models.analysis import load_model_bytes
 from lsa_models.attention import _head_columns
 from lsa_models.bounds.formulas import dp_mha_radius_bound
@@ -120,7 +120,7 @@ def test_export_l2_native_forward_value_path_is_not_certified(tmp_path: Path) ->
     # The efficient forward folds W^V into the output projection: W^V cannot be read off,
     # so the analyser must refuse rather than guess.
     torch.manual_seed(4)
-    layer = L2MHA(AttentionConfig(D, H)).eval()
+    layer = L2MHA(D, H).eval()
     path = _export_module(layer, tmp_path / "m.onnx", dynamo=False)
     got = analyse(load_onnx(path.read_bytes()), "2")
     assert got.verdict == "not_certified" and "value" in (got.reason or "")

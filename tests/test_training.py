@@ -1,4 +1,4 @@
-"""Training loop, checkpoints and exact resume, and the service entry point train_certified."""
+"""Training loop, checkpoints and exact resume, and train_certified (train, certify, export)."""
 
 from __future__ import annotations
 
@@ -13,14 +13,15 @@ import torch
 from safetensors import safe_open
 
 import lsa_models
+from lsa_models.config import ConfigError
 from lsa_models.data import text_corpus
 from lsa_models.lm import CharTransformerLM, LMConfig
 from lsa_models.training import (
     History,
-    RequestError,
+    Progress,
     TrainConfig,
+    TrainingCertificate,
     TrainingDivergedError,
-    TrainRequest,
     evaluate_bpc,
     latest_checkpoint,
     select_device,
@@ -34,6 +35,10 @@ TINY = Path(__file__).parent / "data" / "tiny_corpus.txt"
 @pytest.fixture(scope="module")
 def corpus():
     return text_corpus(TINY.read_text(encoding="utf-8"), "tiny", min_split_chars=9)
+
+
+def _tiny(seq_len: int):
+    return text_corpus(TINY.read_text(encoding="utf-8"), "tiny", min_split_chars=seq_len + 1)
 
 
 def _lm_config(corpus, kind: str = "contractive_l2") -> LMConfig:
@@ -70,12 +75,12 @@ def test_resume_refuses_changed_settings(corpus, tmp_path):
     train_lm(_lm_config(corpus), corpus, cfg, tmp_path)
     ckpt = latest_checkpoint(tmp_path)
     assert ckpt is not None
-    with pytest.raises(RequestError) as info:
+    with pytest.raises(ConfigError) as info:
         train_lm(_lm_config(corpus), corpus, _train_config(steps=8, lr=1e-2), tmp_path,
                  resume_from=ckpt)
     assert info.value.field == "lr"
     other = LMConfig(corpus.vocab.size, 8, 2, 3, 16, 8, "contractive_l2")
-    with pytest.raises(RequestError) as info:
+    with pytest.raises(ConfigError) as info:
         train_lm(other, corpus, _train_config(steps=8), tmp_path, resume_from=ckpt)
     assert info.value.field == "model_config"
 
@@ -94,11 +99,15 @@ def test_checkpoints_are_safetensors_without_pickle(corpus, tmp_path):
 
 
 def test_progress_callback_reports_step_loss_and_throughput(corpus):
-    seen: list[tuple[int, float, float]] = []
-    train_lm(_lm_config(corpus, "l2_tied"), corpus, _train_config(steps=7, checkpoint_every=0),
-             on_step=lambda s, loss, tps: seen.append((s, loss, tps)))
+    reports: list[Progress] = []
+    train_lm(_lm_config(corpus, "l2"), corpus, _train_config(steps=7, checkpoint_every=0),
+             progress=reports.append)
+    seen = [(p.step, p.loss, p.tokens_per_s) for p in reports]
     assert [s for s, _, _ in seen] == [3, 6, 7]
-    assert all(math.isfinite(loss) and loss > 0 and tps > 0 for _, loss, tps in seen)
+    assert all(loss is not None and math.isfinite(loss) and loss > 0 and tps is not None
+               and tps > 0 for _, loss, tps in seen)
+    assert [p.fraction for p in reports] == [3 / 7, 6 / 7, 1.0]
+    assert {p.stage for p in reports} == {"training"} and reports[0].steps == 7
 
 
 def test_learning_rate_schedules():
@@ -107,7 +116,7 @@ def test_learning_rate_schedules():
     assert warm.lr_at(9) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 5 / 6)))
     fixed = TrainConfig(steps=10, lr=0.5, fixed_lr=True)
     assert {fixed.lr_at(s) for s in range(10)} == {0.5}
-    with pytest.raises(RequestError) as info:
+    with pytest.raises(ConfigError) as info:
         TrainConfig(steps=10, fixed_lr=True, warmup_steps=3)
     assert info.value.field == "warmup_steps"
 
@@ -132,69 +141,65 @@ def test_divergence_events_are_counted():
 
 
 @pytest.mark.parametrize(("kwargs", "field"), [
-    ({"attention": "softmax"}, "attention"),
-    ({"c": 1.0}, "c"),
-    ({"c": 0.0}, "c"),
-    ({"n_heads": 5}, "n_heads"),
     ({"steps": 0}, "steps"),
     ({"lr": float("nan")}, "lr"),
-    ({"corpus": "wiki"}, "corpus"),
-    ({"seq_len": 1}, "seq_len"),
     ({"batch_size": True}, "batch_size"),
     ({"grad_clip": -1.0}, "grad_clip"),
     ({"device": "tpu"}, "device"),
     ({"fixed_lr": True, "warmup_steps": 5}, "warmup_steps"),
+    ({"recon_sequences": 0}, "recon_sequences"),
+    ({"inverse_atol": 0.0}, "inverse_atol"),
 ])
-def test_train_request_errors_name_the_field(kwargs, field):
-    with pytest.raises(RequestError) as info:
-        TrainRequest(**kwargs)
+def test_train_config_errors_name_the_field(kwargs, field):
+    with pytest.raises(ConfigError) as info:
+        TrainConfig(**{"steps": 10, **kwargs})
     assert info.value.field == field
 
 
-def test_train_request_from_dict():
-    req = TrainRequest.from_dict({"d_model": 32, "attention": "l2_tied"})
-    assert req.d_model == 32 and TrainRequest.from_dict(req.to_dict()) == req
-    with pytest.raises(RequestError) as info:
-        TrainRequest.from_dict({"width": 3})
-    assert info.value.field == "width"
-
-
-def test_train_certified_text_corpus_errors(tmp_path):
-    with pytest.raises(RequestError) as info:
-        train_certified(TrainRequest(corpus="text"), None, tmp_path)
-    assert info.value.field == "corpus_text"
-    with pytest.raises(RequestError, match="characters") as info:
-        train_certified(TrainRequest(corpus="text", seq_len=64), "too short", tmp_path)
-    assert info.value.field == "corpus_text"
+@pytest.mark.parametrize(("kwargs", "field"), [
+    ({"attention": "softmax"}, "attention"),
+    ({"c": 1.0}, "c"),
+    ({"c": 0.0}, "c"),
+    ({"n_heads": 5}, "n_heads"),
+    ({"seq_len": 0}, "seq_len"),
+])
+def test_lm_config_errors_name_the_field(kwargs, field):
+    with pytest.raises(ConfigError) as info:
+        LMConfig(**{"vocab_size": 5, "d_model": 8, "n_heads": 2, **kwargs})
+    assert info.value.field == field
 
 
 def test_select_device():
     assert select_device("cpu").type == "cpu"
     assert select_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
     if not torch.cuda.is_available():
-        with pytest.raises(RequestError, match="no GPU"):
+        with pytest.raises(ConfigError, match="no GPU"):
             select_device("cuda")
 
 
 def test_train_certified_tiny_run_writes_model_onnx_certificate_plot(tmp_path):
     import onnxruntime as ort
 
-    req = TrainRequest(d_model=16, n_heads=2, n_layers=2, d_ff=32, seq_len=16, steps=30,
-                       batch_size=8, lr=3e-3, corpus="text", recon_sequences=4, device="cpu",
-                       checkpoint_every=10, c=0.8)
-    events: list[tuple[float, str, dict]] = []
-    out = train_certified(req, TINY.read_text(encoding="utf-8"), tmp_path,
-                          progress=lambda f, m, d: events.append((f, m, d)))
+    corpus = _tiny(16)
+    model_cfg = LMConfig(corpus.vocab.size, 16, 2, 2, 32, 16, "contractive_l2", c=0.8)
+    cfg = TrainConfig(steps=30, batch_size=8, lr=3e-3, recon_sequences=4, device="cpu",
+                      checkpoint_every=10, progress_every=5)
+    events: list[Progress] = []
+    out = train_certified(model_cfg, cfg, corpus, tmp_path, progress=events.append)
     cert = out.certificate
+    assert isinstance(cert, TrainingCertificate)
     # Every residual branch is certified contractive, hence the trunk is invertible.
-    assert len(cert["branches"]) == 4
-    assert all(b["lipschitz_upper"] <= 0.8 for b in cert["branches"])
-    assert cert["invertible"] and cert["trunk_verdict"] == "certified"
-    assert cert["trunk_lipschitz_upper"] <= 1.8**4
-    rec = cert["reconstruction"]
-    assert rec["converged"] and rec["bound_holds"] and rec["max_abs_error"] <= 1e-5
-    assert 0 < out.test_bpc < 8 and math.isfinite(out.valid_bpc)
-    assert out.history["loss"][-1] < out.history["loss"][0]
+    assert len(cert.branches) == 4
+    assert all(b.lipschitz_upper <= 0.8 and b.contractive for b in cert.branches)
+    assert cert.max_branch_lipschitz == max(b.lipschitz_upper for b in cert.branches)
+    assert cert.invertible and cert.trunk_verdict == "certified"
+    assert cert.trunk_lipschitz_upper is not None and cert.trunk_lipschitz_upper <= 1.8**4
+    rec = cert.reconstruction
+    assert rec is not None
+    assert rec.converged and rec.bound_holds and rec.max_abs_error <= 1e-5
+    assert cert.test_bpc is not None and 0 < cert.test_bpc < 8
+    assert cert.valid_bpc is not None and math.isfinite(cert.valid_bpc)
+    assert out.history.loss[-1] < out.history.loss[0]
     # Artifacts.
     model = lsa_models.load(out.model_path)
     assert isinstance(model, CharTransformerLM) and model.config.attention == "contractive_l2"
@@ -205,24 +210,27 @@ def test_train_certified_tiny_run_writes_model_onnx_certificate_plot(tmp_path):
         ref = model(torch.from_numpy(tokens)).numpy()
     assert np.abs(logits - ref).max() < 1e-4
     assert out.plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert json.loads(out.certificate_path.read_text())["test_bpc"] == out.test_bpc
-    # Progress: monotone fractions from 0 to 1, training details with throughput.
-    fractions = [f for f, _, _ in events]
-    assert fractions == sorted(fractions) and fractions[0] == 0.0 and fractions[-1] == 1.0
-    train_events = [d for _, m, d in events if m == "training"]
-    assert train_events and all(d["tokens_per_s"] > 0 for d in train_events)
+    written = json.loads(out.certificate_path.read_text())
+    assert written["test_bpc"] == cert.test_bpc
+    assert {k: v for k, v in written.items() if k != "history"} == cert.to_json()
+    # Progress: monotone fractions up to 1, training reports with throughput.
+    fractions = [p.fraction for p in events]
+    assert fractions == sorted(fractions) and fractions[-1] == 1.0
+    train_events = [p for p in events if p.step is not None]
+    assert train_events and all((p.tokens_per_s or 0) > 0 for p in train_events)
     # A rerun in the same directory resumes from the last checkpoint (here: the final step).
-    again = train_certified(req, TINY.read_text(encoding="utf-8"), tmp_path)
-    assert again.history["loss"] == out.history["loss"]
+    again = train_certified(model_cfg, cfg, corpus, tmp_path)
+    assert again.history.loss == out.history.loss
 
 
 def test_train_certified_dp_is_not_invertible(tmp_path):
-    req = TrainRequest(d_model=8, n_heads=2, n_layers=1, d_ff=16, seq_len=8, steps=3,
-                       batch_size=2, corpus="text", attention="dp", device="cpu")
-    out = train_certified(req, TINY.read_text(encoding="utf-8"), tmp_path)
-    assert out.certificate["invertible"] is False
-    assert out.certificate["reconstruction"] is None
-    assert "contractive_l2" in out.certificate["invertible_reason"]
+    corpus = _tiny(8)
+    out = train_certified(LMConfig(corpus.vocab.size, 8, 2, 1, 16, 8, "dp"),
+                          TrainConfig(steps=3, batch_size=2, device="cpu"), corpus, tmp_path)
+    assert out.certificate.invertible is False and out.certificate.branches == []
+    assert out.certificate.reconstruction is None
+    assert "contractive_l2" in (out.certificate.invertible_reason or "")
+    assert [layer.name for layer in out.certificate.layers]
     assert out.onnx_path.exists() and out.model_path.exists()
 
 
@@ -253,7 +261,7 @@ def test_non_finite_weights_stop_the_run_as_diverged(corpus, tmp_path, monkeypat
     assert res.steps_done == 4 and math.isnan(res.history.loss[-1])
     assert res.history.val_bpc == []  # no evaluation of a broken model
     calls["n"] = 0
-    req = TrainRequest(d_model=8, n_heads=2, n_layers=2, d_ff=16, seq_len=8, steps=12,
-                       batch_size=4, corpus="text", device="cpu")
+    tiny = _tiny(8)
     with pytest.raises(TrainingDivergedError, match="non-finite at step 4"):
-        train_certified(req, TINY.read_text(encoding="utf-8"), tmp_path)
+        train_certified(LMConfig(tiny.vocab.size, 8, 2, 2, 16, 8),
+                        TrainConfig(steps=12, batch_size=4, device="cpu"), tiny, tmp_path)

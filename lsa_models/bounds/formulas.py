@@ -1,4 +1,4 @@
-"""The certified formulas of science.md on raw float64 weights.
+"""The certified formulas of docs/theory.md on raw float64 weights.
 
 Shared by the native-model rules and the ONNX rules, so a model gets the same number whichever
 way it arrives. Weights are in the paper's row-vector convention: per-head matrices
@@ -14,6 +14,9 @@ import numpy as np
 import torch
 
 from .numerics import (
+    _TINY,
+    U,
+    _as_float64,
     add_up,
     div_up,
     frobenius_upper,
@@ -50,7 +53,7 @@ def _two_norm_lead(n: int) -> float:
 def _two_norm_weights(wq: ArrayLike, wv: ArrayLike, wo: ArrayLike) -> float:
     """`(1/sqrt(d)) sqrt(sum_h ||W^{Q,h}||_2^4 ||W^{V,h}||_2^2) ||W^O||_2`, rounded up.
 
-    The fourth power is not a typo. science.md (like some copies of the paper) writes
+    The fourth power is not a typo. The paper (as commonly printed) writes
     `||W^{Q,h}||_2^2` here, but that statement is unsound: scaling W^Q by t scales the map as
     F_t(X) = t G(tX), so its Lipschitz constant grows like t^2 while the stated bound grows like
     t. The proof bounds each head's Jacobian by `sqrt(N) (4 phi^{-1}(N-1) + 1) ||A_h||_2` with
@@ -74,25 +77,159 @@ def l2_mha_two_bound(wq: ArrayLike, wv: ArrayLike, wo: ArrayLike, n: int) -> flo
     return mul_up(_two_norm_lead(max(int(n), 2)), _two_norm_weights(wq, wv, wo))
 
 
+def _gamma_up(k: int) -> float:
+    """`gamma_k = k u / (1 - k u)` rounded up: the relative error of a k-term dot product."""
+    return div_up(mul_up(float(k), U), math.nextafter(1.0 - k * U, 0.0))
+
+
+def _chain_upper(mats: list[np.ndarray], norm: str) -> float:
+    """Upper bound on `||A_1 A_2 ... A_k||` (norm "2": spectral, "1": largest column sum) of
+    the exact product, from the float64 product formed left to right.
+
+    `P_j = fl(P_{j-1} A_j)` satisfies `|P_j - P_{j-1} A_j| <= gamma_m |P_{j-1}| |A_j|` (m the
+    inner dimension; any summation order, FMA or not). With `nu` the Frobenius norm (for the
+    2-norm) or the 1-norm, both absolute and submultiplicative, the exact product `T_j`
+    satisfies `nu(P_j - T_j) <= nu(P_{j-1} - T_{j-1}) nu(A_j) + gamma_m nu(P_{j-1}) nu(A_j)`,
+    and `||T|| <= ||P_k|| + nu(P_k - T_k)` (spectral <= Frobenius). `_TINY` covers gradual
+    underflow. A product that overflows gives inf (the caller then uses another bound).
+    """
+    nu = frobenius_upper if norm == "2" else one_norm_upper
+    top = spectral_norm_upper if norm == "2" else one_norm_upper
+    p = mats[0]
+    err = 0.0
+    for a in mats[1:]:
+        na = nu(a)
+        err = add_up(mul_up(err, na), mul_up(_gamma_up(a.shape[0]), nu(p), na), _TINY)
+        with np.errstate(over="ignore", invalid="ignore"):
+            p = p @ a
+        if not np.isfinite(p).all():
+            return math.inf
+    return add_up(top(p), err)
+
+
+@dataclass(frozen=True)
+class _L2Parts:
+    """The exact composed matrices of one tied L2-MHA layer, in float64.
+
+    `q[h] = W^Q_h` (D, d); `qv[h] = W^{Q T}_h W^V_h` (d, d), so `M_h = qv[h] / sqrt(d)`;
+    `o[h] = W^O_h` (d, D), the rows of W^O that head h's output meets; `q_all` (D, H d) the
+    concatenated query projection."""
+
+    q: list[np.ndarray]
+    v: list[np.ndarray]
+    o: list[np.ndarray]
+    wo: np.ndarray
+    q_all: np.ndarray
+    d: int
+
+    @staticmethod
+    def of(wq: ArrayLike, wv: ArrayLike, wo: ArrayLike) -> _L2Parts:
+        q, v, o = _as_float64(wq), _as_float64(wv), _as_float64(wo)
+        heads, dim, d = q.shape
+        return _L2Parts([q[h] for h in range(heads)], [v[h] for h in range(heads)],
+                        [o[h * d:(h + 1) * d] for h in range(heads)], o,
+                        np.ascontiguousarray(q.transpose(1, 0, 2).reshape(dim, heads * d)), d)
+
+
+def g_lipschitz(n: int, norm: str, d: int, causal: bool = False) -> float:
+    """Certified Lipschitz constant of `G(Q) = P(Q) Q` on N tokens of dimension d, with
+    `P_ij = softmax_j(-||q_i - q_j||^2 / sqrt(d))` (causal: row i over j <= i).
+
+    G is `sqrt(d)` times the one-head L2 attention with identity weights (`A = I / sqrt(d)`),
+    so Theorem 3.2 gives `sqrt(N) (4 phi^{-1}(N-1) + 1)` (2-norm; causal: the root sum of
+    squares of the prefix values) and `sqrt(d) (4 phi^{-1}(N-1) + 1/sqrt(d))` (inf-norm, for
+    causal too: the prefix bounds grow with N). docs/certification.md has the derivation.
+    """
+    n = max(int(n), 1)
+    if norm == "2":
+        if not causal:
+            return _two_norm_lead(max(n, 2))
+        leads = [_two_norm_lead(max(i, 2)) for i in range(1, n + 1)]
+        return sqrt_up(add_up(*(mul_up(c, c) for c in leads)))
+    if norm == "inf":
+        lead = add_up(mul_up(4.0, phi_inv_upper(max(n, 2) - 1)), inv_sqrt_up(d))
+        return mul_up(sqrt_up(d), lead)
+    raise ValueError(f"unknown norm {norm!r}; use '2' or 'inf'")
+
+
+def l2_mha_candidates(wq: ArrayLike, wv: ArrayLike, wo: ArrayLike, n: int, norm: str,
+                      causal: bool = False) -> dict[str, float]:
+    """Every certified bound on the L2-MHA layer's Lipschitz constant, by name.
+
+    `theorem_3_2`: the paper's bound (causal extension included). The others write the layer
+    as `F(X) = sum_h G(X W^Q_h) B_h` with `B_h = M_h W^O_h`, `M_h = W^{Q T}_h W^V_h / sqrt(d)`
+    and chain `g_lipschitz` through the exact composed matrices (docs/certification.md):
+    `per_head` (2: `L ||W^O|| sqrt(sum_h (||W^Q_h|| ||M_h||)^2)`, inf: `L ||W^O||_1 max_h
+    ||W^Q_h||_1 ||M_h||_1`; never above theorem_3_2), `concat` (`L ||[W^Q_1..W^Q_H]||
+    ||[B_1; ..; B_H]||`) and, in the 2-norm, `head_sum` (`L sum_h ||W^Q_h|| ||B_h||`).
+    """
+    if norm not in ("2", "inf"):
+        raise ValueError(f"unknown norm {norm!r}; use '2' or 'inf'")
+    out = {"theorem_3_2": _theorem_3_2(wq, wv, wo, n, norm, causal)}
+    parts = _L2Parts.of(wq, wv, wo)
+    p = "2" if norm == "2" else "1"
+    lip = g_lipschitz(n, norm, parts.d, causal)
+    root_d = inv_sqrt_up(parts.d)
+    qn = [_norm(a, p) for a in parts.q]
+    mn = [mul_up(_chain_upper([a.T, b], p), root_d) for a, b in zip(parts.q, parts.v, strict=True)]
+    wo_n = _norm(parts.wo, p)
+    if norm == "2":
+        bn = [mul_up(_chain_upper([a.T, b, o], p), root_d)
+              for a, b, o in zip(parts.q, parts.v, parts.o, strict=True)]
+        squares = (mul_up(a, b, a, b) for a, b in zip(qn, mn, strict=True))
+        out["per_head"] = mul_up(lip, wo_n, sqrt_up(add_up(*squares)))
+        out["head_sum"] = mul_up(lip, add_up(*(mul_up(a, b) for a, b in zip(qn, bn, strict=True))))
+    else:
+        out["per_head"] = mul_up(lip, wo_n, max(mul_up(a, b) for a, b in zip(qn, mn, strict=True)))
+    out["concat"] = mul_up(lip, _norm(parts.q_all, p), _stacked_upper(parts, p))
+    return out
+
+
+def _norm(a: np.ndarray, p: str) -> float:
+    return spectral_norm_upper(a) if p == "2" else one_norm_upper(a)
+
+
+def _stacked_upper(parts: _L2Parts, p: str) -> float:
+    """Upper bound on `||[B_1; ..; B_H]||` (Hd, D): the float64 blocks stacked, plus their
+    rounding errors (Frobenius: root sum of squares; 1-norm: their sum)."""
+    blocks, errs = [], []
+    for a, b, o in zip(parts.q, parts.v, parts.o, strict=True):
+        qv = a.T @ b  # (d, d)
+        blk = qv @ o  # (d, D)
+        if not (np.isfinite(qv).all() and np.isfinite(blk).all()):
+            return math.inf
+        # The same recursion as `_chain_upper`, keeping the error apart from the norm.
+        nu = frobenius_upper if p == "2" else one_norm_upper
+        e1 = add_up(mul_up(_gamma_up(a.shape[0]), nu(a), nu(b)), _TINY)
+        errs.append(add_up(mul_up(e1, nu(o)), mul_up(_gamma_up(o.shape[0]), nu(qv), nu(o)),
+                           _TINY))
+        blocks.append(blk)
+    err = (sqrt_up(add_up(*(mul_up(e, e) for e in errs))) if p == "2" else add_up(*errs))
+    return mul_up(add_up(_norm(np.concatenate(blocks, axis=0), p), err), inv_sqrt_up(parts.d))
+
+
+def _theorem_3_2(wq: ArrayLike, wv: ArrayLike, wo: ArrayLike, n: int, norm: str,
+                 causal: bool) -> float:
+    if norm == "inf":
+        return l2_mha_inf_bound(wq, wv, wo, n)
+    if not causal:
+        return l2_mha_two_bound(wq, wv, wo, n)
+    return mul_up(g_lipschitz(n, "2", 1, True), _two_norm_weights(wq, wv, wo))
+
+
 def l2_mha_bound(
     wq: ArrayLike, wv: ArrayLike, wo: ArrayLike, n: int, norm: str, causal: bool = False
 ) -> float:
-    """Theorem 3.2, with the causal (masked) extension of docs/bounds.md.
+    """Certified Lipschitz bound of tied L2-MHA: the smallest of `l2_mha_candidates` (each
+    one certified, so their minimum is too; never above Theorem 3.2).
 
     Causal: row i of the output is row i of unmasked attention on the prefix x_1..x_i, so the
     Jacobian's block-row i is a block-row of the prefix map's Jacobian. inf-norm: each scalar
     row sum is at most the prefix bound U_inf(i) <= U_inf(N) (the bound grows with N). 2-norm:
-    ||J||_2^2 <= sum_i ||J_i||_2^2 <= sum_i U_2(max(i, 2))^2.
+    ||J||_2^2 <= sum_i ||J_i||_2^2 <= sum_i U_2(max(i, 2))^2. The same holds for G, which
+    the sharper candidates chain through (docs/certification.md).
     """
-    if norm == "inf":
-        return l2_mha_inf_bound(wq, wv, wo, n)
-    if norm != "2":
-        raise ValueError(f"unknown norm {norm!r}; use '2' or 'inf'")
-    if not causal:
-        return l2_mha_two_bound(wq, wv, wo, n)
-    leads = [_two_norm_lead(max(i, 2)) for i in range(1, int(n) + 1)]
-    total = add_up(*(mul_up(c, c) for c in leads))
-    return mul_up(sqrt_up(total), _two_norm_weights(wq, wv, wo))
+    return min(l2_mha_candidates(wq, wv, wo, n, norm, causal).values())
 
 
 def linear_bound(weight: ArrayLike, norm: str) -> float:

@@ -1,7 +1,7 @@
 """Empirical lower bounds on `Lip_p(f)`: gradient ascent over inputs, random restarts.
 
 Any input X gives `||J_f(X)||_p <= Lip_p(f)` and any pair gives
-`||f(X) - f(Y)||_p / ||X - Y||_p <= Lip_p(f)` (science.md, "Empirical lower bounds"). The
+`||f(X) - f(Y)||_p / ||X - Y||_p <= Lip_p(f)` (docs/theory.md, "Empirical lower bounds"). The
 search maximises one of them from several random starts at several input scales and keeps
 the best value with the input that realises it. Every number it reports was evaluated at
 that input, so re-evaluating the witness reproduces it; the seed reproduces the witness.

@@ -1,6 +1,6 @@
 """The Theorem 3.1 witness: dot-product attention's Jacobian grows without bound.
 
-Construction (science.md, "Dot-product multi-head attention"): put token 1 at 0, so its
+Construction (docs/theory.md, "Dot-product multi-head attention"): put token 1 at 0, so its
 attention row is uniform whatever the other tokens are, and spread the others by a scale s:
 `X(s) = s Z` with Z a seeded random (N, D) matrix whose first row is zeroed. For D = H = 1,
 `d f_1 / d x_1 = W^V W^O (1/N + a Var(x_1..x_N))` with `a = W^Q W^K / sqrt(d)` and the

@@ -1,12 +1,20 @@
 """ONNX models: safe loading, a torch evaluator, the op registry, attention recognition,
 certified bounds and export.
 
-Importing this package registers the ONNX loader in `lsa_models.analysis.LOADERS`, so
-`load_model_bytes` reads .onnx files and zips of an .onnx with its external data.
+`load_onnx_model` is the upload loader that `lsa_models.analysis.load_model_bytes` calls by
+name for .onnx files and zips of an .onnx with its external data; it returns an
+`OnnxLoadedModel`, which certifies itself with the graph analyser.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ..bounds import BoundResult
+from ..bounds.analyzer import norm_name
+from ..bounds.report import NormName
+from ..loaded import LoadedModel, sha256_hex
 from .analyzer import analyse, resolve_seq_len
 from .export import export_onnx
 from .graph import GraphModule, GraphSpec
@@ -29,22 +37,27 @@ from .loading import (
 from .ops import OPS, supported_op_types
 
 
-def load_onnx_model(data: bytes, filename: str = ""):  # type: ignore[no-untyped-def]
-    """The `LOADERS` entry: an upload -> `LoadedModel(format="onnx"|"onnx-zip")`."""
-    from ..analysis import LoadedModel, sha256_hex
-    from ..bounds.report import NormName
+@dataclass
+class OnnxLoadedModel(LoadedModel):
+    """An uploaded ONNX graph; `onnx` is the loaded graph the analyser reads."""
 
-    model = load_onnx(data, filename)
+    onnx: OnnxModel = field(kw_only=True)
+
+    def certify(self, norm: NormName | float, seq_len: int | None = None,
+                radius: float | None = None) -> BoundResult:
+        return analyse(self.onnx, norm_name(norm), self.resolve_seq_len(seq_len), radius)
+
+
+def load_onnx_model(data: bytes, filename: str = "", *, check_ort: bool = True) -> OnnxLoadedModel:
+    """An upload -> `OnnxLoadedModel(format="onnx"|"onnx-zip")`. `check_ort=False` skips the
+    onnxruntime comparison (for bytes that already passed it at upload)."""
+    model = load_onnx(data, filename, replace(LoadOptions(), check_ort=check_ort))
     spec = model.spec
-
-    def certify_fn(norm: NormName, seq_len: int, radius: float | None):  # type: ignore[no-untyped-def]
-        return analyse(model, norm, seq_len, radius)
-
-    summary = {
+    summary: dict[str, Any] = {
         "kind": "onnx",
         "opset": spec.opset,
         "nodes": len(spec.nodes),
-        "parameters": int(sum(int(_numel(t)) for t in spec.model.graph.initializer)),
+        "parameters": int(sum(_numel(t) for t in spec.model.graph.initializer)),
         "d_model": spec.d_model,
         "seq_len": spec.seq_len,
         "input": spec.input_name,
@@ -53,28 +66,16 @@ def load_onnx_model(data: bytes, filename: str = ""):  # type: ignore[no-untyped
         "output": spec.output_name,
         "onnxruntime_max_abs_diff": model.max_abs_diff,
     }
-    loaded = LoadedModel(model.format, sha256_hex(data), model.module, summary,
-                         seq_len=spec.seq_len, d_model=spec.d_model, certify_fn=certify_fn)
-    loaded.onnx = model  # type: ignore[attr-defined]
-    return loaded
+    return OnnxLoadedModel(model.format, sha256_hex(data), model.module, summary,
+                           seq_len=spec.seq_len, d_model=spec.d_model, onnx=model)
 
 
-def _numel(t) -> int:  # type: ignore[no-untyped-def]
+def _numel(t: Any) -> int:  # an onnx TensorProto
     n = 1
     for d in t.dims:
         n *= int(d)
     return n
 
-
-def _register() -> None:
-    from .. import analysis
-
-    if not any(loader is load_onnx_model for _, loader in analysis.LOADERS):
-        # after the native loader: its sniffing is structural (header length + JSON)
-        analysis.LOADERS.append((is_onnx, load_onnx_model))
-
-
-_register()
 
 __all__ = [
     "OPS",
@@ -86,6 +87,7 @@ __all__ = [
     "OnnxExternalDataError",
     "OnnxInputError",
     "OnnxLoadError",
+    "OnnxLoadedModel",
     "OnnxMismatchError",
     "OnnxModel",
     "OnnxParseError",

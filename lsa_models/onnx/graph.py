@@ -18,6 +18,7 @@ import onnx
 import torch
 from torch import Tensor, nn
 
+from .errors import DynamicSeqLenError
 from .ops import OPS, Node, RunContext, tensor_from_proto
 
 
@@ -87,8 +88,6 @@ class GraphModule(nn.Module):
         """The fixed N; a graph with a dynamic N has no default (the bound depends on N), so
         callers that fall back on it get a clear error instead of a silent guess."""
         if self.spec.seq_len is None:
-            from .loading import DynamicSeqLenError
-
             raise DynamicSeqLenError("the graph has a dynamic sequence length: give the "
                                      "length to certify with --seq-len N")
         return self.spec.seq_len

@@ -20,8 +20,27 @@ import onnx
 import torch
 from google.protobuf.message import DecodeError
 
+from .errors import (
+    DynamicSeqLenError,
+    OnnxCheckError,
+    OnnxExternalDataError,
+    OnnxInputError,
+    OnnxLoadError,
+    OnnxMismatchError,
+    OnnxParseError,
+    OnnxShapeError,
+    OnnxTooLargeError,
+    UnsupportedOpsError,
+)
 from .graph import GraphModule, GraphSpec
 from .ops import FLOAT_TYPES, Node, unsupported_ops
+
+__all__ = [  # the error classes live in errors.py; re-exported for callers of this module
+    "DynamicSeqLenError", "LoadOptions", "OnnxCheckError", "OnnxExternalDataError",
+    "OnnxInputError", "OnnxLoadError", "OnnxMismatchError", "OnnxModel", "OnnxParseError",
+    "OnnxShapeError", "OnnxTooLargeError", "UnsupportedOpsError", "is_onnx", "load_onnx",
+    "ort_run", "compare_with_onnxruntime",
+]
 
 ZIP_MAGIC = b"PK\x03\x04"
 MIN_OPSET, MAX_OPSET = 13, onnx.defs.onnx_opset_version()
@@ -37,50 +56,6 @@ class LoadOptions:
     check_ort: bool = True
     check_seq_len: int = 8  # N used for the onnxruntime check when the graph's N is dynamic
     rtol: float = 1e-4
-
-
-class OnnxLoadError(ValueError):
-    """Base class: the upload is not an ONNX model this service can analyse."""
-
-
-class OnnxTooLargeError(OnnxLoadError):
-    pass
-
-
-class OnnxParseError(OnnxLoadError):
-    pass
-
-
-class OnnxExternalDataError(OnnxLoadError):
-    pass
-
-
-class OnnxCheckError(OnnxLoadError):
-    pass
-
-
-class OnnxShapeError(OnnxLoadError):
-    pass
-
-
-class OnnxInputError(OnnxLoadError):
-    pass
-
-
-class OnnxMismatchError(OnnxLoadError):
-    pass
-
-
-class UnsupportedOpsError(OnnxLoadError):
-    def __init__(self, counts: dict[str, int]) -> None:
-        listing = ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()))
-        super().__init__(f"the graph uses ops this service cannot evaluate or bound: {listing}. "
-                         "Export the model with standard ONNX ops (opset 17-20)")
-        self.counts = counts
-
-
-class DynamicSeqLenError(OnnxLoadError):
-    pass
 
 
 @dataclass

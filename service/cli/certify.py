@@ -126,12 +126,10 @@ def decision_message(cert: Certificate, bound: BoundReport) -> str:
 
 def certify_local(req: Request, key_path: Path | None, progress: StageProgress
                   ) -> tuple[Certificate, BoundReport]:
-    from service.certificates import (
-        KeyError_,
-        load_or_create_signing_key,
-        new_certificate_body,
-        sign_certificate,
-    )
+    """The server's certifying rules (service.certifying.sign_report: the one `passed`
+    predicate), on a bound computed here and signed with the local key."""
+    from service.certificates import SigningKeyError, load_or_create_signing_key
+    from service.certifying import sign_report
 
     from .bound import compute_report
 
@@ -145,17 +143,10 @@ def certify_local(req: Request, key_path: Path | None, progress: StageProgress
     path = key_path if key_path is not None else default_key_path()
     try:
         key = load_or_create_signing_key(path)
-    except (KeyError_, OSError) as exc:
+    except (SigningKeyError, OSError) as exc:
         raise CertifyError(f"signing key: {exc}; pass --key FILE (an Ed25519 PEM private "
                            f"key, created if missing)") from None
-    # As the server does: an upper bound is stated only when it is certified.
-    upper = bound.upper if bound.verdict == "certified" else None
-    passed = upper is not None and math.isfinite(upper) and upper <= req.threshold
-    body = new_certificate_body(
-        model_sha256=bound.model_sha256, norm=bound.norm, seq_len=bound.seq_len,
-        radius=bound.radius, threshold=req.threshold, upper=upper, lower=bound.lower,
-        passed=passed, method=bound.method, lsa_version=bound.lsa_version)
-    return sign_certificate(body, key), bound
+    return sign_report(bound, req.threshold, key, lsa_version=bound.lsa_version), bound
 
 
 def default_key_path() -> Path:

@@ -58,7 +58,7 @@ def keys_list() -> None:
     """List keys (prefix, scope, name, state); never the keys themselves."""
     from sqlalchemy import select
 
-    from service.models import ApiKey
+    from service.tables import ApiKey
 
     engine, sessions = _runtime()
     with sessions() as s:

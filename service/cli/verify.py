@@ -10,12 +10,15 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from . import app
 from .common import EXIT_FAILED, EXIT_OK, fail, set_threads
+
+if TYPE_CHECKING:
+    from api_schemas.certificates import Certificate
 
 REL_TOL = 1e-9
 
@@ -44,7 +47,7 @@ def read_public_key_file(path: Path) -> Any:
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-    from service.certificates import KeyError_, load_public_key
+    from service.certificates import SigningKeyError, load_public_key
 
     try:
         data = path.read_bytes()
@@ -60,12 +63,12 @@ def read_public_key_file(path: Path) -> Any:
         return key.public_key()
     try:
         return load_public_key(data)
-    except KeyError_ as exc:
+    except SigningKeyError as exc:
         raise ValueError(f"{path}: {exc}") from None
 
 
 def server_public_key(server: str, api_key: str | None) -> Any:
-    from service.certificates import KeyError_, load_public_key
+    from service.certificates import SigningKeyError, load_public_key
     from service.client import ClientConfig, ClientError, LSAClient
 
     with LSAClient(ClientConfig(base_url=server, api_key=api_key)) as client:
@@ -75,7 +78,7 @@ def server_public_key(server: str, api_key: str | None) -> Any:
             raise ValueError(f"server {server}: {exc}") from None
     try:
         return load_public_key(pem)
-    except KeyError_ as exc:
+    except SigningKeyError as exc:
         raise ValueError(f"server {server}: public key: {exc}") from None
 
 
@@ -127,12 +130,7 @@ def verify(
         fail("--recompute needs the MODEL file: lsa verify CERT.json MODEL --recompute")
     try:
         cert_data = read_certificate(certificate)
-        if public_key is not None:
-            pub = read_public_key_file(public_key)
-        elif server is not None:
-            pub = server_public_key(server, api_key)
-        else:
-            pub = local_public_key()
+        pub = choose_public_key(public_key, server, api_key)
     except ValueError as exc:
         fail(str(exc))
     if model is not None and not model.is_file():
@@ -145,45 +143,65 @@ def verify(
     typer.echo("signature: valid")
 
     from api_schemas.certificates import Certificate
-    from lsa_models.analysis import sha256_hex
 
     cert = Certificate.model_validate(cert_data)
     if model is not None:
-        try:
-            digest = sha256_hex(model.read_bytes())
-        except OSError as exc:
-            fail(f"{model}: cannot read ({exc.strerror or exc})")
-        if digest != cert.model_sha256:
-            typer.echo(f"INVALID: {model} has sha256 {digest}, the certificate is for "
-                       f"{cert.model_sha256}")
-            raise typer.Exit(EXIT_FAILED)
-        typer.echo(f"model sha256: matches ({digest})")
-
+        check_model_hash(cert, model)
     if recompute:
         assert model is not None
-        from .bound import compute_report
-
-        set_threads()
-        try:
-            report = compute_report(model, cert.norm, cert.seq_len, cert.radius)
-        except (ValueError, TypeError, OSError) as exc:
-            fail(f"recomputing the bound: {exc}")
-        except Exception as exc:  # a traceback would exit 1, which reads as "invalid"
-            fail(f"recomputing the bound: internal error: {type(exc).__name__}: {exc}")
-        if not same_bound(cert.upper, report.upper):
-            typer.echo(f"INVALID: recomputed bound {report.upper} differs from the certified "
-                       f"{cert.upper} (lsa {report.lsa_version} here, {cert.lsa_version} in "
-                       f"the certificate)")
-            raise typer.Exit(EXIT_FAILED)
-        upper = report.upper
-        passed = upper is not None and math.isfinite(upper) and upper <= cert.threshold
-        if passed != cert.passed:
-            typer.echo(f"INVALID: the certificate says passed={cert.passed}, but the bound "
-                       f"{upper} against the threshold {cert.threshold:g} gives {passed}")
-            raise typer.Exit(EXIT_FAILED)
-        typer.echo(f"bound: recomputed {upper} matches the certified {cert.upper}")
-
+        check_recomputed(cert, model)
     verdict = "passed" if cert.passed else "failed"
     typer.echo(f"VALID: certificate {cert.id} ({verdict}: upper {cert.upper} vs threshold "
                f"{cert.threshold:g}, {cert.norm}-norm, N={cert.seq_len})")
     raise typer.Exit(EXIT_OK)
+
+
+def choose_public_key(public_key: Path | None, server: str | None, api_key: str | None) -> Any:
+    if public_key is not None:
+        return read_public_key_file(public_key)
+    if server is not None:
+        return server_public_key(server, api_key)
+    return local_public_key()
+
+
+def check_model_hash(cert: Certificate, model: Path) -> None:
+    """Exit 1 unless `model`'s bytes are the ones the certificate is for."""
+    from lsa_models.analysis import sha256_hex
+
+    try:
+        digest = sha256_hex(model.read_bytes())
+    except OSError as exc:
+        fail(f"{model}: cannot read ({exc.strerror or exc})")
+    if digest != cert.model_sha256:
+        typer.echo(f"INVALID: {model} has sha256 {digest}, the certificate is for "
+                   f"{cert.model_sha256}")
+        raise typer.Exit(EXIT_FAILED)
+    typer.echo(f"model sha256: matches ({digest})")
+
+
+def check_recomputed(cert: Certificate, model: Path) -> None:
+    """Exit 1 unless the bound recomputed here matches the certified one and gives the same
+    verdict under the one pass rule (service.certifying.passed)."""
+    from service.certifying import passed
+
+    from .bound import compute_report
+
+    set_threads()
+    try:
+        report = compute_report(model, cert.norm, cert.seq_len, cert.radius)
+    except (ValueError, TypeError, OSError) as exc:
+        fail(f"recomputing the bound: {exc}")
+    except Exception as exc:  # a traceback would exit 1, which reads as "invalid"
+        fail(f"recomputing the bound: internal error: {type(exc).__name__}: {exc}")
+    if not same_bound(cert.upper, report.upper):
+        typer.echo(f"INVALID: recomputed bound {report.upper} differs from the certified "
+                   f"{cert.upper} (lsa {report.lsa_version} here, {cert.lsa_version} in "
+                   f"the certificate)")
+        raise typer.Exit(EXIT_FAILED)
+    upper = report.upper
+    recomputed = passed(upper if report.verdict == "certified" else None, cert.threshold)
+    if recomputed != cert.passed:
+        typer.echo(f"INVALID: the certificate says passed={cert.passed}, but the bound "
+                   f"{upper} against the threshold {cert.threshold:g} gives {recomputed}")
+        raise typer.Exit(EXIT_FAILED)
+    typer.echo(f"bound: recomputed {upper} matches the certified {cert.upper}")

@@ -21,8 +21,9 @@ def worker(
     """Process jobs from Redis on this machine (needs LSA_REDIS_URL)."""
     from pydantic import ValidationError
 
+    from service import tasks
+    from service.broker import QUEUES
     from service.db import NotMigratedError, ensure_migrated
-    from service.jobs import QUEUES
     from service.runtime import Runtime
     from service.settings import Settings
 
@@ -49,7 +50,7 @@ def worker(
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    runtime.queue.start_worker(names or None)
+    tasks.start_worker(runtime, names or None)
     typer.echo(f"lsa: worker consuming {', '.join(sorted(names or QUEUES))} from "
                f"{settings.redis_url}", err=True)
     try:

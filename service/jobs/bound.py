@@ -8,10 +8,10 @@ from pydantic import BaseModel, ConfigDict
 
 from api_schemas.requests import EmpiricalParams
 
-from ..bounding import analytic_report, find_result, load_model, store_result
-from ..models import Model
+from ..bounding import ModelRef, analytic_report, find_result, load_model, store_result
+from ..tables import UploadedModel
+from .context import JobContext
 from .registry import JobKind, register_job_kind
-from .runner import JobContext
 
 
 class BoundJobParams(BaseModel):
@@ -32,16 +32,17 @@ def run_bound(ctx: JobContext) -> dict[str, Any]:
         done = find_result(s, p.request_key)
         if done is not None:
             return dict(done.report)
-        model = s.get(Model, p.model_id)
-        if model is None:
+        row = s.get(UploadedModel, p.model_id)
+        if row is None:
             raise ValueError(f"model {p.model_id} no longer exists")
-        s.expunge(model)
+        model = ModelRef.of(row)
     ctx.progress(0.02, "loading model", force=True)
     loaded = load_model(ctx.runtime, model)
     ctx.progress(0.05, "analytic bound", force=True)
     report = analytic_report(ctx.runtime, model, p.norm, p.seq_len, p.radius, loaded)
     ctx.progress(0.1, "empirical lower bound", force=True)
 
+    # Deferred: both import torch, which app start-up (importing this handler) does not need.
     from lsa_models.empirical import estimate
 
     from ..reports import with_empirical
@@ -66,9 +67,9 @@ def run_bound(ctx: JobContext) -> dict[str, Any]:
     report = with_empirical(report, est)
     ctx.progress(0.97, "storing result", force=True)
     with ctx.session() as s:
-        model = s.merge(model, load=True)
-        row = store_result(s, model, p.request_key, report, p.empirical.model_dump(mode="json"))
-        return dict(row.report)
+        stored = store_result(s, model, p.request_key, report,
+                              p.empirical.model_dump(mode="json"))
+        return dict(stored.report)
 
 
 register_job_kind(JobKind("bound", queue="bound", handler=run_bound,

@@ -12,14 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import BaseModel
 
-if TYPE_CHECKING:
-    from .runner import JobContext
-
-QUEUES = ("bound", "training")
+from ..broker import QUEUES
+from .context import JobContext
 
 
 @dataclass(frozen=True)

@@ -10,71 +10,23 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import or_, select, update
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from ..db import after_commit, transaction
-from ..models import Job, utcnow
+from ..errors import Conflict, NotFound
+from ..runtime import Runtime
+from ..tables import Job, utcnow
+from .context import JobAborted, JobContext, rowcount
 from .registry import get_job_kind
-
-if TYPE_CHECKING:
-    from ..runtime import Runtime
 
 log = logging.getLogger("lsa.jobs")
 
-STAGE_MAX = 200
-
-
-class JobAborted(Exception):
-    """The job was cancelled (or re-claimed) while running: stop without writing."""
-
-
-class JobContext:
-    def __init__(self, runtime: Runtime, job_id: str, attempt: int,
-                 params: dict[str, Any]) -> None:
-        self.runtime = runtime
-        self.job_id = job_id
-        self.attempt = attempt
-        self.params = params
-        self._last_write = 0.0
-        self._last_stage: str | None = None
-
-    @contextmanager
-    def session(self) -> Iterator[Session]:
-        with transaction(self.runtime.sessions) as s:
-            yield s
-
-    def _fenced(self, **values: Any) -> None:
-        with self.session() as s:
-            res = s.execute(
-                update(Job)
-                .where(Job.id == self.job_id, Job.attempts == self.attempt,
-                       Job.status == "running")
-                .values(heartbeat_at=utcnow(), **values))
-            if res.rowcount != 1:  # type: ignore[attr-defined]
-                raise JobAborted(self.job_id)
-
-    def progress(self, fraction: float, stage: str | None = None, *,
-                 force: bool = False) -> None:
-        """Record progress; raises JobAborted if the job was cancelled. Writes at most a few
-        times a second unless the stage changes."""
-        now = time.monotonic()
-        if not force and stage == self._last_stage and now - self._last_write < 0.5:
-            return
-        values: dict[str, Any] = {"progress": min(max(float(fraction), 0.0), 1.0)}
-        if stage is not None:
-            values["stage"] = stage[:STAGE_MAX]
-        self._fenced(**values)
-        self._last_write, self._last_stage = now, stage
-
-    def check_cancelled(self) -> None:
-        self._fenced()
+__all__ = ["JobAborted", "JobContext", "cancel_job", "recover_jobs", "run_job", "submit_job"]
 
 
 def _claim(runtime: Runtime, job_id: str) -> tuple[int, str, dict[str, Any]] | None:
@@ -84,7 +36,7 @@ def _claim(runtime: Runtime, job_id: str) -> tuple[int, str, dict[str, Any]] | N
             update(Job).where(Job.id == job_id, Job.status == "queued")
             .values(status="running", attempts=Job.attempts + 1, started_at=now,
                     heartbeat_at=now, stage="starting"))
-        if res.rowcount != 1:  # type: ignore[attr-defined]
+        if rowcount(res) != 1:
             return None  # duplicate delivery, cancelled, or already done
         job = s.execute(select(Job).where(Job.id == job_id)).scalar_one()
         return job.attempts, job.kind, dict(job.params)
@@ -96,7 +48,7 @@ def _finish(runtime: Runtime, job_id: str, attempt: int, **values: Any) -> bool:
             update(Job).where(Job.id == job_id, Job.attempts == attempt,
                               Job.status == "running")
             .values(finished_at=utcnow(), heartbeat_at=utcnow(), **values))
-        return bool(res.rowcount == 1)  # type: ignore[attr-defined]
+        return rowcount(res) == 1
 
 
 def _queue_of(kind_name: str) -> str:
@@ -132,7 +84,7 @@ class _Heartbeat(threading.Thread):
     def run(self) -> None:
         while not self.stopped.wait(self.interval_s):
             try:
-                self.ctx._fenced()
+                self.ctx.fenced_write()
             except JobAborted:
                 return
             except Exception:  # a transient database error must not kill the job
@@ -185,7 +137,8 @@ def submit_job(session: Session, runtime: Runtime, kind_name: str, params: dict[
     kind = get_job_kind(kind_name)
     checked = kind.params_schema.model_validate(params).model_dump(mode="json")
     job = Job(kind=kind.name, queue=kind.queue, status="queued", progress=0.0, stage="queued",
-              params=checked, model_id=model_id, request_key=request_key, attempts=0)
+              params=checked, model_id=model_id, request_key=request_key, attempts=0,
+              enqueued_at=utcnow())
     session.add(job)
     session.flush()
     job_id, queue = job.id, job.queue
@@ -194,44 +147,51 @@ def submit_job(session: Session, runtime: Runtime, kind_name: str, params: dict[
 
 
 def recover_jobs(runtime: Runtime, *, all_running: bool, resend_queued: bool = True) -> list[str]:
-    """Requeue jobs whose worker died: running jobs with a stale heartbeat (or every running
-    job, when this process is the only worker and has just started). Then send them, and with
-    `resend_queued` every queued job, to their queues again: the in-memory queue died with the
-    old process, and a duplicate message finds the job claimed and does nothing."""
-    stale_before = utcnow() - timedelta(seconds=runtime.settings.job_stale_after_s)
-    requeued: list[tuple[str, str]] = []
+    """Send again the jobs a dead process left behind, and return their ids:
+
+    - running jobs with a stale heartbeat (or every running job, when this process is the
+      only worker and has just started) go back to queued;
+    - queued jobs whose message was sent more than LSA_JOB_STALE_AFTER_S ago (a dead worker
+      may hold it prefetched: Redis gives it back only in its occasional maintenance), or
+      every queued job with `resend_queued` (the in-memory queue died with the old process).
+
+    A duplicate message finds the job claimed (or done) and does nothing, so each job still
+    runs once per claim and yields one result."""
+    now = utcnow()
+    stale_before = now - timedelta(seconds=runtime.settings.job_stale_after_s)
     with transaction(runtime.sessions) as s:
-        running = s.execute(select(Job.id, Job.queue, Job.attempts, Job.heartbeat_at)
+        running = s.execute(select(Job.id, Job.attempts, Job.heartbeat_at)
                             .where(Job.status == "running")).all()
-        for job_id, queue, attempts, beat in running:
+        for job_id, attempts, beat in running:
             if all_running or beat is None or beat < stale_before:
                 res = s.execute(update(Job).where(Job.id == job_id, Job.attempts == attempts,
                                                   Job.status == "running")
-                                .values(status="queued", stage="requeued: its worker stopped"))
-                if res.rowcount == 1:  # type: ignore[attr-defined]
-                    requeued.append((job_id, queue))
+                                .values(status="queued", stage="requeued: its worker stopped",
+                                        enqueued_at=None))
+                if rowcount(res) == 1:
                     log.warning("job %s: worker stopped mid-run; requeued", job_id)
-        if resend_queued:
-            requeued = [tuple(r) for r in s.execute(  # type: ignore[misc]
-                select(Job.id, Job.queue).where(Job.status == "queued")
-                .order_by(Job.created_at)).all()]
-    for job_id, queue in requeued:
+        due = select(Job.id, Job.queue).where(Job.status == "queued")
+        if not resend_queued:
+            due = due.where(or_(Job.enqueued_at.is_(None), Job.enqueued_at < stale_before))
+        resend = [(str(i), str(q)) for i, q in s.execute(due.order_by(Job.created_at)).all()]
+        if resend:
+            s.execute(update(Job).where(Job.id.in_([i for i, _ in resend]),
+                                        Job.status == "queued").values(enqueued_at=now))
+    for job_id, queue in resend:
         runtime.queue.enqueue(job_id, queue)
-    return [job_id for job_id, _ in requeued]
+    return [job_id for job_id, _ in resend]
 
 
 def cancel_job(session: Session, job_id: str) -> Job:
     """Cancel a queued or running job in one atomic UPDATE (a worker finishing at the same
     moment either wins, and the job stays succeeded, or loses its fenced write)."""
-    from ..errors import Conflict, NotFound
-
     res = session.execute(
         update(Job).where(Job.id == job_id, Job.status.in_(("queued", "running")))
         .values(status="cancelled", stage="cancelled", finished_at=utcnow()))
     job = session.get(Job, job_id, populate_existing=True)
     if job is None:
         raise NotFound(f"no job with id {job_id}")
-    if res.rowcount != 1:  # type: ignore[attr-defined]
+    if rowcount(res) != 1:
         raise Conflict(f"job {job_id} is already {job.status}; only queued or running jobs "
                        "can be cancelled")
     return job

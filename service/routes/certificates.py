@@ -5,32 +5,24 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
+from starlette.concurrency import run_in_threadpool
 
+from api_schemas import BoundReport
 from api_schemas.certificates import CERTIFICATE_EXAMPLE, Certificate, VerifyResult
 from api_schemas.jobs import JobAccepted
 from api_schemas.requests import CertifyRequest
 
-from ..bounding import (
-    analytic_report,
-    best_lower,
-    check_sync_size,
-    find_result,
-    get_model,
-    request_key,
-    resolve_seq_len,
-    store_result,
-)
-from ..certificates import (
-    new_certificate_body,
-    public_key_pem,
-    sign_certificate,
-    verify_certificate,
-)
-from ..deps import ReadAccess, RuntimeDep, SessionDep, WriteAccess
+from ..bounding import resolve_seq_len
+from ..certificates import public_key_pem, verify_certificate
+from ..certifying import find_model, issue_certificate, report_json
+from ..db import transaction
+from ..deps import ReadAccess, ReadSessionDep, RuntimeDep, WriteAccess
 from ..errors import NotFound, responses
-from ..models import CertificateRow
+from ..jobs.training import submit_training
+from ..runtime import Runtime
+from ..tables import CertificateRow
 
 router = APIRouter(tags=["certificates"])
 
@@ -52,42 +44,25 @@ class PublicKey(BaseModel):
     responses={202: {"model": JobAccepted, "description": "A training request was queued on "
                      "the training queue: poll GET /jobs/{job_id}"}, **responses(404)},
 )
-def certify(req: CertifyRequest, runtime: RuntimeDep,
-            session: SessionDep) -> Certificate | JSONResponse:
+async def certify(req: CertifyRequest, runtime: RuntimeDep) -> Response:
     if req.training is not None:
-        from ..training import submit_training
-
-        job = submit_training(session, runtime, req.training)
-        accepted = JobAccepted(job_id=job.id, status="queued")
+        job = await run_in_threadpool(queue_training, runtime, req)
+        accepted = JobAccepted(job_id=job, status="queued")
         return JSONResponse(accepted.model_dump(mode="json"), status_code=202)
     assert req.model_id is not None and req.max_lipschitz is not None  # the validator's rule
-    model = get_model(session, req.model_id)
+    model = await run_in_threadpool(find_model, runtime, req.model_id)
     seq_len = resolve_seq_len(model, req.seq_len)
-    key = request_key(model.sha256, req.norm, seq_len, req.radius, None)
-    stored = find_result(session, key)
-    if stored is not None:
-        upper, verdict, method = stored.upper, stored.verdict, str(stored.report["method"])
-    else:
-        check_sync_size(runtime, model)
-        report = analytic_report(runtime, model, req.norm, seq_len, req.radius)
-        store_result(session, model, key, report, None)
-        upper, verdict, method = report.upper, report.verdict, report.method
-    from lsa_models import __version__
+    report = BoundReport.model_validate_json(
+        await report_json(runtime, model, req.norm, seq_len, req.radius))
+    cert = await run_in_threadpool(issue_certificate, runtime, model, report,
+                                   req.max_lipschitz)
+    return Response(cert.model_dump_json(), status_code=201, media_type="application/json")
 
-    certified = verdict == "certified" and upper is not None
-    body = new_certificate_body(
-        model_sha256=model.sha256, norm=req.norm, seq_len=seq_len, radius=req.radius,
-        threshold=req.max_lipschitz, upper=upper if certified else None,
-        lower=best_lower(session, model, req.norm, seq_len, req.radius),
-        passed=bool(certified and upper is not None and upper <= req.max_lipschitz),
-        method=method, lsa_version=__version__)
-    cert = sign_certificate(body, runtime.signing_key)
-    session.add(CertificateRow(id=cert.id, model_id=model.id, model_sha256=model.sha256,
-                               threshold=cert.threshold, upper=cert.upper, passed=cert.passed,
-                               body=cert.model_dump(mode="json"), issued_at=cert.issued_at))
-    if runtime.metrics is not None:
-        runtime.metrics.certificates.inc()
-    return cert
+
+def queue_training(runtime: Runtime, req: CertifyRequest) -> str:
+    assert req.training is not None
+    with transaction(runtime.sessions) as session:
+        return submit_training(session, runtime, req.training).id
 
 
 @router.get("/certificates/public-key", response_model=PublicKey,
@@ -115,7 +90,7 @@ def verify(
 @router.get("/certificates/{certificate_id}", response_model=Certificate,
             dependencies=[ReadAccess], summary="A certificate as issued",
             responses=responses(404))
-def read_certificate(certificate_id: str, session: SessionDep) -> Certificate:
+def read_certificate(certificate_id: str, session: ReadSessionDep) -> Certificate:
     row = session.get(CertificateRow, certificate_id)
     if row is None:
         raise NotFound(f"no certificate with id {certificate_id}")

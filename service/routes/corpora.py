@@ -11,10 +11,11 @@ from sqlalchemy import select
 
 from api_schemas.training import CorpusOut
 
-from ..deps import ReadAccess, RuntimeDep, SessionDep, WriteAccess
+from ..artifacts import store_once
+from ..deps import ReadAccess, ReadSessionDep, RuntimeDep, SessionDep, WriteAccess
 from ..errors import NotFound, Unprocessable, responses
-from ..models import Artifact, Corpus
-from .uploads import stage_upload, store_once
+from ..tables import Artifact, Corpus
+from .uploads import stage_upload
 
 router = APIRouter(tags=["training"])
 
@@ -59,7 +60,7 @@ def upload_corpus(
         corpus = Corpus(sha256=staged.sha256, filename=filename, size_bytes=staged.size,
                         chars=len(text), vocab_size=len(set(text)))
         stored, created = store_once(
-            session, runtime, staged, "corpus", corpus,
+            session, runtime.artifacts, staged, "corpus", corpus,
             lambda: session.scalar(select(Corpus).where(Corpus.sha256 == staged.sha256)))
         if not created:
             response.status_code = 200
@@ -70,7 +71,7 @@ def upload_corpus(
 
 @router.get("/corpora/{corpus_id}", response_model=CorpusOut, dependencies=[ReadAccess],
             summary="One uploaded corpus", responses=responses(404))
-def read_corpus(corpus_id: str, session: SessionDep) -> CorpusOut:
+def read_corpus(corpus_id: str, session: ReadSessionDep) -> CorpusOut:
     corpus = session.get(Corpus, corpus_id)
     if corpus is None:
         raise NotFound(f"no corpus with id {corpus_id}; upload a text with POST /corpora")
@@ -85,7 +86,7 @@ def read_corpus(corpus_id: str, session: SessionDep) -> CorpusOut:
         "image/png": {"schema": {"type": "string", "format": "binary"}}},
         "description": "The stored bytes"}, **responses(404)},
 )
-def download_artifact(sha256: str, session: SessionDep, runtime: RuntimeDep) -> FileResponse:
+def download_artifact(sha256: str, session: ReadSessionDep, runtime: RuntimeDep) -> FileResponse:
     row = session.get(Artifact, sha256)
     if row is None:
         raise NotFound(f"no artifact with sha256 {sha256}")

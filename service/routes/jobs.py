@@ -6,10 +6,10 @@ from fastapi import APIRouter
 
 from api_schemas.jobs import JobOut
 
-from ..deps import ReadAccess, SessionDep, WriteAccess
+from ..deps import ReadAccess, ReadSessionDep, SessionDep, WriteAccess
 from ..errors import NotFound, responses
-from ..jobs import cancel_job
-from ..models import Job
+from ..jobs.runner import cancel_job
+from ..tables import Job
 
 router = APIRouter(tags=["jobs"])
 
@@ -23,7 +23,7 @@ def job_out(job: Job) -> JobOut:
 
 @router.get("/jobs/{job_id}", response_model=JobOut, dependencies=[ReadAccess],
             summary="A job's status, progress and result", responses=responses(404))
-def read_job(job_id: str, session: SessionDep) -> JobOut:
+def read_job(job_id: str, session: ReadSessionDep) -> JobOut:
     job = session.get(Job, job_id)
     if job is None:
         raise NotFound(f"no job with id {job_id}")

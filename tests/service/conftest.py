@@ -32,14 +32,6 @@ def tiny_model_bytes(seed: int = 0, d_model: int = 8, n_layers: int = 1) -> byte
     return to_bytes(model)
 
 
-def needs_estimator() -> None:
-    """Empirical bounds come from lsa_models.empirical.estimate (another team's module)."""
-    import lsa_models.empirical as empirical
-
-    if not hasattr(empirical, "estimate"):
-        pytest.skip("lsa_models.empirical.estimate does not exist yet", allow_module_level=True)
-
-
 def with_search_path(url: str, schema: str) -> str:
     sep = "&" if "?" in url else "?"
     return f"{url}{sep}options=-csearch_path%3D{schema}"

@@ -14,9 +14,9 @@ from lsa_models.analysis import load_model_bytes
 from service.app import create_app
 from service.certificates import verify_certificate
 from service.cli.bound import compute_report
-from service.models import BoundResultRow, CertificateRow
 from service.reports import bound_report
 from service.settings import Settings
+from service.tables import BoundResultRow, CertificateRow
 
 from .conftest import tiny_model_bytes, upload
 
@@ -231,11 +231,11 @@ def test_health_ready_metrics(client: TestClient, model_bytes: bytes) -> None:
 def test_certify_dot_product_attention_never_passes(client: TestClient) -> None:
     import torch
 
-    from lsa_models import AttentionConfig, DotProductMHA, to_bytes
+    from lsa_models import DotProductMHA, to_bytes
 
     torch.manual_seed(3)
     # Bare dot-product attention (no LayerNorm in front bounding its input).
-    dp = DotProductMHA(AttentionConfig(d_model=8, n_heads=2, kind="dp"))
+    dp = DotProductMHA(8, 2)
     m = upload(client, to_bytes(dp))
     report = client.post("/bound", json={"model_id": m["id"], "norm": "2"}).json()
     assert report["verdict"] == "not_lipschitz" and report["upper"] is None
@@ -274,9 +274,6 @@ def test_bound_empirical_job_yields_the_report(client: TestClient, model_bytes: 
 
     from api_schemas import BoundReport
 
-    from .conftest import needs_estimator
-
-    needs_estimator()
     m = upload(client, model_bytes)
     base = {"model_id": m["id"], "norm": "2", "seq_len": 4}
     req = {**base, "empirical": {"restarts": 1, "steps": 3, "seed": 0, "time_budget_s": 30}}
@@ -301,7 +298,7 @@ def test_bound_empirical_job_yields_the_report(client: TestClient, model_bytes: 
 def test_artifacts_content_addressed_with_metadata(client: TestClient) -> None:
     from service.artifacts import store_artifact
     from service.db import transaction
-    from service.models import Artifact
+    from service.tables import Artifact
 
     rt = client.app.state.runtime  # type: ignore[attr-defined]
     data = b"png bytes " + bytes(range(256))

@@ -13,8 +13,8 @@ from service.app import create_app
 from service.auth import create_key, hash_key
 from service.cli import app as cli_app
 from service.db import transaction
-from service.models import ApiKey
 from service.settings import Settings
+from service.tables import ApiKey
 
 from .conftest import tiny_model_bytes
 

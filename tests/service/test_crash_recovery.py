@@ -11,12 +11,10 @@ import httpx
 from sqlalchemy import func, select
 
 from service.db import make_engine, make_session_factory
-from service.models import BoundResultRow, Job
+from service.tables import BoundResultRow, Job
 
-from .conftest import needs_estimator, tiny_model_bytes
+from .conftest import tiny_model_bytes
 from .procs import free_port, kill, poll_job, start, stop, wait_http
-
-needs_estimator()
 
 
 def test_crash_recovery_server_killed_mid_job_finishes_once(tmp_path: Path) -> None:

@@ -19,9 +19,9 @@ from service.app import create_app
 from service.db import transaction
 from service.jobs import JobContext, JobKind, register_job_kind, run_job, submit_job
 from service.jobs.runner import _finish
-from service.models import Job, utcnow
 from service.runtime import Runtime
 from service.settings import Settings
+from service.tables import Job, utcnow
 
 from .conftest import upload
 
@@ -231,9 +231,6 @@ def test_worker_refuses_without_redis() -> None:
 
 def test_jobs_cancel_stops_a_real_bound_search(app_client: tuple[TestClient, Runtime],
                                                model_bytes: bytes) -> None:
-    from .conftest import needs_estimator
-
-    needs_estimator()
     c, rt = app_client
     m = upload(c, model_bytes)
     slow = {"model_id": m["id"], "norm": "2", "seq_len": 8,

@@ -23,8 +23,8 @@ from service.db import (
     make_engine,
     upgrade,
 )
-from service.models import Base
 from service.settings import Settings
+from service.tables import Base
 
 from .conftest import PgSchemas
 

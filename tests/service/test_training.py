@@ -20,9 +20,9 @@ from api_schemas.certificates import CertificateBody, canonical_bytes
 from service.app import create_app
 from service.db import transaction
 from service.jobs import run_job
-from service.models import CertificateRow, Job, Model
 from service.runtime import Runtime
 from service.settings import Settings
+from service.tables import CertificateRow, Job, UploadedModel
 
 TINY_CORPUS = Path(__file__).resolve().parent.parent / "data" / "tiny_corpus.txt"
 
@@ -168,8 +168,8 @@ def test_training_end_to_end_stores_model_onnx_certificate_and_plot(
         assert again.result == res
         assert s.scalar(select(func.count()).select_from(CertificateRow)
                         .where(CertificateRow.model_id == model_id)) == 1
-        assert s.scalar(select(func.count()).select_from(Model)
-                        .where(Model.sha256 == m["sha256"])) == 1
+        assert s.scalar(select(func.count()).select_from(UploadedModel)
+                        .where(UploadedModel.sha256 == m["sha256"])) == 1
 
 
 def test_training_cancel_stops_the_job(sqlite_client: TestClient) -> None:
@@ -195,8 +195,8 @@ def test_training_cancel_stops_the_job(sqlite_client: TestClient) -> None:
     job = c.get(f"/jobs/{job_id}").json()
     assert job["status"] == "cancelled" and job["result"] is None
     with runtime_of(c).sessions() as s:
-        assert s.scalar(select(func.count()).select_from(Model)
-                        .where(Model.filename == f"char_lm-{job_id[:8]}.safetensors")) == 0
+        assert s.scalar(select(func.count()).select_from(UploadedModel)
+                        .where(UploadedModel.filename == f"char_lm-{job_id[:8]}.safetensors")) == 0
 
 
 @pytest.mark.parametrize(("change", "status", "field"), [
@@ -291,17 +291,18 @@ def test_training_non_contractive_attention_is_certified_but_not_invertible(
 
 def test_training_worker_without_the_signing_key_fails_clearly(
         sqlite_migrated: str, make_settings: Callable[..., Settings], tmp_path: Path) -> None:
-    from lsa_models.training import TrainRequest
+    from api_schemas.training import TrainingSpec
     from service.jobs import submit_job
+    from service.jobs.training import TrainingJobParams
 
     missing = tmp_path / "no-key.pem"
     # A worker runtime: nothing consumes its queue, so run_job below is the only run.
     rt = Runtime(make_settings(sqlite_migrated, signing_key_path=missing))
     try:
-        request = TrainRequest(**{**TINY, "corpus": "ptb"}).to_dict()
+        params = TrainingJobParams(spec=TrainingSpec(**{**TINY, "corpus": "ptb"}),
+                                   corpus_id=None, corpus_sha256=None)
         with transaction(rt.sessions) as s:
-            job_id = submit_job(s, rt, "train_certified", {
-                "request": request, "corpus_id": None, "corpus_sha256": None}).id
+            job_id = submit_job(s, rt, "train_certified", params.model_dump(mode="json")).id
         run_job(rt, job_id)
         with rt.sessions() as s:
             job = s.get(Job, job_id)

@@ -14,14 +14,13 @@ from sqlalchemy import func, select
 
 from service.app import create_app
 from service.db import upgrade
-from service.models import BoundResultRow
 from service.settings import Settings
+from service.tables import BoundResultRow
 
-from .conftest import needs_estimator, tiny_model_bytes, upload
+from .conftest import tiny_model_bytes, upload
 from .procs import kill, poll_job, start, stop
 
 pytestmark = pytest.mark.redis
-needs_estimator()
 
 
 @pytest.fixture

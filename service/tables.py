@@ -1,5 +1,5 @@
-"""SQLAlchemy 2.0 typed models. The migrations in `migrations/versions` build exactly this
-schema (tests compare the two). Every `*_at` column is a UTC timestamp."""
+"""SQLAlchemy 2.0 typed tables (ORM classes). The migrations in `migrations/versions` build
+exactly this schema (tests compare the two). Every `*_at` column is a UTC timestamp."""
 
 from __future__ import annotations
 
@@ -80,7 +80,9 @@ class Artifact(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
-class Model(Base):
+class UploadedModel(Base):
+    """An uploaded (or trained) model: its bytes are the artifact `sha256`."""
+
     __tablename__ = "models"
 
     id: Mapped[str] = mapped_column(String(36), primary_key=True, default=new_id)
@@ -94,6 +96,9 @@ class Model(Base):
     default_seq_len: Mapped[int] = mapped_column(Integer)
     fixed_seq_len: Mapped[int | None] = mapped_column(Integer)
     summary: Mapped[dict[str, Any]] = mapped_column(JSON)
+    # When onnxruntime agreed with the torch evaluation of this ONNX upload (None: native, or
+    # stored before this was recorded): later loads of the same bytes skip the comparison.
+    ort_verified_at: Mapped[datetime | None] = mapped_column()
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
@@ -171,6 +176,9 @@ class Job(Base):
     # Incremented on every claim; a worker only writes while its attempt is current, so a
     # job re-run after a crash can never be finished twice.
     attempts: Mapped[int] = mapped_column(Integer, default=0)
+    # When its message was last sent to the broker: a queued job whose message sat longer
+    # than LSA_JOB_STALE_AFTER_S (held by a dead worker) is sent again.
+    enqueued_at: Mapped[datetime | None] = mapped_column()
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column()
     heartbeat_at: Mapped[datetime | None] = mapped_column()

@@ -67,47 +67,55 @@ Deriv = tuple[Callable[[np.ndarray], np.ndarray],
               Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]]
 
 
+def _mono(d: Callable[[np.ndarray], np.ndarray]) -> Deriv:
+    return d, lambda a, b: _monotone_range(d, a, b)
+
+
+def _bell(d: Callable[[np.ndarray], np.ndarray]) -> Deriv:
+    return d, lambda a, b: _bell_range(d, a, b)
+
+
+def _relu_d(x: np.ndarray) -> np.ndarray:
+    return (x > 0).astype(np.float64)
+
+
+def _pow(lo: np.ndarray, p: float) -> Deriv:
+    if p == 2.0:
+        return _mono(lambda x: 2.0 * x)
+    if p == 1.0:
+        return _mono(np.ones_like)
+    if np.any(lo <= 0):
+        raise LocalNotCertified(f"Pow with exponent {p} of a value the ball can bring to <= 0")
+    return _mono(lambda x: p * np.power(x, p - 1.0))
+
+
+# f' for the functions whose derivative needs no domain check
+_SMOOTH: dict[str, Callable[[], Deriv]] = {
+    "relu": lambda: (_relu_d, lambda a, b: (np.where(a > 0, 1.0, 0.0),
+                                            np.where(b > 0, 1.0, 0.0))),
+    "tanh": lambda: _bell(lambda x: 1.0 - np.tanh(x) ** 2),
+    "sigmoid": lambda: _bell(_sigmoid_d),
+    "erf": lambda: _bell(lambda x: (2.0 / math.sqrt(math.pi)) * np.exp(-x * x)),
+    "gelu": lambda: (_gelu_d, _gelu_range),
+    "exp": lambda: _mono(np.exp),
+}
+
+
 def derivative(kind: str, lo: np.ndarray, hi: np.ndarray, exponent: float = 2.0) -> Deriv:
     """(f', range of f' over [lo, hi]) for an elementwise function; refuses ranges outside
     its domain."""
-    def mono(d: Callable[[np.ndarray], np.ndarray]) -> Deriv:
-        return d, lambda a, b: _monotone_range(d, a, b)
-
-    def bell(d: Callable[[np.ndarray], np.ndarray]) -> Deriv:
-        return d, lambda a, b: _bell_range(d, a, b)
-
-    if kind == "relu":
-        def relu_d(x: np.ndarray) -> np.ndarray:
-            return (x > 0).astype(np.float64)
-        return relu_d, lambda a, b: (np.where(a > 0, 1.0, 0.0), np.where(b > 0, 1.0, 0.0))
-    if kind == "tanh":
-        return bell(lambda x: 1.0 - np.tanh(x) ** 2)
-    if kind == "sigmoid":
-        return bell(_sigmoid_d)
-    if kind == "erf":
-        return bell(lambda x: (2.0 / math.sqrt(math.pi)) * np.exp(-x * x))
-    if kind == "gelu":
-        return _gelu_d, _gelu_range
-    if kind == "exp":
-        return mono(np.exp)
+    if kind in _SMOOTH:
+        return _SMOOTH[kind]()
     if kind == "sqrt":
         if np.any(lo <= 0):
             raise LocalNotCertified("Sqrt of a value the ball can bring to <= 0")
-        return mono(lambda x: 0.5 / np.sqrt(x))
+        return _mono(lambda x: 0.5 / np.sqrt(x))
     if kind == "reciprocal":
         if np.any((lo <= 0) & (hi >= 0)):
             raise LocalNotCertified("a division by a value the ball can bring to 0")
-        return mono(lambda x: -1.0 / (x * x))
+        return _mono(lambda x: -1.0 / (x * x))
     if kind == "pow":
-        p = exponent
-        if p == 2.0:
-            return mono(lambda x: 2.0 * x)
-        if p == 1.0:
-            return mono(np.ones_like)
-        if np.any(lo <= 0):
-            raise LocalNotCertified(f"Pow with exponent {p} of a value the ball can bring "
-                                    "to <= 0")
-        return mono(lambda x: p * np.power(x, p - 1.0))
+        return _pow(lo, exponent)
     raise LocalNotCertified(f"no local rule for the elementwise function {kind}")
 
 

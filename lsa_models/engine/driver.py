@@ -105,6 +105,9 @@ def local_jacobian(model: OnnxModel, x0: np.ndarray, eps: float, norm: str,
         raise ValueError(f"unknown norm {norm!r}; use '2' or 'inf'")
     _check_eps(eps)
     x = check_center(model, x0)
+    if x.size * x.size > MAX_JACOBIAN_ENTRIES:
+        raise LocalNotCertified(f"the input has {x.size} entries: its Jacobian enclosure would "
+                                f"exceed {MAX_JACOBIAN_ENTRIES} entries per tensor")
     module = model.module.with_dtype(torch.float64)
     with torch.no_grad():
         env = module.run_env(torch.from_numpy(x))

@@ -12,11 +12,16 @@ from torch import nn
 D, N, CLASSES = 16, 8, 4
 
 
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU in its tanh form (GPT-2's): auto_LiRPA, the benchmark baseline, has no Erf."""
+    return nn.functional.gelu(x, approximate="tanh")
+
+
 class MLPClassifier(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Flatten(1), nn.Linear(N * D, 64), nn.GELU(),
-                                 nn.Linear(64, 32), nn.GELU(), nn.Linear(32, CLASSES))
+        self.net = nn.Sequential(nn.Flatten(1), nn.Linear(N * D, 64), nn.GELU("tanh"),
+                                 nn.Linear(64, 32), nn.GELU("tanh"), nn.Linear(32, CLASSES))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, N, D) -> (B, K)
         return self.net(x)
@@ -28,7 +33,7 @@ class TransformerClassifier(nn.Module):
         self.blocks = nn.ModuleList([
             nn.TransformerEncoderLayer(D, nhead=2, dim_feedforward=32, dropout=0.0,
                                        batch_first=True, norm_first=True,
-                                       activation="gelu")
+                                       activation=_gelu_tanh)
             for _ in range(layers)])
         self.norm = nn.LayerNorm(D)
         self.head = nn.Linear(D, CLASSES)

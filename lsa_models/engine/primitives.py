@@ -79,11 +79,25 @@ def _relu_d(x: np.ndarray) -> np.ndarray:
     return (x > 0).astype(np.float64)
 
 
+def _even_range(d: Callable[[np.ndarray], np.ndarray], lo: np.ndarray,
+                hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Range of an even derivative increasing in |x| (p x^{p-1}, p - 1 even)."""
+    lo_r, hi_r = _bell_range(d, lo, hi)  # bell: (value far, value near)
+    return hi_r, lo_r
+
+
 def _pow(lo: np.ndarray, p: float) -> Deriv:
     if p == 2.0:
         return _mono(lambda x: 2.0 * x)
     if p == 1.0:
         return _mono(np.ones_like)
+    if p == int(p) and 2 < p <= 16:
+        # integer exponents: p x^{p-1} is monotone (p - 1 odd) or even and increasing in |x|
+        def d(x: np.ndarray) -> np.ndarray:
+            return p * np.power(x, p - 1.0)
+        if int(p - 1) % 2:
+            return _mono(d)
+        return d, lambda a, b: _even_range(d, a, b)
     if np.any(lo <= 0):
         raise LocalNotCertified(f"Pow with exponent {p} of a value the ball can bring to <= 0")
     return _mono(lambda x: p * np.power(x, p - 1.0))

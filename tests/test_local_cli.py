@@ -50,3 +50,20 @@ def test_local_cli_bad_input_exits_2(tf1_path: Path, tmp_path: Path, args: list[
              "missing.npy": str(tmp_path / "missing.npy")}
     res = CliRunner().invoke(app, ["bound", str(tf1_path)] + [paths.get(a, a) for a in args])
     assert res.exit_code == 2 and message in res.stderr, res.output
+
+
+def test_local_cli_native_model_goes_through_the_same_engine(tmp_path: Path) -> None:
+    import lsa_models
+
+    model = lsa_models.Transformer(lsa_models.TransformerConfig(d_model=8, n_heads=2,
+                                                                n_layers=1, d_ff=16))
+    lsa_models.save(model, tmp_path / "m.safetensors")
+    np.save(tmp_path / "x.npy", np.random.default_rng(0).standard_normal((6, 8)))
+    res = CliRunner().invoke(app, ["bound", str(tmp_path / "m.safetensors"), "--at",
+                                   str(tmp_path / "x.npy"), "--eps", "0.01", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    glob = json.loads(CliRunner().invoke(app, ["bound", str(tmp_path / "m.safetensors"),
+                                               "--seq-len", "6", "--json"]).stdout)
+    assert out["verdict"] == "certified" and out["upper"] < glob["upper"]
+    assert out["domain"]["eps"] == 0.01

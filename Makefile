@@ -6,6 +6,10 @@ BIN := $(VENV)/bin
 # bare `torch` (a multi-GB CUDA download).
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 TORCH ?= torch==2.13.0
+# The `zoo` extra (tests/zoo) is installed under a torch constraint so nothing pulls CUDA.
+# timm and transformers' ViT import torchvision, whose registry wheel is a CUDA build: it goes
+# in with --no-deps (tests/zoo/tv_schemas.py lets it import without its C ops).
+TORCHVISION ?= torchvision==0.28.0
 # Two cores: BLAS thread pools fighting torch's and each other's cost more than they give
 # (eigvalsh for certified spectral norms ran 20x slower multi-threaded).
 export OPENBLAS_NUM_THREADS ?= 1
@@ -19,7 +23,9 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(FIND_LINKS) $(TORCH)
-	$(BIN)/pip install -q $(FIND_LINKS) -e '.[dev,ptb]'
+	echo '$(TORCH)' > $(VENV)/constraints.txt
+	$(BIN)/pip install -q $(FIND_LINKS) -c $(VENV)/constraints.txt -e '.[dev,ptb,zoo]'
+	$(BIN)/pip install -q --no-deps $(TORCHVISION)
 	touch $@
 
 serve: install

@@ -1,6 +1,8 @@
 """Training requests (the training form of POST /certify), uploaded corpora, and what a
-training job returns. The limits here are the wire's; `lsa_models.training.TrainRequest`
-re-checks every value (and cross-field rules such as d_model % n_heads) before a job starts."""
+training job returns. The limits here are the wire's; the service maps a `TrainingSpec` to
+the library's configs (`service.training.training_configs`: `lsa_models.lm.LMConfig` and
+`lsa_models.training.TrainConfig`), which re-check every value (and cross-field rules such as
+d_model % n_heads) before a job is queued."""
 
 from __future__ import annotations
 

@@ -179,7 +179,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    styles = {"healthz": "k--", "cached": "o-", "uncached": "s-"}
+    styles = {"healthz": ":", "cached": "-", "uncached": "--"}
+    markers = {"healthz": "x", "cached": "o", "uncached": "s"}
+    colors = {"sqlite": "tab:blue", "postgresql": "tab:red"}
     for run in result["runs"]:
         for kind, style in styles.items():
             cells = [c for c in run["cells"] if c["kind"] == kind
@@ -188,8 +190,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
                 continue
             xs = [c["concurrency"] for c in cells]
             label = f"{run['database']} {kind}"
-            axes[0].plot(xs, [c["throughput_rps"] for c in cells], style, label=label)
-            axes[1].plot(xs, [c["p99_ms"] for c in cells], style, label=label)
+            look = {"linestyle": style, "marker": markers[kind],
+                    "color": colors.get(run["database"], "k"), "label": label}
+            axes[0].plot(xs, [c["throughput_rps"] for c in cells], **look)
+            axes[1].plot(xs, [c["p99_ms"] for c in cells], **look)
     for ax, title in zip(axes, ("throughput (req/s)", "p99 latency (ms)"), strict=True):
         ax.set_xscale("log")
         ax.set_xlabel("concurrent clients")

@@ -6,7 +6,7 @@ unit weights, and for random weights (D=4, H=2; D=16, H=4); plus the lower bound
 same way for DP-MHA (D = H = 1, unit weights), which keeps growing. Target (issue 3): for
 D = H = 1, upper/lower <= 1.35 for every N <= 50.
 
-Also science.md's random-weight case (issue 15: D = 8, H = 2, N = 12, weight entries of
+Also docs/theory.md's random-weight case (issue 15: D = 8, H = 2, N = 12, weight entries of
 scale 0.6) in both norms: Theorem 3.2 alone and the certified bound `l2_mha_bound` reports
 (the smallest of the chained candidates, docs/certification.md), each against the best lower
 bound found (`--d8-restarts` restarts, float64). Writes bench/out/tightness.json and .png and

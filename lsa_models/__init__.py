@@ -7,12 +7,20 @@ from .attention import L2MHA, DotProductMHA, build_attention
 from .blocks import FeedForward, Transformer, TransformerBlock
 from .bounds import BoundResult, LayerBound, certify
 from .checkpoint import CheckpointError, from_bytes, load, register_model_kind, save, to_bytes
-from .config import AttentionConfig, BlockConfig, ConfigError, FFNConfig, TransformerConfig
+from .config import (
+    ATTENTION_NAMES,
+    AttentionConfig,
+    BlockConfig,
+    ConfigError,
+    FFNConfig,
+    TransformerConfig,
+)
 from .lm import CharTransformerLM, LMConfig  # registers the "char_lm" checkpoint kind
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ATTENTION_NAMES",
     "AttentionConfig",
     "BlockConfig",
     "BoundResult",

@@ -46,7 +46,7 @@ def load_native(data: bytes, filename: str = "") -> NativeModel:
     continuous = getattr(module, "continuous_part", None)
     if callable(continuous):
         module = continuous()
-    d_model = getattr(module.config, "d_model", None)  # type: ignore[union-attr]
+    d_model = getattr(module.config, "d_model", None)
     summary = {
         "kind": meta.get("kind"),
         "config": module.config.__dict__ if hasattr(module, "config") else {},

@@ -101,7 +101,7 @@ def to_bytes(model: nn.Module, extra_metadata: dict[str, str] | None = None) -> 
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "kind": kind.name,
-        "config": json.dumps(config_to_dict(model.config), sort_keys=True),  # type: ignore[arg-type]
+        "config": json.dumps(config_to_dict(model.config), sort_keys=True),
     }
     metadata.update(extra_metadata or {})
     tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}

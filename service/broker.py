@@ -42,8 +42,10 @@ class JobQueue:
                       Pipelines(), Retries(max_retries=0)]
         self.broker: dramatiq.Broker
         if settings.redis_url:
-            self.broker = RedisBroker(url=settings.redis_url, namespace=settings.redis_namespace,
-                                      middleware=middleware)
+            # dramatiq's RedisBroker.__init__ has no annotations.
+            self.broker = RedisBroker(  # type: ignore[no-untyped-call]
+                url=settings.redis_url, namespace=settings.redis_namespace,
+                middleware=middleware)
         else:
             self.broker = StubBroker(middleware=middleware)
         self._run: Callable[[str], None] | None = None

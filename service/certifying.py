@@ -13,12 +13,11 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections import OrderedDict
-from threading import Lock
 from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sqlalchemy import select
+from starlette.concurrency import run_in_threadpool
 
 from api_schemas import BoundReport
 from api_schemas.certificates import Certificate
@@ -30,7 +29,6 @@ from .bounding import (
     best_lower,
     check_sync_size,
     find_result,
-    load_bytes,
     request_key,
     store_result,
 )
@@ -38,15 +36,11 @@ from .certificates import new_certificate_body, sign_certificate
 from .compute import ComputeBusy
 from .db import transaction
 from .errors import InvalidModel, NotFound
+from .model_cache import load_bytes
 from .runtime import Runtime
 from .tables import CertificateRow, UploadedModel, utcnow
 
 log = logging.getLogger("lsa.service")
-
-# Rendered reports kept in memory by request key (results never change once stored).
-REPORT_CACHE_SIZE = 4096
-MODEL_REF_CACHE_SIZE = 4096
-
 
 def passed(upper: float | None, threshold: float) -> bool:
     """The one pass rule of every certificate: a certified upper bound exists, is finite and
@@ -54,39 +48,9 @@ def passed(upper: float | None, threshold: float) -> bool:
     return upper is not None and math.isfinite(upper) and upper <= threshold
 
 
-class _LRU:
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self._lock = Lock()
-        self._items: OrderedDict[str, Any] = OrderedDict()
-
-    def get(self, key: str) -> Any:
-        with self._lock:
-            value = self._items.get(key)
-            if value is not None:
-                self._items.move_to_end(key)
-            return value
-
-    def put(self, key: str, value: Any) -> None:
-        with self._lock:
-            self._items[key] = value
-            self._items.move_to_end(key)
-            while len(self._items) > self.size:
-                self._items.popitem(last=False)
-
-
-_refs = _LRU(MODEL_REF_CACHE_SIZE)
-_reports = _LRU(REPORT_CACHE_SIZE)
-
-
-def _scoped(runtime: Runtime, key: str) -> str:
-    # Caches are per process; several runtimes (tests) may point at different databases.
-    return f"{id(runtime)}:{key}"
-
-
 def find_model(runtime: Runtime, model_id: str) -> ModelRef:
     """The model `model_id` (404 when there is none), from memory when seen before."""
-    cached = _refs.get(_scoped(runtime, model_id))
+    cached = runtime.model_refs.get(model_id)
     if isinstance(cached, ModelRef):
         return cached
     with transaction(runtime.read_sessions) as s:
@@ -95,13 +59,13 @@ def find_model(runtime: Runtime, model_id: str) -> ModelRef:
             raise NotFound(f"no model with id {model_id}; upload one with POST /models "
                            "(GET /models lists them)")
         ref = ModelRef.of(row)
-    _refs.put(_scoped(runtime, model_id), ref)
+    runtime.model_refs.put(model_id, ref)
     return ref
 
 
 def stored_report_json(runtime: Runtime, key: str) -> bytes | None:
     """The stored report of request `key` as JSON bytes, or None (read-only transaction)."""
-    cached = _reports.get(_scoped(runtime, key))
+    cached = runtime.reports.get(key)
     if isinstance(cached, bytes):
         return cached
     with transaction(runtime.read_sessions) as s:
@@ -114,7 +78,7 @@ def stored_report_json(runtime: Runtime, key: str) -> bytes | None:
 
 def _remember(runtime: Runtime, key: str, report: BoundReport) -> bytes:
     body = report.model_dump_json().encode()
-    _reports.put(_scoped(runtime, key), body)
+    runtime.reports.put(key, body)
     return body
 
 
@@ -149,11 +113,8 @@ async def report_json(runtime: Runtime, model: ModelRef, norm: str, seq_len: int
     """`get_or_compute_report` for the server, as JSON bytes: the stored report from memory
     or a read-only transaction, else computed on the compute pool (a bounded queue: 503 with
     Retry-After when it is full). Request threads never wait for a computation."""
-    # Deferred import: anyio's threadpool is the request threads (sized at app start).
-    from starlette.concurrency import run_in_threadpool
-
     key = request_key(model.sha256, norm, seq_len, radius, None)
-    cached = _reports.get(_scoped(runtime, key))
+    cached = runtime.reports.get(key)
     if isinstance(cached, bytes):
         return cached
     stored = await run_in_threadpool(stored_report_json, runtime, key)

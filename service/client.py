@@ -76,6 +76,14 @@ class JobFailed(ClientError):
         super().__init__(f"job {job_id} {status}: {error}")
 
 
+def retry_after_s(resp: httpx.Response, cap: float) -> float:
+    """The Retry-After header in seconds (0 when absent or not a number), at most `cap`."""
+    try:
+        return min(max(float(resp.headers.get("retry-after", "0")), 0.0), cap)
+    except ValueError:
+        return 0.0
+
+
 def _api_error(resp: httpx.Response, method: str, path: str) -> APIError:
     try:
         body = resp.json()
@@ -123,9 +131,10 @@ class LSAClient:
     def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         """Send with retries; return a 2xx response or raise APIError / ServerUnreachable."""
         last: Exception | None = None
+        wait_at_least = 0.0  # the server's Retry-After (503 busy), capped like the backoff
         for attempt in range(self.config.retries + 1):
             if attempt:
-                self._sleep(self.backoff(attempt - 1))
+                self._sleep(max(self.backoff(attempt - 1), wait_at_least))
             try:
                 resp = self._http.request(method, path, **kwargs)
             except httpx.TransportError as exc:  # connect/read/write errors and timeouts
@@ -133,6 +142,7 @@ class LSAClient:
                 continue
             if resp.status_code in RETRY_STATUS:
                 last = _api_error(resp, method, path)
+                wait_at_least = retry_after_s(resp, self.config.backoff_max_s)
                 continue
             if resp.is_error:
                 raise _api_error(resp, method, path)

@@ -11,6 +11,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
@@ -84,9 +88,7 @@ def transaction(factory: sessionmaker[Session]) -> Iterator[Session]:
         yield session
 
 
-def alembic_config(url: str) -> Any:
-    from alembic.config import Config
-
+def alembic_config(url: str) -> Config:
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
     # ConfigParser interpolation would eat '%' in passwords.
@@ -95,26 +97,18 @@ def alembic_config(url: str) -> Any:
 
 
 def upgrade(url: str, revision: str = "head") -> None:
-    from alembic import command
-
     command.upgrade(alembic_config(url), revision)
 
 
 def downgrade(url: str, revision: str) -> None:
-    from alembic import command
-
     command.downgrade(alembic_config(url), revision)
 
 
 def head_revision() -> str | None:
-    from alembic.script import ScriptDirectory
-
     return ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
 
 
 def current_revision(engine: Engine) -> str | None:
-    from alembic.runtime.migration import MigrationContext
-
     with engine.connect() as conn:
         return MigrationContext.configure(conn).get_current_revision()
 

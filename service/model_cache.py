@@ -44,6 +44,29 @@ def load_bytes(data: bytes, filename: str, *, check_ort: bool = True) -> LoadedM
     return load_model_bytes(data, filename)
 
 
+class LRU:
+    """A thread-safe map keeping the `size` most recently used entries."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._lock = threading.Lock()
+        self._items: OrderedDict[str, object] = OrderedDict()
+
+    def get(self, key: str) -> object | None:
+        with self._lock:
+            value = self._items.get(key)
+            if value is not None:
+                self._items.move_to_end(key)
+            return value
+
+    def put(self, key: str, value: object) -> None:
+        with self._lock:
+            self._items[key] = value
+            self._items.move_to_end(key)
+            while len(self._items) > self.size:
+                self._items.popitem(last=False)
+
+
 class ModelCache:
     def __init__(self, size: int) -> None:
         self.size = size

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
+
 from api_schemas import BoundReport, LayerBoundOut
 from api_schemas.bounds import GrowthPoint, Witness
 from lsa_models import __version__
 from lsa_models.bounds import BoundResult
+from lsa_models.empirical import ratio
 
 if TYPE_CHECKING:
     from lsa_models.empirical import EmpiricalResult
@@ -45,10 +48,6 @@ def with_empirical(report: BoundReport, result: EmpiricalResult) -> BoundReport:
     (bounded domain) a witness outside the report's radius, whose norm would not be a lower
     bound there; run `estimate(..., radius=report.radius)` for such reports.
     """
-    import torch
-
-    from lsa_models.empirical import ratio
-
     n, d = result.input_shape
     if result.norm != report.norm:
         raise ValueError(f"the empirical estimate is for the {result.norm}-norm, the report for "

@@ -16,8 +16,12 @@ from .certificates import load_or_create_signing_key
 from .compute import ComputePool
 from .db import make_engine, make_read_session_factory, make_session_factory
 from .metrics import Metrics
-from .model_cache import ModelCache
+from .model_cache import LRU, ModelCache
 from .settings import Settings
+
+# Entries, not bytes: a model snapshot is a few hundred bytes, a report a few kilobytes.
+MODEL_REF_CACHE_SIZE = 4096
+REPORT_CACHE_SIZE = 4096
 
 
 @dataclass
@@ -31,6 +35,10 @@ class Runtime:
     read_sessions: sessionmaker[Session] = field(init=False)
     artifacts: ArtifactStore = field(init=False)
     models: ModelCache = field(init=False)
+    # Rows and rendered reports never change once stored: model snapshots by id, report JSON
+    # by request key.
+    model_refs: LRU = field(init=False)
+    reports: LRU = field(init=False)
 
     def __post_init__(self) -> None:
         self.engine = make_engine(self.settings.database_url,
@@ -39,6 +47,8 @@ class Runtime:
         self.read_sessions = make_read_session_factory(self.engine)
         self.artifacts = ArtifactStore(self.settings.artifact_dir)
         self.models = ModelCache(self.settings.model_cache_size)
+        self.model_refs = LRU(MODEL_REF_CACHE_SIZE)
+        self.reports = LRU(REPORT_CACHE_SIZE)
         if self.metrics is not None:
             self.metrics.watch_store(self.read_sessions)
 

@@ -25,6 +25,7 @@ from api_schemas.training import ArtifactLink, TrainingResult, TrainingSpec
 from .artifacts import store_artifact
 from .bounding import load_bytes
 from .certificates import new_certificate_body, sign_certificate
+from .certifying import passed
 from .errors import InvalidRequest
 from .settings import Settings
 from .tables import CertificateRow, Corpus, UploadedModel
@@ -158,12 +159,12 @@ def store_outcome(session: Session, runtime: Runtime, job_id: str, outcome: Trai
               if cert.attention == "contractive_l2" else
               f"trained {cert.attention} Transformer: no residual branch is scaled to a "
               "constant < 1, so no invertibility certificate; ") + cert.method
-    # passed predicate: the certified upper bound against the threshold c (< 1)
-    passed = bool(invertible and max_branch is not None and max_branch <= cert.c < 1.0)
+    # the one `passed` rule (certified upper <= threshold), plus c < 1: only then invertible
+    ok = bool(invertible and cert.c < 1.0 and passed(max_branch, cert.c))
     body = new_certificate_body(
         id=certificate_id_for_job(job_id), model_sha256=model_sha, norm="2",
         seq_len=cert.seq_len, radius=None, threshold=cert.c, upper=max_branch, lower=None,
-        passed=passed, method=method[:2000], lsa_version=__version__,
+        passed=ok, method=method[:2000], lsa_version=__version__,
         training=training_section)
     signed = sign_certificate(body, runtime.signing_key)
     session.add(CertificateRow(id=signed.id, model_id=model.id, model_sha256=model_sha,

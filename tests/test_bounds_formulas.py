@@ -207,7 +207,7 @@ def test_l2_mha_per_head_candidate_is_never_above_theorem_3_2(seed: int, norm: s
 
 
 def test_l2_mha_bound_tightens_the_d8_h2_case() -> None:
-    """science.md's "Asymptotic tightness" case (D = 8, H = 2, N = 12, entries of scale 0.6):
+    """The random-weight tightness case of issue 15 (D = 8, H = 2, N = 12, entries of scale 0.6):
     the chained bound is below Theorem 3.2 in both norms."""
     rng = np.random.default_rng(0)
     wq, wv, wo = (rng.normal(size=(2, 8, 4)) * 0.6, rng.normal(size=(2, 8, 4)) * 0.6,

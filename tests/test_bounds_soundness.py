@@ -86,7 +86,7 @@ def test_l2_mha_every_candidate_never_below_jacobian_norm(seed: int, n: int, hea
     """Each bound `l2_mha_bound` takes the minimum of holds on its own (docs/certification.md,
     "A tighter L2 attention bound"): a wrong derivation cannot hide behind a looser one."""
     cfg = AttentionConfig(heads * head_dim, heads, causal=causal)
-    m = L2MHA(cfg)
+    m = L2MHA.from_config(cfg)
     _randomise(m, seed, w_scale)
     bounds = l2_mha_candidates(m.query_weights().detach(), m.value_weights().detach(),
                                m.output_weight().detach(), n, norm, causal)

@@ -58,6 +58,17 @@ def test_client_retries_5xx_with_doubling_backoff() -> None:
     assert sleeps == [0.5, 1.0]
 
 
+def test_client_waits_the_servers_retry_after_when_busy() -> None:
+    busy = httpx.Response(503, headers={"Retry-After": "3"},
+                          json={"error": "busy", "detail": "compute queue full"})
+    handler, seen = scripted([busy, busy, httpx.Response(200, json={"status": "ok"})])
+    sleeps: list[float] = []
+    with make_client(handler, sleeps, backoff_s=0.5, backoff_max_s=8) as client:
+        assert client.health() == {"status": "ok"}
+    assert len(seen) == 3
+    assert sleeps == [3.0, 3.0]  # Retry-After beats the shorter backoff
+
+
 def test_client_retries_connection_errors() -> None:
     handler, seen = scripted([httpx.ConnectError("refused"), httpx.ReadTimeout("slow"),
                               httpx.Response(200, json={"status": "ok"})])

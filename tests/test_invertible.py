@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lsa_models import certify
+from lsa_models.bounds.formulas import l2_mha_candidates
 from lsa_models.config import AttentionConfig, ConfigError
 from lsa_models.invertible import (
     ContractiveFFNBlock,
@@ -48,7 +49,7 @@ def _trunk(seed: int, d: int, h: int, layers: int, n: int, c: float, causal: boo
     with torch.no_grad():
         for p in trunk.parameters():
             p.mul_(weight_scale)
-    return trunk
+    return trunk.eval()  # certified scales (training mode uses estimates)
 
 
 @settings(max_examples=40)
@@ -201,6 +202,7 @@ def test_logdet_estimate_within_three_standard_errors(kind):
         blk = ContractiveL2Block(ContractiveL2Config(4, 2, 3, 0.9, causal=False)).double()
     else:
         blk = ContractiveFFNBlock(ContractiveFFNConfig(4, 8, 0.9, "tanh")).double()
+    blk.eval()  # the certified scale (training mode uses power-iteration estimates)
     x = torch.randn(1, 3, 4, dtype=F64) * 2
     jac = _jac(blk.branch, x[0])
     exact = torch.linalg.slogdet(torch.eye(jac.shape[0], dtype=F64) + jac).logabsdet
@@ -254,8 +256,11 @@ def test_scale_follows_weight_updates():
 
 
 def test_forward_uses_certified_scale_and_surrogate_gradient():
+    """The slower scheme (`estimate_in_training = False`, and any grad-enabled call outside
+    training mode): the forward value is the certified scale, the gradient the surrogate's."""
     torch.manual_seed(1)
     blk = ContractiveL2Block(ContractiveL2Config(4, 2, 8, 0.9))
+    blk.estimate_in_training = False
     u_cert, s_cert = blk._certified()
     s = blk.scale()
     assert isinstance(s, torch.Tensor) and s.requires_grad
@@ -268,6 +273,61 @@ def test_forward_uses_certified_scale_and_surrogate_gradient():
     assert g is not None and torch.isfinite(g).all() and g.abs().sum() > 0
     with torch.no_grad():
         assert blk.scale() == s_cert  # no surrogate without grad
+
+
+def test_contractive_scale_uses_the_tighter_bound():
+    torch.manual_seed(1)
+    blk = ContractiveL2Block(ContractiveL2Config(8, 2, 12, 0.9)).eval()
+    a = blk.attn
+    found = l2_mha_candidates(a.query_weights(), a.value_weights(), a.output_weight(), 12, "2",
+                              causal=True)
+    u_cert, s_cert = blk._certified()
+    assert u_cert == min(found.values()) < found["theorem_3_2"]
+    assert blk.scale() == s_cert and blk.lipschitz_upper() <= 0.9
+
+
+@pytest.mark.parametrize("kind", ["attn", "ffn"])
+def test_training_scale_is_a_cheap_estimate_and_eval_is_certified(kind):
+    torch.manual_seed(2)
+    blk = (ContractiveL2Block(ContractiveL2Config(8, 2, 12, 0.9)) if kind == "attn"
+           else ContractiveFFNBlock(ContractiveFFNConfig(8, 16, 0.9)))
+    opt = torch.optim.SGD(blk.parameters(), lr=1e-2)
+    x = torch.randn(2, 12, 8)
+    for _ in range(5):  # a few optimiser steps in training mode: estimates, no certificate
+        blk.train()
+        opt.zero_grad()
+        blk(x).square().sum().backward()
+        assert all(p.grad is not None and torch.isfinite(p.grad).all()
+                   for p in blk.parameters())
+        opt.step()
+    blk.eval()
+    if isinstance(blk, ContractiveL2Block):
+        blk.train()
+        est = float(blk.estimated_u().detach())
+        blk.eval()
+        u_cert, s_cert = blk._certified()
+        a = blk.attn
+        followed = l2_mha_candidates(a.query_weights(), a.value_weights(), a.output_weight(),
+                                     12, "2", causal=True)["concat"]
+        # Rayleigh quotients: an estimate from below, close to the certified candidate.
+        assert 0.95 * followed <= est <= followed * (1 + 1e-5)
+        assert u_cert <= followed  # eval: the minimum of all candidates
+        with torch.enable_grad():
+            assert blk.scale() == s_cert  # eval mode: the certified value even with grad
+    else:
+        s1, s2, a_cert, b_cert = blk._certified()
+        blk.train()
+        a_est, b_est = blk.scales()
+        assert isinstance(a_est, torch.Tensor) and isinstance(b_est, torch.Tensor)
+        assert a_cert <= float(a_est.detach()) <= a_cert * 1.05
+        assert b_cert <= float(b_est.detach()) <= b_cert * 1.05
+        blk.eval()
+    # Certified on the final weights, as used in eval mode:
+    lip = blk.lipschitz_upper()
+    assert lip <= 0.9
+    with torch.no_grad():
+        jac = _jac(blk.branch, x[0].double().float())
+    assert float(torch.linalg.matrix_norm(jac, 2)) <= lip
 
 
 def test_frozen_scales_match_live_scales_and_restore():

@@ -30,6 +30,7 @@ from lsa_models.onnx import (
     UnsupportedOpsError,
     load_onnx,
 )
+from lsa_models.onnx.ops import OPS, Flow, Node, RunContext
 
 D, N = 4, 3
 
@@ -324,3 +325,23 @@ def test_loading_embedding_lookup_starts_the_continuous_input() -> None:
     assert m.spec.input_name == "e" and m.spec.d_model == D
     x = torch.randn(1, N, D)
     assert torch.allclose(m.module(x), x @ torch.from_numpy(w), atol=1e-6)
+
+
+def test_gather_elements_runs_and_bounds_as_a_selection() -> None:
+    node = Node("ge", "GatherElements", ["x", "i"], ["y"], {"axis": 1})
+    x = torch.arange(6, dtype=torch.float64).reshape(2, 3)
+    idx = torch.tensor([[0, 0, 2], [1, -1, 1]])
+    (y,) = OPS["GatherElements"].run(node, [x, idx], RunContext(torch.float64))
+    assert y.tolist() == [[0.0, 0.0, 2.0], [4.0, 5.0, 4.0]]
+    for norm, want in (("2", np.sqrt(2.0)), ("inf", 1.0)):
+        (f,) = OPS["GatherElements"].bound(node, [Flow(1.0, None, (2, 3)), idx.numpy()],
+                                           [(2, 3)], norm)
+        assert f is not None and want <= f.lip <= want * (1 + 1e-12)
+        # the selection matrix's exact norm: entries copied twice count twice
+        sel = torch.zeros(6, 6, dtype=torch.float64)
+        flat = [0, 0, 2, 4, 5, 4]
+        for r, c in enumerate(flat):
+            sel[r, c] = 1.0
+        exact = float(torch.linalg.matrix_norm(sel, 2)) if norm == "2" else float(
+            sel.abs().sum(1).max())
+        assert exact <= f.lip

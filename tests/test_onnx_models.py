@@ -110,7 +110,7 @@ def test_export_l2_expanded_form_is_recognised(tmp_path: Path) -> None:
 
 
 def test_export_l2_untied_is_not_certified(tmp_path: Path) -> None:
-    model = _l2_model(3, tied=False)
+    model = _l2_model(3, attention="l2_untied")
     path = export_onnx(model, tmp_path / "m.onnx", N, dynamo=False)
     got = analyse(load_onnx(path.read_bytes()), "2")
     assert got.verdict == "not_certified" and "untied" in (got.reason or "")

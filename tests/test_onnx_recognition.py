@@ -13,6 +13,7 @@ import warnings
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 import torch
 from torch import nn
@@ -117,8 +118,6 @@ def test_onnx_recognition_cdist_exponent_is_read_as_exact(tmp_path: Path) -> Non
     # exact squared distance the module computes (docs/bounds.md, Conventions)
     m = L2Attention(D, 1, "cdist", seed=5).eval()
     data = _export(m, _input("cdist", 3), tmp_path / "m.onnx", False)
-    import onnx
-
     exps = [float(onnx.numpy_helper.to_array(n.attribute[0].t).reshape(-1)[0])
             for n in onnx.load_from_string(data).graph.node
             if n.op_type == "Constant" and n.attribute[0].t.dims in ([], [1])
@@ -127,3 +126,33 @@ def test_onnx_recognition_cdist_exponent_is_read_as_exact(tmp_path: Path) -> Non
     got = analyse(load_onnx(data), "2")
     assert got.verdict == "certified"
     assert np.isclose(got.upper, _theorem(m, "2"), rtol=1e-6, atol=0)
+
+
+class _Unsqueezed(nn.Module):
+    """`nn.TransformerEncoderLayer` on a 2-D `(N, D)` input, wrapped as users do."""
+
+    def __init__(self, norm_first: bool) -> None:
+        super().__init__()
+        torch.manual_seed(7)
+        self.layer = nn.TransformerEncoderLayer(D, 2, 32, dropout=0.0, batch_first=True,
+                                                norm_first=norm_first)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, D) -> (N, D)
+        return self.layer(x.unsqueeze(0)).squeeze(0)
+
+
+@pytest.mark.parametrize("dynamo", [False, True])
+def test_onnx_recognition_encoder_layer_on_2d_input(tmp_path: Path, dynamo: bool) -> None:
+    # the packed QKV projection runs on (1, N, D) inside a graph whose input is (N, D): the
+    # same rows, so the LayerNorm output is the attention input (pre-norm: certified)
+    for norm_first in (True, False):
+        m = _Unsqueezed(norm_first).eval()
+        x = torch.randn(N, D)
+        model = load_onnx(_export(m, x, tmp_path / "m.onnx", dynamo))
+        got = analyse(model, "2")
+        if not norm_first:
+            assert got.verdict == "not_lipschitz" and "Theorem 3.1" in (got.reason or "")
+            continue
+        assert got.verdict == "certified", got.reason
+        assert any(lb.kind == "dp_mha_radius" for lb in got.layers)
+        assert got.upper is not None and got.upper >= _jacobian_lower(m, x, "2")

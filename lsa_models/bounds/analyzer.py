@@ -33,7 +33,7 @@ def norm_name(norm: NormName | float) -> NormName:
         if norm == float("inf"):
             return "inf"
     if norm in ("2", "inf"):
-        return norm  # type: ignore[return-value]
+        return norm
     raise ValueError(f"unknown norm {norm!r}; use 2 or float('inf') (or '2' / 'inf')")
 
 

@@ -17,48 +17,30 @@ For each Softmax whose input depends on the model input:
 from __future__ import annotations
 
 import math
-from collections import ChainMap
-from collections.abc import Mapping, MutableMapping, Sequence
-from dataclasses import dataclass, field
-from typing import cast
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
-import torch
 from torch import Tensor
 
+from .attention_l2 import finish_l2
+from .attention_probe import (
+    FIT_MARGIN,
+    AttentionLayer,
+    NotAttention,
+    Probe,
+    data_consumers,
+    per_head,
+    probe_tail,
+    token_view,
+)
 from .graph import GraphInfo
-from .ops import FLOAT_TYPES, OPS, Node, gemm_epilogue
+from .ops import FLOAT_TYPES, Node
+
+__all__ = ["AttentionLayer", "recognise"]
 
 _LAYOUT = {"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Identity", "Dropout", "Flatten",
            "Slice", "Split", "Concat", "Expand"}
-_TOL = 1e-8
-_FIT_MARGIN = 1e-12  # relative allowance for constants fitted by least squares in float64
-
-
-@dataclass
-class AttentionLayer:
-    softmax: str
-    input: str  # X
-    output: str  # Y
-    nodes: list[str]
-    kind: str = "unknown"  # "dp" | "l2" | "unknown"
-    tied: bool | None = None
-    causal: bool = False
-    reason: str | None = None  # why no certificate (recognition failed, untied, ...)
-    wq: np.ndarray | None = None  # (H, D, d)
-    bq: np.ndarray | None = None  # (H, d)
-    wk: np.ndarray | None = None
-    wv: np.ndarray | None = None  # (H, D, dv)
-    bv: np.ndarray | None = None
-    wo: np.ndarray | None = None  # (H dv, D_out)
-    bo: np.ndarray | None = None
-    scale: float = 1.0  # DP: max_h |c_h|
-    value_factor: float = 1.0  # L2: max_h c'_h sqrt(d) (1.0 for the canonical scale)
-    extra: dict[str, float] = field(default_factory=dict)
-
-
-class _NotAttention(Exception):
-    pass
 
 
 def _affine(info: GraphInfo, nodes: list[Node], source: str) -> set[str]:
@@ -98,17 +80,19 @@ def _ancestors(info: GraphInfo, t: str, stop: str) -> set[str]:
     return seen
 
 
-def _view(v: Tensor, n: int, transposed: bool) -> np.ndarray:
-    a = v.detach().numpy()
-    if transposed:
-        a = np.swapaxes(a, -1, -2)
-    return a.reshape(-1, n, a.shape[-1])
-
-
-def _data_consumers(info: GraphInfo, t: str) -> list[Node]:
-    """Consumers that read values (a Shape of a tensor is a constant at a fixed size)."""
-    return [c for c in info.consumers.get(t, [])
-            if c.op_type not in ("Shape", "Size") and c.name in info.live]
+def _through_noops(info: GraphInfo, t: str) -> str:
+    """Follow single-consumer ops that leave the values alone: a float -> float Cast (GPT-2's
+    TorchScript export casts the probabilities to their own dtype), Identity, Dropout."""
+    while True:
+        cons = data_consumers(info, t)
+        if len(cons) != 1:
+            return t
+        c = cons[0]
+        noop = c.op_type in ("Identity", "Dropout") or (
+            c.op_type == "Cast" and int(c.attrs.get("to", 0)) in FLOAT_TYPES)
+        if not noop or not c.outputs or not c.outputs[0]:
+            return t
+        t = c.outputs[0]
 
 
 def _find_output(info: GraphInfo, start: str) -> str:
@@ -118,7 +102,7 @@ def _find_output(info: GraphInfo, start: str) -> str:
     while True:
         if info.is_token(t):
             last_token = t
-        cons = _data_consumers(info, t)
+        cons = data_consumers(info, t)
         if len(cons) != 1 or t in outputs:
             break
         c = cons[0]
@@ -136,159 +120,9 @@ def _find_output(info: GraphInfo, start: str) -> str:
             break
         t = c.outputs[0]
     if last_token is None:
-        raise _NotAttention("the attention output never returns to the token layout "
+        raise NotAttention("the attention output never returns to the token layout "
                             "(batch, N, width)")
     return last_token
-
-
-class _Probe:
-    """Evaluates the region at chosen values of one tensor and reads token-wise affine maps.
-
-    `targets` are the tensors the analysis reads; only the nodes they depend on run (the
-    softmax and the output projection are not needed to read the projections). The basis
-    probes only read `projections` (not the logits made from them)."""
-
-    def __init__(self, info: GraphInfo, nodes: list[Node], source: str,
-                 targets: list[str], projections: list[str]) -> None:
-        self.info, self.source = info, source
-        self.nodes = info.needed(nodes, targets)
-        self.basis_nodes = info.needed(self.nodes, projections)
-        actual = info.shape(source)
-        self.n = info.seq_len
-        self.width = actual[-1]
-        # probes are written (batch, N, width); a sequence-first source (N, 1, width) holds
-        # the same rows in the same memory order (`GraphInfo.is_token`)
-        self.shape = (int(np.prod(actual[:-1])) // self.n, self.n, self.width)
-        self._actual = actual
-        self._exponents = _exact_exponents(info, self.nodes)
-
-    def run(self, x: np.ndarray, basis: bool = False) -> Mapping[str, Tensor]:
-        src = {self.source: torch.from_numpy(x.reshape(self._actual)), **self._exponents}
-        if not basis:
-            with torch.no_grad():
-                return self.info.eval_nodes(self.nodes, src)
-        return _eval_unit_rows(self.info, self.basis_nodes, src)
-
-    def _basis_runs(self) -> tuple[Mapping[str, Tensor], list[Mapping[str, Tensor]]]:
-        """The region at X = 0 and at the basis inputs (token i of run k is e_{kN+i}); run
-        once, every probed tensor is read from the same evaluations."""
-        if not hasattr(self, "_runs"):
-            n, width = self.n, self.width
-            zero = self.run(np.zeros(self.shape), basis=True)
-            bases = []
-            for k in range(-(-width // n)):
-                x = np.zeros(self.shape)
-                for i in range(n):
-                    if k * n + i < width:
-                        x[..., i, k * n + i] = 1.0
-                bases.append(self.run(x, basis=True))
-            self._runs = (zero, bases)
-        return self._runs
-
-    def affine(self, targets: list[tuple[str, bool]], samples: Sequence[Mapping[str, Tensor]],
-               sample_inputs: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
-        """For each (tensor, transposed): W (G, width, w) and b (G, w) with
-        view(T(X))[g, i] = x_i W[g] + b[g].
-
-        The region's structure already makes T affine in X (`_affine`); the basis probes read
-        its coefficients as if it were token-wise, and one random sample confirms that (a
-        map mixing tokens or features differently disagrees there with probability one)."""
-        n, width = self.n, self.width
-        zero, bases = self._basis_runs()
-        results = []
-        for name, tr in targets:
-            b_all = _view(zero[name], n, tr)  # (G, N, w)
-            if not np.allclose(b_all, b_all[:, :1, :], rtol=0, atol=1e-12 * (
-                    1 + np.abs(b_all).max())):
-                raise _NotAttention(f"tensor {name} is not a token-wise map of the layer input")
-            b = b_all[:, 0, :]  # (G, w)
-            g, _, w = b_all.shape
-            # filled in (width, G, w) order: the check below is then one plain 2-D product
-            stacked = np.empty((width, g, w))
-            for k, env in enumerate(bases):
-                rows = min(n, width - k * n)
-                v = _view(env[name], n, tr)[:, :rows, :]  # (G, rows, w)
-                np.subtract(v.transpose(1, 0, 2), b_all[:, :rows, :].transpose(1, 0, 2),
-                            out=stacked[k * n:k * n + rows])
-            got = _view(samples[0][name], n, tr).transpose(1, 0, 2)  # (N, G, w)
-            xs = sample_inputs[0].reshape(-1, n, width)[0]  # (N, width)
-            pred = (xs @ stacked.reshape(width, g * w)).reshape(n, g, w)
-            scale = _check_scale(pred, b)
-            pred += b[None, :, :]
-            pred -= got
-            if not np.abs(pred).max() <= _TOL * scale:
-                raise _NotAttention(f"tensor {name} is not a token-wise affine map of the "
-                                    "layer input")
-            weight = stacked.transpose(1, 0, 2)  # (G, width, w)
-            results.append((weight, b))
-        return results
-
-
-_A_RTOL = 2.0 ** -20
-_EXPONENT_RTOL = 1e-6  # float32 spellings of 1/p: torch writes cdist's 1/2 as 0.49999976
-
-
-def _exact_exponents(info: GraphInfo, nodes: list[Node]) -> dict[str, Tensor]:
-    """`Pow(Pow(s, e), p)` with a constant p and `e p` within float32 rounding of 1 (torch's
-    TorchScript export of `torch.cdist(q, k) ** 2` writes `e = 0.49999976`) is read as the
-    exact `s`: the exponent the user wrote (docs/bounds.md, Conventions). The probes evaluate
-    with `e = 1/p` exactly; the certificate concerns that model."""
-    out: dict[str, Tensor] = {}
-    for nd in nodes:
-        if nd.op_type != "Pow" or len(nd.inputs) != 2 or nd.inputs[1] in info.var:
-            continue
-        cons = _data_consumers(info, nd.outputs[0])
-        if len(cons) != 1 or cons[0].op_type != "Pow" or cons[0].inputs[0] != nd.outputs[0] \
-                or cons[0].inputs[1] in info.var:
-            continue
-        e, p = info.env[nd.inputs[1]], info.env[cons[0].inputs[1]]
-        if e.numel() != 1 or p.numel() != 1:
-            continue
-        ev, pv = float(e.reshape(())), float(p.reshape(()))
-        if pv > 0 and ev * pv != 1.0 and abs(ev * pv - 1.0) <= _EXPONENT_RTOL:
-            out[nd.inputs[1]] = torch.full_like(e, 1.0, dtype=torch.float64) / pv
-    return out
-
-
-def _eval_unit_rows(info: GraphInfo, nodes: list[Node],
-                    overrides: dict[str, Tensor]) -> Mapping[str, Tensor]:
-    """Evaluate `nodes` for probe inputs: a product `T @ W` with a constant W and rows of T
-    that are unit vectors or zero is a row gather of W; the same float64 numbers (1 * w,
-    0 * w) without the cost of the matrix product."""
-    computed: dict[str, Tensor] = {}
-    env: MutableMapping[str, Tensor] = ChainMap(
-        computed, overrides, cast(MutableMapping[str, Tensor], info.env))
-    with torch.no_grad():
-        for node in nodes:
-            ins = [env[i] if i else None for i in node.inputs]
-            out = _gather_product(node, ins, info) if node.op_type in ("MatMul", "Gemm") \
-                else None
-            outs = [out] if out is not None else OPS[node.op_type].run(node, ins, info.ctx)
-            for name, value in zip(node.outputs, outs, strict=False):
-                if name:
-                    computed[name] = value
-    return env
-
-
-def _gather_product(node: Node, ins: list[Tensor | None], info: GraphInfo) -> Tensor | None:
-    a, w = ins[0], ins[1]
-    if a is None or w is None or node.inputs[1] in info.var or w.dim() != 2 or a.dim() < 2:
-        return None
-    gemm = node.op_type == "Gemm"
-    if gemm:
-        if a.dim() != 2 or node.attrs.get("transA", 0):
-            return None
-        if node.attrs.get("transB", 0):
-            w = w.T
-    rows = a.reshape(-1, a.shape[-1])
-    nonzero = rows != 0
-    counts = nonzero.sum(dim=1)
-    if bool((counts > 1).any()) or not bool((rows[nonzero] == 1).all()):
-        return None
-    idx = rows.argmax(dim=1)
-    out = w[idx] * (counts == 1).to(w.dtype)[:, None]
-    out = out.reshape(*a.shape[:-1], w.shape[1])
-    return gemm_epilogue(node, out, ins) if gemm else out
 
 
 def _row_normalise(a: np.ndarray, j0: np.ndarray) -> np.ndarray:
@@ -344,9 +178,16 @@ _TOKEN_AFFINE = _LAYOUT | {"MatMul", "Gemm", "Add", "Sub", "Mul", "Div", "Neg"}
 def _input_candidates(info: GraphInfo, logits: str) -> list[str]:
     """Token tensors dominating the logits, farthest first: up the dominator tree through
     token-wise affine ops (projections), up to the first tensor made otherwise (a LayerNorm,
-    a residual sum, the model input)."""
+    a residual sum, the model input). Then, tried last, the same walk once more above that
+    tensor: with one sequence a tensor of pairwise terms (1, N, N) has the token layout of an
+    (N, D) input, and the layer input lies above it."""
+    first = _token_chain(info, info.idom.get(logits))
+    more = _token_chain(info, info.idom.get(first[-1])) if first else []
+    return first[::-1] + more[::-1]
+
+
+def _token_chain(info: GraphInfo, x: str | None) -> list[str]:
     chain: list[str] = []
-    x = info.idom.get(logits)
     while x is not None:
         if info.is_token(x):
             chain.append(x)
@@ -355,7 +196,7 @@ def _input_candidates(info: GraphInfo, logits: str) -> list[str]:
                     sum(i in info.var for i in prod.inputs) != 1:
                 break
         x = info.idom.get(x)
-    return chain[::-1]
+    return chain
 
 
 def _recognise_one(info: GraphInfo, sm: Node) -> AttentionLayer:
@@ -365,9 +206,9 @@ def _recognise_one(info: GraphInfo, sm: Node) -> AttentionLayer:
         layer = AttentionLayer(sm.name, "", "", [sm.name])
         try:
             if not x:
-                raise _NotAttention("no tensor of token layout dominates it")
+                raise NotAttention("no tensor of token layout dominates it")
             _analyse(info, sm, logits, x, layer)
-        except (_NotAttention, ValueError, RuntimeError, IndexError, KeyError) as exc:
+        except (NotAttention, ValueError, RuntimeError, IndexError, KeyError) as exc:
             # anything unexpected while probing means: not recognised (never a crash)
             layer.kind = "unknown"
             layer.reason = f"Softmax node {sm.name} is not a recognised attention layer: {exc}"
@@ -378,125 +219,172 @@ def _recognise_one(info: GraphInfo, sm: Node) -> AttentionLayer:
     return known[0] if known else tried[0]
 
 
+@dataclass
+class _Region:
+    """What the first steps find: the logits' layout, P @ V, and the layer's closed region."""
+
+    n: int
+    g_l: int  # groups (batch x heads) of the logits
+    v_name: str  # V in P @ V
+    o_name: str  # P @ V
+    y: str  # layer output
+    nodes: list[Node]
+    aff: set[str]  # tensors of the region affine in X
+
+
 def _analyse(info: GraphInfo, sm: Node, logits: str, x: str, layer: AttentionLayer) -> None:
+    """Recognise the attention at Softmax `sm` with layer input `x` and fill `layer`."""
+    reg = _region(info, sm, logits, x, layer)
+    cands = _projection_candidates(info, reg, logits, x)
+    # a constant added to the logits (a mask written as a large finite negative number, as
+    # the dynamo exporter does for causal attention) swamps the fit numerically: DP attention
+    # allows any constant additive mask, so its fit may also run on the logits without it
+    scores = _strip_constant_terms(info, logits)
+    probe = Probe(info, reg.nodes, x, [logits, scores, reg.v_name],
+                  [t for t, _ in cands] + [reg.v_name])
+    gen = np.random.default_rng(1234)
+    xs = [gen.standard_normal(probe.shape) for _ in range(2)]  # the fit needs two
+    envs = [probe.run(xi) for xi in xs]
+    ls, finite = _sampled_logits(envs, logits, reg.n)
+    found = _find_form(envs, logits, scores, ls, finite, cands, reg, info.var)
+    kind, a, b, (c, resid, fit_err) = found
+    layer.kind = kind
+    g = ls[0].shape[0]
+    n = reg.n
+    causal_mask = np.tril(np.ones((n, n), dtype=bool))
+    layer.causal = bool(np.array_equal(finite, np.broadcast_to(causal_mask, finite.shape))) \
+        and not finite.all()
+    (wa, ba), (wb, bb) = probe.affine([a, b], envs, xs)
+    layer.wq, layer.bq = per_head(wa, g), per_head(ba, g)
+    layer.wk, bk = per_head(wb, g), per_head(bb, g)
+    # the output projection: the tail from P @ V to Y, probed per token
+    layer.wo, layer.bo, heads_o = probe_tail(info, reg.nodes, reg.o_name, reg.y, n)
+    if kind == "dp":
+        _finish_dp(probe, envs, xs, reg, layer, c, fit_err, heads_o)
+        return
+    layer.tied = bool(a == b or (np.array_equal(layer.wq, layer.wk)
+                                 and np.array_equal(layer.bq, bk)))
+    finish_l2(info, reg.nodes, probe, envs, xs, reg.v_name, layer, (c, resid, ls, finite),
+              heads_o)
+
+
+def _region(info: GraphInfo, sm: Node, logits: str, x: str, layer: AttentionLayer) -> _Region:
+    """Step 1: the logits' layout, `P @ V` (through no-op casts) and the layer output Y; the
+    layer is the closed region of nodes between X and Y."""
     shape_l = info.shape(logits)
     if len(shape_l) < 2 or shape_l[-1] != shape_l[-2] or shape_l[-1] != info.seq_len:
-        raise _NotAttention("its input is not an N x N logits tensor")
+        raise NotAttention(f"its input {logits} of shape {tuple(shape_l)} is not an N x N "
+                           f"logits tensor (N = {info.seq_len}) with the keys on the last axis")
     axis = int(sm.attrs.get("axis", -1)) % len(shape_l)
     if axis != len(shape_l) - 1:
-        raise _NotAttention("the softmax is not over the last (key) axis")
-    n = info.seq_len
-    # 2. P @ V and the layer output
-    p = sm.outputs[0]
-    cons = _data_consumers(info, p)
+        raise NotAttention("the softmax is not over the last (key) axis")
+    p = _through_noops(info, sm.outputs[0])
+    cons = data_consumers(info, p)
     pv = [c for c in cons if c.op_type == "MatMul" and c.inputs[0] == p]
     if len(cons) != 1 or len(pv) != 1 or pv[0].inputs[1] not in info.var:
-        raise _NotAttention("its probabilities are not used only as P @ V")
+        used = ", ".join(f"{c.op_type} node {c.name}" for c in cons) or "nothing"
+        raise NotAttention(f"its probabilities are not used only as P @ V (a MatMul with P "
+                           f"first); they feed {used}")
     v_name, o_name = pv[0].inputs[1], pv[0].outputs[0]
     y = _find_output(info, o_name)
     nodes = info.region(x, y)
     if nodes is None:
-        raise _NotAttention(f"the nodes between {x} and {y} also read or feed other "
-                            "input-dependent tensors")
+        raise NotAttention(f"the nodes between {x} and {y} also read or feed other "
+                           "input-dependent tensors")
     layer.input, layer.output = x, y
     layer.nodes = [nd.name for nd in nodes]
-    aff = _affine(info, nodes, x)
-    # 3. candidate projections feeding the logits
+    return _Region(info.seq_len, int(np.prod(shape_l[:-2])), v_name, o_name, y, nodes,
+                   _affine(info, nodes, x))
+
+
+def _projection_candidates(info: GraphInfo, reg: _Region, logits: str,
+                           x: str) -> list[tuple[str, bool]]:
+    """Step 2: affine (in X) tensors feeding the logits with N rows (or N columns:
+    transposed), in graph order: the candidates for q and k."""
     anc = _ancestors(info, logits, x)
-    g_l = int(np.prod(shape_l[:-2]))
     cands: list[tuple[str, bool]] = []
-    for t in sorted(anc & aff, key=lambda t: info.order.get(info.producer[t].name, -1)
+    for t in sorted(anc & reg.aff, key=lambda t: info.order.get(info.producer[t].name, -1)
                     if t in info.producer else -1):
         s = info.shape(t)
         if len(s) < 2:
             continue
         for tr in (False, True):
-            rows, w = (s[-1], s[-2]) if tr else (s[-2], s[-1])
+            rows = s[-1] if tr else s[-2]
             g = int(np.prod(s[:-2]))
-            if rows == n and g in (1, g_l):
+            if rows == reg.n and g in (1, reg.g_l):
                 cands.append((t, tr))
     if not cands:
-        raise _NotAttention("no affine projection of the layer input feeds the logits")
-    # a constant added to the logits (a mask written as a large finite negative number, as
-    # the dynamo exporter does for causal attention) swamps the fit numerically: DP attention
-    # allows any constant additive mask, so its fit may also run on the logits without it
-    scores = _strip_constant_terms(info, logits)
-    probe = _Probe(info, nodes, x, [logits, scores, v_name], [t for t, _ in cands] + [v_name])
-    gen = np.random.default_rng(1234)
-    xs = [gen.standard_normal(probe.shape) for _ in range(2)]  # the fit needs two
-    envs = [probe.run(xi) for xi in xs]
+        raise NotAttention("no affine projection of the layer input feeds the logits")
+    return cands
+
+
+def _sampled_logits(envs: list[Mapping[str, Tensor]], logits: str,
+                    n: int) -> tuple[list[np.ndarray], np.ndarray]:
+    """Step 3: the logits (G, N, N) at the samples and their finite (unmasked) entries."""
     ls = [e[logits].detach().numpy().reshape(-1, n, n) for e in envs]
     finite = np.isfinite(ls[0])
     if any(not np.array_equal(np.isfinite(lg), finite) for lg in ls):
-        raise _NotAttention("its mask depends on the input")
+        raise NotAttention("its mask depends on the input")
     if not finite.any(axis=-1).all():
-        raise _NotAttention("a row of its mask hides every key")
-    views = {c: [_view(e[c[0]], n, c[1]) for e in envs] for c in cands}
+        raise NotAttention("a row of its mask hides every key")
+    return ls, finite
+
+
+def _find_form(envs: list[Mapping[str, Tensor]], logits: str, scores: str,
+               ls: list[np.ndarray], finite: np.ndarray, cands: list[tuple[str, bool]],
+               reg: _Region, var: set[str]) -> tuple[str, tuple[str, bool], tuple[str, bool],
+                                      tuple[np.ndarray, np.ndarray, float]]:
+    """Step 4: the polynomial identity the logits satisfy (dot product or L2 distance)."""
+    n = reg.n
+    views = {c: [token_view(e[c[0]], n, c[1]) for e in envs] for c in cands}
     found = None
     if scores != logits:  # DP first on the logits without their constant: a cleaner fit
         ss = [e[scores].detach().numpy().reshape(-1, n, n) for e in envs]
         if all(np.isfinite(sc).all() for sc in ss):
-            found = _search(ss, np.ones(ss[0].shape, dtype=bool), views, cands, g_l, ("dp",))
+            found = _search(ss, np.ones(ss[0].shape, dtype=bool), views, cands, reg.g_l,
+                            ("dp",))
     if found is None:
-        found = _search(ls, finite, views, cands, g_l, ("dp", "l2"))
+        found = _search(ls, finite, views, cands, reg.g_l, ("dp", "l2"))
     if found is None:
-        raise _NotAttention("its logits are neither a scaled dot product nor a negative "
-                            "squared L2 distance of projections of the layer input")
-    kind, a, b, (c, resid, fit_err) = found
-    layer.kind = kind
-    g = ls[0].shape[0]
-    causal_mask = np.tril(np.ones((n, n), dtype=bool))
-    layer.causal = bool(np.array_equal(finite, np.broadcast_to(causal_mask, finite.shape))) \
-        and not finite.all()
-    (wa, ba), (wb, bb) = probe.affine([a, b], envs, xs)
-    wa, ba = _per_head(wa, g), _per_head(ba, g)
-    wb, bb = _per_head(wb, g), _per_head(bb, g)
-    # 4. output projection: the tail from P @ V to Y, probed per token
-    wo, bo, heads_o = _probe_tail(info, nodes, o_name, y, n)
-    if kind == "dp":
-        if v_name not in aff:
-            raise _NotAttention("its values are not an affine map of the layer input")
-        ((wv, bv),) = probe.affine([(v_name, False)], envs, xs)
-        layer.wq, layer.bq, layer.wk = wa, ba, wb
-        layer.wv, layer.bv = _per_head(wv, heads_o), _per_head(bv, heads_o)
-        scale = float(np.abs(c).max())
-        canonical = 1.0 / math.sqrt(wa.shape[-1])
-        if scale <= canonical and scale >= canonical * (1 - 1e-6):
-            # float32 spellings of 1/sqrt(d) (e.g. sqrt(sqrt(1/d)) on both sides) land just
-            # below it: the canonical, larger scale is still an upper bound (docs/bounds.md)
-            scale = canonical
-        else:
-            # the fitted scale carries the evaluation's rounding (~1e-15 relative, more
-            # when large constants sit in the logits): certify a slightly larger one
-            scale = math.nextafter(scale * (1 + max(_FIT_MARGIN, fit_err)), math.inf)
-        layer.scale = scale
-        layer.wo, layer.bo = wo, bo
-        return
-    # L2
-    layer.wq, layer.bq, layer.wk = wa, ba, wb
-    layer.wo, layer.bo = wo, bo
-    if float(c.min()) <= 0:
-        raise _NotAttention("its logits grow with the distance (a positive L2 coefficient)")
-    same_tensor = a == b
-    layer.tied = bool(same_tensor or (np.array_equal(wa, wb) and np.array_equal(ba, bb)))
-    if np.abs(resid).max() > 1e-7 * (1 + max(float(np.abs(lg[finite]).max()) for lg in ls)):
-        layer.reason = (f"attention at Softmax {layer.softmax}: L2 logits with an additive "
-                        "mask other than causal masking are not covered by Theorem 3.2")
-        return
-    if not finite.all() and not layer.causal:
-        layer.reason = (f"attention at Softmax {layer.softmax}: L2 attention with a mask "
-                        "other than causal is not covered by Theorem 3.2")
-        return
-    if not layer.tied:
-        layer.reason = (f"attention at Softmax {layer.softmax}: L2 attention with untied "
-                        "query/key weights is not covered by Theorem 3.2 (not Lipschitz in "
-                        "general); tie them to get a certificate")
-        return
-    if np.abs(ba).max() > 0:
-        layer.reason = (f"attention at Softmax {layer.softmax}: L2 attention with a query bias "
-                        "is not covered by Theorem 3.2")
-        return
-    _l2_values(info, nodes, probe, envs, xs, v_name, layer, g, heads_o)
+        raise NotAttention("its logits are neither a scaled dot product nor a negative "
+                           "squared L2 distance of projections of the layer input"
+                           + _where_hint(envs[0], logits, reg, var))
+    return found
+
+
+def _where_hint(env: Mapping[str, Tensor], logits: str, reg: _Region, var: set[str]) -> str:
+    """A mask applied by replacing logits with a finite constant (`masked_fill(mask,
+    -finfo.max)`, as x-transformers does) is not an additive mask: say so, and how to fix it."""
+    prod = next((nd for nd in reg.nodes if logits in nd.outputs), None)
+    if prod is None or prod.op_type != "Where":
+        return ""
+    fills = [env[i] for i in prod.inputs[1:] if i and i not in var]
+    if not fills or any(bool(f.isinf().all()) for f in fills):
+        return ""
+    return (f" (Where node {prod.name} replaces masked logits by a finite constant; mask "
+            "with float('-inf') or add the mask instead)")
+
+
+def _finish_dp(probe: Probe, envs: list[Mapping[str, Tensor]], xs: list[np.ndarray],
+               reg: _Region, layer: AttentionLayer, c: np.ndarray, fit_err: float,
+               heads_o: int) -> None:
+    """Dot-product attention: the values and the certified scale."""
+    if reg.v_name not in reg.aff:
+        raise NotAttention("its values are not an affine map of the layer input")
+    assert layer.wq is not None
+    ((wv, bv),) = probe.affine([(reg.v_name, False)], envs, xs)
+    layer.wv, layer.bv = per_head(wv, heads_o), per_head(bv, heads_o)
+    scale = float(np.abs(c).max())
+    canonical = 1.0 / math.sqrt(layer.wq.shape[-1])
+    if scale <= canonical and scale >= canonical * (1 - 1e-6):
+        # float32 spellings of 1/sqrt(d) (e.g. sqrt(sqrt(1/d)) on both sides) land just
+        # below it: the canonical, larger scale is still an upper bound (docs/bounds.md)
+        scale = canonical
+    else:
+        # the fitted scale carries the evaluation's rounding (~1e-15 relative, more
+        # when large constants sit in the logits): certify a slightly larger one
+        scale = math.nextafter(scale * (1 + max(FIT_MARGIN, fit_err)), math.inf)
+    layer.scale = scale
 
 
 def _search(ls: list[np.ndarray], finite: np.ndarray,
@@ -540,121 +428,3 @@ def _strip_constant_terms(info: GraphInfo, logits: str) -> str:
         t = var_in[0]
     return t
 
-
-def _check_scale(linear: np.ndarray, bias: np.ndarray) -> float:
-    """The size a read-out check's tolerance is relative to: the input-dependent part, not a
-    constant bias on top of it (a huge bias would otherwise hide a token-mixing term). Its
-    rounding (~u |bias|) must stay far below that tolerance, which caps the bias."""
-    scale = 1.0 + float(np.abs(linear).max())
-    if float(np.abs(bias).max(initial=0.0)) > 1e6 * scale:
-        raise _NotAttention("a projection bias is over 1e6 times its input-dependent part; "
-                            "its rounding would hide what the checks must see")
-    return scale
-
-
-def _per_head(w: np.ndarray, heads: int) -> np.ndarray:
-    if w.shape[0] == heads:
-        return w
-    if w.shape[0] == 1:
-        return np.repeat(w, heads, axis=0)
-    raise _NotAttention(f"projection with {w.shape[0]} groups for {heads} heads")
-
-
-def _probe_tail(info: GraphInfo, nodes: list[Node], o_name: str, y: str,
-                n: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """W^O (H dv, D_out) and b^O with Y_i = [o^1_i, ..., o^H_i] W^O + b^O."""
-    tail = info.region(o_name, y)
-    if tail is None:
-        raise _NotAttention("its output projection reads other tensors")
-    o_shape = info.shape(o_name)
-    o_view = _view(info.env[o_name], n, False)
-    heads, _, dv = o_view.shape
-    width = heads * dv
-
-    def run(view: np.ndarray) -> np.ndarray:
-        o = torch.from_numpy(np.ascontiguousarray(view).reshape(o_shape))
-        env = _eval_unit_rows(info, tail, {o_name: o})
-        return env[y].detach().numpy().reshape(-1, n, info.shape(y)[-1])[0]
-
-    zero = run(np.zeros(o_view.shape))
-    if not np.allclose(zero, zero[:1], rtol=0, atol=1e-12 * (1 + np.abs(zero).max())):
-        raise _NotAttention("its output projection is not token-wise")
-    bias = zero[0]
-    wo = np.zeros((width, zero.shape[-1]))
-    for k in range(-(-width // n)):
-        view = np.zeros(o_view.shape)
-        for i in range(n):
-            f = k * n + i
-            if f < width:
-                view[f // dv, i, f % dv] = 1.0
-        out = run(view) - bias
-        for i in range(n):
-            if k * n + i < width:
-                wo[k * n + i] = out[i]
-    check = np.random.default_rng(7).standard_normal(o_view.shape)
-    got = run(check)
-    linear = np.transpose(check, (1, 0, 2)).reshape(n, width) @ wo
-    scale = _check_scale(linear, bias)
-    if not np.allclose(got, linear + bias, rtol=0, atol=_TOL * scale):
-        raise _NotAttention("its output projection is not a token-wise affine map of the "
-                            "concatenated heads")
-    return wo, bias, heads
-
-
-def _l2_values(info: GraphInfo, nodes: list[Node], probe: _Probe,
-               envs: Sequence[Mapping[str, Tensor]], xs: list[np.ndarray], v_name: str,
-               layer: AttentionLayer, g: int, heads_o: int) -> None:
-    """The value path must be `X A_h W^V_h` with `A_h = c' W^Q_h W^Q_h^T`: find the constant
-    MatMul producing the values, probe its input Z (= X A_h) and check A_h."""
-    reason = (f"attention at Softmax {layer.softmax}: L2 logits recognised, but the values do "
-              "not pass through the query projection as X W^Q W^Q^T W^V (Theorem 3.2 needs "
-              "that value path; independent values X W^V are not covered)")
-    t = v_name
-    by_name = {nd.name: nd for nd in nodes}
-    mm = None
-    while t in info.producer and info.producer[t].name in by_name:
-        nd = info.producer[t]
-        if nd.op_type == "MatMul" and nd.inputs[1] not in info.var:
-            mm = nd
-            break
-        if nd.op_type not in ("Reshape", "Transpose", "Identity", "Squeeze", "Unsqueeze"):
-            break
-        t = nd.inputs[0]
-    assert layer.wq is not None
-    if mm is None or heads_o != g:
-        layer.reason = reason
-        return
-    z_name = mm.inputs[0]
-    wv_const = info.env[mm.inputs[1]].detach().numpy()
-    try:
-        ((wz, bz),) = probe.affine([(z_name, False)], envs, xs)
-    except _NotAttention:
-        layer.reason = reason
-        return
-    if wz.shape[0] != g or wz.shape[1] != wz.shape[2] or np.abs(bz).max() > 0:
-        layer.reason = reason
-        return
-    wv = wv_const.reshape(-1, *wv_const.shape[-2:])
-    wv = _per_head(wv, g)
-    factors = []
-    for h in range(g):
-        m = layer.wq[h] @ layer.wq[h].T  # (D, D)
-        cp = float((wz[h] * m).sum() / max((m * m).sum(), 1e-300))
-        # 2^-20 relative: A = c' W^Q W^Q^T folded into a float32 constant by the exporter
-        # (dynamo does) is read as the exact product the module computes (docs/bounds.md)
-        if cp <= 0 or not np.abs(wz[h] - cp * m).max() <= _A_RTOL * np.abs(wz[h]).max():
-            layer.reason = reason
-            return
-        factors.append(cp * math.sqrt(layer.wq.shape[-1]))
-    # the values must then be Z_h W^V_h per head: check on the samples
-    for env in envs:
-        zv = _view(env[z_name], probe.n, False)
-        vv = _view(env[v_name], probe.n, False)
-        if zv.shape[0] != g or vv.shape[0] != g or not np.allclose(
-                zv @ wv, vv, rtol=0,
-                atol=_TOL * (1 + np.abs(vv).max())):
-            layer.reason = reason
-            return
-    layer.wv = wv
-    # f = P X (c' W W^T) W^V = theorem's map with W^V scaled by c' sqrt(d) (docs/bounds.md)
-    layer.value_factor = math.nextafter(max(factors) * (1 + _FIT_MARGIN), math.inf)

@@ -214,15 +214,7 @@ class GraphInfo:
         self.producer: dict[str, Node] = {}
         self.consumers: dict[str, list[Node]] = {}
         self.var: set[str] = {spec.input_name}
-        for n in self.nodes:
-            for o in n.outputs:
-                if o:
-                    self.producer[o] = n
-            for i in n.inputs:
-                if i:
-                    self.consumers.setdefault(i, []).append(n)
-            if n.op_type not in ("Shape", "Size") and any(i in self.var for i in n.inputs):
-                self.var.update(o for o in n.outputs if o)
+        self._index_nodes()
         # float64 constants: small ones kept, large ones (weights) in a bounded LRU; holding
         # every weight of a large model in float64 at once costs more in fresh memory (page
         # faults) than converting a weight again when it is read again much later
@@ -232,6 +224,29 @@ class GraphInfo:
         # runtime tensors that do not depend on the input values (shape arithmetic, and what
         # it computes, e.g. a 1/sqrt(d) scale) again in float64
         self.static: dict[str, Tensor] = {}
+        self._evaluate_static()
+        self.env: Mapping[str, Tensor] = _Env(self)
+        # nodes whose values reach the output (a node read only through Shape is not)
+        self.live: set[str] = self._live_nodes()
+        self.idom: dict[str, str | None] = {spec.input_name: None}
+        self.depth: dict[str, int] = {spec.input_name: 0}
+        self._dominators()
+
+    def _index_nodes(self) -> None:
+        """Producers, consumers, and which tensors depend on the input values (`var`)."""
+        for n in self.nodes:
+            for o in n.outputs:
+                if o:
+                    self.producer[o] = n
+            for i in n.inputs:
+                if i:
+                    self.consumers.setdefault(i, []).append(n)
+            if n.op_type not in ("Shape", "Size") and any(i in self.var for i in n.inputs):
+                self.var.update(o for o in n.outputs if o)
+
+    def _evaluate_static(self) -> None:
+        """Runtime tensors that do not depend on the input values, in float64."""
+        consts = self.module.consts
         with torch.no_grad():
             for n in self.nodes:
                 outs_ = [o for o in n.outputs if o]
@@ -241,7 +256,7 @@ class GraphInfo:
                 for i in n.inputs:
                     if not i:
                         ins.append(None)
-                    elif i in self.var or (i not in self.static and i not in module.consts):
+                    elif i in self.var or (i not in self.static and i not in consts):
                         ins.append(self.ref[i])  # Shape/Size of an input-dependent tensor
                     else:
                         ins.append(self.static[i] if i in self.static else self.const64(i))
@@ -249,10 +264,11 @@ class GraphInfo:
                 for name, value in zip(n.outputs, vals, strict=False):
                     if name:
                         self.static[name] = value
-        self.env: Mapping[str, Tensor] = _Env(self)
-        # nodes whose values reach the output (a node read only through Shape is not)
-        self.live: set[str] = set()
-        stack = [o.name for o in spec.model.graph.output]
+
+    def _live_nodes(self) -> set[str]:
+        """Nodes whose values reach a graph output (not only through Shape/Size)."""
+        live: set[str] = set()
+        stack = [o.name for o in self.spec.model.graph.output]
         seen: set[str] = set()
         while stack:
             t = stack.pop()
@@ -260,11 +276,14 @@ class GraphInfo:
                 continue
             seen.add(t)
             prod = self.producer[t]
-            self.live.add(prod.name)
+            live.add(prod.name)
             if prod.op_type not in ("Shape", "Size"):
                 stack.extend(i for i in prod.inputs if i)
-        self.idom: dict[str, str | None] = {spec.input_name: None}
-        self.depth: dict[str, int] = {spec.input_name: 0}
+        return live
+
+    def _dominators(self) -> None:
+        """The tensor dominator tree rooted at the input: `idom[t]` is the nearest tensor
+        every input-dependent path to t passes through."""
         for n in self.nodes:
             vin = [i for i in n.inputs if i in self.var]
             if not vin or n.op_type in ("Shape", "Size"):
@@ -345,10 +364,12 @@ class GraphInfo:
         s = self.shape(name)
         if len(s) == len(self.input_shape) and s[:-1] == self.input_shape[:-1]:
             return True
-        # with one sequence, (N, 1, width) holds the same rows in the same order: the
+        # with one sequence, (N, width), (1, N, width) and (N, 1, width) hold the same rows
+        # in the same order: a 2-D input wrapped as `layer(x.unsqueeze(0)).squeeze(0)`, the
         # sequence-first layout of torch's attention internals and of seq-first exports
-        return len(s) == 3 == len(self.input_shape) and self.input_shape[0] == 1 and \
-            s[0] == self.seq_len and s[1] == 1
+        one = len(self.input_shape) == 2 or self.input_shape[0] == 1
+        n = self.seq_len
+        return one and s[:-1] in ((n,), (1, n), (n, 1))
 
     def eval_nodes(self, nodes: Iterable[Node],
                    overrides: Mapping[str, Tensor]) -> MutableMapping[str, Tensor]:

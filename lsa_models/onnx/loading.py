@@ -34,6 +34,7 @@ from .errors import (
 )
 from .graph import GraphModule, GraphSpec
 from .ops import FLOAT_TYPES, Node, unsupported_ops
+from .rewrite import lower_einsum
 
 __all__ = [  # the error classes live in errors.py; re-exported for callers of this module
     "DynamicSeqLenError", "LoadOptions", "OnnxCheckError", "OnnxExternalDataError",
@@ -346,20 +347,52 @@ def _select_input(model: onnx.ModelProto, nodes: list[Node]) -> tuple[
         return vi.name, int(dims[-1]), n, batch, len(dims), set(), None
     # No float input: an embedding lookup may start the continuous part.
     for vi in inputs:
-        users = [nd for nd in nodes if vi.name in nd.inputs]
-        gathers = [nd for nd in users if nd.op_type == "Gather" and nd.inputs[1] == vi.name
-                   and nd.inputs[0] in inits
-                   and inits[nd.inputs[0]].data_type in FLOAT_TYPES
-                   and len(inits[nd.inputs[0]].dims) == 2]
-        others = [nd for nd in users if nd not in gathers and nd.op_type != "Shape"]
-        dims = _dims(vi)
-        if len(gathers) == 1 and not others and len(dims) == 2:
-            gnode = gathers[0]
-            d_model = int(inits[gnode.inputs[0]].dims[1])
-            return (gnode.outputs[0], d_model, dims[1], dims[0], 3, {gnode.name}, vi.name)
-    raise OnnxInputError("the graph has no float input (and no embedding lookup whose output "
-                         "could serve as one); the analyser needs a continuous input of shape "
-                         "(batch, N, D)")
+        found = _embedding_lookup(model, nodes, vi, inits)
+        if found is not None:
+            return found
+    raise OnnxInputError("the graph has no float input, and no embedding lookup (a Gather of "
+                         "a 2-D float table by the token ids, reshaped or not) whose output "
+                         "could serve as one; export the model with `inputs_embeds` (a "
+                         "continuous input of shape (batch, N, D))")
+
+
+_ID_OPS = ("Reshape", "Unsqueeze", "Squeeze", "Flatten", "Identity", "Cast")
+
+
+def _embedding_lookup(model: onnx.ModelProto, nodes: list[Node], vi: onnx.ValueInfoProto,
+                      inits: dict[str, onnx.TensorProto]) -> tuple[
+                          str, int, int | None, int | None, int, set[str], str | None] | None:
+    """Token ids (batch, N) -> Gather of a 2-D float table, possibly through ops that only
+    reshape or cast the ids (GPT-2 writes `input_ids.view(-1, N)` first), with the lookup's
+    output of shape (batch, N, D): the continuous input starts there."""
+    dims = _dims(vi)
+    if len(dims) != 2:
+        return None
+    users: dict[str, list[Node]] = {}
+    for nd in nodes:
+        for i in nd.inputs:
+            users.setdefault(i, []).append(nd)
+    skipped: set[str] = set()
+    t = vi.name
+    while True:
+        uses = [nd for nd in users.get(t, []) if nd.op_type != "Shape"]
+        if len(uses) != 1:
+            return None
+        nd = uses[0]
+        if nd.op_type in _ID_OPS and nd.inputs[0] == t:
+            skipped.add(nd.name)
+            t = nd.outputs[0]
+            continue
+        table = inits.get(nd.inputs[0]) if nd.op_type == "Gather" and nd.inputs[1] == t \
+            and int(nd.attrs.get("axis", 0)) == 0 else None
+        if table is None or table.data_type not in FLOAT_TYPES or len(table.dims) != 2:
+            return None
+        out = nd.outputs[0]
+        shapes = {v.name: _dims(v) for v in model.graph.value_info}
+        if skipped and shapes.get(out) not in ([dims[0], dims[1], int(table.dims[1])], None):
+            return None  # reshaped ids whose lookup is not (batch, N, D)
+        skipped.add(nd.name)
+        return out, int(table.dims[1]), dims[1], dims[0], 3, skipped, vi.name
 
 
 def load_onnx(data: bytes, filename: str = "", opts: LoadOptions | None = None,
@@ -398,6 +431,7 @@ def load_onnx(data: bytes, filename: str = "", opts: LoadOptions | None = None,
     _check_declared_shapes(model, opts)
     if not model.graph.output:
         raise OnnxCheckError("the graph has no output")
+    nodes = lower_einsum(nodes)  # after the checks: they and onnxruntime see the upload
     name, d_model, n, batch, rank, skipped, ids = _select_input(model, nodes)
     spec = GraphSpec(model, nodes, name, model.graph.output[0].name, d_model, n, batch, rank,
                      skipped, ids, opset, blob, seq_first)
@@ -446,7 +480,8 @@ def compare_with_onnxruntime(spec: GraphSpec, module: GraphModule, opts: LoadOpt
         msg = " ".join(str(exc).split())[:400]
         raise OnnxCheckError(f"onnxruntime cannot load the graph: {msg}") from None
     if spec.ids_name:
-        table_name = next(nd.inputs[0] for nd in spec.nodes if nd.name in spec.skipped)
+        table_name = next(nd.inputs[0] for nd in spec.nodes
+                          if nd.name in spec.skipped and nd.op_type == "Gather")
         table = module.consts[table_name]
         ids = torch.randint(0, table.shape[0], (batch, n), generator=gen)
         x = table[ids]

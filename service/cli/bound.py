@@ -10,12 +10,12 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from api_schemas import BoundReport
 
-from . import app
-from .common import fail, set_threads
+from .common import app, fail, set_threads
 
 NormOpt = Annotated[str, typer.Option("--norm", help="Input/output norm: 2 (Frobenius) or inf")]
 
@@ -23,7 +23,6 @@ NormOpt = Annotated[str, typer.Option("--norm", help="Input/output norm: 2 (Frob
 @dataclass(frozen=True)
 class EmpiricalOptions:
     """`--empirical`: search a lower bound; the seed (with restarts, steps) reproduces it."""
-
     restarts: int = 4
     steps: int = 50
     seed: int = 0
@@ -45,6 +44,7 @@ def compute_report(path: Path, norm: str, seq_len: int | None,
                    progress: Callable[[float, str], None] | None = None) -> BoundReport:
     """Load a model file and certify it; raises on bad input (callers turn that into exit 2).
     With `empirical`, also search a lower bound on the report's domain."""
+    # Deferred: lsa_models and service.reports import torch (seconds; `lsa --help` needs none).
     from lsa_models.analysis import load_model_bytes
     from service.reports import bound_report, with_empirical
 
@@ -58,7 +58,7 @@ def compute_report(path: Path, norm: str, seq_len: int | None,
     report = bound_report(result, loaded.sha256)
     if empirical is None:
         return report
-    from lsa_models.empirical import estimate
+    from lsa_models.empirical import estimate  # deferred: torch
 
     if loaded.d_model is None:
         raise ValueError(f"{path.name}: the model does not state its token width D; "
@@ -79,7 +79,6 @@ def progress_bar(enabled: bool) -> Iterator[Callable[[float, str], None] | None]
     if not enabled or not console.is_terminal:
         yield None
         return
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     with Progress(TextColumn("{task.description}"), BarColumn(),
                   TextColumn("{task.percentage:>3.0f}%"), TimeElapsedColumn(),

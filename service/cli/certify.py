@@ -21,15 +21,20 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from pydantic import ValidationError
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from api_schemas.bounds import BoundReport
 from api_schemas.certificates import Certificate
 from api_schemas.ci import CertifyReport, Outcome
+from service.certificates import SigningKeyError, load_or_create_signing_key
+from service.certifying import sign_report
+from service.client import ClientConfig, ClientError, LSAClient
+from service.settings import Settings
 
-from . import app
-from .common import EXIT_ERROR, EXIT_FAILED, EXIT_OK, set_threads
+from .bound import compute_report
+from .common import EXIT_ERROR, EXIT_FAILED, EXIT_OK, app, set_threads
 
 LOCAL_STEPS = ("loading and bounding the model", "signing the certificate")
 SERVER_STEPS = ("uploading the model", "computing the bound", "issuing the certificate")
@@ -128,10 +133,7 @@ def certify_local(req: Request, key_path: Path | None, progress: StageProgress
                   ) -> tuple[Certificate, BoundReport]:
     """The server's certifying rules (service.certifying.sign_report: the one `passed`
     predicate), on a bound computed here and signed with the local key."""
-    from service.certificates import SigningKeyError, load_or_create_signing_key
-    from service.certifying import sign_report
 
-    from .bound import compute_report
 
     progress.stage(LOCAL_STEPS[0])
     set_threads()  # imports torch: seconds, so inside the first stage
@@ -152,9 +154,7 @@ def certify_local(req: Request, key_path: Path | None, progress: StageProgress
 def default_key_path() -> Path:
     """The service settings' signing key (LSA_SIGNING_KEY_PATH), so a local certificate is
     signed with the same key a server on this machine uses."""
-    from pydantic import ValidationError
 
-    from service.settings import Settings
 
     try:
         return Settings().signing_key_path
@@ -164,8 +164,6 @@ def default_key_path() -> Path:
 
 def certify_server(req: Request, server: str, api_key: str | None, timeout_s: float,
                    retries: int, progress: StageProgress) -> tuple[Certificate, BoundReport]:
-    from service.client import ClientConfig, ClientError, LSAClient
-
     try:
         config = ClientConfig(base_url=server, api_key=api_key, timeout_s=timeout_s,
                               retries=retries)
@@ -232,7 +230,8 @@ def junit_xml(req: Request, outcome: str, message: str, elapsed_s: float,
         ET.SubElement(case, "error", {"message": message, "type": "CertifyError"}).text = message
     ET.SubElement(case, "system-out").text = message
     ET.indent(root)
-    return ET.tostring(root, encoding="utf-8", xml_declaration=True) + b"\n"
+    xml: bytes = ET.tostring(root, encoding="utf-8", xml_declaration=True)
+    return xml + b"\n"
 
 
 def _md(text: object) -> str:

@@ -5,9 +5,12 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
+from pydantic import ValidationError
 
-from . import app
-from .common import fail
+from service.db import current_revision, downgrade, head_revision, make_engine, upgrade
+from service.settings import Settings
+
+from .common import app, fail, settings_error
 
 db_app = typer.Typer(help="Database schema migrations (LSA_DATABASE_URL).",
                      no_args_is_help=True)
@@ -15,23 +18,15 @@ app.add_typer(db_app, name="db")
 
 
 def _url() -> str:
-    from pydantic import ValidationError
-
-    from service.settings import Settings
-
-    from .serve import _settings_error
-
     try:
         return Settings().database_url
     except ValidationError as exc:
-        fail(_settings_error(exc))
+        fail(settings_error(exc))
 
 
 @db_app.command("upgrade")
 def db_upgrade(revision: Annotated[str, typer.Argument(help="Target revision")] = "head") -> None:
     """Migrate the database up to REVISION (default: the latest)."""
-    from service.db import upgrade
-
     url = _url()
     try:
         upgrade(url, revision)
@@ -44,8 +39,6 @@ def db_upgrade(revision: Annotated[str, typer.Argument(help="Target revision")] 
 def db_downgrade(revision: Annotated[str, typer.Argument(
         help="Target revision, e.g. -1 or base (drops everything)")]) -> None:
     """Migrate the database down to REVISION."""
-    from service.db import downgrade
-
     url = _url()
     try:
         downgrade(url, revision)
@@ -57,8 +50,6 @@ def db_downgrade(revision: Annotated[str, typer.Argument(
 @db_app.command("current")
 def db_current() -> None:
     """Print the database's revision and the latest one."""
-    from service.db import current_revision, head_revision, make_engine
-
     engine = make_engine(_url())
     try:
         current = current_revision(engine)

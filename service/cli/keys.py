@@ -5,26 +5,32 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
+from pydantic import ValidationError
+from sqlalchemy import Engine, select
+from sqlalchemy.orm import Session, sessionmaker
 
-from . import app
-from .common import fail
+from service.auth import create_key, revoke_key
+from service.db import (
+    NotMigratedError,
+    ensure_migrated,
+    make_engine,
+    make_session_factory,
+    transaction,
+)
+from service.settings import Settings
+from service.tables import ApiKey
+
+from .common import app, fail, settings_error
 
 keys_app = typer.Typer(help="API keys for the REST API.", no_args_is_help=True)
 app.add_typer(keys_app, name="keys")
 
 
-def _runtime():  # type: ignore[no-untyped-def]
-    from pydantic import ValidationError
-
-    from service.db import NotMigratedError, ensure_migrated, make_engine, make_session_factory
-    from service.settings import Settings
-
-    from .serve import _settings_error
-
+def _runtime() -> tuple[Engine, sessionmaker[Session]]:
     try:
         settings = Settings()
     except ValidationError as exc:
-        fail(_settings_error(exc))
+        fail(settings_error(exc))
     engine = make_engine(settings.database_url)
     try:
         ensure_migrated(engine)
@@ -39,9 +45,6 @@ def keys_create(
     name: Annotated[str | None, typer.Option("--name", help="A label for the key")] = None,
 ) -> None:
     """Create a key; it is printed once and stored only as a hash."""
-    from service.auth import create_key
-    from service.db import transaction
-
     if scope not in ("read", "write"):
         fail(f"--scope must be read or write, got {scope!r}")
     engine, sessions = _runtime()
@@ -56,10 +59,6 @@ def keys_create(
 @keys_app.command("list")
 def keys_list() -> None:
     """List keys (prefix, scope, name, state); never the keys themselves."""
-    from sqlalchemy import select
-
-    from service.tables import ApiKey
-
     engine, sessions = _runtime()
     with sessions() as s:
         for row in s.scalars(select(ApiKey).order_by(ApiKey.created_at)):
@@ -72,9 +71,6 @@ def keys_list() -> None:
 def keys_revoke(prefix: Annotated[str, typer.Argument(help="The key's prefix (lsa keys list)")]
                 ) -> None:
     """Revoke a key by its prefix."""
-    from service.auth import revoke_key
-    from service.db import transaction
-
     engine, sessions = _runtime()
     with transaction(sessions) as s:
         done = revoke_key(s, prefix)

@@ -5,9 +5,15 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
+import uvicorn
+from pydantic import ValidationError
 
-from . import app
-from .common import fail
+from service.app import create_app, prepare_database
+from service.db import NotMigratedError
+from service.runtime import Runtime
+from service.settings import Settings
+
+from .common import app, fail, settings_error
 
 
 @app.command()
@@ -17,19 +23,11 @@ def serve(
     log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level")] = "info",
 ) -> None:
     """Run the API server (embedded default: SQLite under ./var, jobs in-process)."""
-    from pydantic import ValidationError
-
-    from service.settings import Settings
-
     try:
         settings = Settings()
     except ValidationError as exc:
-        fail(_settings_error(exc))
-    import uvicorn
+        fail(settings_error(exc))
 
-    from service.app import create_app, prepare_database
-    from service.db import NotMigratedError
-    from service.runtime import Runtime
 
     runtime = Runtime(settings)
     try:
@@ -42,15 +40,8 @@ def serve(
     typer.echo(f"lsa: serving on http://{shown}:{port}  (OpenAPI UI: http://{shown}:{port}/docs)")
     typer.echo(f"lsa: database {settings.database_url}; jobs "
                + ("in-process" if settings.redis_url is None else f"via {settings.redis_url}"))
-    uvicorn.run(create_app(settings), host=host, port=port, log_level=log_level)
-
-
-def _settings_error(exc: object) -> str:
-    from pydantic import ValidationError
-
-    assert isinstance(exc, ValidationError)
-    parts = []
-    for err in exc.errors():
-        name = "LSA_" + "_".join(str(p) for p in err["loc"]).upper()
-        parts.append(f"{name}: {err['msg']}")
-    return "bad settings: " + "; ".join(parts)
+    # Keep-alive longer than clients' idle pools (httpx: 5 s, load balancers: 60 s): a server
+    # closing an idle connection as the client reuses it reads to the client as a dropped
+    # connection. The backlog holds bursts of new connections while the loop is busy.
+    uvicorn.run(create_app(settings), host=host, port=port, log_level=log_level,
+                timeout_keep_alive=75, backlog=4096)

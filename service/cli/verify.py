@@ -10,15 +10,21 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 import typer
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from pydantic import ValidationError
 
-from . import app
-from .common import EXIT_FAILED, EXIT_OK, fail, set_threads
+from api_schemas.certificates import Certificate
+from service.certificates import SigningKeyError, load_public_key, verify_certificate
+from service.certifying import passed
+from service.client import ClientConfig, ClientError, LSAClient
+from service.settings import Settings
 
-if TYPE_CHECKING:
-    from api_schemas.certificates import Certificate
+from .bound import compute_report
+from .common import EXIT_FAILED, EXIT_OK, app, fail, set_threads
 
 REL_TOL = 1e-9
 
@@ -44,10 +50,7 @@ def read_certificate(path: Path) -> dict[str, Any]:
 def read_public_key_file(path: Path) -> Any:
     """An Ed25519 public key PEM, or a private key PEM (its public half is used: handy for
     certificates signed locally with `lsa certify --key`)."""
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-    from service.certificates import SigningKeyError, load_public_key
 
     try:
         data = path.read_bytes()
@@ -68,9 +71,6 @@ def read_public_key_file(path: Path) -> Any:
 
 
 def server_public_key(server: str, api_key: str | None) -> Any:
-    from service.certificates import SigningKeyError, load_public_key
-    from service.client import ClientConfig, ClientError, LSAClient
-
     with LSAClient(ClientConfig(base_url=server, api_key=api_key)) as client:
         try:
             pem = client.public_key()
@@ -83,10 +83,6 @@ def server_public_key(server: str, api_key: str | None) -> Any:
 
 
 def local_public_key() -> Any:
-    from pydantic import ValidationError
-
-    from service.settings import Settings
-
     try:
         path = Settings().signing_key_path
     except ValidationError as exc:
@@ -122,8 +118,6 @@ def verify(
         f"(relative {REL_TOL:g})")] = False,
 ) -> None:
     """Check a certificate's signature, model hash and (--recompute) bound offline."""
-    from service.certificates import verify_certificate
-
     if public_key is not None and server is not None:
         fail("give --public-key or --server, not both")
     if recompute and model is None:
@@ -142,7 +136,6 @@ def verify(
         raise typer.Exit(EXIT_FAILED)
     typer.echo("signature: valid")
 
-    from api_schemas.certificates import Certificate
 
     cert = Certificate.model_validate(cert_data)
     if model is not None:
@@ -166,7 +159,7 @@ def choose_public_key(public_key: Path | None, server: str | None, api_key: str 
 
 def check_model_hash(cert: Certificate, model: Path) -> None:
     """Exit 1 unless `model`'s bytes are the ones the certificate is for."""
-    from lsa_models.analysis import sha256_hex
+    from lsa_models.analysis import sha256_hex  # deferred: lsa_models imports torch
 
     try:
         digest = sha256_hex(model.read_bytes())
@@ -182,9 +175,7 @@ def check_model_hash(cert: Certificate, model: Path) -> None:
 def check_recomputed(cert: Certificate, model: Path) -> None:
     """Exit 1 unless the bound recomputed here matches the certified one and gives the same
     verdict under the one pass rule (service.certifying.passed)."""
-    from service.certifying import passed
 
-    from .bound import compute_report
 
     set_threads()
     try:

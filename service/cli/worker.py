@@ -7,9 +7,15 @@ import threading
 from typing import Annotated
 
 import typer
+from pydantic import ValidationError
 
-from . import app
-from .common import fail
+from service import tasks
+from service.broker import QUEUES
+from service.db import NotMigratedError, ensure_migrated
+from service.runtime import Runtime
+from service.settings import Settings
+
+from .common import app, fail, set_threads, settings_error
 
 
 @app.command()
@@ -19,21 +25,10 @@ def worker(
         "GPU machines: --queues training")] = None,
 ) -> None:
     """Process jobs from Redis on this machine (needs LSA_REDIS_URL)."""
-    from pydantic import ValidationError
-
-    from service import tasks
-    from service.broker import QUEUES
-    from service.db import NotMigratedError, ensure_migrated
-    from service.runtime import Runtime
-    from service.settings import Settings
-
-    from .common import set_threads
-    from .serve import _settings_error
-
     try:
         settings = Settings()
     except ValidationError as exc:
-        fail(_settings_error(exc))
+        fail(settings_error(exc))
     if settings.redis_url is None:
         fail("LSA_REDIS_URL is not set: without Redis, jobs run inside `lsa serve` and no "
              "separate worker is needed")

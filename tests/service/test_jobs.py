@@ -199,6 +199,43 @@ def test_jobs_stale_heartbeat_recovered_by_reaper_only_when_stale(
         rt.close()
 
 
+def test_jobs_queued_message_held_too_long_is_sent_again_once(
+        db_url: str, make_settings: Callable[..., Settings]) -> None:
+    from service.jobs import recover_jobs
+
+    rt = Runtime(make_settings(db_url, job_stale_after_s=30))
+    sent: list[str] = []
+    rt.queue.enqueue = lambda job_id, queue: sent.append(job_id)  # type: ignore[method-assign]
+    try:
+        fresh, held = submit(rt, steps=1), submit(rt, steps=1)
+        sent.clear()
+        # `held`: its message went to a worker that died before claiming it.
+        with transaction(rt.sessions) as s:
+            s.execute(update(Job).where(Job.id == held).values(
+                enqueued_at=utcnow() - timedelta(minutes=5)))
+        recover_jobs(rt, all_running=False, resend_queued=False)
+        assert sent == [held]
+        # Sent again now: the next pass leaves it alone until it is stale again.
+        recover_jobs(rt, all_running=False, resend_queued=False)
+        assert sent == [held]
+        assert job_row(rt, fresh).status == job_row(rt, held).status == "queued"
+    finally:
+        rt.close()
+
+
+def test_jobs_queued_before_a_restart_run_once_after_it(
+        db_url: str, make_settings: Callable[..., Settings], idle_runtime: Runtime) -> None:
+    # Queued while no worker ran (the in-memory queue of a server that then stopped).
+    ids = [submit(idle_runtime, steps=2) for _ in range(3)]
+    app = create_app(make_settings(db_url))
+    with TestClient(app):
+        rt2: Runtime = app.state.runtime
+        for job_id in ids:
+            job = wait_for(rt2, job_id, lambda j: j.status == "succeeded")
+            assert job.attempts == 1
+    assert [RUNS[job_id] for job_id in ids] == [1, 1, 1]
+
+
 def test_bound_empirical_is_a_job_and_identical_requests_share_it(
         db_url: str, make_settings: Callable[..., Settings], model_bytes: bytes) -> None:
     app = create_app(make_settings(db_url))

@@ -67,7 +67,9 @@ class FlattenOp(_LayoutOp):
     def run(self, node: Node, ins: list[Tensor | None], ctx: RunContext) -> list[Tensor]:
         x = ins[0]
         assert x is not None
-        axis = int(node.attrs.get("axis", 1)) % max(x.dim(), 1)
+        # ONNX allows axis in [-r, r]: axis = r flattens everything into the first dimension
+        axis = int(node.attrs.get("axis", 1))
+        axis = axis + x.dim() if axis < 0 else axis
         lead = int(np.prod(x.shape[:axis])) if axis else 1
         return [x.reshape(lead, -1)]
 
@@ -160,6 +162,41 @@ class SliceOp(_LayoutOp):
             else:
                 x = x.index_select(a, torch.tensor(idx, dtype=torch.long, device=x.device))
         return [x]
+
+
+@register
+class GatherElementsOp(Op):
+    """`out[i][j][k] = x[idx[i][j][k]][j][k]` (axis 0): each output entry copies one input
+    entry (BERT's TorchScript export gathers its position ids this way, on constants).
+
+    Bound with constant indices: an input entry copied m times counts m times in the squared
+    2-norm, so the constant is sqrt(m) for the largest m (1 in the inf-norm: each output
+    entry depends on one input entry with coefficient 1)."""
+
+    types = ("GatherElements",)
+
+    def run(self, node: Node, ins: list[Tensor | None], ctx: RunContext) -> list[Tensor]:
+        x, idx = ins[0], ins[1]
+        assert x is not None and idx is not None
+        axis = int(node.attrs.get("axis", 0)) % x.dim()
+        index = idx.long()
+        index = torch.where(index < 0, index + x.shape[axis], index)
+        return [torch.gather(x, axis, index)]
+
+    def bound(self, node: Node, args: list[Arg | None], out_shapes: list[tuple[int, ...]],
+              norm: str) -> list[Flow | None]:
+        a, idx = args[0], args[1]
+        if not isinstance(a, Flow) or not isinstance(idx, np.ndarray):
+            raise NotCertified(f"GatherElements node {node.name} with input-dependent indices")
+        axis = int(node.attrs.get("axis", 0)) % len(a.shape)
+        index = np.asarray(idx).astype(np.int64)
+        index = np.where(index < 0, index + a.shape[axis], index)
+        coords: list[np.ndarray] = list(np.indices(index.shape))
+        coords[axis] = index
+        flat = np.ravel_multi_index(tuple(coords), a.shape).reshape(-1)
+        mult = int(np.bincount(flat).max()) if flat.size else 1
+        factor = sqrt_up(mult) if norm == "2" and mult > 1 else 1.0
+        return [Flow(mul_up(a.lip, factor), None, out_shapes[0])]
 
 
 @register

@@ -182,7 +182,7 @@ def _register_lsa_rules() -> None:
             if not cfg.tied:
                 reason = (f"{name or 'attention'}: L2 attention with untied query/key weights "
                           "is not covered by Theorem 3.2 (it is not Lipschitz in general); "
-                          "retrain with tied=True to get a certificate")
+                          "retrain with attention='l2' (tied) to get a certificate")
                 return Bound(None, "not_certified", None,
                              [LayerBound(name, "l2_mha_untied", None, "not_certified", reason)],
                              reason)

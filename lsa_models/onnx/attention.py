@@ -1,8 +1,8 @@
 """Recognising self-attention layers inside an ONNX graph, by what they compute.
 
 For each Softmax whose input depends on the model input:
-1. the layer input X is the nearest tensor dominating the Softmax (every path from the model
-   input to it passes through X) that has the token layout (batch, N, width); the layer
+1. the layer input X is a tensor dominating the Softmax (every path from the model input to it
+   passes through X) that has the token layout (batch, N, width), tried farthest first; the layer
    output Y is reached from `P @ V` through token-wise affine ops (head merge, output
    projection, bias); the layer is the closed region of nodes between X and Y;
 2. the logits are tested against `c q_i . k_j + m_ij` (dot product) and

@@ -20,6 +20,9 @@ import torch
 
 from ..bounds.numerics import mul_up, sqrt_up
 from ..bounds.report import BoundResult, LayerBound, NormName
+from ..empirical.local import attack_radius
+from ..onnx.analyzer import analyse
+from ..onnx.export import export_onnx
 from ..onnx.loading import OnnxModel, load_onnx
 from .driver import LocalJacobian, center_sha256, check_center, local_jacobian
 from .values import LocalNotCertified
@@ -39,7 +42,6 @@ def as_onnx(model: Any, seq_len: int | None = None) -> OnnxModel:
     module = getattr(model, "module", model)
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"cannot bound a {type(model).__name__} locally")
-    from ..onnx.export import export_onnx
 
     n = seq_len or getattr(model, "seq_len", None) or getattr(module, "default_seq_len", None)
     if n is None:
@@ -56,7 +58,6 @@ def _domain(x0: np.ndarray, eps: float, norm: str) -> dict[str, Any]:
 def _global(model: OnnxModel, norm: NormName, x: np.ndarray, eps: float) -> BoundResult:
     """The global analysis on the tokens the ball can reach: each token's 2-norm is at most
     ||x0_i|| + eps (2-ball) or ||x0_i|| + eps sqrt(D) (inf-ball)."""
-    from ..onnx.analyzer import analyse
 
     d = x.shape[-1]
     rows = np.sqrt(np.square(x.reshape(-1, d)).sum(axis=1))  # (N,)
@@ -202,7 +203,6 @@ def robustness(model: Any, at: np.ndarray, label: int, norm: NormName,
             else:
                 hi = mid
     t1 = time.monotonic()
-    from ..empirical.local import attack_radius
 
     attack = attack_radius(f64, x, label, norm, restarts=attack_restarts, seed=seed)
     return RobustnessResult(norm, label, predicted, lo, attack, margins, center_sha256(x),

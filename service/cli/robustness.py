@@ -41,6 +41,7 @@ def check_eps(eps: float | None) -> float:
 
 
 def load_model(path: Path) -> Any:
+    # Deferred here and below: lsa_models imports torch (seconds; `lsa --help` needs none).
     from lsa_models.analysis import load_model_bytes
 
     if not path.is_file():

@@ -8,6 +8,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+# Before any test imports transformers or timm: they import the registry's torchvision, whose C
+# ops do not load against CPU torch (tests/zoo/tv_schemas.py says why this is enough).
+from tests.zoo import tv_schemas  # noqa: F401
+
 torch.set_num_threads(1)
 
 # CI runs at least 500 examples per bound kind; LSA_SLOW=1 runs 10^4.

@@ -19,6 +19,22 @@ class LayerBoundOut(BaseModel):
     status: Verdict = "certified"
     reason: str | None = None
     nodes: list[str] = Field(default_factory=list, description="ONNX nodes making up the layer")
+    rule: str | None = Field(default=None, description="The rule that produced `upper` "
+                             "(local reports: e.g. LayerNorm on the ball)")
+    global_upper: float | None = Field(default=None, description="The layer's global factor "
+                                       "when a local rule replaced it")
+
+
+class BallDomain(BaseModel):
+    """A local bound's domain: {X : ||X - X0||_norm <= eps}."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["ball"] = "ball"
+    norm: Norm
+    eps: float = Field(ge=0, description="Radius of the ball in the bound's norm")
+    center_sha256: str = Field(description="sha256 of X0 as float64 little-endian bytes, "
+                               "C order, in the model's input shape (1, N, D)")
 
 
 class GrowthPoint(BaseModel):
@@ -89,3 +105,5 @@ class BoundReport(BaseModel):
     lower: float | None = Field(default=None, description="Empirical lower bound (max ||J||)")
     ratio: float | None = Field(default=None, description="upper / lower")
     witness: Witness | None = None
+    domain: BallDomain | None = Field(default=None, description="Local bounds: the ball "
+                                      "around one input; null: the global domain")

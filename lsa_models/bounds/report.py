@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 Verdict = Literal["certified", "not_lipschitz", "not_certified"]
 NormName = Literal["2", "inf"]
@@ -37,6 +37,9 @@ class LayerBound:
     status: Verdict = "certified"
     reason: str | None = None
     nodes: list[str] = field(default_factory=list)
+    # the rule that produced `upper` (local reports) and the global factor it replaced
+    rule: str | None = None
+    global_upper: float | None = None
 
 
 @dataclass
@@ -49,6 +52,8 @@ class BoundResult:
     layers: list[LayerBound]
     method: str
     reason: str | None = None
+    # local bounds: {"kind": "ball", "norm", "eps", "center_sha256"}; None: the global domain
+    domain: dict[str, Any] | None = None
 
     @property
     def lipschitz(self) -> bool | None:

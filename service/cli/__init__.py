@@ -3,10 +3,10 @@
 
 from __future__ import annotations
 
-from . import bound, certify, db, keys, serve, supports, verify, worker
+from . import bound, certify, db, keys, robustness, serve, supports, verify, worker
 from .common import app
 
-COMMAND_MODULES = (bound, certify, db, keys, serve, supports, verify, worker)
+COMMAND_MODULES = (bound, certify, db, keys, robustness, serve, supports, verify, worker)
 
 
 def main() -> None:

@@ -92,14 +92,19 @@ def progress_bar(enabled: bool) -> Iterator[Callable[[float, str], None] | None]
 
 
 def render_table(report: BoundReport, console: Console) -> None:
-    table = Table(title=f"Lipschitz bound ({report.norm}-norm, N={report.seq_len})")
+    where = "" if report.domain is None else (
+        f", ball eps={report.domain.eps:g} around {report.domain.center_sha256[:12]}")
+    table = Table(title=f"Lipschitz bound ({report.norm}-norm, N={report.seq_len}{where})")
     table.add_column("layer")
     table.add_column("kind")
     table.add_column("upper", justify="right")
     table.add_column("status")
+    table.add_column("rule")
     for lb in report.layers:
-        table.add_row(lb.name, lb.kind, "-" if lb.upper is None else f"{lb.upper:.6g}",
-                      lb.status)
+        up = "-" if lb.upper is None else f"{lb.upper:.6g}"
+        if lb.global_upper is not None and lb.upper is not None:
+            up = f"{lb.global_upper:.4g} -> {lb.upper:.4g} locally"
+        table.add_row(lb.name, lb.kind, up, lb.status, lb.rule or "")
     console.print(table)
     if report.verdict == "certified":
         console.print(f"[bold green]certified[/]: Lip <= {report.upper:.6g}")
@@ -137,14 +142,30 @@ def bound(
     seed: Annotated[int, typer.Option("--seed", help="Seed of the search (--empirical)")] = 0,
     time_budget: Annotated[float | None, typer.Option(
         "--time-budget", help="Stop the search after this many seconds (--empirical)")] = None,
+    at: Annotated[Path | None, typer.Option(
+        "--at", help="Bound locally around this input (.npy of shape (N, D) or (1, N, D))")
+    ] = None,
+    eps: Annotated[float | None, typer.Option(
+        "--eps", help="Radius of the ball around --at, in the --norm norm")] = None,
 ) -> None:
-    """Certify an upper bound on a model's Lipschitz constant."""
+    """Certify an upper bound on a model's Lipschitz constant (globally, or on the ball of
+    radius --eps around the input --at)."""
     set_threads()
     try:
         options = EmpiricalOptions(restarts, steps, seed, time_budget) if empirical else None
-        with progress_bar(empirical) as progress:
-            report = compute_report(path, norm, seq_len, radius, empirical=options,
-                                    progress=progress)
+        if at is None and eps is not None:
+            raise ValueError("--eps needs --at X0.npy: the centre of the ball")
+        if at is not None:
+            if radius is not None:
+                raise ValueError("--radius and --at exclude each other: the ball around "
+                                 "--at already bounds the input")
+            from .robustness import local_report
+
+            report = local_report(path, norm, at, eps, empirical=options)
+        else:
+            with progress_bar(empirical) as progress:
+                report = compute_report(path, norm, seq_len, radius, empirical=options,
+                                        progress=progress)
     except (ValueError, TypeError, OSError) as exc:
         fail(str(exc))
     if json_out:

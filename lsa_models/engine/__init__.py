@@ -1,0 +1,14 @@
+"""The local bound engine: Jacobian enclosures over a ball around one input, op by op.
+
+values.py (the value type), primitives.py (enclosure arithmetic), rules.py (one local rule
+class per op family, in a registry), driver.py (the graph driver), local.py (the public
+functions: certify_local, robustness). Derivations: docs/local-bounds.md.
+"""
+
+from __future__ import annotations
+
+from .driver import LocalJacobian, center_sha256, check_center, local_jacobian
+from .values import Ball, LocalNotCertified, LocalValue
+
+__all__ = ["Ball", "LocalJacobian", "LocalNotCertified", "LocalValue", "center_sha256",
+           "check_center", "local_jacobian"]

@@ -1,0 +1,258 @@
+"""The local driver: the Jacobian of an ONNX graph enclosed over a ball around one input.
+
+Runs the graph once in float64 at the centre X0 (every tensor's centre value), then walks the
+input-dependent nodes in graph order, applying each op's local rule (rules.py) to carry a
+`LocalValue` per tensor. At the output, the Jacobian over the ball lies in `jc +- jr`, so
+  ||J||_2   <= ||jc||_2 + ||jr||_2             (|E| <= jr entrywise => ||E||_2 <= ||jr||_2)
+  ||J||_inf <= max_i sum_j (|jc_ij| + jr_ij)
+both computed with upward rounding (docs/local-bounds.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..bounds.numerics import U, add_up, inf_norm_upper, mul_up, spectral_norm_upper, sqrt_up
+from ..onnx.loading import OnnxModel
+from ..onnx.ops import Node, decimal_attr
+from .primitives import LIBM_REL, derivative
+from .rules import LOCAL_RULES, exact
+from .values import Ball, LocalNotCertified, LocalValue, enclose, input_value
+
+# Jacobian entries the engine will hold for one tensor (float64): beyond it, the ball is
+# bounded by per-layer rules instead.
+MAX_JACOBIAN_ENTRIES = 40_000_000
+
+
+@dataclass
+class LocalJacobian:
+    """The enclosure of the graph output's Jacobian over the ball, rows = output entries."""
+
+    ball: Ball
+    output: np.ndarray  # F(X0), flattened (K,)
+    jc: np.ndarray  # (K, P)
+    jr: np.ndarray  # (K, P)
+    out_lo: np.ndarray  # enclosure of F over the ball (K,)
+    out_hi: np.ndarray
+    # (node, kind, local factor, rule) per reported layer
+    layers: list[tuple[str, str, float, str]] = field(default_factory=list)
+
+    def upper(self) -> float:
+        """Certified bound on sup ||J_F(X)||_p over the ball."""
+        if self.ball.norm == "2":
+            return add_up(spectral_norm_upper(self.jc), spectral_norm_upper(self.jr))
+        return inf_norm_upper(np.abs(self.jc) + self.jr) * (1.0 + 2.0**-50)
+
+    def center_norm(self) -> float:
+        """||J_F(X0)|| (float64, not rounded: a reference, not a bound)."""
+        o = 2 if self.ball.norm == "2" else np.inf
+        return float(np.linalg.norm(self.jc, ord=o))
+
+
+def graph_input_shape(model: OnnxModel) -> tuple[int, ...]:
+    spec = model.spec
+    n = spec.seq_len
+    if n is None:
+        raise ValueError("the graph has a dynamic sequence length: local bounds need a "
+                         "fixed one")
+    if spec.rank == 2:
+        return (n, spec.d_model)
+    if spec.batch not in (None, 1):
+        raise ValueError(f"the graph has a fixed batch size {spec.batch}; local bounds "
+                         "need batch 1")
+    return (1, n, spec.d_model)
+
+
+def check_center(model: OnnxModel, x0: np.ndarray) -> np.ndarray:
+    """X0 as the graph input (1, N, D) (or (N, D)); a leading batch dim of 1 allowed."""
+    shape = graph_input_shape(model)
+    x = np.asarray(x0)
+    if not np.issubdtype(x.dtype, np.floating) and not np.issubdtype(x.dtype, np.integer):
+        raise ValueError(f"the input must hold numbers, got dtype {x.dtype}")
+    x = x.astype(np.float64)
+    n, d = shape[-2], shape[-1]
+    if x.shape not in ((n, d), (1, n, d)):
+        raise ValueError(f"the input has shape {tuple(x.shape)}; the model takes one input "
+                         f"of shape ({n}, {d}) (a leading batch dimension of 1 allowed)")
+    if not np.all(np.isfinite(x)):
+        raise ValueError("the input has non-finite entries")
+    return x.reshape(shape)
+
+
+def center_sha256(x0: np.ndarray) -> str:
+    """Hash of the centre as float64 little-endian bytes in C order."""
+    return hashlib.sha256(np.ascontiguousarray(x0, dtype="<f8").tobytes()).hexdigest()
+
+
+def _check_eps(eps: float) -> None:
+    if not (eps >= 0 and np.isfinite(eps)):
+        raise ValueError(f"eps must be finite and >= 0, got {eps}")
+
+
+def local_jacobian(model: OnnxModel, x0: np.ndarray, eps: float, norm: str,
+                   telescope: bool = True) -> LocalJacobian:
+    """Enclose the output's Jacobian over `{X : ||X - X0||_norm <= eps}`. Raises
+    LocalNotCertified when an op has no local rule or a range leaves an op's domain.
+
+    With `telescope`, the inputs of the range-sensitive ops (CHECKPOINTS) and the output get
+    the telescoped remainder (exact adjoints at X0) instead of the forward one, whichever is
+    smaller entrywise."""
+    if norm not in ("2", "inf"):
+        raise ValueError(f"unknown norm {norm!r}; use '2' or 'inf'")
+    _check_eps(eps)
+    x = check_center(model, x0)
+    if x.size * x.size > MAX_JACOBIAN_ENTRIES:
+        raise LocalNotCertified(f"the input has {x.size} entries: its Jacobian enclosure would "
+                                f"exceed {MAX_JACOBIAN_ENTRIES} entries per tensor")
+    module = model.module.with_dtype(torch.float64)
+    with torch.no_grad():
+        env = module.run_env(torch.from_numpy(x))
+    ball = Ball(x, float(eps), norm)
+    tight: _Telescope | None = None
+    if telescope and eps > 0:
+        zero, _ = _walk(model, module, env, Ball(x, 0.0, norm), None)
+        tight = _Telescope(model, x, zero)
+    values, layers = _walk(model, module, env, ball, tight)
+    out = values[model.spec.output_name]
+    if not isinstance(out, LocalValue):
+        out = exact(np.asarray(out, dtype=np.float64), ball)
+    if tight is not None:
+        out = tight.tighten(model.spec.output_name, out, values, ball)
+    k = out.center.size
+    if not (np.all(np.isfinite(out.jc)) and np.all(np.isfinite(out.jr))):
+        raise LocalNotCertified("the Jacobian enclosure overflowed on this ball (too wide "
+                                "for the op-by-op ranges)")
+    return LocalJacobian(ball, out.center.reshape(k), out.jc.reshape(k, -1),
+                         out.jr.reshape(k, -1), out.lo.reshape(k), out.hi.reshape(k), layers)
+
+
+# Ops whose enclosures depend most on their input's range: their inputs are tightened.
+CHECKPOINTS = ("LayerNormalization", "Softmax", "Erf", "Gelu", "Tanh", "Sigmoid", "Div", "Relu",
+               "Exp", "Sqrt", "Reciprocal", "Pow", "Mul", "MatMul")
+Values = dict[str, LocalValue | np.ndarray]
+
+
+def _walk(model: OnnxModel, module: torch.nn.Module, env: dict[str, torch.Tensor], ball: Ball,
+          tight: _Telescope | None) -> tuple[Values, list[tuple[str, str, float, str]]]:
+    """One pass over the input-dependent nodes in graph order."""
+    values: Values = {model.spec.input_name: input_value(ball)}
+    layers: list[tuple[str, str, float, str]] = []
+    for node in module.runtime_nodes:  # type: ignore[union-attr]
+        if tight is not None and node.op_type in CHECKPOINTS and (
+                node.op_type not in ("Mul", "MatMul", "Div") or
+                sum(isinstance(values.get(i), LocalValue) for i in node.inputs if i) > 1):
+            for i in node.inputs:
+                v = values.get(i) if i else None
+                if isinstance(v, LocalValue):
+                    values[i] = tight.tighten(i, v, values, ball)
+        args = [None if not i else values[i] if i in values else
+                (env[i].detach().numpy() if i in env else None) for i in node.inputs]
+        centers = [None if not o or o not in env else env[o].detach().numpy()
+                   for o in node.outputs]
+        if not any(isinstance(a, LocalValue) for a in args) or \
+                node.op_type in ("Shape", "Size"):
+            for o, c in zip(node.outputs, centers, strict=False):
+                if o and c is not None:
+                    values[o] = c  # shape arithmetic and constants
+            continue
+        rule = LOCAL_RULES.get(node.op_type)
+        if rule is None:
+            raise LocalNotCertified(f"{node.op_type} node {node.name}: no local rule")
+        for c in centers:
+            if c is not None and c.size * ball.size > MAX_JACOBIAN_ENTRIES:
+                raise LocalNotCertified(f"node {node.name}: the Jacobian enclosure would hold "
+                                        f"{c.size * ball.size} entries (limit "
+                                        f"{MAX_JACOBIAN_ENTRIES})")
+        outs = rule.apply(node, args, centers, ball)
+        for o, v in zip(node.outputs, outs, strict=False):
+            if o and v is not None:
+                values[o] = v
+        factor = _layer_factor(node, args, ball.norm)
+        if factor is not None:
+            layers.append((node.name, *factor))
+    return values, layers
+
+
+# Relative allowance on the adjoints G computed by autograd in float64 at the centre (they
+# only scale remainder terms): far above float64 backward-pass rounding.
+ADJOINT_MARGIN = 1e-9
+
+
+class _Telescope:
+    """The remainder of a tensor's Jacobian by telescoping over the ops before it:
+    J_t(X) - J_t(X0) = sum_ops G_op (D_op(X) - D_op(X0)) J_in(X), G_op = d t / d (op output)
+    at X0 (downstream ops at the centre, their cancellations kept), each op's term from its
+    local rule; plus the rounding of the centre Jacobian (the enclosure at eps = 0)."""
+
+    def __init__(self, model: OnnxModel, x: np.ndarray, zero: Values) -> None:
+        module = model.module.with_dtype(torch.float64)
+        self.xt = torch.from_numpy(x).requires_grad_(True)
+        self.env = module.run_env(self.xt)
+        self.zero = zero
+
+    def tighten(self, name: str, v: LocalValue, values: Values, ball: Ball) -> LocalValue:
+        z = self.zero.get(name)
+        if not isinstance(z, LocalValue) or name not in self.env:
+            return v
+        names = [t for t, u in values.items()
+                 if isinstance(u, LocalValue) and u.term is not None and t in self.env]
+        if not names:
+            return v
+        target = self.env[name].reshape(-1)
+        ts = [self.env[t] for t in names]
+        k = target.numel()
+        total = np.zeros((k, ball.size))
+        rows = [torch.autograd.grad(target[i], ts, retain_graph=True, allow_unused=True)
+                for i in range(k)]
+        for j, t in enumerate(names):
+            if all(r[j] is None for r in rows):
+                continue
+            zero_g = np.zeros(tuple(ts[j].shape))
+            g = np.stack([zero_g if (gi := r[j]) is None else gi.detach().numpy()
+                          for r in rows])
+            ga = np.abs(g) * (1 + ADJOINT_MARGIN) + ADJOINT_MARGIN * float(np.abs(g).max())
+            u = values[t]
+            assert isinstance(u, LocalValue) and u.term is not None
+            total += u.term(ga)
+        jr = np.minimum(v.jr, ((total + z.jr.reshape(k, -1)) * (1 + 1e-12)).reshape(v.jr.shape))
+        out = enclose(v.center, v.jc, jr, ball, v.lo, v.hi)
+        out.term = v.term
+        return out
+
+
+_ACT = {"Relu": "relu", "Gelu": "gelu", "Erf": "erf", "Tanh": "tanh", "Sigmoid": "sigmoid"}
+
+
+def _layer_factor(node: Node, args: list, norm: str) -> tuple[str, float, str] | None:
+    """A reported per-layer local factor (what dominates; the certificate is the whole-graph
+    enclosure): LayerNorm's constant on the ball from a lower bound on each token's centred
+    norm, an activation's largest slope over its input range."""
+    x = args[0] if args else None
+    if not isinstance(x, LocalValue):
+        return None
+    if node.op_type == "LayerNormalization" and isinstance(args[1], np.ndarray):
+        d = x.shape[-1]
+        eps = decimal_attr(float(node.attrs.get("epsilon", 1e-5)))
+        pc = x.center - x.center.mean(axis=-1, keepdims=True)
+        cn = np.sqrt(np.square(pc).sum(axis=-1)) * (1 - 4 * U)  # ||P x0_i||, rounded down
+        rho = np.sqrt(np.square(x.rad).sum(axis=-1)) * (1 + 4 * U)  # ||x - x0|| per token
+        low = np.maximum(cn - rho, 0.0)
+        sigma = np.sqrt((low * low / d + eps) * (1 - 4 * U)) * (1 - 2 * U)
+        gmax = float(np.abs(args[1]).max())
+        f = float(np.max(gmax / sigma)) * (1 + 8 * U)
+        if norm == "inf":
+            f = mul_up(f, sqrt_up(d))
+        return ("layernorm", f, "local LayerNorm: max|gamma| / sqrt(max(0, ||P x0|| - rho)^2"
+                "/D + eps) per token" + (" x sqrt(D) (inf)" if norm == "inf" else ""))
+    kind = _ACT.get(node.op_type)
+    if kind is None or (kind == "gelu" and node.attrs.get("approximate", b"none")
+                        not in (b"none", "none")):
+        return None
+    _, rng = derivative(kind, x.lo, x.hi)
+    dlo, dhi = rng(x.lo, x.hi)
+    f = float(np.max(np.maximum(np.abs(dlo), np.abs(dhi)))) * (1 + LIBM_REL) + 1e-300
+    return (f"activation:{kind}", f, f"local {kind}: largest slope over the input's range")

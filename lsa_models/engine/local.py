@@ -1,0 +1,209 @@
+"""The public local functions: `certify_local` (the Lipschitz constant on a ball around one
+input) and `robustness` (certified and attack radii for one label).
+
+Both take a loaded model: an ONNX graph (`OnnxModel`, or a `LoadedModel` from
+`lsa_models.analysis.load_model_bytes`); a native model is exported to ONNX first (the same
+lowering the service uses for downloads), so one engine bounds both.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..bounds.numerics import mul_up, sqrt_up
+from ..bounds.report import BoundResult, LayerBound, NormName
+from ..onnx.loading import OnnxModel, load_onnx
+from .driver import LocalJacobian, center_sha256, check_center, local_jacobian
+from .values import LocalNotCertified
+
+METHOD = ("local: Jacobian enclosure over the ball {X : ||X - X0|| <= eps}, op by op "
+          "(docs/local-bounds.md): centre Jacobian exact in float64, remainder by "
+          "telescoping over the ops; the best of it and the global bound; upward rounding")
+
+
+def as_onnx(model: Any, seq_len: int | None = None) -> OnnxModel:
+    """The ONNX graph of a loaded model (native models are exported at `seq_len`)."""
+    if isinstance(model, OnnxModel):
+        return model
+    onnx_model = getattr(model, "onnx", None)
+    if isinstance(onnx_model, OnnxModel):
+        return onnx_model
+    module = getattr(model, "module", model)
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"cannot bound a {type(model).__name__} locally")
+    from ..onnx.export import export_onnx
+
+    n = seq_len or getattr(model, "seq_len", None) or getattr(module, "default_seq_len", None)
+    if n is None:
+        raise ValueError("the sequence length of the input is unknown")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = export_onnx(module, Path(tmp) / "model.onnx", int(n), dynamo=False)
+        return load_onnx(path.read_bytes(), "model.onnx")
+
+
+def _domain(x0: np.ndarray, eps: float, norm: str) -> dict[str, Any]:
+    return {"kind": "ball", "norm": norm, "eps": eps, "center_sha256": center_sha256(x0)}
+
+
+def _global(model: OnnxModel, norm: NormName, x: np.ndarray, eps: float) -> BoundResult:
+    """The global analysis on the tokens the ball can reach: each token's 2-norm is at most
+    ||x0_i|| + eps (2-ball) or ||x0_i|| + eps sqrt(D) (inf-ball)."""
+    from ..onnx.analyzer import analyse
+
+    d = x.shape[-1]
+    rows = np.sqrt(np.square(x.reshape(-1, d)).sum(axis=1))  # (N,)
+    reach = eps if norm == "2" else mul_up(eps, sqrt_up(d))
+    radius = float(np.nextafter(float(rows.max()) * (1 + 1e-15), np.inf)) + reach
+    return analyse(model, norm, model.spec.seq_len, radius * (1 + 1e-12))
+
+
+def certify_local(model: Any, at: np.ndarray, eps: float, norm: NormName) -> BoundResult:
+    """Certified upper bound on sup ||J_F(X)||_norm over {X : ||X - at||_norm <= eps}
+    (2: Frobenius of the whole input; inf: largest entry). `at` is one input (N, D) or
+    (1, N, D). Returns a `BoundResult` whose `domain` describes the ball, `upper` the local
+    constant (the best of the Jacobian enclosure and the global per-layer bound on the
+    tokens the ball reaches), and per-layer factors with the rule that produced them.
+    Raises ValueError for a bad input shape or eps."""
+    if norm not in ("2", "inf"):
+        raise ValueError(f"unknown norm {norm!r}; use '2' or 'inf'")
+    if not (math.isfinite(eps) and eps >= 0):
+        raise ValueError(f"eps must be finite and >= 0, got {eps}")
+    om = as_onnx(model, np.asarray(at).shape[-2] if np.asarray(at).ndim >= 2 else None)
+    x = check_center(om, at)
+    glob = _global(om, norm, x, eps)
+    layers = list(glob.layers)
+    for lb in layers:
+        lb.rule = lb.rule or f"global {lb.kind} rule on the tokens the ball reaches"
+    engine: LocalJacobian | None = None
+    reason = None
+    try:
+        engine = local_jacobian(om, x, eps, norm)
+    except LocalNotCertified as exc:
+        reason = f"local engine: {exc}"
+    candidates = [] if glob.upper is None else [glob.upper]
+    if engine is not None:
+        candidates.append(engine.upper())
+        by_name = {lb.name: lb for lb in layers}
+        for name, kind, factor, rule in engine.layers:
+            g = by_name.get(name)
+            if g is not None:
+                g.global_upper, g.upper, g.rule = g.upper, factor, rule
+            else:
+                layers.append(LayerBound(name, kind, factor, nodes=[name], rule=rule))
+    n = om.spec.seq_len or x.shape[-2]
+    domain = _domain(x, eps, norm)
+    if not candidates:
+        return BoundResult(norm=norm, seq_len=n, radius=None, verdict="not_certified",
+                           upper=None, layers=layers, method=METHOD,
+                           reason="; ".join(r for r in (reason, glob.reason) if r),
+                           domain=domain)
+    return BoundResult(norm=norm, seq_len=n, radius=None, verdict="certified",
+                       upper=min(candidates), layers=layers, method=METHOD, domain=domain)
+
+
+# ---- robustness -----------------------------------------------------------------------------
+
+
+@dataclass
+class RobustnessResult:
+    """certified_radius <= the true robustness radius <= attack_radius (when one is found)."""
+
+    norm: str
+    label: int
+    predicted: int
+    certified_radius: float
+    attack_radius: float | None
+    margins: dict[int, float]  # f_label - f_j at the centre
+    center_sha256: str
+    certify_seconds: float
+    attack_seconds: float
+    bisection_steps: int
+    pair_constants: dict[int, float] = field(default_factory=dict)  # at certified_radius
+
+
+def _pair_constants(lj: LocalJacobian, label: int) -> dict[int, float]:
+    """For every j != label: an upper bound on sup ||grad (f_label - f_j)||_dual over the
+    ball (dual: ell_2 for the 2-ball, ell_1 for the inf-ball), from the enclosure rows."""
+    out = {}
+    p = lj.jc.shape[1]
+    for j in range(lj.jc.shape[0]):
+        if j == label:
+            continue
+        g = np.abs(lj.jc[label] - lj.jc[j]) * (1 + 2.0**-52)
+        r = (lj.jr[label] + lj.jr[j]) * (1 + 2.0**-52)
+        if lj.ball.norm == "inf":
+            v = float((g + r).sum()) * (1 + (p + 4) * 2.0**-52)
+        else:
+            v = math.sqrt(float(np.square(g + r).sum()) * (1 + (p + 4) * 2.0**-52)) \
+                * (1 + 2.0**-51)
+        out[j] = v
+    return out
+
+
+def _certified_at(om: OnnxModel, x: np.ndarray, r: float, norm: str, label: int,
+                  margins: dict[int, float]) -> tuple[bool, dict[int, float]]:
+    """Every margin f_label - f_j stays positive on the ball of radius r:
+    margin(X) >= margin(X0) - r L_pair(r) (mean value theorem on the segment)."""
+    try:
+        lj = local_jacobian(om, x, r, norm)
+    except LocalNotCertified:
+        return False, {}
+    consts = _pair_constants(lj, label)
+    ok = all(margins[j] - r * consts[j] * (1 + 1e-12) > 0 for j in consts)
+    return ok, consts
+
+
+def robustness(model: Any, at: np.ndarray, label: int, norm: NormName,
+               steps: int = 30, attack_restarts: int = 3, seed: int = 0) -> RobustnessResult:
+    """Certified robustness radius of `label` at `at` (bisection on r with per-pair margin
+    constants on each ball) and the smallest label-flipping perturbation PGD finds."""
+    if norm not in ("2", "inf"):
+        raise ValueError(f"unknown norm {norm!r}; use '2' or 'inf'")
+    om = as_onnx(model, np.asarray(at).shape[-2] if np.asarray(at).ndim >= 2 else None)
+    x = check_center(om, at)
+    f64 = om.module.with_dtype(torch.float64)
+    with torch.no_grad():
+        logits = f64(torch.from_numpy(x)).reshape(-1).numpy()
+    k = logits.size
+    if not (0 <= label < k):
+        raise ValueError(f"label must be in 0..{k - 1} (the model has {k} outputs), got "
+                         f"{label}")
+    # margins at the centre, less an allowance for the forward pass's rounding
+    scale = float(np.abs(logits).max())
+    margins = {j: float(logits[label] - logits[j]) - 1e-9 * (1 + scale)
+               for j in range(k) if j != label}
+    predicted = int(np.argmax(logits))
+    t0 = time.monotonic()
+    lo, hi, n_steps, consts = 0.0, 0.0, 0, {}
+    if min(margins.values()) > 0:
+        # bracket: grow until certification fails, then bisect
+        hi = max(min(margins.values()) / max(1e-12, float(np.abs(
+            local_jacobian(om, x, 0.0, norm).jc).sum(axis=1).max()) * 2), 1e-6)
+        while n_steps < steps:
+            n_steps += 1
+            ok, c = _certified_at(om, x, hi, norm, label, margins)
+            if not ok:
+                break
+            lo, consts, hi = hi, c, hi * 2
+        while n_steps < steps and hi - lo > 1e-3 * hi:
+            n_steps += 1
+            mid = 0.5 * (lo + hi)
+            ok, c = _certified_at(om, x, mid, norm, label, margins)
+            if ok:
+                lo, consts = mid, c
+            else:
+                hi = mid
+    t1 = time.monotonic()
+    from ..empirical.local import attack_radius
+
+    attack = attack_radius(f64, x, label, norm, restarts=attack_restarts, seed=seed)
+    return RobustnessResult(norm, label, predicted, lo, attack, margins, center_sha256(x),
+                            t1 - t0, time.monotonic() - t1, n_steps, consts)

@@ -1,0 +1,281 @@
+"""Enclosure arithmetic shared by the local rules: linear maps, elementwise functions with
+derivative ranges, bilinear products, softmax. Every function takes `LocalValue`s and returns
+one; derivations in docs/local-bounds.md.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+from scipy import special
+
+from .values import Ball, LocalNotCertified, LocalValue, enclose, gamma, widen_up
+
+# Relative allowance on derivative values computed with libm/scipy (erf, exp, tanh):
+# faithfully rounded to a few ulp; 1e-12 is far above that.
+LIBM_REL = 1e-12
+_SQRT2 = math.sqrt(2.0)
+
+
+def linear(v_out_center: np.ndarray, jc: np.ndarray, jr_abs: np.ndarray,
+           jc_abs: np.ndarray, k: int, ball: Ball,
+           lo: np.ndarray | None = None, hi: np.ndarray | None = None) -> LocalValue:
+    """Output of a map linear in its inputs: `jc = L(jc_in)`, `jr_abs = |L|(jr_in)`,
+    `jc_abs = |L|(|jc_in|)` (for the rounding of jc); k bounds the terms per entry."""
+    jr = widen_up(jr_abs + gamma(k) * jc_abs, k)
+    return enclose(v_out_center, jc, jr, ball, lo, hi)
+
+
+def _bell_range(d: Callable[[np.ndarray], np.ndarray], lo: np.ndarray,
+                hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Range of an even derivative decreasing in |x| (tanh', sigmoid', erf')."""
+    near = np.where((lo <= 0) & (hi >= 0), 0.0, np.minimum(np.abs(lo), np.abs(hi)))
+    far = np.maximum(np.abs(lo), np.abs(hi))
+    return d(far), d(near)
+
+
+def _monotone_range(d: Callable[[np.ndarray], np.ndarray], lo: np.ndarray,
+                    hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    a, b = d(lo), d(hi)
+    return np.minimum(a, b), np.maximum(a, b)
+
+
+def _gelu_d(x: np.ndarray) -> np.ndarray:
+    return 0.5 * (1.0 + special.erf(x / _SQRT2)) + x * np.exp(-0.5 * x * x) / math.sqrt(
+        2 * math.pi)
+
+
+def _gelu_range(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    # GELU'' = phi(x) (2 - x^2): extremes at the ends or at -sqrt 2 (min), sqrt 2 (max)
+    a, b = _gelu_d(lo), _gelu_d(hi)
+    dlo, dhi = np.minimum(a, b), np.maximum(a, b)
+    dlo = np.where((lo <= -_SQRT2) & (hi >= -_SQRT2), np.minimum(dlo, _gelu_d(
+        np.array(-_SQRT2))), dlo)
+    dhi = np.where((lo <= _SQRT2) & (hi >= _SQRT2), np.maximum(dhi, _gelu_d(
+        np.array(_SQRT2))), dhi)
+    return dlo, dhi
+
+
+def _sigmoid_d(x: np.ndarray) -> np.ndarray:
+    s = special.expit(x)
+    return s * (1.0 - s)
+
+
+Deriv = tuple[Callable[[np.ndarray], np.ndarray],
+              Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]]
+
+
+def _mono(d: Callable[[np.ndarray], np.ndarray]) -> Deriv:
+    return d, lambda a, b: _monotone_range(d, a, b)
+
+
+def _bell(d: Callable[[np.ndarray], np.ndarray]) -> Deriv:
+    return d, lambda a, b: _bell_range(d, a, b)
+
+
+def _relu_d(x: np.ndarray) -> np.ndarray:
+    return (x > 0).astype(np.float64)
+
+
+def _even_range(d: Callable[[np.ndarray], np.ndarray], lo: np.ndarray,
+                hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Range of an even derivative increasing in |x| (p x^{p-1}, p - 1 even)."""
+    lo_r, hi_r = _bell_range(d, lo, hi)  # bell: (value far, value near)
+    return hi_r, lo_r
+
+
+def _pow(lo: np.ndarray, p: float) -> Deriv:
+    if p == 2.0:
+        return _mono(lambda x: 2.0 * x)
+    if p == 1.0:
+        return _mono(np.ones_like)
+    if p == int(p) and 2 < p <= 16:
+        # integer exponents: p x^{p-1} is monotone (p - 1 odd) or even and increasing in |x|
+        def d(x: np.ndarray) -> np.ndarray:
+            return p * np.power(x, p - 1.0)
+        if int(p - 1) % 2:
+            return _mono(d)
+        return d, lambda a, b: _even_range(d, a, b)
+    if np.any(lo <= 0):
+        raise LocalNotCertified(f"Pow with exponent {p} of a value the ball can bring to <= 0")
+    return _mono(lambda x: p * np.power(x, p - 1.0))
+
+
+# f' for the functions whose derivative needs no domain check
+_SMOOTH: dict[str, Callable[[], Deriv]] = {
+    "relu": lambda: (_relu_d, lambda a, b: (np.where(a > 0, 1.0, 0.0),
+                                            np.where(b > 0, 1.0, 0.0))),
+    "tanh": lambda: _bell(lambda x: 1.0 - np.tanh(x) ** 2),
+    "sigmoid": lambda: _bell(_sigmoid_d),
+    "erf": lambda: _bell(lambda x: (2.0 / math.sqrt(math.pi)) * np.exp(-x * x)),
+    "gelu": lambda: (_gelu_d, _gelu_range),
+    "exp": lambda: _mono(np.exp),
+}
+
+
+def derivative(kind: str, lo: np.ndarray, hi: np.ndarray, exponent: float = 2.0) -> Deriv:
+    """(f', range of f' over [lo, hi]) for an elementwise function; refuses ranges outside
+    its domain."""
+    if kind in _SMOOTH:
+        return _SMOOTH[kind]()
+    if kind == "sqrt":
+        if np.any(lo <= 0):
+            raise LocalNotCertified("Sqrt of a value the ball can bring to <= 0")
+        return _mono(lambda x: 0.5 / np.sqrt(x))
+    if kind == "reciprocal":
+        if np.any((lo <= 0) & (hi >= 0)):
+            raise LocalNotCertified("a division by a value the ball can bring to 0")
+        return _mono(lambda x: -1.0 / (x * x))
+    if kind == "pow":
+        return _pow(lo, exponent)
+    raise LocalNotCertified(f"no local rule for the elementwise function {kind}")
+
+
+_RANGE: dict[str, tuple[float, float]] = {"sigmoid": (0.0, 1.0), "tanh": (-1.0, 1.0),
+                                          "erf": (-1.0, 1.0), "relu": (0.0, math.inf),
+                                          "sqrt": (0.0, math.inf), "exp": (0.0, math.inf)}
+
+
+def elementwise(v: LocalValue, kind: str, out_center: np.ndarray, ball: Ball,
+                exponent: float = 2.0) -> LocalValue:
+    """y = f(x) entrywise: dy = f'(x) dx with f'(x) in [dlo, dhi] over the input's range."""
+    d, rng = derivative(kind, v.lo, v.hi, exponent)
+    dc = d(v.center)  # (*S,)
+    dlo, dhi = rng(v.lo, v.hi)
+    pad = LIBM_REL * np.maximum(np.abs(dlo), np.abs(dhi)) + 1e-300
+    dr = np.maximum(np.maximum(dhi - dc, dc - dlo), 0.0) + pad  # (*S,)
+    adc = np.abs(dc)[..., None]
+    ajc = np.abs(v.jc)
+    jc = dc[..., None] * v.jc  # (*S, P)
+    jr = widen_up(adc * v.jr + dr[..., None] * (ajc + v.jr) + gamma(2) * adc * ajc, 4)
+    lo, hi = None, None
+    if kind in _RANGE:
+        a, b = _RANGE[kind]
+        lo, hi = np.full(out_center.shape, a), np.full(out_center.shape, b)
+    elif kind == "pow" and exponent == 2.0:
+        lo = np.zeros(out_center.shape)
+    out = enclose(out_center, jc, jr, ball, lo, hi)
+    upstream = ajc + v.jr  # (*S, P)
+
+    def term(g: np.ndarray) -> np.ndarray:  # sum_s |G_s| dr_s |J_in(X)|_s
+        k = g.shape[0]
+        flat = upstream.reshape(-1, upstream.shape[-1])
+        return (np.abs(g).reshape(k, -1) * dr.reshape(-1)) @ flat
+    out.term = term
+    return out
+
+
+def _t(x: np.ndarray) -> np.ndarray:
+    """(*S, P) -> (P, *S): tangents leading, for products on the trailing axes."""
+    return np.moveaxis(x, -1, 0)
+
+
+def _b(x: np.ndarray) -> np.ndarray:
+    return np.moveaxis(x, 0, -1)
+
+
+def product(a: LocalValue | np.ndarray, b: LocalValue | np.ndarray, out_center: np.ndarray,
+            ball: Ball, matmul: bool) -> LocalValue:
+    """y = a * b (broadcast) or a @ b, at least one input-dependent:
+    dy = da b + a db, each term an interval product
+    (Jc +- Jr)(Bc +- Br) in Jc Bc +- (|Jc| Br + Jr |Bc| + Jr Br)."""
+    p = ball.size
+
+    def parts(x: LocalValue | np.ndarray, like: np.ndarray) -> tuple[np.ndarray, ...]:
+        if isinstance(x, LocalValue):
+            return x.center, x.rad, x.jc, x.jr
+        c = np.asarray(x, dtype=np.float64)
+        z = np.zeros((*c.shape, p))
+        return c, np.zeros_like(c), z, z
+
+    ac, ar, ajc, ajr = parts(a, out_center)
+    bc, br, bjc, bjr = parts(b, out_center)
+    if matmul:
+        def mul(x: np.ndarray, y: np.ndarray, xt: bool, yt: bool) -> np.ndarray:
+            # one of x, y is a tangent array (*S, P)
+            return _b((_t(x) if xt else x) @ (_t(y) if yt else y))
+        k = int(ac.shape[-1])
+    else:
+        def mul(x: np.ndarray, y: np.ndarray, xt: bool, yt: bool) -> np.ndarray:
+            return (x if xt else x[..., None]) * (y if yt else y[..., None])
+        k = 2
+    aajc, abjc = np.abs(ajc), np.abs(bjc)
+    jc = mul(ajc, bc, True, False) + mul(ac, bjc, False, True)
+    rad = (mul(aajc, br, True, False) + mul(ajr, np.abs(bc), True, False)
+           + mul(ajr, br, True, False) + mul(np.abs(ac), bjr, False, True)
+           + mul(ar, abjc, False, True) + mul(ar, bjr, False, True))
+    err = gamma(k) * (mul(aajc, np.abs(bc), True, False) + mul(np.abs(ac), abjc, False, True))
+    jr = widen_up(rad + err, 8 * k)
+    shape = out_center.shape
+    jc = np.broadcast_to(jc, (*shape, p))
+    jr = np.broadcast_to(jr, (*shape, p))
+    out = enclose(out_center, np.ascontiguousarray(jc), np.ascontiguousarray(jr), ball)
+    ua, ub = aajc + ajr, abjc + bjr  # |J_a(X)|, |J_b(X)| bounds (*S_a, P), (*S_b, P)
+
+    def term(g: np.ndarray) -> np.ndarray:
+        # G (D(X) - D(X0)) J(X) with D(X) - D(X0) = [(.)(B(X) - Bc), (A(X) - Ac)(.)]
+        k, ag = g.shape[0], np.abs(g)
+        if matmul:
+            h1 = ag @ np.swapaxes(br, -1, -2)  # (K, ..., n, k)
+            h2 = np.swapaxes(ar, -1, -2) @ ag  # (K, ..., k, m)
+            t1 = h1.reshape(k, -1) @ np.broadcast_to(ua, (*h1.shape[1:], p)).reshape(-1, p)
+            t2 = h2.reshape(k, -1) @ np.broadcast_to(ub, (*h2.shape[1:], p)).reshape(-1, p)
+            return t1 + t2
+        t1 = (ag * np.broadcast_to(br, shape)).reshape(k, -1) @ \
+            np.broadcast_to(ua, (*shape, p)).reshape(-1, p)
+        t2 = (ag * np.broadcast_to(ar, shape)).reshape(k, -1) @ \
+            np.broadcast_to(ub, (*shape, p)).reshape(-1, p)
+        return t1 + t2
+    out.term = term
+    return out
+
+
+def softmax(v: LocalValue, axis: int, out_center: np.ndarray, ball: Ball) -> LocalValue:
+    """p = softmax(l) along `axis`: J = diag(p) - p p^T per row, its entries enclosed from
+    the probability ranges that the logit ranges allow."""
+    ax = axis % len(v.shape)
+    lo, hi = np.moveaxis(v.lo, ax, -1), np.moveaxis(v.hi, ax, -1)  # (..., n)
+    pc = np.moveaxis(out_center, ax, -1)
+    if not (np.all(np.isfinite(lo)) and np.all(np.isfinite(hi))):
+        raise LocalNotCertified("Softmax of logits with infinite entries (a mask) has no "
+                                "local rule yet")
+    m = hi.max(axis=-1, keepdims=True)
+    elo, ehi = np.exp(lo - m), np.exp(hi - m)
+    slo, shi = elo.sum(-1, keepdims=True), ehi.sum(-1, keepdims=True)
+    plo = elo / (elo + (shi - ehi))
+    phi = ehi / (ehi + (slo - elo))
+    n = lo.shape[-1]
+    plo = np.clip(plo * (1 - 8 * n * 1e-16) - 1e-300, 0.0, 1.0)
+    phi = np.clip(phi * (1 + 8 * n * 1e-16) + 1e-300, 0.0, 1.0)
+    plo, phi = np.minimum(plo, pc), np.maximum(phi, pc)
+    # centre matrix S_c = diag(p) - p p^T; entry ranges: diagonal q - q^2 (concave), off
+    # diagonal -p_i p_j
+    sc = np.einsum("...i,ij->...ij", pc, np.eye(n)) - pc[..., :, None] * pc[..., None, :]
+    q = lambda x: x - x * x  # noqa: E731
+    dmax = np.where((plo <= 0.5) & (phi >= 0.5), 0.25, np.maximum(q(plo), q(phi)))
+    dmin = np.minimum(q(plo), q(phi))
+    omax = -plo[..., :, None] * plo[..., None, :]
+    omin = -phi[..., :, None] * phi[..., None, :]
+    eye = np.eye(n, dtype=bool)
+    smax = np.where(eye, dmax[..., :, None] * np.ones(n), omax)
+    smin = np.where(eye, dmin[..., :, None] * np.ones(n), omin)
+    sr = np.maximum(np.maximum(smax - sc, sc - smin), 0.0) * (1 + 1e-12) + 1e-300
+    jc_in = np.moveaxis(v.jc, ax, -2)  # (..., n, P)
+    jr_in = np.moveaxis(v.jr, ax, -2)
+    ajc = np.abs(jc_in)
+    jc = sc @ jc_in
+    asc = np.abs(sc)
+    jr = widen_up(asc @ jr_in + sr @ (ajc + jr_in) + gamma(n) * (asc @ ajc), 4 * n)
+    jc, jr = np.moveaxis(jc, -2, ax), np.moveaxis(jr, -2, ax)
+    out = enclose(out_center, np.ascontiguousarray(jc), np.ascontiguousarray(jr), ball,
+                  np.moveaxis(plo, -1, ax), np.moveaxis(phi, -1, ax))
+    upstream = ajc + jr_in  # (..., n, P)
+
+    def term(g: np.ndarray) -> np.ndarray:  # sum_ij |G_i| sr_ij |J_in(X)|_j
+        k = g.shape[0]
+        h = (np.moveaxis(np.abs(g), ax + 1, -1)[..., None, :] @ sr)[..., 0, :]  # (K, ..., n)
+        return h.reshape(k, -1) @ upstream.reshape(-1, upstream.shape[-1])
+    out.term = term
+    return out

@@ -1,0 +1,310 @@
+"""Local rules, one class per ONNX op family, in a registry (auto_LiRPA's split: the ball is
+the perturbation, these are the per-op bound classes, driver.py is the graph driver).
+
+A rule gets the node, its arguments (`LocalValue` for input-dependent tensors, float64 arrays
+for constants), the centre values of its outputs (the float64 forward pass at X0) and the
+ball, and returns one `LocalValue` (or constant array) per output.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import ClassVar
+
+import numpy as np
+import torch
+from torch.func import vmap
+
+from ..onnx.ops import FLOAT_TYPES, OPS, Node, RunContext, decimal_attr
+from . import primitives as pr
+from .values import Ball, LocalNotCertified, LocalValue, enclose
+
+Arg = LocalValue | np.ndarray | None
+CTX = RunContext(torch.float64)
+
+
+class LocalRule:
+    types: ClassVar[tuple[str, ...]] = ()
+
+    def apply(self, node: Node, args: list[Arg], centers: list[np.ndarray | None],
+              ball: Ball) -> list[LocalValue | np.ndarray | None]:
+        raise NotImplementedError
+
+
+LOCAL_RULES: dict[str, LocalRule] = {}
+
+
+def register_local(cls: type[LocalRule]) -> type[LocalRule]:
+    inst = cls()
+    for t in cls.types:
+        LOCAL_RULES[t] = inst
+    return cls
+
+
+def _torch(x: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.array(x, order="C"))  # a writable copy (torch needs one)
+
+
+def _variables(args: list[Arg]) -> list[int]:
+    return [i for i, a in enumerate(args) if isinstance(a, LocalValue)]
+
+
+@register_local
+class LayoutRule(LocalRule):
+    """Ops that only move, copy or drop entries: run the op on index codes to learn where
+    every output entry comes from; Jacobian rows and ranges are gathered (exact)."""
+
+    types = ("Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Slice",
+             "Gather", "Concat", "Split", "Expand", "Dropout", "Cast", "Tile")
+
+    def apply(self, node: Node, args: list[Arg], centers: list[np.ndarray | None],
+              ball: Ball) -> list[LocalValue | np.ndarray | None]:
+        if node.op_type == "Cast" and int(node.attrs.get("to", 0)) not in FLOAT_TYPES:
+            raise LocalNotCertified(f"Cast node {node.name} turns an input-dependent tensor "
+                                    "into a non-float one")
+        ins: list[torch.Tensor | None] = []
+        rows_c, rows_r, lo, hi = [np.zeros((1, ball.size))], [np.zeros((1, ball.size))], \
+            [np.zeros(1)], [np.zeros(1)]
+        offset = 1
+        for a in args:
+            if isinstance(a, LocalValue):
+                n = a.center.size
+                ins.append(_torch(np.arange(offset, offset + n, dtype=np.float64)
+                                  .reshape(a.shape)))
+                rows_c.append(a.jc.reshape(n, -1))
+                rows_r.append(a.jr.reshape(n, -1))
+                lo.append(a.lo.reshape(-1))
+                hi.append(a.hi.reshape(-1))
+                offset += n
+            elif a is None:
+                ins.append(None)
+            elif np.issubdtype(a.dtype, np.floating):
+                ins.append(_torch(np.zeros_like(a, dtype=np.float64)))  # code 0: constant
+            else:
+                ins.append(_torch(a))
+        codes = OPS[node.op_type].run(node, ins, CTX)
+        jc_all, jr_all = np.concatenate(rows_c), np.concatenate(rows_r)
+        lo_all, hi_all = np.concatenate(lo), np.concatenate(hi)
+        out: list[LocalValue | np.ndarray | None] = []
+        for code, center in zip(codes, centers, strict=False):
+            if center is None or not code.is_floating_point():
+                out.append(center)
+                continue
+            idx = code.numpy().astype(np.int64)  # (*S_out,)
+            var = idx > 0
+            c = np.asarray(center, dtype=np.float64)
+            out.append(LocalValue(c, np.where(var, lo_all[idx], c),
+                                  np.where(var, hi_all[idx], c), jc_all[idx], jr_all[idx]))
+        return out
+
+
+def _abs_node(node: Node) -> Node:
+    """The node computing |L| of a linear op L: Sub adds, Neg is the identity, alpha > 0."""
+    n = copy.copy(node)
+    n.attrs = dict(node.attrs)
+    if node.op_type == "Sub":
+        n.op_type = "Add"
+    if node.op_type == "Neg":
+        n.op_type = "Identity"
+    if "alpha" in n.attrs:
+        n.attrs["alpha"] = abs(float(n.attrs["alpha"]))
+    return n
+
+
+@register_local
+class LinearRule(LocalRule):
+    """Ops linear in their input-dependent operands (Add/Sub/Neg, Mul/Div/MatMul/Gemm by a
+    constant, ReduceMean/ReduceSum): the tangents go through the op itself (vmap over the
+    input's P directions), the radii through |L|."""
+
+    types = ("Add", "Sub", "Neg", "Mul", "Div", "MatMul", "Gemm", "ReduceMean", "ReduceSum")
+
+    def apply(self, node: Node, args: list[Arg], centers: list[np.ndarray | None],
+              ball: Ball) -> list[LocalValue | np.ndarray | None]:
+        t = node.op_type
+        var = _variables(args)
+        if t in ("Mul", "MatMul") and len(var) == 2:
+            c = centers[0]
+            assert c is not None
+            return [pr.product(args[0], args[1], c, ball, t == "MatMul")]  # type: ignore[arg-type]
+        if t == "Div" and 1 in var:
+            return [_divide(node, args, centers, ball)]
+        if t == "Gemm" and var != [0]:
+            raise LocalNotCertified(f"Gemm node {node.name}: only input @ constant")
+        additive = t in ("Add", "Sub") or (t == "Gemm")
+
+        def consts(absolute: bool) -> list[torch.Tensor | None]:
+            out: list[torch.Tensor | None] = []
+            for i, a in enumerate(args):
+                if a is None or isinstance(a, LocalValue):
+                    out.append(None)
+                elif not np.issubdtype(a.dtype, np.floating):
+                    out.append(_torch(a))
+                elif additive and (t != "Gemm" or i == 2):
+                    out.append(_torch(np.zeros_like(a, dtype=np.float64)))
+                else:
+                    out.append(_torch(np.abs(a) if absolute else a.astype(np.float64)))
+            return out
+
+        def run(nd: Node, fixed: list[torch.Tensor | None], tangents: list[np.ndarray]
+                ) -> np.ndarray:
+            def f(*ts: torch.Tensor) -> torch.Tensor:
+                ins = list(fixed)
+                for i, tt in zip(var, ts, strict=True):
+                    ins[i] = tt
+                return OPS[nd.op_type].run(nd, ins, CTX)[0]
+            return vmap(f, in_dims=-1, out_dims=-1)(*[_torch(x) for x in tangents]).numpy()
+
+        vals = [args[i] for i in var]
+        assert all(isinstance(v, LocalValue) for v in vals)
+        jc = run(node, consts(False), [v.jc for v in vals])  # type: ignore[union-attr]
+        absn = _abs_node(node)
+        jr_abs = run(absn, consts(True), [v.jr for v in vals])  # type: ignore[union-attr]
+        jc_abs = run(absn, consts(True), [np.abs(v.jc) for v in vals])  # type: ignore[union-attr]
+        k = max(int(np.prod(a.shape)) if a is not None else 1 for a in args)
+        c = centers[0]
+        assert c is not None
+        return [pr.linear(c, jc, jr_abs, jc_abs, k, ball)]
+
+
+def _divide(node: Node, args: list[Arg], centers: list[np.ndarray | None],
+            ball: Ball) -> LocalValue:
+    """a / b with b input-dependent: a * (1/b), the reciprocal's derivative range from b's."""
+    b = args[1]
+    assert isinstance(b, LocalValue)
+    inv = pr.elementwise(b, "reciprocal", 1.0 / b.center, ball)
+    c = centers[0]
+    assert c is not None
+    a = args[0]
+    assert a is not None
+    out = pr.product(a, inv, c, ball, matmul=False)
+    prod_term, inv_term = out.term, inv.term
+    assert prod_term is not None and inv_term is not None
+    ac = a.center if isinstance(a, LocalValue) else np.asarray(a, dtype=np.float64)
+
+    def term(g: np.ndarray) -> np.ndarray:
+        # the adjoint of 1/b: G * a at the centre, summed over the broadcast axes
+        return prod_term(g) + inv_term(_unbroadcast(g * ac, inv.shape))
+    out.term = term
+    return out
+
+
+def _unbroadcast(g: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """Sum a (K, *S_out) adjoint down to (K, *shape) (numpy broadcasting reversed)."""
+    extra = g.ndim - 1 - len(shape)
+    if extra > 0:
+        g = g.sum(axis=tuple(range(1, 1 + extra)))
+    axes = tuple(i + 1 for i, d in enumerate(shape) if d == 1 and g.shape[i + 1] != 1)
+    return g.sum(axis=axes, keepdims=True) if axes else g
+
+
+_KIND = {"Relu": "relu", "Tanh": "tanh", "Sigmoid": "sigmoid", "Erf": "erf", "Gelu": "gelu",
+         "Exp": "exp", "Sqrt": "sqrt", "Reciprocal": "reciprocal", "Pow": "pow"}
+
+
+@register_local
+class ElementwiseRule(LocalRule):
+    """Pointwise nonlinearities: slopes over the input's range (primitives.elementwise)."""
+
+    types = tuple(_KIND)
+
+    def apply(self, node: Node, args: list[Arg], centers: list[np.ndarray | None],
+              ball: Ball) -> list[LocalValue | np.ndarray | None]:
+        x = args[0]
+        c = centers[0]
+        if not isinstance(x, LocalValue) or c is None:
+            raise LocalNotCertified(f"{node.op_type} node {node.name}: input-dependent "
+                                    "exponent")
+        kind = _KIND[node.op_type]
+        exponent = 2.0
+        if kind == "pow":
+            e = args[1]
+            if not isinstance(e, np.ndarray) or e.size != 1:
+                raise LocalNotCertified(f"Pow node {node.name}: the exponent must be one "
+                                        "constant")
+            exponent = float(e.reshape(()))
+        if kind == "gelu" and node.attrs.get("approximate", b"none") not in (b"none", "none"):
+            raise LocalNotCertified(f"Gelu node {node.name}: the tanh approximation has no "
+                                    "local rule yet")
+        return [pr.elementwise(x, kind, c, ball, exponent)]
+
+
+@register_local
+class SoftmaxRule(LocalRule):
+    types = ("Softmax",)
+
+    def apply(self, node: Node, args: list[Arg], centers: list[np.ndarray | None],
+              ball: Ball) -> list[LocalValue | np.ndarray | None]:
+        x, c = args[0], centers[0]
+        assert isinstance(x, LocalValue) and c is not None
+        return [pr.softmax(x, int(node.attrs.get("axis", -1)), c, ball)]
+
+
+def layernorm(x: LocalValue, gamma: np.ndarray, beta: np.ndarray | None, eps: float,
+              out_center: np.ndarray, ball: Ball) -> LocalValue:
+    """LayerNorm over the last axis, as its chain u = P x, s = mean(u^2), r = (s + eps)^-1/2,
+    y = gamma u r + beta; every link enclosed over the ball (docs/local-bounds.md)."""
+    d = x.shape[-1]
+    jm = x.jc.mean(axis=-2, keepdims=True)  # (..., 1, P)
+    uc = x.center - x.center.mean(axis=-1, keepdims=True)
+    u = pr.linear(uc, x.jc - jm, x.jr + x.jr.mean(axis=-2, keepdims=True),
+                  np.abs(x.jc) + np.abs(x.jc).mean(axis=-2, keepdims=True), d, ball)
+    sq = pr.elementwise(u, "pow", uc * uc, ball)
+    sc = sq.center.mean(axis=-1, keepdims=True) + eps
+    # ||P x|| is within ||P x0|| +- rho, rho >= ||x - x0|| per token (P is a projection):
+    # s = ||P x||^2 / D + eps lies in [(||P x0|| - rho)_+^2 / D + eps, (||P x0|| + rho)^2 / D + eps]
+    norm0 = np.sqrt(np.square(uc).sum(axis=-1, keepdims=True))
+    rho = np.sqrt(np.square(x.rad).sum(axis=-1, keepdims=True))
+    slack = 1e-12 * (norm0 * norm0 / d + eps)  # rounding of these few float64 operations
+    s_lo = np.maximum(norm0 - rho, 0.0) ** 2 / d + eps - slack
+    s_hi = (norm0 + rho) ** 2 / d + eps + slack
+    s = pr.linear(sc, sq.jc.mean(axis=-2, keepdims=True), sq.jr.mean(axis=-2, keepdims=True),
+                  np.abs(sq.jc).mean(axis=-2, keepdims=True), d, ball,
+                  lo=np.maximum(s_lo, eps * (1 - 1e-12)), hi=s_hi)
+    r = pr.elementwise(s, "pow", 1.0 / np.sqrt(s.center), ball, exponent=-0.5)
+    z = pr.product(u, r, uc * r.center, ball, matmul=False)
+    g = np.broadcast_to(np.asarray(gamma, dtype=np.float64), (d,))
+    ag = np.abs(g)[:, None]
+    out = pr.linear(out_center, z.jc * g[:, None], z.jr * ag, np.abs(z.jc) * ag, 2, ball)
+    sq_t, r_t, z_t = sq.term, r.term, z.term
+    assert sq_t is not None and r_t is not None and z_t is not None
+    rs = -0.5 * np.power(s.center, -1.5)  # dr/ds at the centre
+
+    def term(gy: np.ndarray) -> np.ndarray:
+        # adjoints of the chain's links at the centre, from the output's
+        gz = gy * g  # (K, ..., D)
+        gr = (gz * uc).sum(axis=-1, keepdims=True)  # (K, ..., 1)
+        gsq = np.broadcast_to(gr * rs / d, gz.shape)
+        return z_t(gz) + r_t(gr) + sq_t(gsq)
+    out.term = term
+    return out
+
+
+@register_local
+class LayerNormRule(LocalRule):
+    types = ("LayerNormalization",)
+
+    def apply(self, node: Node, args: list[Arg], centers: list[np.ndarray | None],
+              ball: Ball) -> list[LocalValue | np.ndarray | None]:
+        x, gamma = args[0], args[1]
+        beta = args[2] if len(args) > 2 else None
+        c = centers[0]
+        if not isinstance(x, LocalValue) or not isinstance(gamma, np.ndarray) \
+                or isinstance(beta, LocalValue) or c is None:
+            raise LocalNotCertified(f"LayerNormalization node {node.name}: scale and bias "
+                                    "must be constants")
+        if int(node.attrs.get("axis", -1)) % len(x.shape) != len(x.shape) - 1:
+            raise LocalNotCertified(f"LayerNormalization node {node.name} normalises over "
+                                    "more than the last axis")
+        eps = decimal_attr(float(node.attrs.get("epsilon", 1e-5)))
+        return [layernorm(x, gamma, beta, eps, c, ball)] + [None] * (len(node.outputs) - 1)
+
+
+def constant_value(v: np.ndarray) -> np.ndarray:
+    return v
+
+
+def exact(center: np.ndarray, ball: Ball) -> LocalValue:
+    """A tensor known to equal its centre everywhere on the ball (zero Jacobian)."""
+    z = np.zeros((*center.shape, ball.size))
+    return enclose(center, z, z, ball)

@@ -1,0 +1,112 @@
+"""The local engine's value type: what is known about one tensor over the ball.
+
+The ball is `{X : ||X - X0||_p <= eps}` (p = 2: Frobenius norm of the whole input; p = inf:
+largest entry). Every input-dependent tensor T carries
+  - `center`: T(X0), computed in float64;
+  - `lo`, `hi`: an enclosure of every entry of T(X) over the ball;
+  - `jc`, `jr`: a Jacobian enclosure, `dT/dX (X) in jc +- jr` entrywise for every X in the
+    ball, stored with the tensor's shape first and the input's P = numel(X0) entries last:
+    (*shape, P). `jc` is the exact Jacobian at X0 up to rounding (docs/local-bounds.md).
+Tensors that do not depend on the input are plain float64 arrays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..bounds.numerics import U
+
+# Relative margin on the centre values of every tensor: covers the rounding of the float64
+# forward pass at X0 (docs/local-bounds.md, "Rounding").
+FORWARD_MARGIN = 1e-9
+# Absolute floor of that margin, relative to the tensor's largest centre entry.
+FORWARD_FLOOR = 1e-9
+
+
+class LocalNotCertified(Exception):
+    """An op (or a value range) for which the local engine has no certified enclosure."""
+
+
+@dataclass(frozen=True)
+class Ball:
+    """The perturbation domain: centre X0 (in the graph input's shape), radius, norm."""
+
+    center: np.ndarray
+    eps: float
+    norm: str  # "2" | "inf"
+
+    @property
+    def size(self) -> int:
+        return int(self.center.size)
+
+
+@dataclass
+class LocalValue:
+    center: np.ndarray  # (*S,)
+    lo: np.ndarray  # (*S,)
+    hi: np.ndarray  # (*S,)
+    jc: np.ndarray  # (*S, P)
+    jr: np.ndarray  # (*S, P), >= 0
+    # The op's remainder term for the output's bound (driver.py, "telescoping"): maps the
+    # output's adjoint G = d out / d this tensor at X0, (K, *S), to a nonnegative (K, P)
+    # bound on G (D_op(X) - D_op(X0)) J_in(X) over the ball. None: the op is linear.
+    term: Callable[[np.ndarray], np.ndarray] | None = field(default=None, repr=False)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.center.shape)
+
+    @property
+    def rad(self) -> np.ndarray:
+        """Largest distance from the centre to the enclosure, entrywise (*S,)."""
+        return np.maximum(self.hi - self.center, self.center - self.lo)
+
+
+def gamma(k: int) -> float:
+    """gamma_k = k u / (1 - k u) (Higham): relative error bound of a k-term float64 sum of
+    products; inflated by 2 for the extra roundings of the enclosure arithmetic."""
+    k = max(int(k), 2) + 2
+    return 2.0 * k * U / (1.0 - k * U)
+
+
+def widen_up(x: np.ndarray, k: int) -> np.ndarray:
+    """A nonnegative quantity computed with at most k roundings per entry, pushed up."""
+    return x * (1.0 + gamma(k)) + np.finfo(np.float64).tiny
+
+
+def dual_row_norms(absjac: np.ndarray, norm: str) -> np.ndarray:
+    """For |J| + R with shape (*S, P): the dual norm of every row (ell_1 for the inf-ball,
+    ell_2 for the 2-ball), rounded up: bounds |grad T_i . dX| <= norm * ||dX||_p."""
+    p = absjac.shape[-1]
+    if norm == "inf":
+        return widen_up(absjac.sum(axis=-1), p)
+    return np.sqrt(widen_up(np.square(absjac).sum(axis=-1), p)) * (1.0 + 4 * U)
+
+
+def enclose(center: np.ndarray, jc: np.ndarray, jr: np.ndarray, ball: Ball,
+            lo: np.ndarray | None = None, hi: np.ndarray | None = None) -> LocalValue:
+    """The mean-value enclosure T(X) in T(X0) +- eps * ||row of |jc| + jr||_dual, widened by
+    the forward margin, intersected with a natural range [lo, hi] when the op knows one."""
+    center = np.asarray(center, dtype=np.float64)
+    if not np.all(np.isfinite(center)):
+        raise LocalNotCertified("a tensor is not finite at the centre")
+    rows = dual_row_norms(np.abs(jc) + jr, ball.norm)
+    scale = float(np.max(np.abs(center))) if center.size else 0.0
+    margin = FORWARD_MARGIN * np.abs(center) + FORWARD_FLOOR * scale
+    rad = widen_up(ball.eps * rows + margin, 4)
+    mlo, mhi = center - rad, center + rad
+    if lo is not None:
+        mlo = np.maximum(mlo, lo)
+    if hi is not None:
+        mhi = np.minimum(mhi, hi)
+    return LocalValue(center, np.minimum(mlo, center), np.maximum(mhi, center), jc, jr)
+
+
+def input_value(ball: Ball) -> LocalValue:
+    """The input itself: Jacobian the identity, exactly."""
+    p = ball.size
+    jc = np.eye(p).reshape(*ball.center.shape, p)
+    return enclose(ball.center.astype(np.float64), jc, np.zeros_like(jc), ball)

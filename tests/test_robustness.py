@@ -1,0 +1,55 @@
+"""Certified robustness radii: certified <= true <= attack; the CLI's JSON and exit codes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from bench.local_models import build, center, export
+from lsa_models.engine.local import robustness
+from lsa_models.onnx import OnnxModel, load_onnx
+from service.cli import app
+
+
+@pytest.fixture(scope="module")
+def mlp_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return export(build("mlp", seed=4), tmp_path_factory.mktemp("rob") / "mlp.onnx")
+
+
+def test_robustness_certified_radius_holds_and_is_below_attack(mlp_path: Path) -> None:
+    om: OnnxModel = load_onnx(mlp_path.read_bytes())
+    x0 = center(5).numpy().astype(np.float64)
+    f = om.module.with_dtype(torch.float64)
+    label = int(f(torch.from_numpy(x0)).argmax())
+    for norm in ("2", "inf"):
+        r = robustness(om, x0, label, norm)
+        assert r.predicted == label and r.certified_radius > 0
+        assert r.attack_radius is not None and r.certified_radius <= r.attack_radius
+        rng = np.random.default_rng(0)
+        for _ in range(50):  # no point of the certified ball flips the label
+            if norm == "inf":
+                d = rng.choice([-1.0, 1.0], size=x0.shape) * r.certified_radius
+            else:
+                d = rng.standard_normal(x0.shape)
+                d *= r.certified_radius / np.linalg.norm(d)
+            with torch.no_grad():
+                assert int(f(torch.from_numpy(x0 + d)).argmax()) == label
+
+
+def test_robustness_cli_json_and_bad_label(mlp_path: Path, tmp_path: Path) -> None:
+    x0 = tmp_path / "x0.npy"
+    np.save(x0, center(5).numpy())
+    runner = CliRunner()
+    res = runner.invoke(app, ["robustness", str(mlp_path), "--at", str(x0), "--label", "0",
+                              "--norm", "inf", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert out["norm"] == "inf" and out["certified_radius"] >= 0
+    assert set(out["margins"]) == {"1", "2", "3"}
+    bad = runner.invoke(app, ["robustness", str(mlp_path), "--at", str(x0), "--label", "7"])
+    assert bad.exit_code == 2 and "label must be in 0..3" in bad.stderr

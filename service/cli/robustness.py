@@ -15,8 +15,7 @@ from rich.console import Console
 from api_schemas import BoundReport
 from api_schemas.bounds import BallDomain, Witness
 
-from .common import app
-from .common import fail, set_threads
+from .common import app, fail, set_threads
 
 
 def load_center(path: Path) -> np.ndarray:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import numpy as np
 from scipy import special
 
-from .values import Ball, LocalNotCertified, LocalValue, enclose, gamma, widen_up
+from .values import Ball, LocalNotCertified, LocalValue, center_margin, enclose, gamma, widen_up
 
 # Relative allowance on derivative values computed with libm/scipy (erf, exp, tanh):
 # faithfully rounded to a few ulp; 1e-12 is far above that.
@@ -146,6 +146,10 @@ def elementwise(v: LocalValue, kind: str, out_center: np.ndarray, ball: Ball,
     dlo, dhi = rng(v.lo, v.hi)
     pad = LIBM_REL * np.maximum(np.abs(dlo), np.abs(dhi)) + 1e-300
     dr = np.maximum(np.maximum(dhi - dc, dc - dlo), 0.0) + pad  # (*S,)
+    # the true f'(x(X0)) may differ from dc: by at most the range over the centre's margin
+    mc = center_margin(v.center)
+    d0lo, d0hi = rng(v.center - mc, v.center + mc)
+    dr0 = np.maximum(np.maximum(d0hi - dc, dc - d0lo), 0.0) + pad
     adc = np.abs(dc)[..., None]
     ajc = np.abs(v.jc)
     jc = dc[..., None] * v.jc  # (*S, P)
@@ -162,7 +166,7 @@ def elementwise(v: LocalValue, kind: str, out_center: np.ndarray, ball: Ball,
     def term(g: np.ndarray) -> np.ndarray:  # sum_s |G_s| dr_s |J_in(X)|_s
         k = g.shape[0]
         flat = upstream.reshape(-1, upstream.shape[-1])
-        return (np.abs(g).reshape(k, -1) * dr.reshape(-1)) @ flat
+        return (np.abs(g).reshape(k, -1) * (dr + dr0).reshape(-1)) @ flat
     out.term = term
     return out
 
@@ -185,13 +189,13 @@ def product(a: LocalValue | np.ndarray, b: LocalValue | np.ndarray, out_center: 
 
     def parts(x: LocalValue | np.ndarray, like: np.ndarray) -> tuple[np.ndarray, ...]:
         if isinstance(x, LocalValue):
-            return x.center, x.rad, x.jc, x.jr
+            return x.center, x.rad, x.jc, x.jr, center_margin(x.center)
         c = np.asarray(x, dtype=np.float64)
         z = np.zeros((*c.shape, p))
-        return c, np.zeros_like(c), z, z
+        return c, np.zeros_like(c), z, z, np.zeros_like(c)
 
-    ac, ar, ajc, ajr = parts(a, out_center)
-    bc, br, bjc, bjr = parts(b, out_center)
+    ac, ar, ajc, ajr, am = parts(a, out_center)
+    bc, br, bjc, bjr, bm = parts(b, out_center)
     if matmul:
         def mul(x: np.ndarray, y: np.ndarray, xt: bool, yt: bool) -> np.ndarray:
             # one of x, y is a tangent array (*S, P)
@@ -215,21 +219,50 @@ def product(a: LocalValue | np.ndarray, b: LocalValue | np.ndarray, out_center: 
     ua, ub = aajc + ajr, abjc + bjr  # |J_a(X)|, |J_b(X)| bounds (*S_a, P), (*S_b, P)
 
     def term(g: np.ndarray) -> np.ndarray:
-        # G (D(X) - D(X0)) J(X) with D(X) - D(X0) = [(.)(B(X) - Bc), (A(X) - Ac)(.)]
+        # G (D(X) - D(X0)) J(X) with D(X) - D(X0) = [(.)(B(X) - B(X0)), (A(X) - A(X0))(.)];
+        # |B(X) - B(X0)| <= br + the centre's margin (B(X0) is known to within it)
         k, ag = g.shape[0], np.abs(g)
+        br2, ar2 = br + bm, ar + am
         if matmul:
-            h1 = ag @ np.swapaxes(br, -1, -2)  # (K, ..., n, k)
-            h2 = np.swapaxes(ar, -1, -2) @ ag  # (K, ..., k, m)
+            h1 = ag @ np.swapaxes(br2, -1, -2)  # (K, ..., n, k)
+            h2 = np.swapaxes(ar2, -1, -2) @ ag  # (K, ..., k, m)
             t1 = h1.reshape(k, -1) @ np.broadcast_to(ua, (*h1.shape[1:], p)).reshape(-1, p)
             t2 = h2.reshape(k, -1) @ np.broadcast_to(ub, (*h2.shape[1:], p)).reshape(-1, p)
             return t1 + t2
-        t1 = (ag * np.broadcast_to(br, shape)).reshape(k, -1) @ \
+        t1 = (ag * np.broadcast_to(br2, shape)).reshape(k, -1) @ \
             np.broadcast_to(ua, (*shape, p)).reshape(-1, p)
-        t2 = (ag * np.broadcast_to(ar, shape)).reshape(k, -1) @ \
+        t2 = (ag * np.broadcast_to(ar2, shape)).reshape(k, -1) @ \
             np.broadcast_to(ub, (*shape, p)).reshape(-1, p)
         return t1 + t2
     out.term = term
     return out
+
+
+def _softmax_ranges(lo: np.ndarray, hi: np.ndarray, pc: np.ndarray,
+                    sc: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Probability ranges from logit ranges (..., n), and the radius of S = diag(p) - p p^T's
+    entries around sc. Sums over j != i are formed by a product with (1 - I): positive terms
+    only, no cancellation."""
+    n = lo.shape[-1]
+    m = hi.max(axis=-1, keepdims=True)
+    elo, ehi = np.exp(lo - m), np.exp(hi - m)
+    off = 1.0 - np.eye(n)
+    plo = elo / (elo + ehi @ off)
+    phi = ehi / (ehi + elo @ off)
+    plo = np.clip(plo * (1 - 8 * (n + 4) * 1e-16) - 1e-300, 0.0, 1.0)
+    phi = np.clip(phi * (1 + 8 * (n + 4) * 1e-16) + 1e-300, 0.0, 1.0)
+    plo, phi = np.minimum(plo, pc), np.maximum(phi, pc)
+    # entry ranges: diagonal q - q^2 (concave), off diagonal -p_i p_j (monotone)
+    q = lambda x: x - x * x  # noqa: E731
+    dmax = np.where((plo <= 0.5) & (phi >= 0.5), 0.25, np.maximum(q(plo), q(phi)))
+    dmin = np.minimum(q(plo), q(phi))
+    omax = -plo[..., :, None] * plo[..., None, :]
+    omin = -phi[..., :, None] * phi[..., None, :]
+    eye = np.eye(n, dtype=bool)
+    smax = np.where(eye, dmax[..., :, None] * np.ones(n), omax)
+    smin = np.where(eye, dmin[..., :, None] * np.ones(n), omin)
+    sr = np.maximum(np.maximum(smax - sc, sc - smin), 0.0) * (1 + 1e-12) + 1e-300
+    return plo, phi, sr
 
 
 def softmax(v: LocalValue, axis: int, out_center: np.ndarray, ball: Ball) -> LocalValue:
@@ -241,27 +274,14 @@ def softmax(v: LocalValue, axis: int, out_center: np.ndarray, ball: Ball) -> Loc
     if not (np.all(np.isfinite(lo)) and np.all(np.isfinite(hi))):
         raise LocalNotCertified("Softmax of logits with infinite entries (a mask) has no "
                                 "local rule yet")
-    m = hi.max(axis=-1, keepdims=True)
-    elo, ehi = np.exp(lo - m), np.exp(hi - m)
-    slo, shi = elo.sum(-1, keepdims=True), ehi.sum(-1, keepdims=True)
-    plo = elo / (elo + (shi - ehi))
-    phi = ehi / (ehi + (slo - elo))
     n = lo.shape[-1]
-    plo = np.clip(plo * (1 - 8 * n * 1e-16) - 1e-300, 0.0, 1.0)
-    phi = np.clip(phi * (1 + 8 * n * 1e-16) + 1e-300, 0.0, 1.0)
-    plo, phi = np.minimum(plo, pc), np.maximum(phi, pc)
-    # centre matrix S_c = diag(p) - p p^T; entry ranges: diagonal q - q^2 (concave), off
-    # diagonal -p_i p_j
     sc = np.einsum("...i,ij->...ij", pc, np.eye(n)) - pc[..., :, None] * pc[..., None, :]
-    q = lambda x: x - x * x  # noqa: E731
-    dmax = np.where((plo <= 0.5) & (phi >= 0.5), 0.25, np.maximum(q(plo), q(phi)))
-    dmin = np.minimum(q(plo), q(phi))
-    omax = -plo[..., :, None] * plo[..., None, :]
-    omin = -phi[..., :, None] * phi[..., None, :]
-    eye = np.eye(n, dtype=bool)
-    smax = np.where(eye, dmax[..., :, None] * np.ones(n), omax)
-    smin = np.where(eye, dmin[..., :, None] * np.ones(n), omin)
-    sr = np.maximum(np.maximum(smax - sc, sc - smin), 0.0) * (1 + 1e-12) + 1e-300
+    plo, phi, sr = _softmax_ranges(lo, hi, pc, sc)
+    # |S(X) - S(X0)| for the true centre S(X0): sr plus the centre's own uncertainty (the
+    # same ranges over the forward margin of the logits)
+    lc = np.moveaxis(v.center, ax, -1)
+    mc = np.moveaxis(center_margin(v.center), ax, -1)
+    _, _, sr0 = _softmax_ranges(lc - mc, lc + mc, pc, sc)
     jc_in = np.moveaxis(v.jc, ax, -2)  # (..., n, P)
     jr_in = np.moveaxis(v.jr, ax, -2)
     ajc = np.abs(jc_in)
@@ -275,7 +295,7 @@ def softmax(v: LocalValue, axis: int, out_center: np.ndarray, ball: Ball) -> Loc
 
     def term(g: np.ndarray) -> np.ndarray:  # sum_ij |G_i| sr_ij |J_in(X)|_j
         k = g.shape[0]
-        h = (np.moveaxis(np.abs(g), ax + 1, -1)[..., None, :] @ sr)[..., 0, :]  # (K, ..., n)
+        h = (np.moveaxis(np.abs(g), ax + 1, -1)[..., None, :] @ (sr + sr0))[..., 0, :]
         return h.reshape(k, -1) @ upstream.reshape(-1, upstream.shape[-1])
     out.term = term
     return out

@@ -86,6 +86,12 @@ def dual_row_norms(absjac: np.ndarray, norm: str) -> np.ndarray:
     return np.sqrt(widen_up(np.square(absjac).sum(axis=-1), p)) * (1.0 + 4 * U)
 
 
+def center_margin(center: np.ndarray) -> np.ndarray:
+    """How far the computed centre value may be from the true T(X0) (the forward margin)."""
+    scale = float(np.max(np.abs(center))) if center.size else 0.0
+    return widen_up(FORWARD_MARGIN * np.abs(center) + FORWARD_FLOOR * scale, 4)
+
+
 def enclose(center: np.ndarray, jc: np.ndarray, jr: np.ndarray, ball: Ball,
             lo: np.ndarray | None = None, hi: np.ndarray | None = None) -> LocalValue:
     """The mean-value enclosure T(X) in T(X0) +- eps * ||row of |jc| + jr||_dual, widened by

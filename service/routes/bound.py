@@ -15,14 +15,15 @@ from starlette.concurrency import run_in_threadpool
 
 from api_schemas import BoundReport
 from api_schemas.jobs import JobAccepted
-from api_schemas.requests import BoundRequest
+from api_schemas.requests import BoundRequest, center_shape
 
 from ..bounding import ModelRef, check_empirical_size, request_key, resolve_seq_len
 from ..certifying import find_model, report_json, stored_report_json
 from ..db import transaction
 from ..deps import RuntimeDep, WriteAccess
-from ..errors import responses
+from ..errors import InvalidRequest, responses
 from ..jobs.runner import submit_job
+from ..local import local_report_json
 from ..runtime import Runtime
 from ..tables import ACTIVE_JOB_STATUSES, Job
 
@@ -31,13 +32,16 @@ router = APIRouter(tags=["bounds"])
 
 @router.post(
     "/bound", response_model=BoundReport, dependencies=[WriteAccess],
-    summary="Certified Lipschitz upper bound (and, as a job, an empirical lower bound)",
+    summary="Certified Lipschitz upper bound (and, as a job, an empirical lower bound); with "
+            "`at` and `eps`: the local bound on the ball around one input",
     responses={202: {"model": JobAccepted, "description": "Empirical work was asked for: "
                      "poll GET /jobs/{job_id}; its result is this report"},
-               **responses(404, 503)},
+               **responses(404, 413, 503)},
 )
 async def bound(req: BoundRequest, runtime: RuntimeDep) -> Response:
     model = await run_in_threadpool(find_model, runtime, req.model_id)
+    if req.at is not None:
+        return await local_bound(req, runtime, model)
     seq_len = resolve_seq_len(model, req.seq_len)
     if req.empirical is None:
         body = await report_json(runtime, model, req.norm, seq_len, req.radius)
@@ -53,6 +57,21 @@ async def bound(req: BoundRequest, runtime: RuntimeDep) -> Response:
         {"model_id": model.id, "norm": req.norm, "seq_len": seq_len, "radius": req.radius,
          "empirical": empirical, "request_key": key})
     return JSONResponse(accepted.model_dump(), status_code=202)
+
+
+async def local_bound(req: BoundRequest, runtime: Runtime, model: ModelRef) -> Response:
+    """The bound on the ball around `at` (computed on the compute pool, stored, cached)."""
+    assert req.at is not None and req.eps is not None  # the request validator's rule
+    if req.empirical is not None:
+        raise InvalidRequest("empirical: not available with at through the API yet; omit "
+                             "empirical (the certified local bound is returned), or run "
+                             "`lsa bound MODEL --at X0.npy --eps E --empirical`")
+    n = center_shape(req.at)[-2]
+    if req.seq_len is not None and req.seq_len != n:
+        raise InvalidRequest(f"seq_len={req.seq_len} differs from the N={n} of at; omit "
+                             "seq_len (at gives it)")
+    body = await local_report_json(runtime, model, req.norm, req.at, req.eps)
+    return Response(body, media_type="application/json")
 
 
 def submit_bound_job(runtime: Runtime, model: ModelRef, params: dict[str, Any]) -> JobAccepted:

@@ -101,13 +101,14 @@ def center_array(runtime: Runtime, at: list[Any]) -> np.ndarray:
     return np.asarray(at, dtype=np.float64)
 
 
-def ball_key(model: ModelRef, norm: str, x0: np.ndarray, eps: float) -> tuple[str, int]:
+def ball_key(model: ModelRef, norm: str, x0: np.ndarray, eps: float,
+             empirical: dict[str, Any] | None = None) -> tuple[str, int]:
     """The request key of a local bound (the centre's sha256 and eps in it) and N."""
     from lsa_models.engine.driver import center_sha256  # deferred: torch
 
     n = x0.shape[-2]
     ball = {"center_sha256": center_sha256(x0.reshape(1, *x0.shape[-2:])), "eps": float(eps)}
-    return request_key(model.sha256, norm, n, None, None, ball), n
+    return request_key(model.sha256, norm, n, None, empirical, ball), n
 
 
 def _bad_at(exc: Exception) -> InvalidRequest:

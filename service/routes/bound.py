@@ -23,7 +23,7 @@ from ..db import transaction
 from ..deps import RuntimeDep, WriteAccess
 from ..errors import InvalidRequest, responses
 from ..jobs.runner import submit_job
-from ..local import local_report_json
+from ..local import ball_key, center_array, local_report_json
 from ..runtime import Runtime
 from ..tables import ACTIVE_JOB_STATUSES, Job
 
@@ -62,16 +62,26 @@ async def bound(req: BoundRequest, runtime: RuntimeDep) -> Response:
 async def local_bound(req: BoundRequest, runtime: Runtime, model: ModelRef) -> Response:
     """The bound on the ball around `at` (computed on the compute pool, stored, cached)."""
     assert req.at is not None and req.eps is not None  # the request validator's rule
-    if req.empirical is not None:
-        raise InvalidRequest("empirical: not available with at through the API yet; omit "
-                             "empirical (the certified local bound is returned), or run "
-                             "`lsa bound MODEL --at X0.npy --eps E --empirical`")
     n = center_shape(req.at)[-2]
     if req.seq_len is not None and req.seq_len != n:
         raise InvalidRequest(f"seq_len={req.seq_len} differs from the N={n} of at; omit "
                              "seq_len (at gives it)")
-    body = await local_report_json(runtime, model, req.norm, req.at, req.eps)
-    return Response(body, media_type="application/json")
+    if req.empirical is None:
+        body = await local_report_json(runtime, model, req.norm, req.at, req.eps)
+        return Response(body, media_type="application/json")
+    # The in-ball lower bound runs as a job, like the global one.
+    empirical = req.empirical.model_dump(mode="json")
+    x0 = center_array(runtime, req.at)
+    key, _ = ball_key(model, req.norm, x0, req.eps, empirical)
+    stored = await run_in_threadpool(stored_report_json, runtime, key)
+    if stored is not None:
+        return Response(stored, media_type="application/json")
+    check_empirical_size(runtime, model, n)
+    accepted = await run_in_threadpool(
+        submit_bound_job, runtime, model,
+        {"model_id": model.id, "norm": req.norm, "seq_len": n, "radius": None,
+         "empirical": empirical, "request_key": key, "at": x0.tolist(), "eps": req.eps})
+    return JSONResponse(accepted.model_dump(), status_code=202)
 
 
 def submit_bound_job(runtime: Runtime, model: ModelRef, params: dict[str, Any]) -> JobAccepted:

@@ -5,6 +5,7 @@ bad `at`/`eps` are 422 naming the field, an oversized `at` 413."""
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -110,8 +111,30 @@ def test_local_bound_wrong_shape_or_nonfinite_is_422(client: TestClient, mlp_onn
     nan = client.post("/bound", content=text, headers={"content-type": "application/json"})
     assert nan.status_code == 422, nan.text
     assert "at" in nan.json()["detail"] and "finite" in nan.json()["detail"]
-    emp = client.post("/bound", json=local_request(m["id"], x0, 0.1, empirical={}))
-    assert emp.status_code == 422 and "empirical" in emp.json()["detail"]
+
+
+def test_local_bound_empirical_runs_as_a_job(client: TestClient, mlp_onnx: Path,
+                                             x0: np.ndarray) -> None:
+    m = upload(client, mlp_onnx.read_bytes(), "mlp.onnx")
+    certified = client.post("/bound", json=local_request(m["id"], x0, 0.05)).json()
+    emp = {"restarts": 2, "steps": 5, "seed": 0, "time_budget_s": 60}
+    r = client.post("/bound", json=local_request(m["id"], x0, 0.05, empirical=emp))
+    assert r.status_code == 202, r.text
+    job_id = r.json()["job_id"]
+    deadline = time.monotonic() + 120
+    while (job := client.get(f"/jobs/{job_id}").json())["status"] in ("queued", "running"):
+        assert time.monotonic() < deadline, job
+        time.sleep(0.2)
+    assert job["status"] == "succeeded", job
+    report = job["result"]
+    assert report["upper"] == certified["upper"] and report["domain"] == certified["domain"]
+    assert 0 < report["lower"] <= report["upper"]
+    assert report["witness"]["source"] == "search"
+    # The witness lies in the ball.
+    w = np.asarray(report["witness"]["input"]).reshape(x0.shape)
+    assert np.linalg.norm(w - x0) <= 0.05 * (1 + 1e-9)
+    again = client.post("/bound", json=local_request(m["id"], x0, 0.05, empirical=emp))
+    assert again.status_code == 200 and again.json() == report
 
 
 @pytest.fixture

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from api_schemas.requests import EmpiricalParams
 
 from ..bounding import ModelRef, analytic_report, find_result, load_model, store_result
+from ..local import local_report_of
 from ..tables import UploadedModel
 from .context import JobContext
 from .registry import JobKind, register_job_kind
@@ -81,10 +83,6 @@ def run_local_bound(ctx: JobContext, p: BoundJobParams, model: ModelRef,
                     loaded: Any) -> dict[str, Any]:
     """The local bound on the ball around `at` plus the in-ball lower bound (projected ascent;
     its time budget bounds the job)."""
-    import numpy as np  # numpy is cheap, but keeps this module's imports as they were
-
-    from ..local import local_report_of
-
     assert p.eps is not None  # the request validator's rule
     ctx.progress(0.05, "local bound and in-ball lower bound", force=True)
     report = local_report_of(loaded, model.sha256, np.asarray(p.at, dtype=np.float64), p.eps,

@@ -9,6 +9,7 @@ start need none of it.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -22,6 +23,7 @@ from api_schemas.requests import center_shape
 from .bounding import ModelRef, check_sync_size, load_model, request_key, store_result
 from .certificates import new_certificate_body, sign_certificate
 from .certifying import robust, stored_report_json
+from .compute import ComputeBusy
 from .db import transaction
 from .errors import InvalidRequest, PayloadTooLarge
 from .runtime import Runtime
@@ -111,6 +113,17 @@ def ball_key(model: ModelRef, norm: str, x0: np.ndarray, eps: float,
     return request_key(model.sha256, norm, n, None, empirical, ball), n
 
 
+async def run_counted(runtime: Runtime, key: str, fn: Callable[[], Any]) -> Any:
+    """`fn` on the compute pool; a refusal (queue full: 503) is counted like the global
+    bound's."""
+    try:
+        return await runtime.compute.run(key, fn)
+    except ComputeBusy:
+        if runtime.metrics is not None:
+            runtime.metrics.rejected.inc()
+        raise
+
+
 def _bad_at(exc: Exception) -> InvalidRequest:
     return InvalidRequest(f"at: {exc}")
 
@@ -140,8 +153,8 @@ async def local_report_json(runtime: Runtime, model: ModelRef, norm: str, at: li
     if stored is not None:
         return stored
     check_sync_size(runtime, model)
-    report = await runtime.compute.run(
-        key, lambda: compute_local_and_store(runtime, model, key, norm, x0, eps))
+    report = await run_counted(
+        runtime, key, lambda: compute_local_and_store(runtime, model, key, norm, x0, eps))
     assert isinstance(report, BoundReport)
     body = report.model_dump_json().encode()
     runtime.reports.put(key, body)
@@ -192,8 +205,8 @@ async def robustness_certificate(runtime: Runtime, model: ModelRef, at: list[Any
     x0 = center_array(runtime, at)
     key, n = ball_key(model, norm, x0, 0.0)
     check_sync_size(runtime, model)
-    radii = await runtime.compute.run(
-        f"robustness:{key}:{label}", lambda: compute_robustness(runtime, model, x0, label, norm))
+    radii = await run_counted(runtime, f"robustness:{key}:{label}",
+                              lambda: compute_robustness(runtime, model, x0, label, norm))
     assert isinstance(radii, dict)
     return await run_in_threadpool(issue_robustness_certificate, runtime, model, radii, n,
                                    min_radius)

@@ -148,8 +148,9 @@ class CertifyRequest(BaseModel):
     label: int | None = Field(default=None, ge=0, description="Robustness certificates: the "
                               "class whose margins f_label - f_j must stay positive")
     min_radius: float | None = Field(
-        default=None, ge=0, allow_inf_nan=False, description="Robustness certificates: "
-        "passed iff the certified radius (in the norm) >= min_radius")
+        default=None, gt=0, allow_inf_nan=False, description="Robustness certificates: "
+        "passed iff the certified radius (in the norm) >= min_radius (> 0: a label that is "
+        "not the prediction has certified radius 0 and never passes)")
 
     @model_validator(mode="after")
     def _one_form(self) -> CertifyRequest:

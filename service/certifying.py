@@ -50,9 +50,11 @@ def passed(upper: float | None, threshold: float) -> bool:
 
 
 def robust(certified_radius: float, min_radius: float) -> bool:
-    """The one pass rule of robustness certificates: the certified radius is finite and at
-    least the requested one."""
-    return math.isfinite(certified_radius) and certified_radius >= min_radius
+    """The one pass rule of robustness certificates: the certified radius is finite, positive
+    (0 means nothing was certified, e.g. the label is not the prediction) and at least the
+    requested one."""
+    return (math.isfinite(certified_radius) and certified_radius > 0
+            and certified_radius >= min_radius)
 
 
 def find_model(runtime: Runtime, model_id: str) -> ModelRef:

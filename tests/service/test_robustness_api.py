@@ -42,14 +42,18 @@ def test_robustness_certificate_passes_fails_and_verifies(client: TestClient, ml
     x0 = center(5).numpy().astype(np.float64)  # (1, N, D)
     label = predicted_label(mlp_onnx, x0)
     req = {"model_id": m["id"], "norm": "2", "at": x0.tolist(), "label": label}
-    ok = client.post("/certify", json={**req, "min_radius": 0.0})
+    ok = client.post("/certify", json={**req, "min_radius": 1e-9})
     assert ok.status_code == 201, ok.text
     cert = ok.json()
     rob = cert["robustness"]
-    assert rob["certified_radius"] > 0 and cert["passed"] is True
-    assert rob["label"] == label and rob["predicted"] == label and rob["min_radius"] == 0.0
+    assert rob["certified_radius"] > 1e-9 and cert["passed"] is True
+    assert rob["label"] == label and rob["predicted"] == label and rob["min_radius"] == 1e-9
     assert rob["attack_radius"] is None or rob["certified_radius"] <= rob["attack_radius"]
-    assert cert["threshold"] == 0.0 and cert["upper"] is None
+    assert cert["threshold"] == 1e-9 and cert["upper"] is None
+    # A label that is not the prediction is certified nowhere: radius 0, failed.
+    other = client.post("/certify", json={**req, "label": (label + 1) % 4,
+                                          "min_radius": 1e-9}).json()
+    assert other["robustness"]["certified_radius"] == 0 and other["passed"] is False
     # The same input through the CLI gives the same certified radius.
     np.save(tmp_path / "x0.npy", x0)
     res = CliRunner().invoke(cli, ["robustness", str(mlp_onnx), "--at",
@@ -94,6 +98,7 @@ def test_robustness_certificate_passes_fails_and_verifies(client: TestClient, ml
     ({"at": [[1.0]], "label": 0, "min_radius": 0.1, "max_lipschitz": 10.0}, "max_lipschitz"),
     ({"at": [[1.0]], "label": 0, "min_radius": 0.1, "seq_len": 8}, "seq_len"),
     ({"at": [[1.0]], "label": 0, "min_radius": -1.0}, "min_radius"),
+    ({"at": [[1.0]], "label": 0, "min_radius": 0.0}, "min_radius"),
     ({"at": [[1.0, float("inf")]], "label": 0, "min_radius": 0.1}, "at"),
 ])
 def test_robustness_request_mixing_or_missing_is_422(client: TestClient, body: dict[str, Any],

@@ -49,6 +49,16 @@ class CertificateBody(BaseModel):
         description="Certificates of trained models (POST /certify with training): "
         "per-branch constants <= c < 1, the trunk's certified bound, the reconstruction "
         "error on held-out sequences, test bits per character, artifacts")
+    robustness: dict[str, Any] | None = Field(
+        # Omitted when empty, like training: Lipschitz certificates keep their signed bytes.
+        default=None, exclude_if=lambda v: v is None,
+        description="Robustness certificates (POST /certify with at, label, min_radius): "
+        "label, predicted, certified_radius, attack_radius, min_radius, margins, "
+        "pair_constants, center_sha256; threshold is min_radius, upper is null, and passed "
+        "iff certified_radius >= min_radius > 0",
+        examples=[{"label": 1, "predicted": 1, "min_radius": 0.01, "certified_radius": 0.034,
+                   "attack_radius": 0.41, "center_sha256": "5e1a" + "0" * 60,
+                   "margins": {"0": 1.2}, "pair_constants": {"0": 30.1}}])
 
 
 class Certificate(CertificateBody):

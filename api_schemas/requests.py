@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -16,6 +17,45 @@ SeqLenField = Field(default=None, ge=1, le=MAX_SEQ_LEN,
 RadiusField = Field(default=None, ge=0, allow_inf_nan=False,
                     description="Bound every token's 2-norm by this radius (bounded domain); "
                     "null: all of R^{N x D}")
+
+
+AtField = Field(
+    default=None, description="One input X0 of the model's shape, as nested lists: (N, D), or "
+    "(1, N, D) with a leading batch of 1; finite numbers. With it the report is local: the "
+    "constant on the ball {X : ||X - X0||_norm <= eps} (`lsa bound --at`)")
+EXAMPLE_AT: list[Any] = [[0.5, -1.0, 0.25, 2.0], [1.0, 0.0, -0.5, 0.75]]
+
+
+def center_shape(at: list[Any], field: str = "at") -> tuple[int, ...]:
+    """The shape of a nested list of numbers, (N, D) or (1, N, D); ValueError naming `field`
+    and the fix for ragged, empty, non-numeric or non-finite input."""
+    shape: list[int] = []
+    level: Any = at
+    while isinstance(level, list):
+        if not level:
+            raise ValueError(f"{field}: an empty list; give one input of shape (N, D)")
+        shape.append(len(level))
+        level = level[0]
+    if len(shape) not in (2, 3) or (len(shape) == 3 and shape[0] != 1):
+        raise ValueError(f"{field}: shape {tuple(shape)}; give one input as (N, D) nested "
+                         "lists, or (1, N, D)")
+
+    def check(node: Any, depth: int) -> None:
+        if depth == len(shape):
+            if isinstance(node, bool) or not isinstance(node, int | float):
+                raise ValueError(f"{field}: {node!r} is not a number")
+            if not math.isfinite(node):
+                raise ValueError(f"{field}: holds {node}; every entry must be finite")
+            return
+        if not isinstance(node, list) or len(node) != shape[depth]:
+            raise ValueError(f"{field}: ragged nested lists (every row needs "
+                             f"{shape[depth]} entries at depth {depth}); give a rectangular "
+                             "(N, D) array")
+        for child in node:
+            check(child, depth + 1)
+
+    check(at, 0)
+    return tuple(shape)
 
 
 class EmpiricalParams(BaseModel):
@@ -41,6 +81,8 @@ class BoundRequest(BaseModel):
             {"model_id": "1b4e28ba-2fa1-11d2-883f-0016d3cca427", "norm": "inf", "seq_len": 64,
              "radius": 1.0, "empirical": {"restarts": 4, "steps": 100, "seed": 0,
                                           "time_budget_s": 60}},
+            {"model_id": "1b4e28ba-2fa1-11d2-883f-0016d3cca427", "norm": "2",
+             "at": EXAMPLE_AT, "eps": 0.01},
         ]},
     )
 
@@ -50,12 +92,33 @@ class BoundRequest(BaseModel):
     radius: float | None = RadiusField
     empirical: EmpiricalParams | None = Field(
         default=None, description="Also estimate a lower bound (202 with a job id)")
+    at: list[Any] | None = AtField
+    eps: float | None = Field(default=None, gt=0, allow_inf_nan=False,
+                              description="Radius of the ball around `at` in the `norm` norm "
+                              "(required with at, > 0)")
+
+    @model_validator(mode="after")
+    def _local_form(self) -> BoundRequest:
+        if self.at is None and self.eps is None:
+            return self
+        if self.at is None:
+            raise ValueError("eps: only with at (the input the ball is centred on); give at "
+                             "or omit eps")
+        if self.eps is None:
+            raise ValueError("at: needs eps, the radius (> 0) of the ball around it")
+        if self.radius is not None:
+            raise ValueError("radius: not with at (the ball around at is the domain); omit "
+                             "radius")
+        center_shape(self.at)
+        return self
 
 
 class CertifyRequest(BaseModel):
     """Certify that a stored model's Lipschitz bound is at most `max_lipschitz` (201, the
-    certificate), or, with `training` instead of `model_id`, train a model and certify it
-    (202, a job on the training queue)."""
+    certificate); or, with `at`, `label` and `min_radius`, that `label` is certified robust
+    on the ball of radius `min_radius` around `at` (201, a certificate of kind robustness);
+    or, with `training` instead of `model_id`, train a model and certify it (202, a job on
+    the training queue). The fields present choose the kind; mixing kinds is 422."""
 
     model_config = ConfigDict(
         extra="forbid",
@@ -63,6 +126,8 @@ class CertifyRequest(BaseModel):
             {"model_id": "1b4e28ba-2fa1-11d2-883f-0016d3cca427", "norm": "2",
              "max_lipschitz": 1000.0, "seq_len": 128},
             {"training": TRAINING_EXAMPLE},
+            {"model_id": "1b4e28ba-2fa1-11d2-883f-0016d3cca427", "norm": "2",
+             "at": EXAMPLE_AT, "label": 1, "min_radius": 0.01},
         ]},
     )
 
@@ -77,9 +142,21 @@ class CertifyRequest(BaseModel):
     training: TrainingSpec | None = Field(
         default=None, description="Train a model and certify it instead (runs as a job; "
         "the certificate is in the 2-norm at the trained seq_len, threshold c)")
+    at: list[Any] | None = Field(
+        default=None, description="Robustness certificates: the input X0 (nested lists, (N, D) "
+        "or (1, N, D), finite), with label and min_radius")
+    label: int | None = Field(default=None, ge=0, description="Robustness certificates: the "
+                              "class whose margins f_label - f_j must stay positive")
+    min_radius: float | None = Field(
+        default=None, gt=0, allow_inf_nan=False, description="Robustness certificates: "
+        "passed iff the certified radius (in the norm) >= min_radius (> 0: a label that is "
+        "not the prediction has certified radius 0 and never passes)")
 
     @model_validator(mode="after")
     def _one_form(self) -> CertifyRequest:
+        robust = [n for n in ("at", "label", "min_radius") if getattr(self, n) is not None]
+        if robust:
+            return self._robustness_form(robust)
         if self.training is not None:
             given = [name for name in ("model_id", "max_lipschitz", "seq_len", "radius")
                      if getattr(self, name) is not None]
@@ -94,7 +171,25 @@ class CertifyRequest(BaseModel):
             raise ValueError("model_id: required (or give a training section to train a "
                              "model first)")
         if self.max_lipschitz is None:
-            raise ValueError("max_lipschitz: required with model_id")
+            raise ValueError("max_lipschitz: required with model_id (or at, label and "
+                             "min_radius for a robustness certificate)")
+        return self
+
+    def _robustness_form(self, given: list[str]) -> CertifyRequest:
+        missing = [n for n in ("at", "label", "min_radius") if getattr(self, n) is None]
+        if missing:
+            raise ValueError(f"{', '.join(missing)}: required with {', '.join(given)} (a "
+                             "robustness certificate needs at, label and min_radius)")
+        mixed = [n for n in ("max_lipschitz", "seq_len", "radius", "training")
+                 if getattr(self, n) is not None]
+        if mixed:
+            raise ValueError(f"{', '.join(mixed)}: not with at/label/min_radius (one "
+                             "certificate kind per request: a Lipschitz certificate takes "
+                             "max_lipschitz, a robustness one at, label, min_radius)")
+        if self.model_id is None:
+            raise ValueError("model_id: required for a robustness certificate")
+        assert self.at is not None
+        center_shape(self.at)
         return self
 
 

@@ -95,6 +95,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     install_docs(app)
     for module in (model_uploads, bound, certificates, jobs, corpora, health):
         app.include_router(module.router)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_upload_bytes + UPLOAD_OVERHEAD)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_upload_bytes + UPLOAD_OVERHEAD,
+                       max_json_bytes=settings.max_json_bytes)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     return app

@@ -61,10 +61,15 @@ def resolve_seq_len(model: ModelRef, seq_len: int | None) -> int:
 
 
 def request_key(model_sha256: str, norm: str, seq_len: int, radius: float | None,
-                empirical: dict[str, Any] | None) -> str:
-    canon = json.dumps({"model": model_sha256, "norm": norm, "seq_len": seq_len,
-                        "radius": None if radius is None else float(radius),
-                        "empirical": empirical}, sort_keys=True, separators=(",", ":"))
+                empirical: dict[str, Any] | None, ball: dict[str, Any] | None = None) -> str:
+    """The key identical requests share. `ball` ({center_sha256, eps}) keys a local bound;
+    absent, the key is the one global requests always had."""
+    fields: dict[str, Any] = {"model": model_sha256, "norm": norm, "seq_len": seq_len,
+                              "radius": None if radius is None else float(radius),
+                              "empirical": empirical}
+    if ball is not None:
+        fields["ball"] = ball
+    canon = json.dumps(fields, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canon.encode()).hexdigest()
 
 

@@ -42,10 +42,19 @@ from .tables import CertificateRow, UploadedModel, utcnow
 
 log = logging.getLogger("lsa.service")
 
+
 def passed(upper: float | None, threshold: float) -> bool:
     """The one pass rule of every certificate: a certified upper bound exists, is finite and
     is <= the threshold. `upper` is None when the bound is not certified."""
     return upper is not None and math.isfinite(upper) and upper <= threshold
+
+
+def robust(certified_radius: float, min_radius: float) -> bool:
+    """The one pass rule of robustness certificates: the certified radius is finite, positive
+    (0 means nothing was certified, e.g. the label is not the prediction) and at least the
+    requested one."""
+    return (math.isfinite(certified_radius) and certified_radius > 0
+            and certified_radius >= min_radius)
 
 
 def find_model(runtime: Runtime, model_id: str) -> ModelRef:

@@ -157,26 +157,28 @@ class BodyLimitMiddleware:
     """413 in the common error shape for bodies past the limit: at once when Content-Length
     says so, else as soon as the streamed body crosses it (nothing larger is ever buffered)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, max_json_bytes: int | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
-
-    def _too_large(self) -> JSONResponse:
-        return error_response(413, PayloadTooLarge.error, self._too_large_detail())
+        # JSON bodies (e.g. an input `at` of POST /bound) are parsed whole in memory: they get
+        # their own, smaller limit so a huge body is refused at once, not parsed for minutes.
+        self.max_json_bytes = max_json_bytes or max_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        for name, value in scope.get("headers", []):
-            if name == b"content-length":
-                try:
-                    declared = int(value)
-                except ValueError:
-                    declared = 0
-                if declared > self.max_bytes:
-                    await self._too_large()(scope, receive, send)
-                    return
+        headers = dict(scope.get("headers", []))
+        is_json = headers.get(b"content-type", b"").split(b";")[0].strip() == b"application/json"
+        limit = self.max_json_bytes if is_json else self.max_bytes
+        detail = self._too_large_detail(is_json)
+        try:
+            declared = int(headers.get(b"content-length", b"0"))
+        except ValueError:
+            declared = 0
+        if declared > limit:
+            await error_response(413, PayloadTooLarge.error, detail)(scope, receive, send)
+            return
         seen = 0
 
         async def limited_receive() -> Message:
@@ -184,14 +186,17 @@ class BodyLimitMiddleware:
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
+                if seen > limit:
                     # Starlette's HTTPException passes through body parsing untouched and
                     # reaches the one handler above.
-                    raise StarletteHTTPException(413, self._too_large_detail())
+                    raise StarletteHTTPException(413, detail)
             return message
 
         await self.app(scope, limited_receive, send)
 
-    def _too_large_detail(self) -> str:
+    def _too_large_detail(self, is_json: bool = False) -> str:
+        if is_json:
+            return (f"JSON request body larger than {self.max_json_bytes} bytes "
+                    "(LSA_MAX_JSON_BYTES): send a smaller input, or raise the limit")
         return (f"request body larger than {self.max_bytes} bytes (LSA_MAX_UPLOAD_BYTES plus "
                 "multipart framing)")

@@ -34,6 +34,12 @@ class Settings(BaseSettings):
     max_sync_parameters: PositiveInt = Field(
         default=20_000_000,
         description="Largest model (parameter count) bounded inside a request; 422 above")
+    max_json_bytes: PositiveInt = Field(
+        default=16 * MiB, description="Largest JSON request body, e.g. an input `at` of "
+        "POST /bound or /certify (413 above)")
+    max_at_elements: PositiveInt = Field(
+        default=1_048_576, description="Most numbers an input `at` (N x D) may hold (413 "
+        "above)")
     max_empirical_elements: PositiveInt = Field(
         default=4_194_304,
         description="Largest input N x D an empirical (job) search may use; 422 above")

@@ -104,6 +104,8 @@ ALTER: dict[str, Callable[[Any], Any]] = {
     "signature": _flip_signature,
     # Absent from certificates of uploaded models: adding one must invalidate them too.
     "training": lambda v: {"test_bpc": 1.0} if v is None else {**v, "test_bpc": 0.0},
+    "robustness": lambda v: {"certified_radius": 1.0} if v is None
+    else {**v, "certified_radius": 0.0},
 }
 
 

@@ -13,8 +13,8 @@ import typer
 from rich.console import Console
 
 from api_schemas import BoundReport
-from api_schemas.bounds import BallDomain, Witness
 
+from ..local import local_report_of, robustness_of
 from .common import app, fail, set_threads
 
 
@@ -53,58 +53,20 @@ def local_report(path: Path, norm: str, at: Path, eps: float | None, *,
                  empirical: Any = None) -> BoundReport:
     """The bound on the ball {X : ||X - X0||_norm <= eps}; `upper` is the local constant.
     With `empirical` (EmpiricalOptions), the in-ball projected-ascent lower bound too."""
-    from lsa_models.empirical import ratio
-    from lsa_models.engine.local import certify_local
-    from service.reports import bound_report
-
     if norm not in ("2", "inf"):
         raise ValueError(f"--norm must be 2 or inf, got {norm!r}")
     e = check_eps(eps)
     x0 = load_center(at)
     loaded = load_model(path)
-    result = certify_local(loaded, x0, e, norm)  # type: ignore[arg-type]
-    report = bound_report(result, loaded.sha256)
-    layers = [lo.model_copy(update={"rule": lb.rule, "global_upper": lb.global_upper})
-              for lo, lb in zip(report.layers, result.layers, strict=True)]
-    assert result.domain is not None
-    update: dict[str, Any] = {"layers": layers, "domain": BallDomain(**result.domain)}
-    if empirical is not None:
-        import torch
-
-        from lsa_models.empirical.local import local_lower_bound
-        from lsa_models.engine.driver import check_center
-        from lsa_models.engine.local import as_onnx
-
-        om = as_onnx(loaded, x0.shape[-2])
-        x = check_center(om, x0)
-        lb = local_lower_bound(om.module.with_dtype(torch.float64), x, e, norm,
-                               restarts=empirical.restarts, steps=empirical.steps,
-                               seed=empirical.seed, time_budget_s=empirical.time_budget_s)
-        update.update(lower=lb.lower, ratio=ratio(report.upper, lb.lower), witness=Witness(
-            seed=lb.seed, value=lb.lower, input_shape=list(lb.witness.shape),
-            input=[float(v) for v in lb.witness.reshape(-1)], restarts=lb.restarts,
-            steps=lb.steps, source="search"))
-    return report.model_copy(update=update)
+    return local_report_of(loaded, loaded.sha256, x0, e, norm, empirical=empirical)
 
 
 def robustness_json(path: Path, at: Path, label: int, norm: str) -> dict[str, Any]:
-    from lsa_models.engine.local import robustness
-
     if norm not in ("2", "inf"):
         raise ValueError(f"--norm must be 2 or inf, got {norm!r}")
     x0 = load_center(at)
     loaded = load_model(path)
-    r = robustness(loaded, x0, label, norm)  # type: ignore[arg-type]
-    return {
-        "model_sha256": loaded.sha256, "norm": r.norm, "label": r.label,
-        "predicted": r.predicted, "certified_radius": r.certified_radius,
-        "attack_radius": r.attack_radius,
-        "ratio": (r.certified_radius / r.attack_radius) if r.attack_radius else None,
-        "margins": {str(j): m for j, m in r.margins.items()},
-        "pair_constants": {str(j): c for j, c in r.pair_constants.items()},
-        "center_sha256": r.center_sha256, "bisection_steps": r.bisection_steps,
-        "seconds": {"certify": r.certify_seconds, "attack": r.attack_seconds},
-    }
+    return robustness_of(loaded, loaded.sha256, x0, label, norm)
 
 
 @app.command("robustness")

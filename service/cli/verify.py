@@ -142,8 +142,17 @@ def verify(
         check_model_hash(cert, model)
     if recompute:
         assert model is not None
+        if cert.robustness is not None:
+            fail("--recompute checks Lipschitz certificates; recompute a robustness "
+                 "certificate's radius with `lsa robustness MODEL --at X0.npy --label Y`")
         check_recomputed(cert, model)
     verdict = "passed" if cert.passed else "failed"
+    if cert.robustness is not None:
+        typer.echo(f"VALID: robustness certificate {cert.id} ({verdict}: certified radius "
+                   f"{cert.robustness.get('certified_radius')} vs min_radius "
+                   f"{cert.threshold:g}, label {cert.robustness.get('label')}, "
+                   f"{cert.norm}-norm)")
+        raise typer.Exit(EXIT_OK)
     typer.echo(f"VALID: certificate {cert.id} ({verdict}: upper {cert.upper} vs threshold "
                f"{cert.threshold:g}, {cert.norm}-norm, N={cert.seq_len})")
     raise typer.Exit(EXIT_OK)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from api_schemas.requests import EmpiricalParams
 
 from ..bounding import ModelRef, analytic_report, find_result, load_model, store_result
+from ..local import local_report_of
 from ..tables import UploadedModel
 from .context import JobContext
 from .registry import JobKind, register_job_kind
@@ -23,6 +25,9 @@ class BoundJobParams(BaseModel):
     radius: float | None
     empirical: EmpiricalParams
     request_key: str
+    # Local requests (POST /bound with at/eps): the ball's centre and radius.
+    at: list[Any] | None = None
+    eps: float | None = None
 
 
 def run_bound(ctx: JobContext) -> dict[str, Any]:
@@ -38,6 +43,8 @@ def run_bound(ctx: JobContext) -> dict[str, Any]:
         model = ModelRef.of(row)
     ctx.progress(0.02, "loading model", force=True)
     loaded = load_model(ctx.runtime, model)
+    if p.at is not None:
+        return run_local_bound(ctx, p, model, loaded)
     ctx.progress(0.05, "analytic bound", force=True)
     report = analytic_report(ctx.runtime, model, p.norm, p.seq_len, p.radius, loaded)
     ctx.progress(0.1, "empirical lower bound", force=True)
@@ -65,6 +72,21 @@ def run_bound(ctx: JobContext) -> dict[str, Any]:
                    # no lower bound there.
                    radius=p.radius)
     report = with_empirical(report, est)
+    ctx.progress(0.97, "storing result", force=True)
+    with ctx.session() as s:
+        stored = store_result(s, model, p.request_key, report,
+                              p.empirical.model_dump(mode="json"))
+        return dict(stored.report)
+
+
+def run_local_bound(ctx: JobContext, p: BoundJobParams, model: ModelRef,
+                    loaded: Any) -> dict[str, Any]:
+    """The local bound on the ball around `at` plus the in-ball lower bound (projected ascent;
+    its time budget bounds the job)."""
+    assert p.eps is not None  # the request validator's rule
+    ctx.progress(0.05, "local bound and in-ball lower bound", force=True)
+    report = local_report_of(loaded, model.sha256, np.asarray(p.at, dtype=np.float64), p.eps,
+                             p.norm, empirical=p.empirical)
     ctx.progress(0.97, "storing result", force=True)
     with ctx.session() as s:
         stored = store_result(s, model, p.request_key, report,

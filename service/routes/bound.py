@@ -15,14 +15,15 @@ from starlette.concurrency import run_in_threadpool
 
 from api_schemas import BoundReport
 from api_schemas.jobs import JobAccepted
-from api_schemas.requests import BoundRequest
+from api_schemas.requests import BoundRequest, center_shape
 
 from ..bounding import ModelRef, check_empirical_size, request_key, resolve_seq_len
 from ..certifying import find_model, report_json, stored_report_json
 from ..db import transaction
 from ..deps import RuntimeDep, WriteAccess
-from ..errors import responses
+from ..errors import InvalidRequest, responses
 from ..jobs.runner import submit_job
+from ..local import ball_key, center_array, local_report_json
 from ..runtime import Runtime
 from ..tables import ACTIVE_JOB_STATUSES, Job
 
@@ -31,13 +32,16 @@ router = APIRouter(tags=["bounds"])
 
 @router.post(
     "/bound", response_model=BoundReport, dependencies=[WriteAccess],
-    summary="Certified Lipschitz upper bound (and, as a job, an empirical lower bound)",
+    summary="Certified Lipschitz upper bound (and, as a job, an empirical lower bound); with "
+            "`at` and `eps`: the local bound on the ball around one input",
     responses={202: {"model": JobAccepted, "description": "Empirical work was asked for: "
                      "poll GET /jobs/{job_id}; its result is this report"},
-               **responses(404, 503)},
+               **responses(404, 413, 503)},
 )
 async def bound(req: BoundRequest, runtime: RuntimeDep) -> Response:
     model = await run_in_threadpool(find_model, runtime, req.model_id)
+    if req.at is not None:
+        return await local_bound(req, runtime, model)
     seq_len = resolve_seq_len(model, req.seq_len)
     if req.empirical is None:
         body = await report_json(runtime, model, req.norm, seq_len, req.radius)
@@ -52,6 +56,31 @@ async def bound(req: BoundRequest, runtime: RuntimeDep) -> Response:
         submit_bound_job, runtime, model,
         {"model_id": model.id, "norm": req.norm, "seq_len": seq_len, "radius": req.radius,
          "empirical": empirical, "request_key": key})
+    return JSONResponse(accepted.model_dump(), status_code=202)
+
+
+async def local_bound(req: BoundRequest, runtime: Runtime, model: ModelRef) -> Response:
+    """The bound on the ball around `at` (computed on the compute pool, stored, cached)."""
+    assert req.at is not None and req.eps is not None  # the request validator's rule
+    n = center_shape(req.at)[-2]
+    if req.seq_len is not None and req.seq_len != n:
+        raise InvalidRequest(f"seq_len={req.seq_len} differs from the N={n} of at; omit "
+                             "seq_len (at gives it)")
+    if req.empirical is None:
+        body = await local_report_json(runtime, model, req.norm, req.at, req.eps)
+        return Response(body, media_type="application/json")
+    # The in-ball lower bound runs as a job, like the global one.
+    empirical = req.empirical.model_dump(mode="json")
+    x0 = center_array(runtime, req.at)
+    key, _ = ball_key(model, req.norm, x0, req.eps, empirical)
+    stored = await run_in_threadpool(stored_report_json, runtime, key)
+    if stored is not None:
+        return Response(stored, media_type="application/json")
+    check_empirical_size(runtime, model, n)
+    accepted = await run_in_threadpool(
+        submit_bound_job, runtime, model,
+        {"model_id": model.id, "norm": req.norm, "seq_len": n, "radius": None,
+         "empirical": empirical, "request_key": key, "at": x0.tolist(), "eps": req.eps})
     return JSONResponse(accepted.model_dump(), status_code=202)
 
 

@@ -21,6 +21,7 @@ from ..db import transaction
 from ..deps import ReadAccess, ReadSessionDep, RuntimeDep, WriteAccess
 from ..errors import NotFound, responses
 from ..jobs.training import submit_training
+from ..local import robustness_certificate
 from ..runtime import Runtime
 from ..tables import CertificateRow
 
@@ -39,16 +40,25 @@ class PublicKey(BaseModel):
 
 @router.post(
     "/certify", status_code=201, response_model=Certificate, dependencies=[WriteAccess],
-    summary="Issue a signed certificate: is the certified bound <= max_lipschitz? "
-            "(with `training`: train a model and certify it, as a job)",
+    summary="Issue a signed certificate: is the certified bound <= max_lipschitz? (with "
+            "`at`, `label`, `min_radius`: is the label certified robust on that ball? with "
+            "`training`: train a model and certify it, as a job)",
     responses={202: {"model": JobAccepted, "description": "A training request was queued on "
-                     "the training queue: poll GET /jobs/{job_id}"}, **responses(404)},
+                     "the training queue: poll GET /jobs/{job_id}"}, **responses(404, 413, 503)},
 )
 async def certify(req: CertifyRequest, runtime: RuntimeDep) -> Response:
     if req.training is not None:
         job = await run_in_threadpool(queue_training, runtime, req)
         accepted = JobAccepted(job_id=job, status="queued")
         return JSONResponse(accepted.model_dump(mode="json"), status_code=202)
+    if req.at is not None:
+        assert req.model_id is not None and req.label is not None  # the validator's rule
+        assert req.min_radius is not None
+        model = await run_in_threadpool(find_model, runtime, req.model_id)
+        robust = await robustness_certificate(runtime, model, req.at, req.label, req.norm,
+                                              req.min_radius)
+        return Response(robust.model_dump_json(), status_code=201,
+                        media_type="application/json")
     assert req.model_id is not None and req.max_lipschitz is not None  # the validator's rule
     model = await run_in_threadpool(find_model, runtime, req.model_id)
     seq_len = resolve_seq_len(model, req.seq_len)

@@ -9,7 +9,7 @@ from fastapi.responses import FileResponse
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from api_schemas.models import ModelList, ModelOut
+from api_schemas.uploads import ModelList, ModelOut
 
 from ..certifying import register_model
 from ..deps import ReadAccess, ReadSessionDep, RuntimeDep, WriteAccess

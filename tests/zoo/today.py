@@ -39,18 +39,6 @@ TODAY: dict[tuple[str, str, str], str] = {
         "refused: unsupported ops: Conv x1",
     ("timm-deit-distilled", "pixels", "dynamo"):
         "refused: unsupported ops: Conv x1",
-    ("hf-vit", "patches", "torchscript"):
-        "not_certified: logits (1, 2, 5, 5) are not N x N (N = 4): the class token is concatenated",
-    ("hf-vit", "patches", "dynamo"):
-        "not_certified: logits (1, 2, 5, 5) are not N x N (N = 4): the class token is concatenated",
-    ("timm-vit", "patches", "torchscript"):
-        "not_certified: logits (1, 2, 5, 5) are not N x N (N = 4): the class token is concatenated",
-    ("timm-vit", "patches", "dynamo"):
-        "not_certified: logits (1, 2, 5, 5) are not N x N (N = 4): the class token is concatenated",
-    ("timm-deit-distilled", "patches", "torchscript"):
-        "not_certified: logits (1, 2, 6, 6) are not N x N (N = 4): class and distillation tokens",
-    ("timm-deit-distilled", "patches", "dynamo"):
-        "not_certified: logits (1, 2, 6, 6) are not N x N (N = 4): class and distillation tokens",
     ("xt-decoder", "(1, N, D)", "torchscript"):
         "not_certified: Where replaces masked logits by a finite constant (masked_fill)",
     ("xt-decoder", "(1, N, D)", "dynamo"):

@@ -418,14 +418,16 @@ def _search(ls: list[np.ndarray], finite: np.ndarray,
                 va, vb = views[a], views[b]
                 if va[0].shape[-1] != vb[0].shape[-1]:
                     continue
-                va = [np.broadcast_to(v, (g_l, *v.shape[1:])) for v in va]
-                vb = [np.broadcast_to(v, (g_l, *v.shape[1:])) for v in vb]
+                # products of views shared by every group (G = 1) are computed once and
+                # broadcast (`_fit` broadcasts them to the logits' groups): the same values,
+                # without G identical (N x w) @ (w x N) products per pair
                 if kind == "dp":
                     gs = [qa @ np.swapaxes(kb, 1, 2) for qa, kb in zip(va, vb, strict=True)]
                 else:
                     gs = [-(np.square(qa).sum(-1)[:, :, None] - 2 * (qa @ np.swapaxes(kb, 1, 2))
                             + np.square(kb).sum(-1)[:, None, :])
                           for qa, kb in zip(va, vb, strict=True)]
+                gs = [np.broadcast_to(gg, (g_l, *gg.shape[1:])) for gg in gs]
                 fit = _fit(ls, gs, finite, j0)
                 if fit is not None:
                     return kind, a, b, fit

@@ -186,3 +186,19 @@ def test_onnx_recognition_sdpa_both_exporters_agree(tmp_path: Path, causal: bool
     assert uppers[0] is not None and uppers[1] is not None
     assert abs(uppers[0] - uppers[1]) <= 1e-9 * uppers[1]
     assert uppers[0] >= _jacobian_lower(m, x, "2")
+
+
+@pytest.mark.parametrize("form,dynamo,note", [("cdist", False, "Pow(Pow(s, e), p)"),
+                                              ("broadcast", True, "folded value-path")])
+def test_onnx_recognition_float32_readings_named_in_method(tmp_path: Path, form: str,
+                                                           dynamo: bool, note: str) -> None:
+    # a certificate relying on a float32 reading (docs/bounds.md, Conventions) says it is for
+    # the exact constants; one that relies on none does not
+    m = L2Attention(D, 2, form, seed=4).eval()
+    got = analyse(load_onnx(_export(m, _input(form, 3), tmp_path / "m.onnx", dynamo)), "2")
+    assert got.verdict == "certified", got.reason
+    assert "exact constants" in got.method and note in got.method, got.method
+    plain = L2Attention(D, 2, "broadcast", seed=4).eval()
+    got = analyse(load_onnx(_export(plain, _input("broadcast", 3), tmp_path / "p.onnx",
+                                    False)), "2")
+    assert got.verdict == "certified" and "exact constants" not in got.method, got.method

@@ -56,6 +56,7 @@ class _State:
         self.not_lipschitz: str | None = None
         self.not_certified: str | None = None
         self.layers: list[LayerBound] = []
+        self.notes: list[str] = []  # float32 readings relied on (`_method`)
 
     def fail(self, status: Verdict, reason: str, layer: LayerBound | None = None) -> None:
         if status == "not_lipschitz" and self.not_lipschitz is None:
@@ -64,6 +65,14 @@ class _State:
             self.not_certified = reason
         if layer is not None:
             self.layers.append(layer)
+
+
+def _method(notes: list[str]) -> str:
+    """The method, with the float32 readings the certificate relies on (docs/bounds.md,
+    Conventions): it is then a certificate for the exact constants."""
+    if not notes:
+        return METHOD
+    return (f"{METHOD}; certified for the exact constants: " + "; ".join(notes))
 
 
 def analyse(model: OnnxModel, norm: NormName, seq_len: int | None = None,
@@ -91,7 +100,7 @@ def analyse(model: OnnxModel, norm: NormName, seq_len: int | None = None,
         1.0, radius, info.shape(model.spec.input_name))}
     for node in info.nodes:
         if node.name in first_of:
-            _composite(first_of[node.name], info, flows, st, norm, n)
+            _composite(first_of[node.name], info, flows, st, norm)
             continue
         if node.name in taken or node.op_type in ("Shape", "Size"):
             continue
@@ -113,7 +122,7 @@ def analyse(model: OnnxModel, norm: NormName, seq_len: int | None = None,
         if upper is None:
             verdict, reason = "not_certified", "the output's bound is unknown"
     return BoundResult(norm=norm, seq_len=n, radius=radius, verdict=verdict, upper=upper,
-                       layers=st.layers, method=METHOD, reason=reason)
+                       layers=st.layers, method=_method(st.notes), reason=reason)
 
 
 def _args(node: Node, info: GraphInfo, flows: dict[str, Flow | None]) -> list | None:
@@ -164,7 +173,7 @@ def _node(node: Node, info: GraphInfo, flows: dict[str, Flow | None], st: _State
 
 
 def _composite(c: Composite, info: GraphInfo, flows: dict[str, Flow | None], st: _State,
-               norm: NormName, n: int) -> None:
+               norm: NormName) -> None:
     fx = flows.get(c.input)
     shape = info.shape(c.output)
     if c.kind == "gelu":
@@ -197,6 +206,9 @@ def _composite(c: Composite, info: GraphInfo, flows: dict[str, Flow | None], st:
         flows[c.output] = None
         return
     assert a.wq is not None and a.wk is not None and a.wv is not None and a.wo is not None
+    # the attention's own token count (N + 1 after a class token), never the input's N
+    assert a.n >= 1, f"{name}: recognised without its token count"
+    st.notes.extend(nt for nt in a.notes if nt not in st.notes)
     if a.kind == "dp":
         r = None if fx is None else fx.radius
         if r is None:
@@ -217,12 +229,12 @@ def _composite(c: Composite, info: GraphInfo, flows: dict[str, Flow | None], st:
         assert fx is not None and r is not None
         canonical = 1.0 / math.sqrt(a.wq.shape[-1])
         scale = None if a.scale == canonical else a.scale  # None: inv_sqrt_up(d), as native
-        local, out_r = dp_mha_ball(a.wq, a.wk, a.wv, a.wo, n, r, norm, scale=scale, bq=a.bq,
+        local, out_r = dp_mha_ball(a.wq, a.wk, a.wv, a.wo, a.n, r, norm, scale=scale, bq=a.bq,
                                    bv=a.bv, bo=a.bo)
         st.layers.append(LayerBound(name, "dp_mha_radius", local, nodes=c.nodes))
         flows[c.output] = Flow(mul_up(fx.lip, local), out_r, shape)
         return
-    local = l2_mha_bound(a.wq, a.wv, a.wo, n, norm, a.causal)
+    local = l2_mha_bound(a.wq, a.wv, a.wo, a.n, norm, a.causal)
     if a.value_factor > 1.0:
         local = mul_up(local, up(a.value_factor))
     kind = "l2_mha_causal" if a.causal else "l2_mha"

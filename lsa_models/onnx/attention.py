@@ -95,12 +95,12 @@ def _through_noops(info: GraphInfo, t: str) -> str:
         t = c.outputs[0]
 
 
-def _find_output(info: GraphInfo, start: str) -> str:
+def _find_output(info: GraphInfo, start: str, n: int) -> str:
     """Follow token-wise affine single-consumer ops from `P @ V` to the layer output."""
     t, last_token = start, None
     outputs = {o.name for o in info.spec.model.graph.output}
     while True:
-        if info.is_token(t):
+        if info.is_token(t, n):
             last_token = t
         cons = data_consumers(info, t)
         if len(cons) != 1 or t in outputs:
@@ -175,21 +175,21 @@ def recognise(info: GraphInfo) -> list[AttentionLayer]:
 _TOKEN_AFFINE = _LAYOUT | {"MatMul", "Gemm", "Add", "Sub", "Mul", "Div", "Neg"}
 
 
-def _input_candidates(info: GraphInfo, logits: str) -> list[str]:
+def _input_candidates(info: GraphInfo, logits: str, n: int) -> list[str]:
     """Token tensors dominating the logits, farthest first: up the dominator tree through
     token-wise affine ops (projections), up to the first tensor made otherwise (a LayerNorm,
     a residual sum, the model input). Then, tried last, the same walk once more above that
     tensor: with one sequence a tensor of pairwise terms (1, N, N) has the token layout of an
     (N, D) input, and the layer input lies above it."""
-    first = _token_chain(info, info.idom.get(logits))
-    more = _token_chain(info, info.idom.get(first[-1])) if first else []
+    first = _token_chain(info, info.idom.get(logits), n)
+    more = _token_chain(info, info.idom.get(first[-1]), n) if first else []
     return first[::-1] + more[::-1]
 
 
-def _token_chain(info: GraphInfo, x: str | None) -> list[str]:
+def _token_chain(info: GraphInfo, x: str | None, n: int) -> list[str]:
     chain: list[str] = []
     while x is not None:
-        if info.is_token(x):
+        if info.is_token(x, n):
             chain.append(x)
             prod = info.producer.get(x)
             if prod is None or prod.op_type not in _TOKEN_AFFINE or \
@@ -201,13 +201,14 @@ def _token_chain(info: GraphInfo, x: str | None) -> list[str]:
 
 def _recognise_one(info: GraphInfo, sm: Node) -> AttentionLayer:
     logits = sm.inputs[0]
+    n = _token_count(info, logits)
     tried: list[AttentionLayer] = []
-    for x in _input_candidates(info, logits) or [""]:
+    for x in _input_candidates(info, logits, n) or [""]:
         layer = AttentionLayer(sm.name, "", "", [sm.name])
         try:
             if not x:
                 raise NotAttention("no tensor of token layout dominates it")
-            _analyse(info, sm, logits, x, layer)
+            _analyse(info, sm, logits, x, layer, n)
         except (NotAttention, ValueError, RuntimeError, IndexError, KeyError) as exc:
             # anything unexpected while probing means: not recognised (never a crash)
             layer.kind = "unknown"
@@ -217,6 +218,17 @@ def _recognise_one(info: GraphInfo, sm: Node) -> AttentionLayer:
         tried.append(layer)
     known = [t for t in tried if t.kind != "unknown"]
     return known[0] if known else tried[0]
+
+
+def _token_count(info: GraphInfo, logits: str) -> int:
+    """The tokens the attention sees: the logits' key axis when they are square and have the
+    token layout's rank, else the graph's N (refused later, with the shape named). A class
+    (and distillation) token concatenated to the input makes it N + 1 (N + 2); the bound must
+    then use that count, never the graph input's N (docs/bounds.md, "Class tokens")."""
+    s = info.shape(logits)
+    if len(s) >= 2 and s[-1] == s[-2] and s[-1] >= 1:
+        return int(s[-1])
+    return info.seq_len
 
 
 @dataclass
@@ -232,16 +244,21 @@ class _Region:
     aff: set[str]  # tensors of the region affine in X
 
 
-def _analyse(info: GraphInfo, sm: Node, logits: str, x: str, layer: AttentionLayer) -> None:
-    """Recognise the attention at Softmax `sm` with layer input `x` and fill `layer`."""
-    reg = _region(info, sm, logits, x, layer)
+def _analyse(info: GraphInfo, sm: Node, logits: str, x: str, layer: AttentionLayer,
+             n_tokens: int) -> None:
+    """Recognise the attention at Softmax `sm` over `n_tokens` tokens with layer input `x`
+    and fill `layer`."""
+    reg = _region(info, sm, logits, x, layer, n_tokens)
     cands = _projection_candidates(info, reg, logits, x)
     # a constant added to the logits (a mask written as a large finite negative number, as
     # the dynamo exporter does for causal attention) swamps the fit numerically: DP attention
     # allows any constant additive mask, so its fit may also run on the logits without it
     scores = _strip_constant_terms(info, logits)
     probe = Probe(info, reg.nodes, x, [logits, scores, reg.v_name],
-                  [t for t, _ in cands] + [reg.v_name])
+                  [t for t, _ in cands] + [reg.v_name], reg.n)
+    if probe.exact_exponents:
+        layer.notes.append("Pow(Pow(s, e), p) with e p within 1e-6 of 1 (a float32 spelling "
+                           "of cdist's square root) is read as the exact s")
     gen = np.random.default_rng(1234)
     xs = [gen.standard_normal(probe.shape) for _ in range(2)]  # the fit needs two
     envs = [probe.run(xi) for xi in xs]
@@ -250,7 +267,7 @@ def _analyse(info: GraphInfo, sm: Node, logits: str, x: str, layer: AttentionLay
     kind, a, b, (c, resid, fit_err) = found
     layer.kind = kind
     g = ls[0].shape[0]
-    n = reg.n
+    n = layer.n = reg.n
     causal_mask = np.tril(np.ones((n, n), dtype=bool))
     layer.causal = bool(np.array_equal(finite, np.broadcast_to(causal_mask, finite.shape))) \
         and not finite.all()
@@ -268,13 +285,14 @@ def _analyse(info: GraphInfo, sm: Node, logits: str, x: str, layer: AttentionLay
               heads_o)
 
 
-def _region(info: GraphInfo, sm: Node, logits: str, x: str, layer: AttentionLayer) -> _Region:
+def _region(info: GraphInfo, sm: Node, logits: str, x: str, layer: AttentionLayer,
+            n: int) -> _Region:
     """Step 1: the logits' layout, `P @ V` (through no-op casts) and the layer output Y; the
     layer is the closed region of nodes between X and Y."""
     shape_l = info.shape(logits)
-    if len(shape_l) < 2 or shape_l[-1] != shape_l[-2] or shape_l[-1] != info.seq_len:
+    if len(shape_l) < 2 or shape_l[-1] != shape_l[-2] or shape_l[-1] != n:
         raise NotAttention(f"its input {logits} of shape {tuple(shape_l)} is not an N x N "
-                           f"logits tensor (N = {info.seq_len}) with the keys on the last axis")
+                           f"logits tensor (N = {n}) with the keys on the last axis")
     axis = int(sm.attrs.get("axis", -1)) % len(shape_l)
     if axis != len(shape_l) - 1:
         raise NotAttention("the softmax is not over the last (key) axis")
@@ -286,14 +304,14 @@ def _region(info: GraphInfo, sm: Node, logits: str, x: str, layer: AttentionLaye
         raise NotAttention(f"its probabilities are not used only as P @ V (a MatMul with P "
                            f"first); they feed {used}")
     v_name, o_name = pv[0].inputs[1], pv[0].outputs[0]
-    y = _find_output(info, o_name)
+    y = _find_output(info, o_name, n)
     nodes = info.region(x, y)
     if nodes is None:
         raise NotAttention(f"the nodes between {x} and {y} also read or feed other "
                            "input-dependent tensors")
     layer.input, layer.output = x, y
     layer.nodes = [nd.name for nd in nodes]
-    return _Region(info.seq_len, int(np.prod(shape_l[:-2])), v_name, o_name, y, nodes,
+    return _Region(n, int(np.prod(shape_l[:-2])), v_name, o_name, y, nodes,
                    _affine(info, nodes, x))
 
 
@@ -400,14 +418,16 @@ def _search(ls: list[np.ndarray], finite: np.ndarray,
                 va, vb = views[a], views[b]
                 if va[0].shape[-1] != vb[0].shape[-1]:
                     continue
-                va = [np.broadcast_to(v, (g_l, *v.shape[1:])) for v in va]
-                vb = [np.broadcast_to(v, (g_l, *v.shape[1:])) for v in vb]
+                # products of views shared by every group (G = 1) are computed once and
+                # broadcast (`_fit` broadcasts them to the logits' groups): the same values,
+                # without G identical (N x w) @ (w x N) products per pair
                 if kind == "dp":
                     gs = [qa @ np.swapaxes(kb, 1, 2) for qa, kb in zip(va, vb, strict=True)]
                 else:
                     gs = [-(np.square(qa).sum(-1)[:, :, None] - 2 * (qa @ np.swapaxes(kb, 1, 2))
                             + np.square(kb).sum(-1)[:, None, :])
                           for qa, kb in zip(va, vb, strict=True)]
+                gs = [np.broadcast_to(gg, (g_l, *gg.shape[1:])) for gg in gs]
                 fit = _fit(ls, gs, finite, j0)
                 if fit is not None:
                     return kind, a, b, fit

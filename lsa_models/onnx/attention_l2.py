@@ -101,6 +101,12 @@ def _l2_values(info: GraphInfo, nodes: list[Node], probe: Probe,
         if cp <= 0 or not np.abs(wz[h] - cp * m).max() <= _A_RTOL * np.abs(wz[h]).max():
             layer.reason = reason
             return
+        # beyond float64 rounding (~1e-16): a constant folded in float32 (~1e-8)
+        if not np.abs(wz[h] - cp * m).max() <= 1e-12 * np.abs(wz[h]).max():
+            note = ("the folded value-path constant A = c' W^Q W^Q^T (float32) is read as "
+                    "the exact product (matched to 2^-20 relative)")
+            if note not in layer.notes:
+                layer.notes.append(note)
         factors.append(cp * math.sqrt(layer.wq.shape[-1]))
     # the values must then be Z_h W^V_h per head: check on the samples
     for env in envs:

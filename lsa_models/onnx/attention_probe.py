@@ -48,6 +48,10 @@ class AttentionLayer:
     scale: float = 1.0  # DP: max_h |c_h|
     value_factor: float = 1.0  # L2: max_h c'_h sqrt(d) (1.0 for the canonical scale)
     extra: dict[str, float] = field(default_factory=dict)
+    n: int = 0  # tokens the attention sees (N + 1 after a class token); 0: not recognised
+    # float32 readings this layer relies on (docs/bounds.md, Conventions): the certificate is
+    # for the exact constants, and the report says so
+    notes: list[str] = field(default_factory=list)
 
 
 class NotAttention(Exception):
@@ -75,18 +79,19 @@ class Probe:
     probes only read `projections` (not the logits made from them)."""
 
     def __init__(self, info: GraphInfo, nodes: list[Node], source: str,
-                 targets: list[str], projections: list[str]) -> None:
+                 targets: list[str], projections: list[str], n: int) -> None:
         self.info, self.source = info, source
         self.nodes = info.needed(nodes, targets)
         self.basis_nodes = info.needed(self.nodes, projections)
         actual = info.shape(source)
-        self.n = info.seq_len
+        self.n = n  # the tokens the attention sees (N, or N + 1 with a class token)
         self.width = actual[-1]
         # probes are written (batch, N, width); a sequence-first source (N, 1, width) holds
         # the same rows in the same memory order (`GraphInfo.is_token`)
         self.shape = (int(np.prod(actual[:-1])) // self.n, self.n, self.width)
         self._actual = actual
         self._exponents = exact_exponents(info, self.nodes)
+        self.exact_exponents = bool(self._exponents)
 
     def run(self, x: np.ndarray, basis: bool = False) -> Mapping[str, Tensor]:
         src = {self.source: torch.from_numpy(x.reshape(self._actual)), **self._exponents}

@@ -359,16 +359,17 @@ class GraphInfo:
                 return tuple(where[name].shape)  # no float64 conversion for a shape
         return tuple(self.env[name].shape)
 
-    def is_token(self, name: str) -> bool:
-        """Shape (batch, N, width) like the input: last axis = features of each token."""
+    def is_token(self, name: str, n: int | None = None) -> bool:
+        """Shape (batch, n, width) like the input (n = N unless given: an attention over
+        N + 1 tokens after a class token is concatenated): last axis = features of a token."""
         s = self.shape(name)
-        if len(s) == len(self.input_shape) and s[:-1] == self.input_shape[:-1]:
+        n = self.seq_len if n is None else n
+        if len(s) == len(self.input_shape) and s[:-1] == (*self.input_shape[:-2], n):
             return True
         # with one sequence, (N, width), (1, N, width) and (N, 1, width) hold the same rows
         # in the same order: a 2-D input wrapped as `layer(x.unsqueeze(0)).squeeze(0)`, the
         # sequence-first layout of torch's attention internals and of seq-first exports
         one = len(self.input_shape) == 2 or self.input_shape[0] == 1
-        n = self.seq_len
         return one and s[:-1] in ((n,), (1, n), (n, 1))
 
     def eval_nodes(self, nodes: Iterable[Node],

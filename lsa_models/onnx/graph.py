@@ -45,6 +45,9 @@ class GraphSpec:
     # the upload's input (and output) were sequence-first (N, 1, D): the graph was given
     # transposes to batch-first (loading._to_batch_first)
     seq_first: bool = False
+    # the upload's input was an image (B, C, H, W) read by a patch-embedding Conv: the graph
+    # takes its patches (B, P, C kh kw) instead (loading._pixels_to_patches); its (C, H, W)
+    pixels: tuple[int, ...] | None = None
 
     @property
     def initializers(self) -> dict[str, onnx.TensorProto]:

@@ -33,7 +33,7 @@ from .errors import (
     UnsupportedOpsError,
 )
 from .graph import GraphModule, GraphSpec
-from .ops import FLOAT_TYPES, Node, unsupported_ops
+from .ops import FLOAT_TYPES, Node, patchwise_reason, unsupported_ops
 from .rewrite import lower_einsum
 
 __all__ = [  # the error classes live in errors.py; re-exported for callers of this module
@@ -316,6 +316,72 @@ def _to_batch_first(model: onnx.ModelProto) -> bool:
     return True
 
 
+_PATCHES = "__patches"
+
+
+def _pixels_to_patches(model: onnx.ModelProto) -> tuple[int, ...] | None:
+    """A graph on pixels (B, C, H, W) whose only reader is a patch-embedding Conv (kernel ==
+    stride, no padding, dilation or groups: ViT, DeiT) takes its patches instead: the input
+    becomes (B, P, C * kh * kw) tokens (P = (H / kh) (W / kw), each patch flattened in the
+    Conv kernel's (C, kh, kw) order), put back into an image by a Reshape, Transpose, Reshape
+    in front of the Conv. That map only permutes coordinates, so every norm, the Lipschitz
+    constant and the outputs are those of the upload. The (C, H, W) of the upload, or None
+    when the input is not 4-D."""
+    g = model.graph
+    inits = {t.name: t for t in g.initializer}
+    floats = [vi for vi in g.input if vi.name not in inits
+              and vi.type.tensor_type.elem_type in FLOAT_TYPES]
+    if len(floats) != 1 or len(_dims(floats[0])) != 4:
+        return None
+    vi = floats[0]
+    b, c, h, w = _dims(vi)
+    users = [nd for nd in g.node if vi.name in nd.input]
+    conv = users[0] if len(users) == 1 and users[0].op_type == "Conv" else None
+    if conv is None or list(conv.input[:1]) != [vi.name] or conv.input[1] not in inits:
+        raise OnnxInputError(
+            f"input {vi.name!r} is an image (rank 4) read by "
+            + (", ".join(f"{nd.op_type} node {nd.name!r}" for nd in users) or "no node")
+            + "; lsa reads images only through one patch-embedding Conv with a constant "
+            "kernel (kernel == stride), or export the model on (batch, N, D) tokens")
+    kernel = [int(d) for d in inits[conv.input[1]].dims[2:]]
+    node = Node.from_proto(conv, 0)
+    why = patchwise_reason(node, kernel)
+    if why is None and (None in (c, h, w) or len(kernel) != 2):
+        why = "the image needs a fixed (C, H, W)"
+    if why is None and (h % kernel[0] or w % kernel[1]):  # type: ignore[operator]
+        why = f"the image {h}x{w} is not a whole number of {kernel[0]}x{kernel[1]} patches"
+    if why is not None:
+        raise OnnxInputError(f"input {vi.name!r} is an image read by Conv node {node.name!r}, "
+                             f"which is not a patch embedding: {why}; only kernel == stride "
+                             "without padding, dilation or groups is supported")
+    assert c is not None and h is not None and w is not None
+    kh, kw = kernel
+    hp, wp = h // kh, w // kw
+    x = vi.name
+    names = [x + _PATCHES + s for s in ("_grid", "_image", "_shape1", "_shape2", "")]
+    g.initializer.extend([
+        onnx.numpy_helper.from_array(np.array([0, hp, wp, c, kh, kw], np.int64), names[2]),
+        onnx.numpy_helper.from_array(np.array([0, c, h, w], np.int64), names[3])])
+    nodes = [  # (B, P, C kh kw) -> (B, Hp, Wp, C, kh, kw) -> (B, C, Hp, kh, Wp, kw) -> image
+        onnx.helper.make_node("Reshape", [x, names[2]], [names[0]], name=names[0]),
+        onnx.helper.make_node("Transpose", [names[0]], [names[1]], name=names[1],
+                              perm=[0, 3, 1, 4, 2, 5]),
+        onnx.helper.make_node("Reshape", [names[1], names[3]], [names[4]], name=names[4])]
+    _rename_uses(g, x, names[4])
+    shape = vi.type.tensor_type.shape
+    del shape.dim[:]
+    for d in (b, hp * wp, c * kh * kw):
+        dim = shape.dim.add()
+        if d is None:
+            dim.dim_param = "batch"
+        else:
+            dim.dim_value = d
+    old = list(g.node)
+    del g.node[:]
+    g.node.extend(nodes + old)
+    return (c, h, w)
+
+
 def _rename_uses(g: onnx.GraphProto, name: str, new: str) -> None:
     """Every node input reading `name` reads `new` (subgraphs are not used by supported ops)."""
     for nd in g.node:
@@ -414,13 +480,14 @@ def load_onnx(data: bytes, filename: str = "", opts: LoadOptions | None = None,
     _check_declared_shapes(model, opts)
     inlined = _resolve_external(model, files, main, opts)
     seq_first = _to_batch_first(model)  # adds Transposes only: supported
+    pixels = _pixels_to_patches(model)  # adds Reshapes and a Transpose only: supported
     nodes = [Node.from_proto(n, i) for i, n in enumerate(model.graph.node)]
     bad = unsupported_ops(nodes)
     if bad:
         raise UnsupportedOpsError(bad)
     # one serialised form for the checker, shape inference and onnxruntime: the upload itself
     # unless it changed (serialising a 340 MB model costs ~1.2 s each time)
-    blob = model.SerializeToString() if inlined or seq_first else raw
+    blob = model.SerializeToString() if inlined or seq_first or pixels else raw
     try:
         onnx.checker.check_model(blob)
         _infer_shapes(model)
@@ -434,7 +501,7 @@ def load_onnx(data: bytes, filename: str = "", opts: LoadOptions | None = None,
     nodes = lower_einsum(nodes)  # after the checks: they and onnxruntime see the upload
     name, d_model, n, batch, rank, skipped, ids = _select_input(model, nodes)
     spec = GraphSpec(model, nodes, name, model.graph.output[0].name, d_model, n, batch, rank,
-                     skipped, ids, opset, blob, seq_first)
+                     skipped, ids, opset, blob, seq_first, pixels)
     try:
         module = GraphModule(spec)
     except (RuntimeError, ValueError, IndexError, NotImplementedError, KeyError) as exc:

@@ -27,18 +27,6 @@ TODAY: dict[tuple[str, str, str], str] = {
         "not_certified: query/key not the same affine map at every position (rotary)",
     ("hf-llama", "ids", "dynamo"):
         "not_certified: query/key not the same affine map at every position (rotary)",
-    ("hf-vit", "pixels", "torchscript"):
-        "refused: unsupported ops: Conv x1",
-    ("hf-vit", "pixels", "dynamo"):
-        "refused: unsupported ops: Conv x1",
-    ("timm-vit", "pixels", "torchscript"):
-        "refused: unsupported ops: Conv x1",
-    ("timm-vit", "pixels", "dynamo"):
-        "refused: unsupported ops: Conv x1",
-    ("timm-deit-distilled", "pixels", "torchscript"):
-        "refused: unsupported ops: Conv x1",
-    ("timm-deit-distilled", "pixels", "dynamo"):
-        "refused: unsupported ops: Conv x1",
     ("xt-decoder", "(1, N, D)", "torchscript"):
         "not_certified: Where replaces masked logits by a finite constant (masked_fill)",
     ("xt-decoder", "(1, N, D)", "dynamo"):

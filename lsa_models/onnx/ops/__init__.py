@@ -2,15 +2,16 @@
 
 One module per op family (auto_LiRPA's `operators/` layout): `linear` (MatMul, Gemm),
 `arithmetic` (Add/Sub/Mul/Div/Neg), `activation` (pointwise activations, Softmax),
-`normalization` (LayerNormalization), `layout` (reshape, transpose, slice, gather, concat, ...),
-`reduce` (reductions, Where), `constant` (ops that only see constants or shapes). Each module
-registers its ops in `base.OPS` with `@register`; importing this package imports them all, so
-the registry is complete whenever `OPS` is reachable.
+`normalization` (LayerNormalization), `conv` (Conv: patch embeddings), `layout` (reshape,
+transpose, slice, gather, concat, ...), `reduce` (reductions, Where), `constant` (ops that
+only see constants or shapes). Each module registers its ops in `base.OPS` with `@register`;
+importing this package imports them all, so the registry is complete whenever `OPS` is
+reachable.
 """
 
 from __future__ import annotations
 
-from . import activation, arithmetic, constant, layout, linear, normalization, reduce
+from . import activation, arithmetic, constant, conv, layout, linear, normalization, reduce
 from .base import (
     ERF_LIPSCHITZ,
     FLOAT_TYPES,
@@ -29,10 +30,11 @@ from .base import (
     torch_dtype,
     unsupported_ops,
 )
+from .conv import patchwise_reason
 from .linear import gemm_epilogue
 from .normalization import decimal_attr, layernorm_flow, rmsnorm_bound, rmsnorm_flow
 
-FAMILIES = (activation, arithmetic, constant, layout, linear, normalization, reduce)
+FAMILIES = (activation, arithmetic, constant, conv, layout, linear, normalization, reduce)
 
 __all__ = [
     "ERF_LIPSCHITZ",
@@ -50,6 +52,7 @@ __all__ = [
     "decimal_attr",
     "gemm_epilogue",
     "layernorm_flow",
+    "patchwise_reason",
     "register",
     "rmsnorm_bound",
     "rmsnorm_flow",

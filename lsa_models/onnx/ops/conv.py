@@ -1,0 +1,90 @@
+"""Conv: evaluated in every form; bounded as a patch embedding (docs/bounds.md, "Conv").
+
+A Conv whose kernel equals its stride, without padding, dilation or groups, applies one
+matrix (the kernel reshaped to (out_channels, C * kh * kw)) to each of the non-overlapping
+patches of its input: its operator norm is that matrix's (2: spectral norm; inf: largest
+absolute row sum). Overlapping or padded Convs are refused by the rule, naming why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch.nn.functional as F
+from torch import Tensor
+
+from ...bounds.formulas import linear_bound
+from ...bounds.numerics import mul_up
+from .base import Arg, Flow, Node, NotCertified, Op, RunContext, register
+
+_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+
+
+def _spatial(node: Node, name: str, k: int, default: int) -> list[int]:
+    vals = node.attrs.get(name)
+    return [default] * k if vals is None else [int(v) for v in vals]
+
+
+def patchwise_reason(node: Node, kernel: Sequence[int]) -> str | None:
+    """Why the Conv is not a patch embedding (kernel == stride, no padding, dilation or
+    groups), or None when it is. `kernel`: its spatial kernel shape."""
+    k = len(kernel)
+    strides = _spatial(node, "strides", k, 1)
+    pads = _spatial(node, "pads", 2 * k, 0)
+    dilations = _spatial(node, "dilations", k, 1)
+    auto_pad = node.attrs.get("auto_pad", b"NOTSET")
+    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else str(auto_pad)
+    if list(kernel) != strides:
+        return (f"its kernel {tuple(kernel)} differs from its strides {tuple(strides)} "
+                "(overlapping or gapped patches)")
+    if any(pads) or auto_pad not in ("NOTSET", "VALID"):
+        return "it pads its input"
+    if any(d != 1 for d in dilations):
+        return f"it is dilated {tuple(dilations)}"
+    if int(node.attrs.get("group", 1)) != 1:
+        return f"it has {node.attrs.get('group')} groups"
+    return None
+
+
+@register
+class ConvOp(Op):
+    types = ("Conv",)
+
+    def run(self, node: Node, ins: list[Tensor | None], ctx: RunContext) -> list[Tensor]:
+        x, w = ins[0], ins[1]
+        assert x is not None and w is not None
+        bias = ins[2] if len(ins) > 2 else None
+        k = w.dim() - 2
+        if k not in _CONV:
+            raise NotImplementedError(f"Conv node {node.name}: {k}-D convolutions")
+        auto_pad = node.attrs.get("auto_pad", b"NOTSET")
+        if (auto_pad.decode() if isinstance(auto_pad, bytes) else str(auto_pad)) not in (
+                "NOTSET", "VALID"):
+            raise NotImplementedError(f"Conv node {node.name}: auto_pad={auto_pad!r}")
+        pads = _spatial(node, "pads", 2 * k, 0)  # (begin_1..begin_k, end_1..end_k)
+        if any(pads):
+            # F.pad takes (last axis begin, end, previous axis begin, end, ...)
+            x = F.pad(x, [p for i in reversed(range(k)) for p in (pads[i], pads[i + k])])
+        y = _CONV[k](x, w, bias, stride=_spatial(node, "strides", k, 1),
+                     dilation=_spatial(node, "dilations", k, 1),
+                     groups=int(node.attrs.get("group", 1)))
+        return [y]
+
+    def bound(self, node: Node, args: list[Arg | None], out_shapes: list[tuple[int, ...]],
+              norm: str) -> list[Flow | None]:
+        x, w = args[0], args[1]
+        bias = args[2] if len(args) > 2 else None
+        if not (isinstance(x, Flow) and isinstance(w, np.ndarray)) or isinstance(bias, Flow):
+            raise NotCertified(f"Conv node {node.name}: only an input-dependent image with a "
+                               "constant kernel and bias is supported")
+        why = patchwise_reason(node, w.shape[2:])
+        if why is not None:
+            raise NotCertified(f"Conv node {node.name} is not a patch embedding: {why}; only "
+                               "Convs with kernel == stride and no padding, dilation or groups "
+                               "(ViT patch embeddings) are bounded")
+        # each output position is (out, C*kh*kw) @ its own patch; patches are disjoint
+        mat = w.reshape(w.shape[0], -1)  # (out_channels, C * kh * kw)
+        # output rows (last axis: image columns) are not tokens: no radius
+        return [Flow(mul_up(x.lip, linear_bound(mat, norm)), None, out_shapes[0])]
+

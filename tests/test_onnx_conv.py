@@ -1,0 +1,133 @@
+"""Conv patch embeddings (ViT, DeiT on pixels): the image input is read as its patches, the
+Conv is bounded by its kernel matrix (docs/bounds.md, "Conv"), and everything certified is
+above the exact float64 Jacobian norm on the pixels."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor, nn
+
+from lsa_models.onnx import analyse, load_onnx
+from lsa_models.onnx.errors import OnnxInputError
+from lsa_models.onnx.ops import OPS, Flow, Node, NotCertified
+
+from .jacobians import jacobian_norm
+from .test_onnx_recognition import _export, _jacobian_lower
+
+C, IMAGE, PATCH, D = 3, 8, 4, 16  # 4 patches of 3 * 4 * 4 = 48 pixels
+
+
+class _Patches(nn.Module):
+    """A ViT patch embedding: Conv (kernel == stride), flatten, transpose to tokens."""
+
+    def __init__(self, kernel: int = PATCH, stride: int = PATCH, padding: int = 0) -> None:
+        super().__init__()
+        self.proj = nn.Conv2d(C, D, kernel, stride=stride, padding=padding)
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, C, H, W)
+        return self.proj(x).flatten(2).transpose(1, 2)  # (B, P, D)
+
+
+class _ViT(nn.Module):
+    """Patch embedding, class token, positions, one pre-norm dot-product attention block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(5)
+        self.patches = _Patches()
+        p = (IMAGE // PATCH) ** 2
+        self.cls = nn.Parameter(torch.randn(1, 1, D, generator=gen))
+        self.pos = nn.Parameter(0.1 * torch.randn(1, p + 1, D, generator=gen))
+        self.norm = nn.LayerNorm(D)
+        self.attn = nn.MultiheadAttention(D, 2, batch_first=True)
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, C, H, W)
+        t = self.patches(x)  # (B, P, D)
+        t = torch.cat([self.cls.expand(t.shape[0], -1, -1), t], dim=1) + self.pos  # (B, P+1, D)
+        h = self.norm(t)  # (B, P+1, D)
+        return t + self.attn(h, h, h, need_weights=False)[0]  # (B, P+1, D)
+
+
+def _pixels() -> Tensor:
+    return torch.randn(1, C, IMAGE, IMAGE, generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("dynamo", [False, True])
+@pytest.mark.parametrize("norm", ["2", "inf"])
+def test_onnx_conv_patch_embedding_bound_is_its_kernel_norm(tmp_path: Path, dynamo: bool,
+                                                            norm: str) -> None:
+    torch.manual_seed(1)
+    m = _Patches().eval()
+    x = _pixels()
+    model = load_onnx(_export(m, x, tmp_path / "m.onnx", dynamo))
+    assert model.spec.pixels == (C, IMAGE, IMAGE)
+    assert (model.spec.seq_len, model.spec.d_model) == ((IMAGE // PATCH) ** 2, C * PATCH ** 2)
+    got = analyse(model, norm)  # type: ignore[arg-type]
+    assert got.verdict == "certified", got.reason
+    # a linear map: its Jacobian norm anywhere is its Lipschitz constant, and the bound is tight
+    exact = jacobian_norm(m.double(), x.double(), norm)
+    assert got.upper is not None and exact <= got.upper <= exact * (1 + 1e-6)
+
+
+@pytest.mark.parametrize("dynamo", [False, True])
+def test_onnx_conv_vit_on_pixels_certified_above_jacobian(tmp_path: Path, dynamo: bool) -> None:
+    torch.manual_seed(0)
+    m = _ViT().eval()
+    x = _pixels()
+    model = load_onnx(_export(m, x, tmp_path / "m.onnx", dynamo))
+    got = analyse(model, "2")
+    assert got.verdict == "certified", got.reason
+    assert any(lb.kind == "dp_mha_radius" for lb in got.layers)
+    assert got.upper is not None and got.upper >= _jacobian_lower(m, x, "2")
+
+
+def test_onnx_conv_overlapping_pixel_conv_refused_naming_node(tmp_path: Path) -> None:
+    m = _Patches(kernel=PATCH, stride=PATCH // 2).eval()
+    with pytest.raises(OnnxInputError, match=r"Conv node .*not a patch embedding.*strides"):
+        load_onnx(_export(m, _pixels(), tmp_path / "m.onnx", False))
+
+
+def test_onnx_conv_image_not_whole_patches_refused(tmp_path: Path) -> None:
+    m = _Patches(kernel=3, stride=3).eval()
+    with pytest.raises(OnnxInputError, match="not a whole number of 3x3 patches"):
+        load_onnx(_export(m, _pixels(), tmp_path / "m.onnx", False))
+
+
+def test_onnx_conv_padded_conv_rule_refuses() -> None:
+    node = Node("c", "Conv", ["x", "w"], ["y"], {"kernel_shape": [2, 2], "strides": [2, 2],
+                                                 "pads": [1, 1, 1, 1]})
+    w = np.ones((4, 3, 2, 2))
+    with pytest.raises(NotCertified, match="Conv node c is not a patch embedding: it pads"):
+        OPS["Conv"].bound(node, [Flow(1.0, None, (1, 3, 4, 4)), w], [(1, 4, 3, 3)], "2")
+
+
+def test_onnx_conv_run_matches_torch_with_padding() -> None:
+    node = Node("c", "Conv", ["x", "w", "b"], ["y"], {"strides": [1, 2], "pads": [1, 0, 2, 1],
+                                                      "dilations": [2, 1]})
+    gen = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(s, generator=gen) for s in ((1, 3, 7, 6), (4, 3, 3, 2), (4,)))
+    got = OPS["Conv"].run(node, [x, w, b], None)[0]  # type: ignore[arg-type]
+    want = F.conv2d(F.pad(x, [0, 1, 1, 2]), w, b, stride=(1, 2), dilation=(2, 1))
+    assert torch.equal(got, want)
+
+
+@settings(max_examples=40, deadline=None)
+@given(scale=st.sampled_from([1e-3, 1.0, 1e3]), out=st.integers(1, 6), k=st.integers(1, 3),
+       seed=st.integers(0, 2**31 - 1), norm=st.sampled_from(["2", "inf"]))
+def test_onnx_conv_rule_never_below_exact_jacobian(scale: float, out: int, k: int, seed: int,
+                                                   norm: str) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    w = scale * torch.randn(out, 2, k, k, generator=gen, dtype=torch.float64)
+    node = Node("c", "Conv", ["x", "w"], ["y"], {"kernel_shape": [k, k], "strides": [k, k]})
+    x = torch.randn(1, 2, 2 * k, 3 * k, generator=gen, dtype=torch.float64)
+    flow = OPS["Conv"].bound(node, [Flow(1.0, None, tuple(x.shape)), w.numpy()],
+                             [(1, out, 2, 3)], norm)[0]
+    assert flow is not None
+    assert jacobian_norm(lambda z: F.conv2d(z, w, stride=k), x, norm) <= flow.lip

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
-from lsa_models.onnx import analyse, load_onnx
+from lsa_models.onnx import analyse, load_onnx, load_onnx_model
 from lsa_models.onnx.errors import OnnxInputError
 from lsa_models.onnx.ops import OPS, Flow, Node, NotCertified
 
@@ -86,6 +86,12 @@ def test_onnx_conv_vit_on_pixels_certified_above_jacobian(tmp_path: Path, dynamo
     assert got.verdict == "certified", got.reason
     assert any(lb.kind == "dp_mha_radius" for lb in got.layers)
     assert got.upper is not None and got.upper >= _jacobian_lower(m, x, "2")
+
+
+def test_onnx_conv_pixel_upload_summary_says_pixels(tmp_path: Path) -> None:
+    loaded = load_onnx_model(_export(_Patches().eval(), _pixels(), tmp_path / "m.onnx", False))
+    assert loaded.summary["layout"] == "pixels"
+    assert (loaded.summary["seq_len"], loaded.summary["d_model"]) == (4, C * PATCH ** 2)
 
 
 def test_onnx_conv_overlapping_pixel_conv_refused_naming_node(tmp_path: Path) -> None:

@@ -61,8 +61,9 @@ def load_onnx_model(data: bytes, filename: str = "", *, check_ort: bool = True) 
         "d_model": spec.d_model,
         "seq_len": spec.seq_len,
         "input": spec.input_name,
-        # "seq_first": the upload takes (N, 1, D); analysed (and reported) as (1, N, D)
-        "layout": "seq_first" if spec.seq_first else "batch_first",
+        # "seq_first": the upload takes (N, 1, D); analysed (and reported) as (1, N, D);
+        # "pixels": it takes (B, C, H, W); analysed (and reported) on its patches (B, P, D)
+        "layout": "seq_first" if spec.seq_first else "pixels" if spec.pixels else "batch_first",
         "output": spec.output_name,
         "onnxruntime_max_abs_diff": model.max_abs_diff,
     }

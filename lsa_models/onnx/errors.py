@@ -41,8 +41,6 @@ class OnnxMismatchError(OnnxLoadError):
 
 # What a user can do about an op the service does not read, by op type.
 _HINTS = {
-    "Conv": "a convolution (a ViT patch embedding?): export the model from its patch "
-            "embeddings on, with a (batch, N, D) input",
     "If": "control flow: export with torch.onnx.export(..., dynamo=True) or trace with fixed "
           "shapes",
     "Loop": "control flow: export with torch.onnx.export(..., dynamo=True) or trace with fixed "

@@ -303,6 +303,26 @@ def _dp_head_terms(norms: _DpNorms, n: int, radius: float, scale: float,
     return terms
 
 
+def _dp_head_terms_replaced(norms: _DpNorms, n: int, radius: float, scale: float,
+                            bq: ArrayLike | None, bk: ArrayLike | None) -> list[float]:
+    """Per-head `sqrt(N)||W^V|| + s (||W^V|| R) (||W^Q|| Kmax + sqrt(N) Qmax ||W^K||)`,
+    `Qmax = R ||W^Q|| + ||b^Q||`, `Kmax = R ||W^K|| + ||b^K||`: logits replaced by constants
+    on a fixed set of entries (docs/bounds.md, "Logits replaced by a constant")."""
+    heads = len(norms.q)
+    root_n = sqrt_up(n)
+    terms = []
+    for h in range(heads):
+        sq, sk, sv = norms.q[h], norms.k[h], norms.v[h]
+        bq_norm = 0.0 if bq is None else frobenius_upper(_head_bias(bq, h, heads))
+        bk_norm = 0.0 if bk is None else frobenius_upper(_head_bias(bk, h, heads))
+        q_max = add_up(mul_up(sq, radius), bq_norm)
+        k_max = add_up(mul_up(sk, radius), bk_norm)
+        sigma_v = mul_up(sv, radius)
+        logit = mul_up(scale, sigma_v, add_up(mul_up(sq, k_max), mul_up(root_n, q_max, sk)))
+        terms.append(add_up(mul_up(root_n, sv), logit))
+    return terms
+
+
 def _head_bias(b: ArrayLike, h: int, heads: int) -> np.ndarray:
     arr = np.asarray(b.detach().double().cpu() if isinstance(b, torch.Tensor) else b,
                      dtype=np.float64)
@@ -312,12 +332,13 @@ def _head_bias(b: ArrayLike, h: int, heads: int) -> np.ndarray:
 def dp_mha_ball(wq: ArrayLike, wk: ArrayLike, wv: ArrayLike, wo: ArrayLike, n: int,
                 radius: float, norm: str, scale: float | None = None,
                 bq: ArrayLike | None = None, bv: ArrayLike | None = None,
-                bo: ArrayLike | None = None) -> tuple[float, float]:
+                bo: ArrayLike | None = None, bk: ArrayLike | None = None,
+                replaced: bool = False) -> tuple[float, float]:
     """(`dp_mha_radius_bound`, `dp_mha_out_radius`) of one layer, every weight's spectral
     norm computed once for both."""
     _check_radius(radius)
     norms = _DpNorms.of(wq, wk, wv, wo)
-    return (_dp_lip(norms, wq.shape, n, radius, norm, scale, bq),
+    return (_dp_lip(norms, wq.shape, n, radius, norm, scale, bq, bk, replaced),
             _dp_out_radius(norms.v, norms.o, radius, bv, bo))
 
 
@@ -328,7 +349,8 @@ def _check_radius(radius: float) -> None:
 
 def dp_mha_radius_bound(wq: ArrayLike, wk: ArrayLike, wv: ArrayLike, wo: ArrayLike, n: int,
                         radius: float, norm: str, scale: float | None = None,
-                        bq: ArrayLike | None = None) -> float:
+                        bq: ArrayLike | None = None, bk: ArrayLike | None = None,
+                        replaced: bool = False) -> float:
     """Certified Lipschitz bound of dot-product MHA on `{X : ||x_i||_2 <= R for every i}`.
 
     Per head, logits `s (x_i W^Q_h + b^Q_h).(x_j W^K_h + b^K_h)` (any constant additive mask,
@@ -336,17 +358,24 @@ def dp_mha_radius_bound(wq: ArrayLike, wk: ArrayLike, wv: ArrayLike, wo: ArrayLi
     `[f^1, ..., f^H] W^O + b^O`. With `J_h` from `_dp_head_terms`:
     `Lip_2 <= ||W^O||_2 sqrt(sum_h J_h^2)` and `Lip_inf <= sqrt(N D) Lip_2`.
     Weights (H, D, d) and `W^O` (D, D) in the row-vector convention; `scale` defaults to
-    1/sqrt(d). Derivation: docs/bounds.md.
+    1/sqrt(d). `replaced`: some logits are replaced by input-independent constants
+    (`masked_fill` with a finite value) on a fixed set of entries; the key bias `bk` then
+    counts (`_dp_head_terms_replaced`). Derivation: docs/bounds.md.
     """
     _check_radius(radius)
-    return _dp_lip(_DpNorms.of(wq, wk, wv, wo), wq.shape, n, radius, norm, scale, bq)
+    return _dp_lip(_DpNorms.of(wq, wk, wv, wo), wq.shape, n, radius, norm, scale, bq, bk,
+                   replaced)
 
 
 def _dp_lip(norms: _DpNorms, shape: tuple[int, ...], n: int, radius: float, norm: str,
-            scale: float | None, bq: ArrayLike | None) -> float:
+            scale: float | None, bq: ArrayLike | None, bk: ArrayLike | None = None,
+            replaced: bool = False) -> float:
     heads, dim, d = shape
     s = inv_sqrt_up(d) if scale is None else abs(float(scale))
-    terms = _dp_head_terms(norms, max(int(n), 1), float(radius), s, bq)
+    if replaced:
+        terms = _dp_head_terms_replaced(norms, max(int(n), 1), float(radius), s, bq, bk)
+    else:
+        terms = _dp_head_terms(norms, max(int(n), 1), float(radius), s, bq)
     lip2 = mul_up(norms.o, sqrt_up(add_up(*(mul_up(t, t) for t in terms))))
     if norm == "2":
         return lip2

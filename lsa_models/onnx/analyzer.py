@@ -230,7 +230,9 @@ def _composite(c: Composite, info: GraphInfo, flows: dict[str, Flow | None], st:
         canonical = 1.0 / math.sqrt(a.wq.shape[-1])
         scale = None if a.scale == canonical else a.scale  # None: inv_sqrt_up(d), as native
         local, out_r = dp_mha_ball(a.wq, a.wk, a.wv, a.wo, a.n, r, norm, scale=scale, bq=a.bq,
-                                   bv=a.bv, bo=a.bo)
+                                   bv=a.bv, bo=a.bo,
+                                   # recogmask: logits replaced by constants (masked_fill)
+                                   bk=a.bk, replaced=a.replaced)
         st.layers.append(LayerBound(name, "dp_mha_radius", local, nodes=c.nodes))
         flows[c.output] = Flow(mul_up(fx.lip, local), out_r, shape)
         return

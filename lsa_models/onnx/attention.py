@@ -17,13 +17,14 @@ For each Softmax whose input depends on the model input:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 from torch import Tensor
 
 from .attention_l2 import finish_l2
+from .attention_mask import LogitMask, check_mask, nan_guard, read_logit_mask, scores_match
 from .attention_probe import (
     FIT_MARGIN,
     AttentionLayer,
@@ -242,6 +243,7 @@ class _Region:
     y: str  # layer output
     nodes: list[Node]
     aff: set[str]  # tensors of the region affine in X
+    guard: str | None = None  # output of a NaN guard Where(IsNaN(P), c, P) read as P
 
 
 def _analyse(info: GraphInfo, sm: Node, logits: str, x: str, layer: AttentionLayer,
@@ -254,7 +256,8 @@ def _analyse(info: GraphInfo, sm: Node, logits: str, x: str, layer: AttentionLay
     # the dynamo exporter does for causal attention) swamps the fit numerically: DP attention
     # allows any constant additive mask, so its fit may also run on the logits without it
     scores = _strip_constant_terms(info, logits)
-    probe = Probe(info, reg.nodes, x, [logits, scores, reg.v_name],
+    mask = read_logit_mask(info, logits, reg.n)
+    probe = Probe(info, reg.nodes, x, [logits, scores, mask.scores, reg.v_name],
                   [t for t, _ in cands] + [reg.v_name], reg.n)
     if probe.exact_exponents:
         layer.notes.append("Pow(Pow(s, e), p) with e p within 1e-6 of 1 (a float32 spelling "
@@ -263,9 +266,15 @@ def _analyse(info: GraphInfo, sm: Node, logits: str, x: str, layer: AttentionLay
     xs = [gen.standard_normal(probe.shape) for _ in range(2)]  # the fit needs two
     envs = [probe.run(xi) for xi in xs]
     ls, finite = _sampled_logits(envs, logits, reg.n)
-    found = _find_form(envs, logits, scores, ls, finite, cands, reg, info.var)
+    if mask.replaces:  # masked_fill with a finite constant: docs/bounds.md
+        found = _find_replaced_form(envs, mask, cands, reg)
+    else:
+        found = _find_form(envs, logits, scores, ls, finite, cands, reg, info.var)
+    if mask.replaces or reg.guard:
+        check_mask(info, envs, mask, found, reg.n, reg.guard)
     kind, a, b, (c, resid, fit_err) = found
     layer.kind = kind
+    layer.replaced = mask.replaces
     g = ls[0].shape[0]
     n = layer.n = reg.n
     causal_mask = np.tril(np.ones((n, n), dtype=bool))
@@ -274,6 +283,7 @@ def _analyse(info: GraphInfo, sm: Node, logits: str, x: str, layer: AttentionLay
     (wa, ba), (wb, bb) = probe.affine([a, b], envs, xs)
     layer.wq, layer.bq = per_head(wa, g), per_head(ba, g)
     layer.wk, bk = per_head(wb, g), per_head(bb, g)
+    layer.bk = bk
     # the output projection: the tail from P @ V to Y, probed per token
     layer.wo, layer.bo, heads_o = probe_tail(info, reg.nodes, reg.o_name, reg.y, n)
     if kind == "dp":
@@ -297,6 +307,9 @@ def _region(info: GraphInfo, sm: Node, logits: str, x: str, layer: AttentionLaye
     if axis != len(shape_l) - 1:
         raise NotAttention("the softmax is not over the last (key) axis")
     p = _through_noops(info, sm.outputs[0])
+    guard = nan_guard(info, p)  # torch's where(isnan(P), 0, P): proved an identity later
+    if guard is not None:
+        p = _through_noops(info, guard)
     cons = data_consumers(info, p)
     pv = [c for c in cons if c.op_type == "MatMul" and c.inputs[0] == p]
     if len(cons) != 1 or len(pv) != 1 or pv[0].inputs[1] not in info.var:
@@ -312,7 +325,7 @@ def _region(info: GraphInfo, sm: Node, logits: str, x: str, layer: AttentionLaye
     layer.input, layer.output = x, y
     layer.nodes = [nd.name for nd in nodes]
     return _Region(n, int(np.prod(shape_l[:-2])), v_name, o_name, y, nodes,
-                   _affine(info, nodes, x))
+                   _affine(info, nodes, x), guard)
 
 
 def _projection_candidates(info: GraphInfo, reg: _Region, logits: str,
@@ -370,6 +383,35 @@ def _find_form(envs: list[Mapping[str, Tensor]], logits: str, scores: str,
     return found
 
 
+def _find_replaced_form(envs: list[Mapping[str, Tensor]], mask: LogitMask,
+                        cands: list[tuple[str, bool]], reg: _Region
+                        ) -> tuple[str, tuple[str, bool], tuple[str, bool],
+                                   tuple[np.ndarray, np.ndarray, float]]:
+    """Step 4 when the logits replace some entries by constants: the scores under the Where
+    must be `c q_i . k_j` plus a constant at every entry (no input-dependent row term: with
+    replaced entries it would not drop out of the softmax), for the projections found."""
+    n = reg.n
+    ss = [e[mask.scores].detach().numpy().reshape(-1, n, n) for e in envs]
+    found = None
+    if all(np.isfinite(sc).all() for sc in ss):
+        views = {c: [token_view(e[c[0]], n, c[1]) for e in envs] for c in cands}
+
+        def exact(f: tuple[str, tuple[str, bool], tuple[str, bool],
+                            tuple[np.ndarray, np.ndarray, float]]) -> bool:
+            return scores_match(envs, mask, (views[f[1]], views[f[2]]), f[0],
+                                np.asarray(f[3][0]), n, False)
+
+        found = _search(ss, np.ones(ss[0].shape, dtype=bool), views, cands, reg.g_l, ("dp",),
+                        exact)
+    if found is None:
+        raise NotAttention(f"Where node {mask.wheres[-1]} replaces logits by constants, and "
+                           f"the scores {mask.scores} under it are not c q_i . k_j (a scaled "
+                           "dot product of projections of the layer input) plus a constant; "
+                           "only that form is covered with replaced logits: mask with "
+                           "float('-inf') or add the mask instead")
+    return found
+
+
 def _where_hint(env: Mapping[str, Tensor], logits: str, reg: _Region, var: set[str]) -> str:
     """A mask applied by replacing logits with a finite constant (`masked_fill(mask,
     -finfo.max)`, as x-transformers does) is not an additive mask: say so, and how to fix it."""
@@ -407,10 +449,13 @@ def _finish_dp(probe: Probe, envs: list[Mapping[str, Tensor]], xs: list[np.ndarr
 
 def _search(ls: list[np.ndarray], finite: np.ndarray,
             views: dict[tuple[str, bool], list[np.ndarray]], cands: list[tuple[str, bool]],
-            g_l: int, kinds: tuple[str, ...]
+            g_l: int, kinds: tuple[str, ...],
+            accept: Callable[[tuple[str, tuple[str, bool], tuple[str, bool],
+                                    tuple[np.ndarray, np.ndarray, float]]], bool] | None = None
             ) -> tuple[str, tuple[str, bool], tuple[str, bool],
                        tuple[np.ndarray, np.ndarray, float]] | None:
-    """The first (kind, a, b, fit) whose projections a, b explain the sampled logits `ls`."""
+    """The first (kind, a, b, fit) whose projections a, b explain the sampled logits `ls`
+    (and that `accept` accepts, when given)."""
     j0 = np.argmax(finite, axis=-1)
     for kind in kinds:
         for a in cands:
@@ -429,7 +474,7 @@ def _search(ls: list[np.ndarray], finite: np.ndarray,
                           for qa, kb in zip(va, vb, strict=True)]
                 gs = [np.broadcast_to(gg, (g_l, *gg.shape[1:])) for gg in gs]
                 fit = _fit(ls, gs, finite, j0)
-                if fit is not None:
+                if fit is not None and (accept is None or accept((kind, a, b, fit))):
                     return kind, a, b, fit
     return None
 

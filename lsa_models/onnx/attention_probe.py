@@ -41,11 +41,15 @@ class AttentionLayer:
     wq: np.ndarray | None = None  # (H, D, d)
     bq: np.ndarray | None = None  # (H, d)
     wk: np.ndarray | None = None
+    bk: np.ndarray | None = None  # (H, d): counts only when logits are replaced (`replaced`)
     wv: np.ndarray | None = None  # (H, D, dv)
     bv: np.ndarray | None = None
     wo: np.ndarray | None = None  # (H dv, D_out)
     bo: np.ndarray | None = None
     scale: float = 1.0  # DP: max_h |c_h|
+    # DP logits replaced by constants on a fixed set of entries (masked_fill with a finite
+    # value): the bound takes the key bias into account (docs/bounds.md)
+    replaced: bool = False
     value_factor: float = 1.0  # L2: max_h c'_h sqrt(d) (1.0 for the canonical scale)
     extra: dict[str, float] = field(default_factory=dict)
     n: int = 0  # tokens the attention sees (N + 1 after a class token); 0: not recognised

@@ -574,6 +574,12 @@ def compare_with_onnxruntime(spec: GraphSpec, module: GraphModule, opts: LoadOpt
     if got.shape != ref.shape:
         raise OnnxMismatchError(f"torch evaluation gives shape {got.shape}, onnxruntime "
                                 f"{ref.shape}")
+    if ref.size and not np.isfinite(ref).all():
+        # NaN at a random input (a fully masked attention row, a 0/0, ...): no Lipschitz map
+        raise OnnxCheckError(f"onnxruntime's output at a random input of shape "
+                             f"{tuple(x.shape)} contains NaN or inf: the model is not defined "
+                             "everywhere (e.g. an attention mask hiding every key of a row); "
+                             "fix the model so that its output is finite")
     diff = float(np.max(np.abs(got.astype(np.float64) - ref))) if ref.size else 0.0
     scale = 1.0 + float(np.max(np.abs(ref))) if ref.size else 1.0
     if not diff <= opts.rtol * scale:

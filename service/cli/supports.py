@@ -26,9 +26,10 @@ PATTERNS: tuple[tuple[str, str, str], ...] = (
      "Theorem 3.2 bound (times max(1, c' sqrt(d)))"),
     ("L2 self-attention, untied", "logits -c||q_i - k_j||^2 with W^K != W^Q",
      "not_certified (not Lipschitz in general)"),
-    ("dot-product self-attention", "logits c q_i.k_j (+ additive or boolean masks, causal)",
-     ("ball bound when its input norms are bounded (LayerNorm before it, or --radius); "
-     "otherwise not_lipschitz (Theorem 3.1)")),
+    ("dot-product self-attention", ("logits c q_i.k_j (+ additive or boolean masks, causal; "
+     "masked_fill replacing logits by constants; SDPA's NaN guard when no row is all masked)"),
+     ("ball bound when its input norms are bounded (LayerNorm before it, or --radius; with "
+     "replaced logits the key bias counts); otherwise not_lipschitz (Theorem 3.1)")),
     ("LayerNorm", "LayerNormalization, or decomposed ReduceMean/Sub/Pow/Sqrt/Div",
      "max|gamma| / sqrt(eps) (eps > 0), output radius sqrt(D) max|gamma| + ||beta||"),
     ("GELU", "Gelu, or written out with Erf or tanh (GPT-2)", "1.1290"),

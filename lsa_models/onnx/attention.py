@@ -24,7 +24,14 @@ import numpy as np
 from torch import Tensor
 
 from .attention_l2 import finish_l2
-from .attention_mask import LogitMask, check_mask, nan_guard, read_logit_mask, scores_match
+from .attention_mask import (
+    Found,
+    LogitMask,
+    check_mask,
+    nan_guard,
+    read_logit_mask,
+    scores_match,
+)
 from .attention_probe import (
     FIT_MARGIN,
     AttentionLayer,
@@ -384,9 +391,7 @@ def _find_form(envs: list[Mapping[str, Tensor]], logits: str, scores: str,
 
 
 def _find_replaced_form(envs: list[Mapping[str, Tensor]], mask: LogitMask,
-                        cands: list[tuple[str, bool]], reg: _Region
-                        ) -> tuple[str, tuple[str, bool], tuple[str, bool],
-                                   tuple[np.ndarray, np.ndarray, float]]:
+                        cands: list[tuple[str, bool]], reg: _Region) -> Found:
     """Step 4 when the logits replace some entries by constants: the scores under the Where
     must be `c q_i . k_j` plus a constant at every entry (no input-dependent row term: with
     replaced entries it would not drop out of the softmax), for the projections found."""
@@ -396,8 +401,7 @@ def _find_replaced_form(envs: list[Mapping[str, Tensor]], mask: LogitMask,
     if all(np.isfinite(sc).all() for sc in ss):
         views = {c: [token_view(e[c[0]], n, c[1]) for e in envs] for c in cands}
 
-        def exact(f: tuple[str, tuple[str, bool], tuple[str, bool],
-                            tuple[np.ndarray, np.ndarray, float]]) -> bool:
+        def exact(f: Found) -> bool:
             return scores_match(envs, mask, (views[f[1]], views[f[2]]), f[0],
                                 np.asarray(f[3][0]), n, False)
 
@@ -450,8 +454,7 @@ def _finish_dp(probe: Probe, envs: list[Mapping[str, Tensor]], xs: list[np.ndarr
 def _search(ls: list[np.ndarray], finite: np.ndarray,
             views: dict[tuple[str, bool], list[np.ndarray]], cands: list[tuple[str, bool]],
             g_l: int, kinds: tuple[str, ...],
-            accept: Callable[[tuple[str, tuple[str, bool], tuple[str, bool],
-                                    tuple[np.ndarray, np.ndarray, float]]], bool] | None = None
+            accept: Callable[[Found], bool] | None = None
             ) -> tuple[str, tuple[str, bool], tuple[str, bool],
                        tuple[np.ndarray, np.ndarray, float]] | None:
     """The first (kind, a, b, fit) whose projections a, b explain the sampled logits `ls`

@@ -89,7 +89,8 @@ def test_local_bound_second_call_comes_from_the_store(db_url: str, mlp_onnx: Pat
 @pytest.mark.parametrize(("change", "field"), [
     ({"eps": 0}, "eps"), ({"eps": -1.0}, "eps"), ({"eps": None}, "at"),
     ({"at": None}, "eps"), ({"at": [[1.0, 2.0], [3.0]]}, "at"), ({"at": [1.0, 2.0]}, "at"),
-    ({"at": [[[[1.0]]]]}, "at"), ({"at": [[1.0, "x"]]}, "at"), ({"at": []}, "at"),
+    ({"at": [[[[[1.0]]]]]}, "at"), ({"at": [[[[1.0]]], [[[1.0]]]]}, "at"),
+    ({"at": [[1.0, "x"]]}, "at"), ({"at": []}, "at"),
     ({"radius": 1.0}, "radius"),
 ])
 def test_local_bound_bad_request_is_422_naming_the_field(

@@ -224,7 +224,8 @@ def check_recomputed_radius(cert: Certificate, model: Path, at: Path | None) -> 
     """Exit 1 unless the radii recomputed here around `at` give the certified radius and the
     same verdict under the one pass rule (service.certifying.robust); exit 2 without `at`."""
     from lsa_models import __version__  # deferred: torch
-    from lsa_models.engine.driver import center_sha256
+    from lsa_models.engine.driver import center_sha256, check_center
+    from lsa_models.engine.local import as_onnx
 
     from .robustness import load_center, load_model
 
@@ -237,8 +238,11 @@ def check_recomputed_radius(cert: Certificate, model: Path, at: Path | None) -> 
     try:
         loaded = load_model(model)
         x0 = model_input(loaded, load_center(at), field="--at")
+        # the engine's own shape check, so a wrong shape is an error, not another centre
+        check_center(as_onnx(loaded, x0.shape[-2] if x0.ndim >= 2 else None), x0)
     except (ValueError, TypeError, OSError) as exc:
-        fail(str(exc))
+        text = str(exc)
+        fail(text if text.startswith("--at") else f"--at: {text}")
     digest = center_sha256(x0)
     if digest != rob.get("center_sha256"):
         typer.echo(f"INVALID: {at} has sha256 {digest} (as float64), the certificate is for "

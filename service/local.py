@@ -116,10 +116,17 @@ def robustness_of(loaded: Any, sha256: str, x0: np.ndarray, label: int, norm: st
     radius. `progress(stage, fraction)` hears each bisection step. Raises ValueError for a
     bad input or label."""
     from lsa_models.engine.local import robustness  # deferred: torch
+    from lsa_models.engine.values import LocalNotCertified
 
     if norm not in ("2", "inf"):
         raise ValueError(f"norm must be 2 or inf, got {norm!r}")
-    r = robustness(loaded, x0, label, norm, progress=progress)  # type: ignore[arg-type]
+    try:
+        r = robustness(loaded, x0, label, norm, progress=progress)  # type: ignore[arg-type]
+    except LocalNotCertified as exc:
+        # The radius needs a local rule for every op of the graph (the global fallback of
+        # `lsa bound --at` has no margins to keep positive).
+        raise ValueError(f"no certified radius for this model: {exc} (the robustness "
+                         "radius needs a local rule for every op of the graph)") from None
     return {
         "model_sha256": sha256, "norm": r.norm, "label": r.label,
         "predicted": r.predicted, "certified_radius": r.certified_radius,

@@ -26,7 +26,7 @@ from bench.local_models import build, center, export
 from service.app import create_app
 from service.cli import app as cli
 from service.db import make_engine
-from service.jobs.context import JobContext
+from service.jobs.context import JobAborted, JobContext
 from service.settings import Settings
 from service.tables import Job, RobustnessResultRow
 
@@ -244,3 +244,74 @@ def test_robustness_job_of_a_vanished_model_fails_naming_it(
             run_robustness(JobContext(rt, str(uuid.uuid4()), 1, params))
     finally:
         rt.close()
+
+
+def test_robustness_job_cancelled_mid_bisection_stores_nothing(
+        client: TestClient, db_url: str, mlp_onnx: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    from service.jobs.robustness import certificate_id_for_job
+    from service.tables import CertificateRow
+
+    in_bisection, cancelled, aborted = threading.Event(), threading.Event(), threading.Event()
+    real_progress = JobContext.progress
+
+    def held(self: JobContext, fraction: float, stage: str | None = None, *,
+             force: bool = False) -> None:
+        if stage is not None and re.match(r"bisection \d+/", stage):
+            in_bisection.set()
+            cancelled.wait(60)  # the next progress write is the cancel check
+        try:
+            real_progress(self, fraction, stage, force=force)
+        except JobAborted:
+            aborted.set()
+            raise
+
+    monkeypatch.setattr(JobContext, "progress", held)
+    m = upload(client, mlp_onnx.read_bytes(), "mlp.onnx")
+    x0 = center(8).numpy().astype(np.float64)
+    r = client.post("/certify", json={"model_id": m["id"], "at": x0.tolist(),
+                                      "label": predicted_label(mlp_onnx, x0),
+                                      "min_radius": 1e-6})
+    assert r.status_code == 202, r.text
+    job_id = r.json()["job_id"]
+    assert in_bisection.wait(60)
+    assert client.delete(f"/jobs/{job_id}").json()["status"] == "cancelled"
+    cancelled.set()
+    assert aborted.wait(30)  # the bisection stopped at its next step
+    time.sleep(0.5)  # and the run unwound (run_job writes nothing for an aborted job)
+    engine = make_engine(db_url)
+    try:
+        job = client.get(f"/jobs/{job_id}").json()
+        assert job["status"] == "cancelled" and job["result"] is None, job
+        with engine.connect() as conn:
+            assert conn.scalar(select(func.count()).select_from(RobustnessResultRow).where(
+                RobustnessResultRow.model_id == m["id"])) == 0
+            assert conn.scalar(select(func.count()).select_from(CertificateRow).where(
+                CertificateRow.id == certificate_id_for_job(job_id))) == 0
+    finally:
+        engine.dispose()
+
+
+def test_robustness_job_rerun_after_a_crash_returns_its_certificate(
+        client: TestClient, db_url: str, mlp_onnx: Path) -> None:
+    from sqlalchemy import update
+
+    from service.jobs.robustness import run_robustness
+
+    m = upload(client, mlp_onnx.read_bytes(), "mlp.onnx")
+    x0 = center(9).numpy().astype(np.float64)
+    r = client.post("/certify", json={"model_id": m["id"], "at": x0.tolist(), "label": 0,
+                                      "min_radius": 1e-6})
+    job = wait_job(client, r)
+    assert job["status"] == "succeeded", job
+    # As if its worker died after storing everything: the job is claimed again.
+    rt = client.app.state.runtime  # type: ignore[attr-defined]
+    with rt.sessions.begin() as s:
+        s.execute(update(Job).where(Job.id == job["id"]).values(status="running"))
+        params = dict(s.get(Job, job["id"]).params)
+    again = run_robustness(JobContext(rt, job["id"], job["attempts"], params))
+    assert again == job["result"]
+    certs = client.get(f"/certificates/{job['result']['id']}")
+    assert certs.status_code == 200 and certs.json() == job["result"]

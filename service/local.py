@@ -1,6 +1,8 @@
-"""Bounds around one input, shared by the CLI (`lsa bound --at`, `lsa robustness`) and the
-service (`POST /bound` with `at`/`eps`, `POST /certify` with `at`/`label`/`min_radius`): the
-local (ball) report and the robustness radii of a loaded model, so both print the same object.
+"""Bounds around one input, shared by the CLI (`lsa bound --at`, `lsa robustness`, `lsa verify
+--recompute --at`) and the service (`POST /bound` with `at`/`eps`; the `robustness` job of
+`POST /certify`, service.robustness): the local (ball) report and the robustness radii of a
+loaded model, so both print the same object; and `model_input`, the one conversion of a
+user's input (a pixel upload's image) to what the graph takes.
 
 Imports of lsa_models (hence torch) are deferred to the calls: `lsa --help` and the server's
 start need none of it.

@@ -109,15 +109,25 @@ def sign_robustness(radii: dict[str, Any], n: int, min_radius: float, key: Ed255
 def issue_robustness_certificate(runtime: Runtime, model: ModelRef, radii: dict[str, Any],
                                  n: int, min_radius: float,
                                  cert_id: str | None = None) -> Certificate:
-    """Sign `radii` against `min_radius` with the server's key and store the certificate."""
+    """Sign `radii` against `min_radius` with the server's key and store the certificate.
+    With `cert_id` (a job's), a certificate stored under it first (an earlier attempt of the
+    job, presumed dead, that finished anyway) is the one returned."""
     if radii.get("model_sha256") != model.sha256:
         raise ValueError(f"the radii are for model {radii.get('model_sha256')}, not "
                          f"{model.sha256}")
     cert = sign_robustness(radii, n, min_radius, runtime.signing_key, cert_id)
     with transaction(runtime.sessions) as s:
-        s.add(CertificateRow(id=cert.id, model_id=model.id, model_sha256=model.sha256,
-                             threshold=cert.threshold, upper=cert.upper, passed=cert.passed,
-                             body=cert.model_dump(mode="json"), issued_at=cert.issued_at))
+        try:
+            with s.begin_nested():
+                s.add(CertificateRow(id=cert.id, model_id=model.id, model_sha256=model.sha256,
+                                     threshold=cert.threshold, upper=cert.upper,
+                                     passed=cert.passed, body=cert.model_dump(mode="json"),
+                                     issued_at=cert.issued_at))
+        except IntegrityError:
+            first = s.get(CertificateRow, cert.id)
+            if cert_id is None or first is None:
+                raise
+            return Certificate.model_validate(first.body)
     if runtime.metrics is not None:
         runtime.metrics.certificates.inc()
     return cert

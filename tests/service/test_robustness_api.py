@@ -315,3 +315,28 @@ def test_robustness_job_rerun_after_a_crash_returns_its_certificate(
     assert again == job["result"]
     certs = client.get(f"/certificates/{job['result']['id']}")
     assert certs.status_code == 200 and certs.json() == job["result"]
+
+
+def test_robustness_certificate_of_a_job_is_stored_once(client: TestClient,
+                                                        mlp_onnx: Path) -> None:
+    from service.bounding import ModelRef
+    from service.cli.robustness import load_model
+    from service.local import robustness_of
+    from service.robustness import issue_robustness_certificate
+    from service.tables import UploadedModel
+
+    m = upload(client, mlp_onnx.read_bytes(), "mlp.onnx")
+    rt = client.app.state.runtime  # type: ignore[attr-defined]
+    with rt.sessions() as s:
+        model = ModelRef.of(s.get(UploadedModel, m["id"]))
+    x0 = center(10).numpy().astype(np.float64)
+    radii = robustness_of(load_model(mlp_onnx), m["sha256"], x0, 0, "inf")
+    cert_id = str(uuid.uuid4())
+    # Two attempts of one job (the first presumed dead but finishing): one certificate.
+    first = issue_robustness_certificate(rt, model, radii, 8, 1e-3, cert_id=cert_id)
+    second = issue_robustness_certificate(rt, model, radii, 8, 1e-3, cert_id=cert_id)
+    assert second == first and client.get(f"/certificates/{cert_id}").json() == \
+        first.model_dump(mode="json")
+    with pytest.raises(ValueError, match="the radii are for model"):
+        other = ModelRef(**{**model.__dict__, "sha256": "0" * 64})
+        issue_robustness_certificate(rt, other, radii, 8, 1e-3)

@@ -33,7 +33,9 @@ def patch_grid(loaded: Any) -> tuple[int, int, int, int, int] | None:
     """(C, H, W, kh, kw) of an upload on pixels (summary layout "pixels"), else None. The
     loader cut the image into patches with Reshape (B, P, C kh kw) -> (B, Hp, Wp, C, kh, kw)
     in front of the graph (lsa_models.onnx.loading._pixels_to_patches): its shape is read
-    here, so the image a user sends is cut exactly as the graph puts it back together."""
+    here, so the image a user sends is cut exactly as the graph puts it back together. A
+    graph without that Reshape (none is known) gives None: its input is taken as the
+    patches."""
     onnx_model = getattr(loaded, "onnx", None)
     spec = getattr(onnx_model, "spec", None)
     pixels = getattr(spec, "pixels", None)
@@ -50,8 +52,7 @@ def patch_grid(loaded: Any) -> tuple[int, int, int, int, int] | None:
             if len(dims) == 6 and dims[3] == c and dims[1] * dims[4] == h \
                     and dims[2] * dims[5] == w:
                 return c, h, w, dims[4], dims[5]
-    raise ValueError("the pixel upload's patch grid cannot be read from its graph; send "
-                     "the patches (1, P, C*kh*kw) it takes instead")
+    return None
 
 
 def model_input(loaded: Any, x0: np.ndarray, field: str = "at") -> np.ndarray:

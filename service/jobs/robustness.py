@@ -4,17 +4,20 @@ bisection step: "bisection 7/30, certified 0.041") and the PGD attack radius, st
 with the server's key. The job's result is that certificate.
 
 A re-run after a crash finds what its first run stored: the certificate (its id is derived
-from the job id) or at least the radii."""
+from the job id) or at least the radii. A job whose radii an earlier running job (another
+min_radius) is computing waits for them instead of computing them twice."""
 
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy import select
 
 from ..bounding import ModelRef, load_model
 from ..local import robustness_of
@@ -24,12 +27,13 @@ from ..robustness import (
     store_radii,
     stored_radii,
 )
-from ..tables import CertificateRow, UploadedModel
+from ..tables import CertificateRow, Job, UploadedModel
 from .context import JobContext
 from .registry import JobKind, register_job_kind
 
 CERT_NAMESPACE = uuid.UUID("3f7c2a9e-5b61-4f0e-9a2d-6c1e8b4d7a55")
 BISECTION_SHARE = 0.9  # of the job's progress; the attack and the signature take the rest
+WAIT_POLL_S = 0.5  # between looks at the radii another job is computing
 
 
 class RobustnessJobParams(BaseModel):
@@ -49,6 +53,34 @@ def certificate_id_for_job(job_id: str) -> str:
     return str(uuid.uuid5(CERT_NAMESPACE, job_id))
 
 
+def computing_before(ctx: JobContext, radii_key: str) -> str | None:
+    """A robustness job for the same radii (another min_radius) that started running before
+    this one, or None. Only earlier ones: two jobs never wait for each other."""
+    with ctx.session() as s:
+        me = s.get(Job, ctx.job_id)
+        mine = (me.started_at, me.id) if me is not None and me.started_at else None
+        rows = s.execute(select(Job.id, Job.started_at, Job.params).where(
+            Job.kind == "robustness", Job.status == "running", Job.id != ctx.job_id)).all()
+    for job_id, started, params in rows:
+        if (params or {}).get("radii_key") == radii_key and started is not None \
+                and (mine is None or (started, job_id) < mine):
+            return str(job_id)
+    return None
+
+
+def wait_for_radii(ctx: JobContext, radii_key: str) -> dict[str, Any] | None:
+    """The stored radii; while an earlier running job computes them, wait for it rather than
+    compute them twice (its end, or its requeue after a crash, stops the wait)."""
+    while True:
+        radii = stored_radii(ctx.runtime, radii_key)
+        other = None if radii is not None else computing_before(ctx, radii_key)
+        if other is None:
+            return radii
+        # The write is also this job's heartbeat and cancel check.
+        ctx.progress(0.05, f"waiting for job {other}, which computes the same radii")
+        time.sleep(WAIT_POLL_S)
+
+
 def run_robustness(ctx: JobContext) -> dict[str, Any]:
     p = RobustnessJobParams.model_validate(ctx.params)
     cert_id = certificate_id_for_job(ctx.job_id)
@@ -65,7 +97,7 @@ def run_robustness(ctx: JobContext) -> dict[str, Any]:
         # A worker must sign with the server's key (GET /certificates/public-key).
         raise ValueError(f"the signing key LSA_SIGNING_KEY_PATH={key_path} does not exist on "
                          "this worker: share the server's key file with its workers")
-    radii = stored_radii(ctx.runtime, p.radii_key)
+    radii = wait_for_radii(ctx, p.radii_key)
     if radii is None:
         ctx.progress(0.02, "loading model", force=True)
         loaded = load_model(ctx.runtime, model)

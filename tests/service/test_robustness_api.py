@@ -340,3 +340,50 @@ def test_robustness_certificate_of_a_job_is_stored_once(client: TestClient,
     with pytest.raises(ValueError, match="the radii are for model"):
         other = ModelRef(**{**model.__dict__, "sha256": "0" * 64})
         issue_robustness_certificate(rt, other, radii, 8, 1e-3)
+
+
+def test_robustness_jobs_for_the_same_radii_compute_them_once(
+        db_url: str, mlp_onnx: Path, make_settings: Callable[..., Settings],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    import service.jobs.robustness as robustness_jobs
+
+    calls: list[int] = []
+    real_radii = robustness_jobs.robustness_of
+
+    def counted(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        calls.append(1)
+        return real_radii(*args, **kwargs)
+
+    in_bisection, release = threading.Event(), threading.Event()
+    real_progress = JobContext.progress
+
+    def held(self: JobContext, fraction: float, stage: str | None = None, *,
+             force: bool = False) -> None:
+        if stage is not None and re.match(r"bisection \d+/", stage) \
+                and not in_bisection.is_set():
+            in_bisection.set()
+            release.wait(60)  # the first job holds here, mid-bisection
+        real_progress(self, fraction, stage, force=force)
+
+    monkeypatch.setattr(robustness_jobs, "robustness_of", counted)
+    monkeypatch.setattr(JobContext, "progress", held)
+    x0 = center(11).numpy().astype(np.float64)
+    with TestClient(create_app(make_settings(db_url, worker_threads=2))) as c:
+        m = upload(c, mlp_onnx.read_bytes(), "mlp.onnx")
+        req = {"model_id": m["id"], "at": x0.tolist(), "label": predicted_label(mlp_onnx, x0)}
+        a = c.post("/certify", json={**req, "min_radius": 1e-6})
+        assert in_bisection.wait(60)
+        b = c.post("/certify", json={**req, "min_radius": 1e-3})
+        assert b.status_code == 202 and b.json()["job_id"] != a.json()["job_id"]
+        deadline = time.monotonic() + 60
+        while not (c.get(b.json()["url"]).json()["stage"] or "").startswith(
+                f"waiting for job {a.json()['job_id']}"):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        release.set()
+        first, second = wait_job(c, a)["result"], wait_job(c, b)["result"]
+    assert calls == [1]
+    assert first["robustness"]["certified_radius"] == second["robustness"]["certified_radius"]
+    assert (first["threshold"], second["threshold"]) == (1e-6, 1e-3)

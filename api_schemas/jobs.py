@@ -26,15 +26,19 @@ JOB_EXAMPLE: dict[str, Any] = {
 
 
 class JobAccepted(BaseModel):
-    """202: the work was queued; poll GET /jobs/{job_id}."""
+    """202: the work was queued; poll GET /jobs/{job_id} (the `url`; the response's Location
+    header too), waiting the Retry-After seconds between polls."""
 
     model_config = ConfigDict(
         extra="forbid",
-        json_schema_extra={"examples": [{"job_id": JOB_EXAMPLE["id"], "status": "queued"}]},
+        json_schema_extra={"examples": [{"job_id": JOB_EXAMPLE["id"], "status": "queued",
+                                         "url": f"/jobs/{JOB_EXAMPLE['id']}"}]},
     )
 
     job_id: str
     status: JobStatus
+    url: str | None = Field(default=None, description="The job: GET it for status, progress "
+                            "and, once succeeded, the result")
 
 
 class JobOut(BaseModel):
@@ -47,7 +51,8 @@ class JobOut(BaseModel):
     progress: float = Field(ge=0, le=1, description="Fraction done, 0..1")
     stage: str | None = Field(default=None, description="What the job is doing now")
     result: dict[str, Any] | None = Field(
-        default=None, description="On success: the job's output (a bound job: the BoundReport)")
+        default=None, description="On success: the job's output (a bound job: the "
+        "BoundReport; a robustness job: the Certificate; train_certified: the training result)")
     error: str | None = Field(default=None, description="On failure: what went wrong")
     attempts: int = Field(description="Times a worker picked the job up (>1 after a crash)")
     created_at: datetime

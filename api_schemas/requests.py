@@ -19,16 +19,20 @@ RadiusField = Field(default=None, ge=0, allow_inf_nan=False,
                     "null: all of R^{N x D}")
 
 
+AT_SHAPES = ("one input X0 of the model's shape, as nested lists of finite numbers: (N, D), "
+             "or (1, N, D) with a leading batch of 1; on an upload on pixels (GET /models: "
+             "summary layout 'pixels') the image (C, H, W) or (1, C, H, W), which is cut into "
+             "the patches (P, C*kh*kw) the model is analysed on")
 AtField = Field(
-    default=None, description="One input X0 of the model's shape, as nested lists: (N, D), or "
-    "(1, N, D) with a leading batch of 1; finite numbers. With it the report is local: the "
-    "constant on the ball {X : ||X - X0||_norm <= eps} (`lsa bound --at`)")
+    default=None, description=AT_SHAPES[0].upper() + AT_SHAPES[1:] + ". With it the report "
+    "is local: the constant on the ball {X : ||X - X0||_norm <= eps} (`lsa bound --at`)")
 EXAMPLE_AT: list[Any] = [[0.5, -1.0, 0.25, 2.0], [1.0, 0.0, -0.5, 0.75]]
 
 
 def center_shape(at: list[Any], field: str = "at") -> tuple[int, ...]:
-    """The shape of a nested list of numbers, (N, D) or (1, N, D); ValueError naming `field`
-    and the fix for ragged, empty, non-numeric or non-finite input."""
+    """The shape of a nested list of numbers: (N, D), (1, N, D), or an image (C, H, W) or
+    (1, C, H, W) (the model's own shape is checked once it is known); ValueError naming
+    `field` and the fix for ragged, empty, non-numeric or non-finite input."""
     shape: list[int] = []
     level: Any = at
     while isinstance(level, list):
@@ -36,9 +40,10 @@ def center_shape(at: list[Any], field: str = "at") -> tuple[int, ...]:
             raise ValueError(f"{field}: an empty list; give one input of shape (N, D)")
         shape.append(len(level))
         level = level[0]
-    if len(shape) not in (2, 3) or (len(shape) == 3 and shape[0] != 1):
+    if len(shape) not in (2, 3, 4) or (len(shape) == 4 and shape[0] != 1):
         raise ValueError(f"{field}: shape {tuple(shape)}; give one input as (N, D) nested "
-                         "lists, or (1, N, D)")
+                         "lists, or (1, N, D); on a pixel upload the image (C, H, W) or "
+                         "(1, C, H, W)")
 
     def check(node: Any, depth: int) -> None:
         if depth == len(shape):
@@ -116,9 +121,11 @@ class BoundRequest(BaseModel):
 class CertifyRequest(BaseModel):
     """Certify that a stored model's Lipschitz bound is at most `max_lipschitz` (201, the
     certificate); or, with `at`, `label` and `min_radius`, that `label` is certified robust
-    on the ball of radius `min_radius` around `at` (201, a certificate of kind robustness);
-    or, with `training` instead of `model_id`, train a model and certify it (202, a job on
-    the training queue). The fields present choose the kind; mixing kinds is 422."""
+    on the ball of radius `min_radius` around `at` (a certificate of kind robustness: 201
+    when the radii of (model, at, label, norm) are stored, else 202, a job on the bound queue
+    whose result is the certificate); or, with `training` instead of `model_id`, train a
+    model and certify it (202, a job on the training queue). The fields present choose the
+    kind; mixing kinds is 422."""
 
     model_config = ConfigDict(
         extra="forbid",
@@ -143,8 +150,8 @@ class CertifyRequest(BaseModel):
         default=None, description="Train a model and certify it instead (runs as a job; "
         "the certificate is in the 2-norm at the trained seq_len, threshold c)")
     at: list[Any] | None = Field(
-        default=None, description="Robustness certificates: the input X0 (nested lists, (N, D) "
-        "or (1, N, D), finite), with label and min_radius")
+        default=None, description="Robustness certificates, with label and min_radius: "
+        + AT_SHAPES)
     label: int | None = Field(default=None, ge=0, description="Robustness certificates: the "
                               "class whose margins f_label - f_j must stay positive")
     min_radius: float | None = Field(

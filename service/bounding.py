@@ -41,13 +41,17 @@ class ModelRef:
     default_seq_len: int
     fixed_seq_len: int | None
     ort_verified: bool
+    # The upload's input layout (summary "layout"): "pixels" means `at` is an image that is
+    # cut into the patches the graph takes (service.local.model_input).
+    layout: str | None = None
 
     @classmethod
     def of(cls, row: UploadedModel) -> ModelRef:
         return cls(id=row.id, sha256=row.sha256, format=row.format, filename=row.filename,
                    parameters=row.parameters, d_model=row.d_model,
                    default_seq_len=row.default_seq_len, fixed_seq_len=row.fixed_seq_len,
-                   ort_verified=row.ort_verified_at is not None)
+                   ort_verified=row.ort_verified_at is not None,
+                   layout=(row.summary or {}).get("layout"))
 
 
 def resolve_seq_len(model: ModelRef, seq_len: int | None) -> int:

@@ -36,7 +36,8 @@ class ClientConfig:
     retries: int = 4  # attempts after the first
     backoff_s: float = 0.5
     backoff_max_s: float = 8.0
-    poll_interval_s: float = 0.5
+    poll_interval_s: float = 0.5  # between job polls when the server sends no Retry-After
+    poll_max_s: float = 30.0  # the longest Retry-After honoured between job polls
     job_timeout_s: float = 3600.0
 
     def __post_init__(self) -> None:
@@ -186,6 +187,24 @@ class LSAClient:
                            "seq_len": seq_len, "radius": radius})
         return Certificate.model_validate(self._maybe_job("POST", "/certify", body, progress))
 
+    def certify_robustness(self, model_id: str, at: list[Any], label: int, min_radius: float,
+                           norm: str = "2", progress: ProgressFn | None = None) -> Certificate:
+        """POST /certify with at/label/min_radius: the certificate at once when the server
+        has the radii, else its job polled to the certificate (its progress: the bisection
+        step)."""
+        body = {"model_id": model_id, "norm": norm, "at": at, "label": label,
+                "min_radius": min_radius}
+        return Certificate.model_validate(self._maybe_job("POST", "/certify", body, progress))
+
+    def bound_local(self, model_id: str, at: list[Any], eps: float, norm: str = "2",
+                    empirical: dict[str, Any] | None = None,
+                    progress: ProgressFn | None = None) -> BoundReport:
+        """POST /bound with at/eps: the local bound on the ball around `at` (with
+        `empirical`, a job: the in-ball lower bound too)."""
+        body = _drop_none({"model_id": model_id, "norm": norm, "at": at, "eps": eps,
+                           "empirical": empirical})
+        return BoundReport.model_validate(self._maybe_job("POST", "/bound", body, progress))
+
     def public_key(self) -> str:
         """The server's Ed25519 public key as PEM (plain text or inside a JSON object)."""
         resp = self.request("GET", "/certificates/public-key")
@@ -207,11 +226,27 @@ class LSAClient:
     def job(self, job_id: str) -> dict[str, Any]:
         return dict(self._json("GET", f"/jobs/{job_id}"))
 
-    def wait_job(self, job_id: str, progress: ProgressFn | None = None) -> Any:
-        """Poll until the job ends; return its result or raise JobFailed."""
+    def poll_wait_s(self, resp: httpx.Response) -> float:
+        """Seconds until the next poll of a job: the server's Retry-After when it sends one
+        (capped by poll_max_s), else poll_interval_s."""
+        if "retry-after" not in resp.headers:
+            return self.config.poll_interval_s
+        return retry_after_s(resp, self.config.poll_max_s)
+
+    def wait_job(self, job_id: str, progress: ProgressFn | None = None,
+                 first_wait_s: float | None = None) -> Any:
+        """Poll until the job ends, waiting the Retry-After of each answer (`first_wait_s`:
+        the 202's); return its result or raise JobFailed."""
         deadline = time.monotonic() + self.config.job_timeout_s
+        if first_wait_s:
+            self._sleep(first_wait_s)
         while True:
-            job = self.job(job_id)
+            path = f"/jobs/{job_id}"
+            resp = self.request("GET", path)
+            try:
+                job = dict(resp.json())
+            except (ValueError, TypeError):
+                raise ClientError(f"GET {path}: the answer is not a JSON object") from None
             status = str(job.get("status"))
             if progress is not None:
                 progress(str(job.get("stage") or status), job.get("progress"))
@@ -222,7 +257,7 @@ class LSAClient:
             if time.monotonic() > deadline:
                 raise ClientError(f"job {job_id} still {status} after "
                                   f"{self.config.job_timeout_s:.0f} s")
-            self._sleep(self.config.poll_interval_s)
+            self._sleep(self.poll_wait_s(resp))
 
     def _maybe_job(self, method: str, path: str, body: dict[str, Any],
                    progress: ProgressFn | None) -> Any:
@@ -233,7 +268,8 @@ class LSAClient:
         except ValueError:
             raise ClientError(f"{method} {path}: the answer is not JSON") from None
         if resp.status_code == 202 and isinstance(data, dict) and "job_id" in data:
-            return self.wait_job(str(data["job_id"]), progress)
+            first = self.poll_wait_s(resp) if "retry-after" in resp.headers else None
+            return self.wait_job(str(data["job_id"]), progress, first_wait_s=first)
         return data
 
 

@@ -1,6 +1,8 @@
-"""Bounds around one input, shared by the CLI (`lsa bound --at`, `lsa robustness`) and the
-service (`POST /bound` with `at`/`eps`, `POST /certify` with `at`/`label`/`min_radius`): the
-local (ball) report and the robustness radii of a loaded model, so both print the same object.
+"""Bounds around one input, shared by the CLI (`lsa bound --at`, `lsa robustness`, `lsa verify
+--recompute --at`) and the service (`POST /bound` with `at`/`eps`; the `robustness` job of
+`POST /certify`, service.robustness): the local (ball) report and the robustness radii of a
+loaded model, so both print the same object; and `model_input`, the one conversion of a
+user's input (a pixel upload's image) to what the graph takes.
 
 Imports of lsa_models (hence torch) are deferred to the calls: `lsa --help` and the server's
 start need none of it.
@@ -17,17 +19,61 @@ from starlette.concurrency import run_in_threadpool
 
 from api_schemas import BoundReport
 from api_schemas.bounds import BallDomain, Witness
-from api_schemas.certificates import Certificate
 from api_schemas.requests import center_shape
 
 from .bounding import ModelRef, check_sync_size, load_model, request_key, store_result
-from .certificates import new_certificate_body, sign_certificate
-from .certifying import robust, stored_report_json
+from .certifying import stored_report_json
 from .compute import ComputeBusy
 from .db import transaction
 from .errors import InvalidRequest, PayloadTooLarge
 from .runtime import Runtime
-from .tables import CertificateRow
+
+
+def patch_grid(loaded: Any) -> tuple[int, int, int, int, int] | None:
+    """(C, H, W, kh, kw) of an upload on pixels (summary layout "pixels"), else None. The
+    loader cut the image into patches with Reshape (B, P, C kh kw) -> (B, Hp, Wp, C, kh, kw)
+    in front of the graph (lsa_models.onnx.loading._pixels_to_patches): its shape is read
+    here, so the image a user sends is cut exactly as the graph puts it back together. A
+    graph without that Reshape (none is known) gives None: its input is taken as the
+    patches."""
+    onnx_model = getattr(loaded, "onnx", None)
+    spec = getattr(onnx_model, "spec", None)
+    pixels = getattr(spec, "pixels", None)
+    if spec is None or pixels is None:
+        return None
+    import onnx  # deferred: only pixel uploads get here
+
+    c, h, w = (int(v) for v in pixels)
+    inits = {t.name: t for t in spec.model.graph.initializer}
+    for node in spec.model.graph.node:
+        if node.op_type == "Reshape" and node.input[0] == spec.input_name \
+                and node.input[1] in inits:
+            dims = [int(v) for v in onnx.numpy_helper.to_array(inits[node.input[1]])]
+            if len(dims) == 6 and dims[3] == c and dims[1] * dims[4] == h \
+                    and dims[2] * dims[5] == w:
+                return c, h, w, dims[4], dims[5]
+    return None
+
+
+def model_input(loaded: Any, x0: np.ndarray, field: str = "at") -> np.ndarray:
+    """The one conversion of a user's input to what the graph takes: on a pixel upload the
+    image (1, C, H, W) or (C, H, W) becomes its patches (1, P, C kh kw) (a permutation of the
+    pixels: the same norms, docs/bounds.md "Conv patch embeddings"); any other input is
+    returned as is (the engine checks it against the graph's (N, D)). ValueError naming
+    `field` and both accepted shapes for an image of the wrong shape."""
+    grid = patch_grid(loaded)
+    if grid is None:
+        return x0
+    c, h, w, kh, kw = grid
+    if x0.shape not in ((1, c, h, w), (c, h, w)):
+        raise ValueError(f"{field}: shape {tuple(x0.shape)}; this model takes an image: give "
+                         f"(1, C, H, W) = (1, {c}, {h}, {w}) or (C, H, W) = ({c}, {h}, {w}) "
+                         f"(it is analysed as its {(h // kh) * (w // kw)} patches of "
+                         f"{c}x{kh}x{kw} pixels)")
+    hp, wp = h // kh, w // kw
+    grid6 = x0.reshape(1, c, hp, kh, wp, kw)  # (1, C, Hp, kh, Wp, kw)
+    patches = grid6.transpose(0, 2, 4, 1, 3, 5)  # (1, Hp, Wp, C, kh, kw)
+    return np.ascontiguousarray(patches.reshape(1, hp * wp, c * kh * kw))  # (1, P, C kh kw)
 
 
 def local_report_of(loaded: Any, sha256: str, x0: np.ndarray, eps: float, norm: str, *,
@@ -65,16 +111,25 @@ def local_report_of(loaded: Any, sha256: str, x0: np.ndarray, eps: float, norm: 
     return report.model_copy(update=update)
 
 
-def robustness_of(loaded: Any, sha256: str, x0: np.ndarray, label: int,
-                  norm: str) -> dict[str, Any]:
+def robustness_of(loaded: Any, sha256: str, x0: np.ndarray, label: int, norm: str, *,
+                  progress: Callable[[str, float], None] | None = None) -> dict[str, Any]:
     """Certified radius (every margin f_label - f_j provably positive on that ball) and the
-    smallest label flip PGD finds, as the JSON object `lsa robustness --json` prints.
-    Raises ValueError for a bad input or label."""
+    smallest label flip PGD finds, as the JSON object `lsa robustness --json` prints; the
+    computation is deterministic (seeded), so `lsa verify --recompute` reaches the same
+    radius. `progress(stage, fraction)` hears each bisection step. Raises ValueError for a
+    bad input or label."""
     from lsa_models.engine.local import robustness  # deferred: torch
+    from lsa_models.engine.values import LocalNotCertified
 
     if norm not in ("2", "inf"):
         raise ValueError(f"norm must be 2 or inf, got {norm!r}")
-    r = robustness(loaded, x0, label, norm)  # type: ignore[arg-type]
+    try:
+        r = robustness(loaded, x0, label, norm, progress=progress)  # type: ignore[arg-type]
+    except LocalNotCertified as exc:
+        # The radius needs a local rule for every op of the graph (the global fallback of
+        # `lsa bound --at` has no margins to keep positive).
+        raise ValueError(f"no certified radius for this model: {exc} (the robustness "
+                         "radius needs a local rule for every op of the graph)") from None
     return {
         "model_sha256": sha256, "norm": r.norm, "label": r.label,
         "predicted": r.predicted, "certified_radius": r.certified_radius,
@@ -91,8 +146,8 @@ def robustness_of(loaded: Any, sha256: str, x0: np.ndarray, label: int,
 
 
 def center_array(runtime: Runtime, at: list[Any]) -> np.ndarray:
-    """`at` as a float64 array, (N, D) or (1, N, D) (the request schema checked its shape and
-    finiteness); 413 past LSA_MAX_AT_ELEMENTS."""
+    """`at` as a float64 array as sent (the request schema checked that it is rectangular
+    and finite); 413 past LSA_MAX_AT_ELEMENTS."""
     limit = runtime.settings.max_at_elements
     shape = center_shape(at)
     size = math.prod(shape)
@@ -101,6 +156,33 @@ def center_array(runtime: Runtime, at: list[Any]) -> np.ndarray:
                               f"LSA_MAX_AT_ELEMENTS={limit}: send a smaller input or raise the "
                               "limit")
     return np.asarray(at, dtype=np.float64)
+
+
+def check_at_shape(model: ModelRef, x0: np.ndarray) -> None:
+    """422 unless `x0` is one input of the stored model's (N, D), or (1, N, D) (what the
+    engine would say, said before any job is queued)."""
+    n, d = model.fixed_seq_len, model.d_model
+    ok = (x0.ndim == 2 or (x0.ndim == 3 and x0.shape[0] == 1)) \
+        and (d is None or x0.shape[-1] == d) and (n is None or x0.shape[-2] == n)
+    if not ok:
+        want = f"({'N' if n is None else n}, {'D' if d is None else d})"
+        raise InvalidRequest(f"at: the input has shape {tuple(x0.shape)}; the model takes one "
+                             f"input of shape {want} (a leading batch dimension of 1 allowed)")
+
+
+async def model_center(runtime: Runtime, model: ModelRef, at: list[Any]) -> np.ndarray:
+    """`at` as the float64 input the graph takes: a pixel upload's image cut into its
+    patches (model_input: the model is loaded for its patch grid, on a request thread);
+    413 past LSA_MAX_AT_ELEMENTS, 422 naming the accepted shapes."""
+    x0 = center_array(runtime, at)
+    if model.layout == "pixels":
+        loaded = await run_in_threadpool(load_model, runtime, model)
+        try:
+            x0 = model_input(loaded, x0)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
+    check_at_shape(model, x0)
+    return x0
 
 
 def ball_key(model: ModelRef, norm: str, x0: np.ndarray, eps: float,
@@ -144,10 +226,10 @@ def compute_local_and_store(runtime: Runtime, model: ModelRef, key: str, norm: s
     return stored
 
 
-async def local_report_json(runtime: Runtime, model: ModelRef, norm: str, at: list[Any],
+async def local_report_json(runtime: Runtime, model: ModelRef, norm: str, x0: np.ndarray,
                             eps: float) -> bytes:
-    """The stored local report of this ball, or computed on the compute pool and stored."""
-    x0 = center_array(runtime, at)
+    """The stored local report of this ball (`x0`: model_center's), or computed on the
+    compute pool and stored."""
     key, _ = ball_key(model, norm, x0, eps)
     stored = await run_in_threadpool(stored_report_json, runtime, key)
     if stored is not None:
@@ -159,54 +241,3 @@ async def local_report_json(runtime: Runtime, model: ModelRef, norm: str, at: li
     body = report.model_dump_json().encode()
     runtime.reports.put(key, body)
     return body
-
-
-def compute_robustness(runtime: Runtime, model: ModelRef, x0: np.ndarray, label: int,
-                       norm: str) -> dict[str, Any]:
-    loaded = load_model(runtime, model)
-    try:
-        return robustness_of(loaded, model.sha256, x0, label, norm)
-    except (ValueError, TypeError) as exc:
-        text = str(exc)
-        raise InvalidRequest(text if text.startswith("label") else f"at: {text}") from None
-
-
-def issue_robustness_certificate(runtime: Runtime, model: ModelRef, radii: dict[str, Any],
-                                 n: int, min_radius: float) -> Certificate:
-    """Sign `radii` (robustness_of's object) against `min_radius` and store it."""
-    from lsa_models import __version__  # deferred: imports torch
-    from lsa_models.engine.local import METHOD
-
-    section = {k: radii[k] for k in ("label", "predicted", "certified_radius",
-                                     "attack_radius", "margins", "pair_constants",
-                                     "center_sha256", "bisection_steps")}
-    section["min_radius"] = min_radius
-    ok = robust(float(radii["certified_radius"]), min_radius)
-    body = new_certificate_body(
-        model_sha256=model.sha256, norm=radii["norm"], seq_len=n, radius=None,
-        threshold=min_radius, upper=None, lower=None, passed=ok,
-        method="robustness: every margin f_label - f_j stays positive on the ball of the "
-        "certified radius (bisection on r; " + METHOD + ")", lsa_version=__version__,
-        robustness=section)
-    cert = sign_certificate(body, runtime.signing_key)
-    with transaction(runtime.sessions) as s:
-        s.add(CertificateRow(id=cert.id, model_id=model.id, model_sha256=model.sha256,
-                             threshold=cert.threshold, upper=cert.upper, passed=cert.passed,
-                             body=cert.model_dump(mode="json"), issued_at=cert.issued_at))
-    if runtime.metrics is not None:
-        runtime.metrics.certificates.inc()
-    return cert
-
-
-async def robustness_certificate(runtime: Runtime, model: ModelRef, at: list[Any],
-                                 label: int, norm: str, min_radius: float) -> Certificate:
-    """Compute the radii on the compute pool (identical requests share one computation),
-    then sign and store the certificate."""
-    x0 = center_array(runtime, at)
-    key, n = ball_key(model, norm, x0, 0.0)
-    check_sync_size(runtime, model)
-    radii = await run_counted(runtime, f"robustness:{key}:{label}",
-                              lambda: compute_robustness(runtime, model, x0, label, norm))
-    assert isinstance(radii, dict)
-    return await run_in_threadpool(issue_robustness_certificate, runtime, model, radii, n,
-                                   min_radius)

@@ -136,6 +136,25 @@ class BoundResultRow(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
+class RobustnessResultRow(Base):
+    """The radii of one (model, centre, label, norm): `request_key` hashes those four, so a
+    certificate for another min_radius is signed from this row without recomputing."""
+
+    __tablename__ = "robustness_results"
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True, default=new_id)
+    model_id: Mapped[str] = mapped_column(ForeignKey("models.id", ondelete="CASCADE"),
+                                          index=True)
+    request_key: Mapped[str] = mapped_column(String(64), unique=True)
+    norm: Mapped[str] = mapped_column(String(8))
+    label: Mapped[int] = mapped_column(Integer)
+    center_sha256: Mapped[str] = mapped_column(String(64))
+    certified_radius: Mapped[float] = mapped_column(Float)
+    # service.local.robustness_of's object (what `lsa robustness --json` prints)
+    result: Mapped[dict[str, Any]] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
 class CertificateRow(Base):
     __tablename__ = "certificates"
 

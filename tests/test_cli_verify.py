@@ -4,8 +4,10 @@ file, a wrong key, and (--recompute) a correctly signed certificate whose bound 
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import math
+import uuid
 from collections.abc import Callable
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -226,4 +228,123 @@ def test_verify_exit_2_on_bad_input(issued: dict[str, Path], tmp_path: Path, cas
     }[case]
     code, _, err = invoke(*args)
     assert code == 2
+    assert err.startswith("lsa: error:") and needle in err
+
+
+# --- robustness certificates: --recompute --at X0.npy -------------------------------------
+
+
+@pytest.fixture(scope="module")
+def robust_issued(issued: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+                  ) -> dict[str, Any]:
+    """An MLP classifier (ONNX), a centre, its radii, and a certificate signed with the
+    local key the way the server signs one (service.robustness.sign_robustness)."""
+    import numpy as np
+
+    from bench.local_models import build, center, export
+    from service.local import robustness_of
+    from service.robustness import sign_robustness
+
+    root = tmp_path_factory.mktemp("robust")
+    model = export(build("mlp", seed=3), root / "mlp.onnx")
+    x0 = center(4).numpy().astype(np.float64)  # (1, N, D)
+    np.save(root / "x0.npy", x0)
+    np.save(root / "x1.npy", x0 + 1e-3)
+    res = runner.invoke(app, ["robustness", str(model), "--at", str(root / "x0.npy"),
+                              "--label", "0", "--json"])
+    assert res.exit_code == 0, res.output
+    label = int(json.loads(res.stdout)["predicted"])
+    from service.cli.robustness import load_model
+
+    radii = robustness_of(load_model(model), hashlib.sha256(model.read_bytes()).hexdigest(),
+                          x0, label, "2")
+    assert radii["certified_radius"] > 0
+    key = load_or_create_signing_key(issued["key"])
+    cert = sign_robustness(radii, x0.shape[-2], radii["certified_radius"] / 2, key)
+    path = root / "cert.json"
+    path.write_text(cert.model_dump_json())
+    return {"model": model, "x0": root / "x0.npy", "x1": root / "x1.npy", "cert": path,
+            "radii": radii, "key": key, "root": root}
+
+
+def _robust_forged(r: dict[str, Any], radius_factor: float = 1.0,
+                   passed: bool | None = None) -> Path:
+    from service.robustness import sign_robustness
+
+    radii = {**r["radii"], "certified_radius": r["radii"]["certified_radius"] * radius_factor}
+    cert = sign_robustness(radii, 8, r["radii"]["certified_radius"] / 2, r["key"])
+    if passed is not None:
+        body = {k: v for k, v in cert.model_dump().items() if k != "signature"}
+        cert = sign_certificate(new_certificate_body(**{**body, "passed": passed}), r["key"])
+    path = r["root"] / f"forged-{uuid.uuid4().hex[:8]}.json"
+    path.write_text(cert.model_dump_json())
+    return path
+
+
+def test_verify_recompute_robustness_reaches_the_same_radius(
+        issued: dict[str, Path], robust_issued: dict[str, Any]) -> None:
+    r = robust_issued
+    code, out, err = invoke(str(r["cert"]), str(r["model"]), "--public-key",
+                            str(issued["public"]), "--recompute", "--at", str(r["x0"]))
+    assert code == 0, (out, err)
+    assert f"certified radius: recomputed {r['radii']['certified_radius']}" in out
+    assert "VALID: robustness certificate" in out and "passed" in out
+
+
+def test_verify_recompute_robustness_rejects_a_signed_but_wrong_radius(
+        issued: dict[str, Path], robust_issued: dict[str, Any]) -> None:
+    r = robust_issued
+    forged = _robust_forged(r, radius_factor=1 + 1e-6)
+    code, _, _ = invoke(str(forged), str(r["model"]), "--public-key", str(issued["public"]))
+    assert code == 0  # the signature alone cannot tell: it is the right key
+    code, out, _ = invoke(str(forged), str(r["model"]), "--public-key", str(issued["public"]),
+                          "--recompute", "--at", str(r["x0"]))
+    assert code == 1 and "recomputed certified radius" in out
+
+
+def test_verify_recompute_robustness_rejects_an_inconsistent_verdict(
+        issued: dict[str, Path], robust_issued: dict[str, Any]) -> None:
+    r = robust_issued
+    forged = _robust_forged(r, passed=False)  # radius >= min_radius, yet "failed"
+    code, out, _ = invoke(str(forged), str(r["model"]), "--public-key", str(issued["public"]),
+                          "--recompute", "--at", str(r["x0"]))
+    assert code == 1 and "passed=False" in out
+
+
+def test_verify_recompute_robustness_rejects_another_centre(
+        issued: dict[str, Path], robust_issued: dict[str, Any]) -> None:
+    r = robust_issued
+    code, out, _ = invoke(str(r["cert"]), str(r["model"]), "--public-key",
+                          str(issued["public"]), "--recompute", "--at", str(r["x1"]))
+    assert code == 1 and "INVALID" in out and r["radii"]["center_sha256"] in out
+
+
+@pytest.mark.parametrize("case,needle", [
+    ("no_at", "needs the input it was issued for"),
+    ("at_without_recompute", "add --recompute"),
+    ("at_on_a_lipschitz_certificate", "drop --at"),
+    ("at_missing_file", "no such file"),
+    ("at_wrong_shape", "the input has shape"),
+])
+def test_verify_recompute_robustness_exit_2_on_bad_input(
+        issued: dict[str, Path], robust_issued: dict[str, Any], tmp_path: Path, case: str,
+        needle: str) -> None:
+    import numpy as np
+
+    r = robust_issued
+    np.save(tmp_path / "short.npy", np.zeros((3, 16)))
+    pub, cert, model = str(issued["public"]), str(r["cert"]), str(r["model"])
+    args = {
+        "no_at": [cert, model, "--public-key", pub, "--recompute"],
+        "at_without_recompute": [cert, model, "--public-key", pub, "--at", str(r["x0"])],
+        "at_on_a_lipschitz_certificate": [str(issued["cert"]), str(issued["model"]),
+                                          "--public-key", pub, "--recompute", "--at",
+                                          str(r["x0"])],
+        "at_missing_file": [cert, model, "--public-key", pub, "--recompute", "--at",
+                            str(tmp_path / "none.npy")],
+        "at_wrong_shape": [cert, model, "--public-key", pub, "--recompute", "--at",
+                           str(tmp_path / "short.npy")],
+    }[case]
+    code, out, err = invoke(*args)
+    assert code == 2, (out, err)
     assert err.startswith("lsa: error:") and needle in err

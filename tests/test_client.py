@@ -164,6 +164,46 @@ def test_client_polls_a_202_job_to_its_result() -> None:
     assert sleeps == [0.25, 0.25]
 
 
+def test_client_robustness_job_honours_retry_after() -> None:
+    cert = {**CERTIFICATE_EXAMPLE, "signature": "c2ln",
+            "robustness": {"label": 1, "certified_radius": 0.03}}
+    answers = {
+        "/certify": [httpx.Response(202, json={"job_id": "j7", "status": "queued",
+                                               "url": "/jobs/j7"},
+                                    headers={"Retry-After": "2", "Location": "/jobs/j7"})],
+        "/jobs/j7": [
+            httpx.Response(200, json={"status": "running", "progress": 0.4,
+                                      "stage": "bisection 7/30, certified 0.041"},
+                           headers={"Retry-After": "3"}),
+            httpx.Response(200, json={"status": "running", "progress": 0.5,
+                                      "stage": "bisection 8/30, certified 0.041"}),
+            httpx.Response(200, json={"status": "succeeded", "progress": 1.0,
+                                      "stage": "done", "result": cert}),
+        ],
+    }
+    seen: list[dict[str, object]] = []
+    calls: dict[str, int] = {}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/certify":
+            seen.append(json.loads(request.read()))
+        i = calls.get(request.url.path, 0)
+        calls[request.url.path] = i + 1
+        return answers[request.url.path][i]
+
+    stages: list[str] = []
+    sleeps: list[float] = []
+    with make_client(handler, sleeps, poll_interval_s=0.25) as client:
+        got = client.certify_robustness("m1", [[0.0, 1.0]], 1, 0.01,
+                                        progress=lambda s, p: stages.append(s))
+    assert got.robustness == cert["robustness"] and got.id == cert["id"]
+    assert seen == [{"model_id": "m1", "norm": "2", "at": [[0.0, 1.0]], "label": 1,
+                     "min_radius": 0.01}]
+    # The 202's Retry-After before the first poll, each answer's after it; none: the default.
+    assert sleeps == [2.0, 3.0, 0.25]
+    assert stages[0] == "bisection 7/30, certified 0.041"
+
+
 def test_client_failed_job_raises_with_its_error() -> None:
     answers = iter([httpx.Response(202, json={"job_id": "j2"}),
                     httpx.Response(200, json={"status": "failed", "progress": 0.3,

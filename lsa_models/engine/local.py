@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -163,9 +164,11 @@ def _certified_at(om: OnnxModel, x: np.ndarray, r: float, norm: str, label: int,
 
 
 def robustness(model: Any, at: np.ndarray, label: int, norm: NormName,
-               steps: int = 30, attack_restarts: int = 3, seed: int = 0) -> RobustnessResult:
+               steps: int = 30, attack_restarts: int = 3, seed: int = 0,
+               progress: Callable[[str, float], None] | None = None) -> RobustnessResult:
     """Certified robustness radius of `label` at `at` (bisection on r with per-pair margin
-    constants on each ball) and the smallest label-flipping perturbation PGD finds."""
+    constants on each ball) and the smallest label-flipping perturbation PGD finds.
+    `progress(stage, fraction)` is called once per bisection step (it may raise to stop)."""
     if norm not in ("2", "inf"):
         raise ValueError(f"unknown norm {norm!r}; use '2' or 'inf'")
     om = as_onnx(model, np.asarray(at).shape[-2] if np.asarray(at).ndim >= 2 else None)
@@ -191,9 +194,12 @@ def robustness(model: Any, at: np.ndarray, label: int, norm: NormName,
         while n_steps < steps:
             n_steps += 1
             ok, c = _certified_at(om, x, hi, norm, label, margins)
+            if ok:
+                lo, consts, hi = hi, c, hi * 2
+            if progress is not None:
+                progress(f"bisection {n_steps}/{steps}, certified {lo:.3g}", n_steps / steps)
             if not ok:
                 break
-            lo, consts, hi = hi, c, hi * 2
         while n_steps < steps and hi - lo > 1e-3 * hi:
             n_steps += 1
             mid = 0.5 * (lo + hi)
@@ -202,6 +208,8 @@ def robustness(model: Any, at: np.ndarray, label: int, norm: NormName,
                 lo, consts = mid, c
             else:
                 hi = mid
+            if progress is not None:
+                progress(f"bisection {n_steps}/{steps}, certified {lo:.3g}", n_steps / steps)
     t1 = time.monotonic()
 
     attack = attack_radius(f64, x, label, norm, restarts=attack_restarts, seed=seed)

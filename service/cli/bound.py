@@ -143,7 +143,8 @@ def bound(
     time_budget: Annotated[float | None, typer.Option(
         "--time-budget", help="Stop the search after this many seconds (--empirical)")] = None,
     at: Annotated[Path | None, typer.Option(
-        "--at", help="Bound locally around this input (.npy of shape (N, D) or (1, N, D))")
+        "--at", help="Bound locally around this input (.npy of shape (N, D) or (1, N, D); "
+        "on a pixel upload the image (C, H, W) or (1, C, H, W))")
     ] = None,
     eps: Annotated[float | None, typer.Option(
         "--eps", help="Radius of the ball around --at, in the --norm norm")] = None,

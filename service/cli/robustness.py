@@ -14,7 +14,7 @@ from rich.console import Console
 
 from api_schemas import BoundReport
 
-from ..local import local_report_of, robustness_of
+from ..local import local_report_of, model_input, robustness_of
 from .common import app, fail, set_threads
 
 
@@ -58,6 +58,7 @@ def local_report(path: Path, norm: str, at: Path, eps: float | None, *,
     e = check_eps(eps)
     x0 = load_center(at)
     loaded = load_model(path)
+    x0 = model_input(loaded, x0, field="--at")
     return local_report_of(loaded, loaded.sha256, x0, e, norm, empirical=empirical)
 
 
@@ -66,14 +67,16 @@ def robustness_json(path: Path, at: Path, label: int, norm: str) -> dict[str, An
         raise ValueError(f"--norm must be 2 or inf, got {norm!r}")
     x0 = load_center(at)
     loaded = load_model(path)
-    return robustness_of(loaded, loaded.sha256, x0, label, norm)
+    return robustness_of(loaded, loaded.sha256, model_input(loaded, x0, field="--at"), label,
+                         norm)
 
 
 @app.command("robustness")
 def robustness_cmd(
     path: Annotated[Path, typer.Argument(help="Model file: .onnx/.zip or native .safetensors")],
     at: Annotated[Path, typer.Option("--at", help="The input: .npy of shape (N, D) or "
-                                     "(1, N, D)")],
+                                     "(1, N, D); on a pixel upload the image (C, H, W) or "
+                                     "(1, C, H, W)")],
     label: Annotated[int, typer.Option("--label", help="The class whose margins must stay "
                                        "positive")],
     norm: Annotated[str, typer.Option("--norm", help="Perturbation norm: 2 (Frobenius) or "

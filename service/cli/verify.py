@@ -2,7 +2,9 @@
 
 Three checks, each can only fail closed: the Ed25519 signature over every field, the model
 file's sha256 against the certificate's, and (`--recompute`) the analytic bound recomputed
-here and compared with the certified one. Exit 0 valid, 1 invalid, 2 error.
+here and compared with the certified one; for a robustness certificate, the radii recomputed
+around `--at X0.npy` (whose sha256 must be the certificate's centre; the computation is
+deterministic) and the certified radius compared. Exit 0 valid, 1 invalid, 2 error.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from pydantic import ValidationError
 
 from api_schemas.certificates import Certificate
 from service.certificates import SigningKeyError, load_public_key, verify_certificate
-from service.certifying import passed
+from service.certifying import passed, robust
 from service.client import ClientConfig, ClientError, LSAClient
+from service.local import model_input, robustness_of
 from service.settings import Settings
 
 from .bound import compute_report
@@ -114,14 +117,21 @@ def verify(
     api_key: Annotated[str | None, typer.Option(
         "--api-key", envvar="LSA_API_KEY", help="API key for --server")] = None,
     recompute: Annotated[bool, typer.Option(
-        "--recompute", help="Recompute the analytic bound from MODEL and compare "
-        f"(relative {REL_TOL:g})")] = False,
+        "--recompute", help="Recompute the analytic bound (a robustness certificate: the "
+        f"certified radius around --at) from MODEL and compare (relative {REL_TOL:g})")
+    ] = False,
+    at: Annotated[Path | None, typer.Option(
+        "--at", help="With --recompute of a robustness certificate: the input X0 (.npy) it "
+        "was issued for (its sha256 must be the certificate's center_sha256)")] = None,
 ) -> None:
     """Check a certificate's signature, model hash and (--recompute) bound offline."""
     if public_key is not None and server is not None:
         fail("give --public-key or --server, not both")
     if recompute and model is None:
         fail("--recompute needs the MODEL file: lsa verify CERT.json MODEL --recompute")
+    if at is not None and not recompute:
+        fail("--at is the input of a robustness certificate's --recompute: add --recompute "
+             "or drop --at")
     try:
         cert_data = read_certificate(certificate)
         pub = choose_public_key(public_key, server, api_key)
@@ -143,9 +153,12 @@ def verify(
     if recompute:
         assert model is not None
         if cert.robustness is not None:
-            fail("--recompute checks Lipschitz certificates; recompute a robustness "
-                 "certificate's radius with `lsa robustness MODEL --at X0.npy --label Y`")
-        check_recomputed(cert, model)
+            check_recomputed_radius(cert, model, at)
+        elif at is not None:
+            fail("--at is for robustness certificates; this one certifies a Lipschitz bound: "
+                 "drop --at")
+        else:
+            check_recomputed(cert, model)
     verdict = "passed" if cert.passed else "failed"
     if cert.robustness is not None:
         typer.echo(f"VALID: robustness certificate {cert.id} ({verdict}: certified radius "
@@ -205,3 +218,51 @@ def check_recomputed(cert: Certificate, model: Path) -> None:
                    f"{upper} against the threshold {cert.threshold:g} gives {recomputed}")
         raise typer.Exit(EXIT_FAILED)
     typer.echo(f"bound: recomputed {upper} matches the certified {cert.upper}")
+
+
+def check_recomputed_radius(cert: Certificate, model: Path, at: Path | None) -> None:
+    """Exit 1 unless the radii recomputed here around `at` give the certified radius and the
+    same verdict under the one pass rule (service.certifying.robust); exit 2 without `at`."""
+    from lsa_models import __version__  # deferred: torch
+    from lsa_models.engine.driver import center_sha256, check_center
+    from lsa_models.engine.local import as_onnx
+
+    from .robustness import load_center, load_model
+
+    assert cert.robustness is not None
+    if at is None:
+        fail("--recompute of a robustness certificate needs the input it was issued for: "
+             "lsa verify CERT.json MODEL --recompute --at X0.npy")
+    rob = cert.robustness
+    set_threads()
+    try:
+        loaded = load_model(model)
+        x0 = model_input(loaded, load_center(at), field="--at")
+        # the engine's own shape check, so a wrong shape is an error, not another centre
+        check_center(as_onnx(loaded, x0.shape[-2] if x0.ndim >= 2 else None), x0)
+    except (ValueError, TypeError, OSError) as exc:
+        text = str(exc)
+        fail(text if text.startswith("--at") else f"--at: {text}")
+    digest = center_sha256(x0)
+    if digest != rob.get("center_sha256"):
+        typer.echo(f"INVALID: {at} has sha256 {digest} (as float64), the certificate is for "
+                   f"the input {rob.get('center_sha256')}")
+        raise typer.Exit(EXIT_FAILED)
+    try:
+        radii = robustness_of(loaded, loaded.sha256, x0, int(rob["label"]), cert.norm)
+    except (ValueError, TypeError, KeyError) as exc:
+        fail(f"recomputing the radii: {exc}")
+    except Exception as exc:  # a traceback would exit 1, which reads as "invalid"
+        fail(f"recomputing the radii: internal error: {type(exc).__name__}: {exc}")
+    certified, recomputed = rob.get("certified_radius"), radii["certified_radius"]
+    if not isinstance(certified, int | float) or not same_bound(float(certified), recomputed):
+        typer.echo(f"INVALID: recomputed certified radius {recomputed} differs from the "
+                   f"certified {certified} (lsa {__version__} here, {cert.lsa_version} in "
+                   "the certificate)")
+        raise typer.Exit(EXIT_FAILED)
+    verdict = robust(recomputed, cert.threshold)
+    if verdict != cert.passed:
+        typer.echo(f"INVALID: the certificate says passed={cert.passed}, but the certified "
+                   f"radius {recomputed} against min_radius {cert.threshold:g} gives {verdict}")
+        raise typer.Exit(EXIT_FAILED)
+    typer.echo(f"certified radius: recomputed {recomputed} matches the certified {certified}")

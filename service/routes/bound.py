@@ -9,13 +9,13 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from sqlalchemy import select
 from starlette.concurrency import run_in_threadpool
 
 from api_schemas import BoundReport
 from api_schemas.jobs import JobAccepted
-from api_schemas.requests import BoundRequest, center_shape
+from api_schemas.requests import BoundRequest
 
 from ..bounding import ModelRef, check_empirical_size, request_key, resolve_seq_len
 from ..certifying import find_model, report_json, stored_report_json
@@ -23,9 +23,10 @@ from ..db import transaction
 from ..deps import RuntimeDep, WriteAccess
 from ..errors import InvalidRequest, responses
 from ..jobs.runner import submit_job
-from ..local import ball_key, center_array, local_report_json
+from ..local import ball_key, local_report_json, model_center
 from ..runtime import Runtime
 from ..tables import ACTIVE_JOB_STATUSES, Job
+from .jobs import accepted_response
 
 router = APIRouter(tags=["bounds"])
 
@@ -35,7 +36,8 @@ router = APIRouter(tags=["bounds"])
     summary="Certified Lipschitz upper bound (and, as a job, an empirical lower bound); with "
             "`at` and `eps`: the local bound on the ball around one input",
     responses={202: {"model": JobAccepted, "description": "Empirical work was asked for: "
-                     "poll GET /jobs/{job_id}; its result is this report"},
+                     "poll GET /jobs/{job_id} (Location), waiting Retry-After seconds; its "
+                     "result is this report"},
                **responses(404, 413, 503)},
 )
 async def bound(req: BoundRequest, runtime: RuntimeDep) -> Response:
@@ -56,22 +58,23 @@ async def bound(req: BoundRequest, runtime: RuntimeDep) -> Response:
         submit_bound_job, runtime, model,
         {"model_id": model.id, "norm": req.norm, "seq_len": seq_len, "radius": req.radius,
          "empirical": empirical, "request_key": key})
-    return JSONResponse(accepted.model_dump(), status_code=202)
+    return accepted_response(accepted, "bound")
 
 
 async def local_bound(req: BoundRequest, runtime: Runtime, model: ModelRef) -> Response:
-    """The bound on the ball around `at` (computed on the compute pool, stored, cached)."""
+    """The bound on the ball around `at` (computed on the compute pool, stored, cached); on
+    a pixel upload `at` is the image, cut into the patches the graph takes."""
     assert req.at is not None and req.eps is not None  # the request validator's rule
-    n = center_shape(req.at)[-2]
+    x0 = await model_center(runtime, model, req.at)
+    n = int(x0.shape[-2])
     if req.seq_len is not None and req.seq_len != n:
         raise InvalidRequest(f"seq_len={req.seq_len} differs from the N={n} of at; omit "
                              "seq_len (at gives it)")
     if req.empirical is None:
-        body = await local_report_json(runtime, model, req.norm, req.at, req.eps)
+        body = await local_report_json(runtime, model, req.norm, x0, req.eps)
         return Response(body, media_type="application/json")
     # The in-ball lower bound runs as a job, like the global one.
     empirical = req.empirical.model_dump(mode="json")
-    x0 = center_array(runtime, req.at)
     key, _ = ball_key(model, req.norm, x0, req.eps, empirical)
     stored = await run_in_threadpool(stored_report_json, runtime, key)
     if stored is not None:
@@ -81,7 +84,7 @@ async def local_bound(req: BoundRequest, runtime: Runtime, model: ModelRef) -> R
         submit_bound_job, runtime, model,
         {"model_id": model.id, "norm": req.norm, "seq_len": n, "radius": None,
          "empirical": empirical, "request_key": key, "at": x0.tolist(), "eps": req.eps})
-    return JSONResponse(accepted.model_dump(), status_code=202)
+    return accepted_response(accepted, "bound")
 
 
 def submit_bound_job(runtime: Runtime, model: ModelRef, params: dict[str, Any]) -> JobAccepted:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict
 from starlette.concurrency import run_in_threadpool
 
@@ -21,9 +21,10 @@ from ..db import transaction
 from ..deps import ReadAccess, ReadSessionDep, RuntimeDep, WriteAccess
 from ..errors import NotFound, responses
 from ..jobs.training import submit_training
-from ..local import robustness_certificate
+from ..robustness import robustness_certificate
 from ..runtime import Runtime
 from ..tables import CertificateRow
+from .jobs import accepted_response
 
 router = APIRouter(tags=["certificates"])
 
@@ -41,22 +42,27 @@ class PublicKey(BaseModel):
 @router.post(
     "/certify", status_code=201, response_model=Certificate, dependencies=[WriteAccess],
     summary="Issue a signed certificate: is the certified bound <= max_lipschitz? (with "
-            "`at`, `label`, `min_radius`: is the label certified robust on that ball? with "
-            "`training`: train a model and certify it, as a job)",
-    responses={202: {"model": JobAccepted, "description": "A training request was queued on "
-                     "the training queue: poll GET /jobs/{job_id}"}, **responses(404, 413, 503)},
+            "`at`, `label`, `min_radius`: is the label certified robust on that ball? a job "
+            "unless its radii are stored; with `training`: train a model and certify it, as "
+            "a job)",
+    responses={202: {"model": JobAccepted, "description": "Queued as a job: a training "
+                     "request (queue training), or a robustness request whose radii are not "
+                     "stored yet (queue bound). Poll GET /jobs/{job_id} (Location), waiting "
+                     "Retry-After seconds; a robustness job's result is the certificate"},
+               **responses(404, 413, 503)},
 )
 async def certify(req: CertifyRequest, runtime: RuntimeDep) -> Response:
     if req.training is not None:
         job = await run_in_threadpool(queue_training, runtime, req)
-        accepted = JobAccepted(job_id=job, status="queued")
-        return JSONResponse(accepted.model_dump(mode="json"), status_code=202)
+        return accepted_response(JobAccepted(job_id=job, status="queued"), "training")
     if req.at is not None:
         assert req.model_id is not None and req.label is not None  # the validator's rule
         assert req.min_radius is not None
         model = await run_in_threadpool(find_model, runtime, req.model_id)
         robust = await robustness_certificate(runtime, model, req.at, req.label, req.norm,
                                               req.min_radius)
+        if isinstance(robust, JobAccepted):
+            return accepted_response(robust, "bound")
         return Response(robust.model_dump_json(), status_code=201,
                         media_type="application/json")
     assert req.model_id is not None and req.max_lipschitz is not None  # the validator's rule

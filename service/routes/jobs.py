@@ -2,16 +2,33 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Response
+from fastapi.responses import JSONResponse
 
-from api_schemas.jobs import JobOut
+from api_schemas.jobs import JobAccepted, JobOut
 
 from ..deps import ReadAccess, ReadSessionDep, SessionDep, WriteAccess
 from ..errors import NotFound, responses
 from ..jobs.runner import cancel_job
-from ..tables import Job
+from ..tables import ACTIVE_JOB_STATUSES, Job
 
 router = APIRouter(tags=["jobs"])
+
+# Seconds a client should wait between polls of an active job, by queue (Retry-After).
+POLL_AFTER_S = {"bound": 1, "training": 5}
+
+
+def poll_after(queue: str) -> str:
+    return str(POLL_AFTER_S.get(queue, 1))
+
+
+def accepted_response(accepted: JobAccepted, queue: str) -> JSONResponse:
+    """The one 202 of every endpoint that queues work: the job's id, status and URL, with
+    Location and Retry-After headers."""
+    url = f"/jobs/{accepted.job_id}"
+    body = accepted.model_copy(update={"url": url}).model_dump(mode="json")
+    return JSONResponse(body, status_code=202,
+                        headers={"Location": url, "Retry-After": poll_after(queue)})
 
 
 def job_out(job: Job) -> JobOut:
@@ -23,10 +40,12 @@ def job_out(job: Job) -> JobOut:
 
 @router.get("/jobs/{job_id}", response_model=JobOut, dependencies=[ReadAccess],
             summary="A job's status, progress and result", responses=responses(404))
-def read_job(job_id: str, session: ReadSessionDep) -> JobOut:
+def read_job(job_id: str, session: ReadSessionDep, response: Response) -> JobOut:
     job = session.get(Job, job_id)
     if job is None:
         raise NotFound(f"no job with id {job_id}")
+    if job.status in ACTIVE_JOB_STATUSES:
+        response.headers["Retry-After"] = poll_after(job.queue)
     return job_out(job)
 
 

@@ -89,7 +89,8 @@ def test_local_bound_second_call_comes_from_the_store(db_url: str, mlp_onnx: Pat
 @pytest.mark.parametrize(("change", "field"), [
     ({"eps": 0}, "eps"), ({"eps": -1.0}, "eps"), ({"eps": None}, "at"),
     ({"at": None}, "eps"), ({"at": [[1.0, 2.0], [3.0]]}, "at"), ({"at": [1.0, 2.0]}, "at"),
-    ({"at": [[[[1.0]]]]}, "at"), ({"at": [[1.0, "x"]]}, "at"), ({"at": []}, "at"),
+    ({"at": [[[[[1.0]]]]]}, "at"), ({"at": [[[[1.0]]], [[[1.0]]]]}, "at"),
+    ({"at": [[1.0, "x"]]}, "at"), ({"at": []}, "at"),
     ({"radius": 1.0}, "radius"),
 ])
 def test_local_bound_bad_request_is_422_naming_the_field(
@@ -144,11 +145,17 @@ def small_limits(db_url: str, make_settings: Callable[..., Settings]) -> Iterato
         yield c
 
 
-def test_local_bound_oversized_at_is_413(small_limits: TestClient, mlp_onnx: Path,
+def test_local_bound_and_robustness_oversized_at_is_413(small_limits: TestClient, mlp_onnx: Path,
                                          x0: np.ndarray) -> None:
     m = upload(small_limits, mlp_onnx.read_bytes(), "mlp.onnx")
     r = small_limits.post("/bound", json=local_request(m["id"], x0, 0.1))
     assert r.status_code == 413 and "LSA_MAX_AT_ELEMENTS" in r.json()["detail"]
     huge = local_request(m["id"], np.zeros((400, 8)), 0.1)
     r = small_limits.post("/bound", json=huge)
+    assert r.status_code == 413 and "LSA_MAX_JSON_BYTES" in r.json()["detail"]
+    # The same limits hold for a robustness request, before anything is queued.
+    robust = {"model_id": m["id"], "at": x0.tolist(), "label": 0, "min_radius": 0.1}
+    r = small_limits.post("/certify", json=robust)
+    assert r.status_code == 413 and "LSA_MAX_AT_ELEMENTS" in r.json()["detail"]
+    r = small_limits.post("/certify", json={**robust, "at": np.zeros((400, 8)).tolist()})
     assert r.status_code == 413 and "LSA_MAX_JSON_BYTES" in r.json()["detail"]

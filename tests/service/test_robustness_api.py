@@ -1,11 +1,17 @@
-"""POST /certify with `at`, `label`, `min_radius`: a signed robustness certificate that passes
-iff the certified radius >= min_radius, stored, verifiable by POST /certificates/verify and
-`lsa verify` (any altered field: invalid); mixing certificate kinds is 422."""
+"""POST /certify with `at`, `label`, `min_radius`: a `robustness` job (202, Location,
+Retry-After; progress is the bisection step) whose result is a signed certificate that passes
+iff the certified radius >= min_radius; the radii are stored per (model, centre, label, norm),
+so another min_radius is answered at once (201), also by a fresh server; the certificate is
+verifiable by POST /certificates/verify and `lsa verify [--recompute --at]` (any altered
+field: invalid); bad input is 4xx naming the field before anything is queued."""
 
 from __future__ import annotations
 
 import json
+import re
+import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,10 +19,16 @@ import numpy as np
 import pytest
 import torch
 from fastapi.testclient import TestClient
+from sqlalchemy import func, select
 from typer.testing import CliRunner
 
 from bench.local_models import build, center, export
+from service.app import create_app
 from service.cli import app as cli
+from service.db import make_engine
+from service.jobs.context import JobAborted, JobContext
+from service.settings import Settings
+from service.tables import Job, RobustnessResultRow
 
 from .conftest import upload
 
@@ -36,23 +48,74 @@ def predicted_label(model: Path, x0: np.ndarray) -> int:
         return int(f(torch.from_numpy(x0)).argmax())
 
 
-def test_robustness_certificate_passes_fails_and_verifies(client: TestClient, mlp_onnx: Path,
-                                                          tmp_path: Path) -> None:
+def wait_job(c: TestClient, accepted: Any, timeout: float = 180) -> dict[str, Any]:
+    """Poll a 202's job to its end; the job's final row."""
+    assert accepted.status_code == 202, accepted.text
+    body = accepted.json()
+    assert body["url"] == f"/jobs/{body['job_id']}" == accepted.headers["location"]
+    assert int(accepted.headers["retry-after"]) >= 1
+    deadline = time.monotonic() + timeout
+    while True:
+        r = c.get(body["url"])
+        job = r.json()
+        if job["status"] not in ("queued", "running"):
+            assert "retry-after" not in r.headers
+            return dict(job)
+        assert int(r.headers["retry-after"]) >= 1
+        assert time.monotonic() < deadline, job
+        time.sleep(0.1)
+
+
+def certify(c: TestClient, body: dict[str, Any]) -> dict[str, Any]:
+    """The certificate of a robustness request: at once (201) or through its job."""
+    r = c.post("/certify", json=body)
+    if r.status_code == 201:
+        return dict(r.json())
+    job = wait_job(c, r)
+    assert job["status"] == "succeeded" and job["kind"] == "robustness", job
+    return dict(job["result"])
+
+
+def test_robustness_certificate_is_a_job_then_cached_and_verifies(
+        client: TestClient, mlp_onnx: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    stages: list[str] = []
+    real_progress = JobContext.progress
+
+    def recording(self: JobContext, fraction: float, stage: str | None = None, *,
+                  force: bool = False) -> None:
+        stages.append(stage or "")
+        real_progress(self, fraction, stage, force=force)
+
+    monkeypatch.setattr(JobContext, "progress", recording)
     m = upload(client, mlp_onnx.read_bytes(), "mlp.onnx")
     x0 = center(5).numpy().astype(np.float64)  # (1, N, D)
     label = predicted_label(mlp_onnx, x0)
     req = {"model_id": m["id"], "norm": "2", "at": x0.tolist(), "label": label}
-    ok = client.post("/certify", json={**req, "min_radius": 1e-9})
-    assert ok.status_code == 201, ok.text
-    cert = ok.json()
+    first = client.post("/certify", json={**req, "min_radius": 1e-9})
+    job = wait_job(client, first)
+    assert job["status"] == "succeeded" and job["kind"] == "robustness", job
+    assert job["queue"] == "bound" and job["progress"] == 1.0
+    cert = job["result"]
     rob = cert["robustness"]
     assert rob["certified_radius"] > 1e-9 and cert["passed"] is True
     assert rob["label"] == label and rob["predicted"] == label and rob["min_radius"] == 1e-9
     assert rob["attack_radius"] is None or rob["certified_radius"] <= rob["attack_radius"]
     assert cert["threshold"] == 1e-9 and cert["upper"] is None
+    # Progress named each bisection step with the radius certified so far.
+    steps = [s for s in stages if re.match(r"bisection \d+/\d+, ", s)]
+    assert len(steps) == rob["bisection_steps"] > 1
+    assert steps[0].startswith("bisection 1/30, certified ")
+    assert steps[-1] == (f"bisection {rob['bisection_steps']}/30, certified "
+                         f"{rob['certified_radius']:.3g}")
+    # Another min_radius: the stored radii, signed at once (201), the same radius.
+    too_far = client.post("/certify", json={**req, "min_radius": 2 * rob["certified_radius"]})
+    assert too_far.status_code == 201, too_far.text
+    failed = too_far.json()
+    assert failed["passed"] is False and failed["id"] != cert["id"]
+    assert failed["robustness"]["certified_radius"] == rob["certified_radius"]
     # A label that is not the prediction is certified nowhere: radius 0, failed.
-    other = client.post("/certify", json={**req, "label": (label + 1) % 4,
-                                          "min_radius": 1e-9}).json()
+    other = certify(client, {**req, "label": (label + 1) % 4, "min_radius": 1e-9})
     assert other["robustness"]["certified_radius"] == 0 and other["passed"] is False
     # The same input through the CLI gives the same certified radius.
     np.save(tmp_path / "x0.npy", x0)
@@ -60,22 +123,19 @@ def test_robustness_certificate_passes_fails_and_verifies(client: TestClient, ml
                                    str(tmp_path / "x0.npy"), "--label", str(label), "--json"])
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["certified_radius"] == rob["certified_radius"]
-    # Asking for more than is certified fails (same radius, other verdict).
-    too_far = client.post("/certify", json={**req, "min_radius": 2 * rob["certified_radius"]})
-    assert too_far.status_code == 201
-    failed = too_far.json()
-    assert failed["passed"] is False
-    assert failed["robustness"]["certified_radius"] == rob["certified_radius"]
     for c in (cert, failed):
         assert client.get(f"/certificates/{c['id']}").json() == c
         assert client.post("/certificates/verify", json=c).json()["valid"] is True
-    # Offline, with the server's key.
+    # Offline, with the server's key; --recompute reaches the same radius around x0.
     pem = client.get("/certificates/public-key").json()["public_key_pem"]
     (tmp_path / "pub.pem").write_text(pem)
     (tmp_path / "cert.json").write_text(json.dumps(cert))
     res = CliRunner().invoke(cli, ["verify", str(tmp_path / "cert.json"), str(mlp_onnx),
-                                   "--public-key", str(tmp_path / "pub.pem")])
-    assert res.exit_code == 0 and "robustness certificate" in res.stdout, res.output
+                                   "--public-key", str(tmp_path / "pub.pem"), "--recompute",
+                                   "--at", str(tmp_path / "x0.npy")])
+    assert res.exit_code == 0, res.output
+    assert "certified radius: recomputed" in res.stdout and "robustness certificate" in \
+        res.stdout
     tampered = {**cert, "robustness": {**rob, "certified_radius": rob["certified_radius"] * 2}}
     (tmp_path / "bad.json").write_text(json.dumps(tampered))
     res = CliRunner().invoke(cli, ["verify", str(tmp_path / "bad.json"),
@@ -92,14 +152,52 @@ def test_robustness_certificate_passes_fails_and_verifies(client: TestClient, ml
     assert client.post("/certificates/verify", json=dropped).json()["valid"] is False
 
 
+def test_robustness_radii_are_stored_once_and_a_fresh_server_signs_from_them(
+        db_url: str, mlp_onnx: Path, make_settings: Callable[..., Settings]) -> None:
+    settings = make_settings(db_url)
+    x0 = center(6).numpy().astype(np.float64)
+    with TestClient(create_app(settings)) as c:
+        m = upload(c, mlp_onnx.read_bytes(), "mlp.onnx")
+        req = {"model_id": m["id"], "norm": "inf", "at": x0.tolist(),
+               "label": predicted_label(mlp_onnx, x0)}
+        # Two identical requests while the first is queued or running share one job.
+        a = c.post("/certify", json={**req, "min_radius": 1e-6})
+        b = c.post("/certify", json={**req, "min_radius": 1e-6})
+        if b.status_code == 202:
+            assert b.json()["job_id"] == a.json()["job_id"]
+        first = wait_job(c, a)["result"]
+    # Empty memory caches: the stored radii, the centre given without its batch dimension.
+    with TestClient(create_app(settings)) as c:
+        again = c.post("/certify", json={**req, "at": x0[0].tolist(), "min_radius": 1e-3})
+        assert again.status_code == 201, again.text
+    cert = again.json()
+    assert cert["norm"] == "inf" and cert["threshold"] == 1e-3
+    for k in ("certified_radius", "attack_radius", "margins", "center_sha256"):
+        assert cert["robustness"][k] == first["robustness"][k]
+    engine = make_engine(settings.database_url)
+    with engine.connect() as conn:
+        rows = conn.scalar(select(func.count()).select_from(RobustnessResultRow).where(
+            RobustnessResultRow.model_id == m["id"]))
+        jobs = conn.scalar(select(func.count()).select_from(Job).where(
+            Job.model_id == m["id"], Job.kind == "robustness"))
+    engine.dispose()
+    assert rows == 1 and jobs in (1, 2)  # b found a's job, or a had finished
+
+
 @pytest.mark.parametrize(("body", "field"), [
     ({"label": 0, "min_radius": 0.1}, "at"),
     ({"at": [[1.0]], "min_radius": 0.1}, "label"),
+    ({"at": [[1.0]], "label": 0}, "min_radius"),
+    ({"at": [[1.0]], "label": -1, "min_radius": 0.1}, "label"),
     ({"at": [[1.0]], "label": 0, "min_radius": 0.1, "max_lipschitz": 10.0}, "max_lipschitz"),
     ({"at": [[1.0]], "label": 0, "min_radius": 0.1, "seq_len": 8}, "seq_len"),
     ({"at": [[1.0]], "label": 0, "min_radius": -1.0}, "min_radius"),
     ({"at": [[1.0]], "label": 0, "min_radius": 0.0}, "min_radius"),
+    ({"at": [[1.0]], "label": 0, "min_radius": float("inf")}, "min_radius"),
     ({"at": [[1.0, float("inf")]], "label": 0, "min_radius": 0.1}, "at"),
+    ({"at": [[1.0], [2.0, 3.0]], "label": 0, "min_radius": 0.1}, "at"),
+    ({"at": [[[[[1.0]]]]], "label": 0, "min_radius": 0.1}, "at"),
+    ({"at": [[[[1.0]]], [[[1.0]]]], "label": 0, "min_radius": 0.1}, "at"),
 ])
 def test_robustness_request_mixing_or_missing_is_422(client: TestClient, body: dict[str, Any],
                                                      field: str) -> None:
@@ -109,13 +207,183 @@ def test_robustness_request_mixing_or_missing_is_422(client: TestClient, body: d
     assert field in r.json()["detail"]
 
 
-def test_robustness_bad_label_or_shape_is_422(client: TestClient, mlp_onnx: Path) -> None:
+def test_robustness_bad_label_or_shape_is_422_before_any_job(
+        client: TestClient, db_url: str, mlp_onnx: Path) -> None:
     m = upload(client, mlp_onnx.read_bytes(), "mlp.onnx")
     x0 = center(5).numpy().astype(np.float64)
-    r = client.post("/certify", json={"model_id": m["id"], "at": x0.tolist(), "label": 9,
-                                      "min_radius": 0.1})
-    assert r.status_code == 422 and "label must be in 0..3" in r.json()["detail"]
-    r = client.post("/certify", json={"model_id": m["id"], "at": x0[0, :3].tolist(),
-                                      "label": 0, "min_radius": 0.1})
-    assert r.status_code == 422 and r.json()["detail"].startswith("at: ")
+    req = {"model_id": m["id"], "at": x0.tolist(), "label": 0, "min_radius": 0.1}
+    r = client.post("/certify", json={**req, "label": 9})
+    assert r.status_code == 422 and "label must be in 0..3" in r.json()["detail"], r.text
+    r = client.post("/certify", json={**req, "at": x0[0, :3].tolist()})
+    assert r.status_code == 422 and r.json()["detail"].startswith("at: the input has shape")
+    r = client.post("/certify", json={**req, "at": x0[0, :, :-1].tolist()})
+    assert r.status_code == 422 and "(8, 16)" in r.json()["detail"], r.text
+    image = np.zeros((1, 2, 8, 8)).tolist()  # an image for a model that takes tokens
+    r = client.post("/certify", json={**req, "at": image})
+    assert r.status_code == 422 and r.json()["detail"].startswith("at: "), r.text
+    r = client.post("/certify", json={**req, "model_id": str(uuid.uuid4())})
+    assert r.status_code == 404 and "POST /models" in r.json()["detail"]
+    engine = make_engine(db_url)
+    with engine.connect() as conn:
+        jobs = conn.scalar(select(func.count()).select_from(Job).where(
+            Job.model_id == m["id"]))
+    engine.dispose()
+    assert jobs == 0
 
+
+def test_robustness_job_of_a_vanished_model_fails_naming_it(
+        db_url: str, make_settings: Callable[..., Settings]) -> None:
+    from service.jobs.robustness import run_robustness
+    from service.runtime import Runtime
+
+    rt = Runtime(make_settings(db_url))
+    try:
+        params = {"model_id": str(uuid.uuid4()), "norm": "2", "label": 0, "at": [[0.0]],
+                  "seq_len": 1, "min_radius": 0.1, "radii_key": "k", "request_key": "r"}
+        with pytest.raises(ValueError, match="no longer exists"):
+            run_robustness(JobContext(rt, str(uuid.uuid4()), 1, params))
+    finally:
+        rt.close()
+
+
+def test_robustness_job_cancelled_mid_bisection_stores_nothing(
+        client: TestClient, db_url: str, mlp_onnx: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    from service.jobs.robustness import certificate_id_for_job
+    from service.tables import CertificateRow
+
+    in_bisection, cancelled, aborted = threading.Event(), threading.Event(), threading.Event()
+    real_progress = JobContext.progress
+
+    def held(self: JobContext, fraction: float, stage: str | None = None, *,
+             force: bool = False) -> None:
+        if stage is not None and re.match(r"bisection \d+/", stage):
+            in_bisection.set()
+            cancelled.wait(60)  # the next progress write is the cancel check
+        try:
+            real_progress(self, fraction, stage, force=force)
+        except JobAborted:
+            aborted.set()
+            raise
+
+    monkeypatch.setattr(JobContext, "progress", held)
+    m = upload(client, mlp_onnx.read_bytes(), "mlp.onnx")
+    x0 = center(8).numpy().astype(np.float64)
+    r = client.post("/certify", json={"model_id": m["id"], "at": x0.tolist(),
+                                      "label": predicted_label(mlp_onnx, x0),
+                                      "min_radius": 1e-6})
+    assert r.status_code == 202, r.text
+    job_id = r.json()["job_id"]
+    assert in_bisection.wait(60)
+    assert client.delete(f"/jobs/{job_id}").json()["status"] == "cancelled"
+    cancelled.set()
+    assert aborted.wait(30)  # the bisection stopped at its next step
+    time.sleep(0.5)  # and the run unwound (run_job writes nothing for an aborted job)
+    engine = make_engine(db_url)
+    try:
+        job = client.get(f"/jobs/{job_id}").json()
+        assert job["status"] == "cancelled" and job["result"] is None, job
+        with engine.connect() as conn:
+            assert conn.scalar(select(func.count()).select_from(RobustnessResultRow).where(
+                RobustnessResultRow.model_id == m["id"])) == 0
+            assert conn.scalar(select(func.count()).select_from(CertificateRow).where(
+                CertificateRow.id == certificate_id_for_job(job_id))) == 0
+    finally:
+        engine.dispose()
+
+
+def test_robustness_job_rerun_after_a_crash_returns_its_certificate(
+        client: TestClient, db_url: str, mlp_onnx: Path) -> None:
+    from sqlalchemy import update
+
+    from service.jobs.robustness import run_robustness
+
+    m = upload(client, mlp_onnx.read_bytes(), "mlp.onnx")
+    x0 = center(9).numpy().astype(np.float64)
+    r = client.post("/certify", json={"model_id": m["id"], "at": x0.tolist(), "label": 0,
+                                      "min_radius": 1e-6})
+    job = wait_job(client, r)
+    assert job["status"] == "succeeded", job
+    # As if its worker died after storing everything: the job is claimed again.
+    rt = client.app.state.runtime  # type: ignore[attr-defined]
+    with rt.sessions.begin() as s:
+        s.execute(update(Job).where(Job.id == job["id"]).values(status="running"))
+        params = dict(s.get(Job, job["id"]).params)
+    again = run_robustness(JobContext(rt, job["id"], job["attempts"], params))
+    assert again == job["result"]
+    certs = client.get(f"/certificates/{job['result']['id']}")
+    assert certs.status_code == 200 and certs.json() == job["result"]
+
+
+def test_robustness_certificate_of_a_job_is_stored_once(client: TestClient,
+                                                        mlp_onnx: Path) -> None:
+    from service.bounding import ModelRef
+    from service.cli.robustness import load_model
+    from service.local import robustness_of
+    from service.robustness import issue_robustness_certificate
+    from service.tables import UploadedModel
+
+    m = upload(client, mlp_onnx.read_bytes(), "mlp.onnx")
+    rt = client.app.state.runtime  # type: ignore[attr-defined]
+    with rt.sessions() as s:
+        model = ModelRef.of(s.get(UploadedModel, m["id"]))
+    x0 = center(10).numpy().astype(np.float64)
+    radii = robustness_of(load_model(mlp_onnx), m["sha256"], x0, 0, "inf")
+    cert_id = str(uuid.uuid4())
+    # Two attempts of one job (the first presumed dead but finishing): one certificate.
+    first = issue_robustness_certificate(rt, model, radii, 8, 1e-3, cert_id=cert_id)
+    second = issue_robustness_certificate(rt, model, radii, 8, 1e-3, cert_id=cert_id)
+    assert second == first and client.get(f"/certificates/{cert_id}").json() == \
+        first.model_dump(mode="json")
+    with pytest.raises(ValueError, match="the radii are for model"):
+        other = ModelRef(**{**model.__dict__, "sha256": "0" * 64})
+        issue_robustness_certificate(rt, other, radii, 8, 1e-3)
+
+
+def test_robustness_jobs_for_the_same_radii_compute_them_once(
+        db_url: str, mlp_onnx: Path, make_settings: Callable[..., Settings],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    import service.jobs.robustness as robustness_jobs
+
+    calls: list[int] = []
+    real_radii = robustness_jobs.robustness_of
+
+    def counted(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        calls.append(1)
+        return real_radii(*args, **kwargs)
+
+    in_bisection, release = threading.Event(), threading.Event()
+    real_progress = JobContext.progress
+
+    def held(self: JobContext, fraction: float, stage: str | None = None, *,
+             force: bool = False) -> None:
+        if stage is not None and re.match(r"bisection \d+/", stage) \
+                and not in_bisection.is_set():
+            in_bisection.set()
+            release.wait(60)  # the first job holds here, mid-bisection
+        real_progress(self, fraction, stage, force=force)
+
+    monkeypatch.setattr(robustness_jobs, "robustness_of", counted)
+    monkeypatch.setattr(JobContext, "progress", held)
+    x0 = center(11).numpy().astype(np.float64)
+    with TestClient(create_app(make_settings(db_url, worker_threads=2))) as c:
+        m = upload(c, mlp_onnx.read_bytes(), "mlp.onnx")
+        req = {"model_id": m["id"], "at": x0.tolist(), "label": predicted_label(mlp_onnx, x0)}
+        a = c.post("/certify", json={**req, "min_radius": 1e-6})
+        assert in_bisection.wait(60)
+        b = c.post("/certify", json={**req, "min_radius": 1e-3})
+        assert b.status_code == 202 and b.json()["job_id"] != a.json()["job_id"]
+        deadline = time.monotonic() + 60
+        while not (c.get(b.json()["url"]).json()["stage"] or "").startswith(
+                f"waiting for job {a.json()['job_id']}"):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        release.set()
+        first, second = wait_job(c, a)["result"], wait_job(c, b)["result"]
+    assert calls == [1]
+    assert first["robustness"]["certified_radius"] == second["robustness"]["certified_radius"]
+    assert (first["threshold"], second["threshold"]) == (1e-6, 1e-3)

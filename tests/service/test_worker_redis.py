@@ -88,3 +88,51 @@ def test_worker_redis_queues_results_and_crash(redis_env: dict[str, str],
             assert s.scalar(select(func.count()).select_from(BoundResultRow)
                             .where(BoundResultRow.empirical.is_not(None))) == 2
 
+
+
+def test_worker_redis_runs_a_robustness_job_signed_with_the_server_key(
+        redis_env: dict[str, str], tmp_path: Path) -> None:
+    import numpy as np
+
+    from bench.local_models import build, center, export
+    from service.tables import RobustnessResultRow
+
+    from .test_robustness_api import predicted_label
+
+    settings = Settings(database_url=redis_env["LSA_DATABASE_URL"],
+                        redis_url=redis_env["LSA_REDIS_URL"],
+                        redis_namespace=redis_env["LSA_REDIS_NAMESPACE"],
+                        artifact_dir=Path(redis_env["LSA_ARTIFACT_DIR"]),
+                        signing_key_path=Path(redis_env["LSA_SIGNING_KEY_PATH"]),
+                        migrate_on_start=False, job_stale_after_s=6)
+    app = create_app(settings)
+    log = tmp_path / "worker.log"
+    model = export(build("mlp", seed=uuid.uuid4().int % 2**31), tmp_path / "mlp.onnx")
+    x0 = center(7).numpy().astype(np.float64)
+    label = predicted_label(model, x0)
+    with TestClient(app) as c:
+        m = upload(c, model.read_bytes(), "mlp.onnx")
+        req = {"model_id": m["id"], "norm": "2", "at": x0.tolist(), "label": label,
+               "min_radius": 1e-9}
+        r = c.post("/certify", json=req)
+        assert r.status_code == 202, r.text
+        worker = start(["worker", "--queues", "bound"], redis_env, tmp_path, log)
+        try:
+            done = poll_job(c.get, r.json()["job_id"],
+                            lambda j: j["status"] in ("succeeded", "failed"))
+        finally:
+            stop(worker)
+        assert done["status"] == "succeeded", (done, log.read_text()[-2000:])
+        cert = done["result"]
+        assert cert["passed"] is True and cert["robustness"]["certified_radius"] > 1e-9
+        # Signed by the worker with the server's key; the radii are stored for the server.
+        assert c.post("/certificates/verify", json=cert).json()["valid"] is True
+        assert c.get(f"/certificates/{cert['id']}").json() == cert
+        again = c.post("/certify", json={**req, "min_radius": 1.0})
+        assert again.status_code == 201, again.text
+        assert again.json()["robustness"]["certified_radius"] == \
+            cert["robustness"]["certified_radius"]
+        rt = app.state.runtime
+        with rt.sessions() as s:
+            assert s.scalar(select(func.count()).select_from(RobustnessResultRow)
+                            .where(RobustnessResultRow.model_id == m["id"])) == 1

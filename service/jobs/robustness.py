@@ -1,0 +1,123 @@
+"""The `robustness` job (queue `bound`): the certified radius by bisection (its progress is the
+bisection step: "bisection 7/30, certified 0.041") and the PGD attack radius, stored once per
+(model, centre, label, norm); then the certificate against the request's min_radius, signed
+with the server's key. The job's result is that certificate.
+
+A re-run after a crash finds what its first run stored: the certificate (its id is derived
+from the job id) or at least the radii. A job whose radii an earlier running job (another
+min_radius) is computing waits for them instead of computing them twice."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy import select
+
+from ..bounding import ModelRef, load_model
+from ..local import robustness_of
+from ..robustness import (
+    MEMORY_PREFIX,
+    issue_robustness_certificate,
+    store_radii,
+    stored_radii,
+)
+from ..tables import CertificateRow, Job, UploadedModel
+from .context import JobContext
+from .registry import JobKind, register_job_kind
+
+CERT_NAMESPACE = uuid.UUID("3f7c2a9e-5b61-4f0e-9a2d-6c1e8b4d7a55")
+BISECTION_SHARE = 0.9  # of the job's progress; the attack and the signature take the rest
+WAIT_POLL_S = 0.5  # between looks at the radii another job is computing
+
+
+class RobustnessJobParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model_id: str
+    norm: str
+    label: int = Field(ge=0)
+    at: list[Any]  # the input the graph takes (a pixel upload's image already cut)
+    seq_len: int
+    min_radius: float = Field(gt=0)
+    radii_key: str
+    request_key: str
+
+
+def certificate_id_for_job(job_id: str) -> str:
+    return str(uuid.uuid5(CERT_NAMESPACE, job_id))
+
+
+def computing_before(ctx: JobContext, radii_key: str) -> str | None:
+    """A robustness job for the same radii (another min_radius) that started running before
+    this one, or None. Only earlier ones: two jobs never wait for each other."""
+    with ctx.session() as s:
+        me = s.get(Job, ctx.job_id)
+        mine = (me.started_at, me.id) if me is not None and me.started_at else None
+        rows = s.execute(select(Job.id, Job.started_at, Job.params).where(
+            Job.kind == "robustness", Job.status == "running", Job.id != ctx.job_id)).all()
+    for job_id, started, params in rows:
+        if (params or {}).get("radii_key") == radii_key and started is not None \
+                and (mine is None or (started, job_id) < mine):
+            return str(job_id)
+    return None
+
+
+def wait_for_radii(ctx: JobContext, radii_key: str) -> dict[str, Any] | None:
+    """The stored radii; while an earlier running job computes them, wait for it rather than
+    compute them twice (its end, or its requeue after a crash, stops the wait)."""
+    while True:
+        radii = stored_radii(ctx.runtime, radii_key)
+        other = None if radii is not None else computing_before(ctx, radii_key)
+        if other is None:
+            return radii
+        # The write is also this job's heartbeat and cancel check.
+        ctx.progress(0.05, f"waiting for job {other}, which computes the same radii")
+        time.sleep(WAIT_POLL_S)
+
+
+def run_robustness(ctx: JobContext) -> dict[str, Any]:
+    p = RobustnessJobParams.model_validate(ctx.params)
+    cert_id = certificate_id_for_job(ctx.job_id)
+    with ctx.session() as s:
+        done = s.get(CertificateRow, cert_id)
+        if done is not None:
+            return dict(done.body)
+        row = s.get(UploadedModel, p.model_id)
+        if row is None:
+            raise ValueError(f"model {p.model_id} no longer exists")
+        model = ModelRef.of(row)
+    key_path = Path(ctx.runtime.settings.signing_key_path)
+    if not key_path.is_file():
+        # A worker must sign with the server's key (GET /certificates/public-key).
+        raise ValueError(f"the signing key LSA_SIGNING_KEY_PATH={key_path} does not exist on "
+                         "this worker: share the server's key file with its workers")
+    radii = wait_for_radii(ctx, p.radii_key)
+    if radii is None:
+        ctx.progress(0.02, "loading model", force=True)
+        loaded = load_model(ctx.runtime, model)
+        ctx.progress(0.05, "bisection on the certified radius", force=True)
+
+        def progress(stage: str, fraction: float) -> None:
+            # Each step's write is also the cancel check (JobAborted stops the bisection).
+            ctx.progress(0.05 + BISECTION_SHARE * float(fraction), stage, force=True)
+
+        radii = robustness_of(loaded, model.sha256, np.asarray(p.at, dtype=np.float64),
+                              p.label, p.norm, progress=progress)
+        ctx.progress(0.96, "storing the radii", force=True)
+        with ctx.session() as s:
+            radii = store_radii(s, model, p.radii_key, radii)
+        ctx.runtime.reports.put(MEMORY_PREFIX + p.radii_key, json.dumps(radii).encode())
+    ctx.progress(0.98, "signing the certificate", force=True)
+    cert = issue_robustness_certificate(ctx.runtime, model, radii, p.seq_len, p.min_radius,
+                                        cert_id=cert_id)
+    return cert.model_dump(mode="json")
+
+
+register_job_kind(JobKind("robustness", queue="bound", handler=run_robustness,
+                          params_schema=RobustnessJobParams))

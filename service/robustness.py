@@ -1,0 +1,191 @@
+"""Robustness certificates (`POST /certify` with `at`, `label`, `min_radius`) as the rest of
+the service does long work: the radii (certified by bisection, attack by PGD: tens of seconds
+on a Transformer) are computed by a `robustness` job on the `bound` queue, stored once per
+(model sha256, centre sha256, label, norm) in `robustness_results`, and signed against each
+request's `min_radius`. A request whose radii are stored gets its certificate at once (201);
+otherwise a job (202, poll GET /jobs/{id}: its result is the certificate).
+
+Bad input is refused before anything is queued (422 naming the field): the input's shape
+against the graph, the label against the model's outputs (one float64 forward pass on the
+compute pool).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import numpy as np
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
+
+from api_schemas.certificates import Certificate
+from api_schemas.jobs import JobAccepted
+
+from .bounding import ModelRef, load_model
+from .certificates import new_certificate_body, sign_certificate
+from .certifying import robust
+from .db import transaction
+from .errors import InvalidRequest
+from .jobs.runner import submit_job
+from .local import model_center, run_counted
+from .runtime import Runtime
+from .tables import ACTIVE_JOB_STATUSES, CertificateRow, Job, RobustnessResultRow
+
+# The radii's fields a certificate signs (robustness_of's object less the timings).
+SIGNED_FIELDS = ("label", "predicted", "certified_radius", "attack_radius", "margins",
+                 "pair_constants", "center_sha256", "bisection_steps")
+MEMORY_PREFIX = "robustness:"
+
+
+def radii_key(model_sha256: str, center_sha256: str, label: int, norm: str) -> str:
+    """What the radii depend on (the computation is deterministic and seeded)."""
+    fields = {"kind": "robustness", "model": model_sha256, "center_sha256": center_sha256,
+              "label": int(label), "norm": norm}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
+
+def certificate_key(radii: str, min_radius: float) -> str:
+    """The key of one certificate request: identical requests share one active job."""
+    return hashlib.sha256(f"{radii}:{float(min_radius)!r}".encode()).hexdigest()
+
+
+def stored_radii(runtime: Runtime, key: str) -> dict[str, Any] | None:
+    """The stored radii of `key` (memory, else a read-only transaction), or None."""
+    cached = runtime.reports.get(MEMORY_PREFIX + key)
+    if isinstance(cached, bytes):
+        return dict(json.loads(cached))
+    with transaction(runtime.read_sessions) as s:
+        row = s.scalar(select(RobustnessResultRow).where(RobustnessResultRow.request_key == key))
+        radii = None if row is None else dict(row.result)
+    if radii is not None:
+        runtime.reports.put(MEMORY_PREFIX + key, json.dumps(radii).encode())
+    return radii
+
+
+def store_radii(session: Session, model: ModelRef, key: str,
+                radii: dict[str, Any]) -> dict[str, Any]:
+    """Insert once; a concurrent job that stored first wins (the radii are the same)."""
+    row = RobustnessResultRow(model_id=model.id, request_key=key, norm=str(radii["norm"]),
+                              label=int(radii["label"]),
+                              center_sha256=str(radii["center_sha256"]),
+                              certified_radius=float(radii["certified_radius"]), result=radii)
+    try:
+        with session.begin_nested():
+            session.add(row)
+    except IntegrityError:
+        existing = session.scalar(select(RobustnessResultRow).where(
+            RobustnessResultRow.request_key == key))
+        if existing is None:
+            raise
+        return dict(existing.result)
+    return radii
+
+
+def sign_robustness(radii: dict[str, Any], n: int, min_radius: float, key: Ed25519PrivateKey,
+                    cert_id: str | None = None) -> Certificate:
+    """The signed robustness certificate of `radii` (robustness_of's object) against
+    `min_radius`, under the one pass rule (service.certifying.robust)."""
+    from lsa_models import __version__  # deferred: imports torch
+    from lsa_models.engine.local import METHOD
+
+    section = {k: radii[k] for k in SIGNED_FIELDS}
+    section["min_radius"] = min_radius
+    ok = robust(float(radii["certified_radius"]), min_radius)
+    fields: dict[str, Any] = {} if cert_id is None else {"id": cert_id}
+    body = new_certificate_body(
+        model_sha256=radii["model_sha256"], norm=radii["norm"], seq_len=n, radius=None,
+        threshold=min_radius, upper=None, lower=None, passed=ok,
+        method="robustness: every margin f_label - f_j stays positive on the ball of the "
+        "certified radius (bisection on r; " + METHOD + ")", lsa_version=__version__,
+        robustness=section, **fields)
+    return sign_certificate(body, key)
+
+
+def issue_robustness_certificate(runtime: Runtime, model: ModelRef, radii: dict[str, Any],
+                                 n: int, min_radius: float,
+                                 cert_id: str | None = None) -> Certificate:
+    """Sign `radii` against `min_radius` with the server's key and store the certificate.
+    With `cert_id` (a job's), a certificate stored under it first (an earlier attempt of the
+    job, presumed dead, that finished anyway) is the one returned."""
+    if radii.get("model_sha256") != model.sha256:
+        raise ValueError(f"the radii are for model {radii.get('model_sha256')}, not "
+                         f"{model.sha256}")
+    cert = sign_robustness(radii, n, min_radius, runtime.signing_key, cert_id)
+    with transaction(runtime.sessions) as s:
+        try:
+            with s.begin_nested():
+                s.add(CertificateRow(id=cert.id, model_id=model.id, model_sha256=model.sha256,
+                                     threshold=cert.threshold, upper=cert.upper,
+                                     passed=cert.passed, body=cert.model_dump(mode="json"),
+                                     issued_at=cert.issued_at))
+        except IntegrityError:
+            first = s.get(CertificateRow, cert.id)
+            if cert_id is None or first is None:
+                raise
+            return Certificate.model_validate(first.body)
+    if runtime.metrics is not None:
+        runtime.metrics.certificates.inc()
+    return cert
+
+
+def check_label(runtime: Runtime, model: ModelRef, x0: np.ndarray, label: int) -> str:
+    """The centre's sha256 as the engine computes it, after checking `x0` against the graph
+    and `label` against the model's outputs; InvalidRequest naming the field otherwise."""
+    import torch  # deferred: seconds at start-up
+
+    from lsa_models.engine.driver import center_sha256, check_center
+    from lsa_models.engine.local import as_onnx
+
+    loaded = load_model(runtime, model)
+    try:
+        om = as_onnx(loaded, x0.shape[-2])
+        x = check_center(om, x0)
+    except (ValueError, TypeError) as exc:
+        raise InvalidRequest(f"at: {exc}") from None
+    with torch.no_grad():
+        k = int(om.module.with_dtype(torch.float64)(torch.from_numpy(x)).numel())
+    if not 0 <= label < k:
+        raise InvalidRequest(f"label must be in 0..{k - 1} (the model has {k} outputs), got "
+                             f"{label}")
+    return center_sha256(x)
+
+
+def submit_robustness_job(runtime: Runtime, model: ModelRef,
+                          params: dict[str, Any]) -> JobAccepted:
+    """The active job of this exact request, or a new one (one short write transaction)."""
+    key = str(params["request_key"])
+    with transaction(runtime.sessions) as session:
+        job = session.scalar(select(Job).where(Job.request_key == key,
+                                               Job.status.in_(ACTIVE_JOB_STATUSES)))
+        if job is None:
+            job = submit_job(session, runtime, "robustness", params, model_id=model.id,
+                             request_key=key)
+        return JobAccepted.model_validate({"job_id": job.id, "status": job.status})
+
+
+async def robustness_certificate(runtime: Runtime, model: ModelRef, at: list[Any],
+                                 label: int, norm: str,
+                                 min_radius: float) -> Certificate | JobAccepted:
+    """The certificate now when the radii of (model, centre, label, norm) are stored, else
+    the job that computes them and then signs it."""
+    x0 = await model_center(runtime, model, at)
+    raw = hashlib.sha256(np.ascontiguousarray(x0, dtype="<f8").tobytes()).hexdigest()
+    sha = await run_counted(runtime, f"robustness-check:{model.sha256}:{raw}:{label}",
+                            lambda: check_label(runtime, model, x0, label))
+    assert isinstance(sha, str)
+    key = radii_key(model.sha256, sha, label, norm)
+    n = int(x0.shape[-2])
+    radii = await run_in_threadpool(stored_radii, runtime, key)
+    if radii is not None:
+        return await run_in_threadpool(issue_robustness_certificate, runtime, model, radii,
+                                       n, min_radius)
+    return await run_in_threadpool(
+        submit_robustness_job, runtime, model,
+        {"model_id": model.id, "norm": norm, "label": label, "at": x0.tolist(),
+         "seq_len": n, "min_radius": min_radius, "radii_key": key,
+         "request_key": certificate_key(key, min_radius)})

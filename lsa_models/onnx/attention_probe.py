@@ -49,6 +49,9 @@ class AttentionLayer:
     value_factor: float = 1.0  # L2: max_h c'_h sqrt(d) (1.0 for the canonical scale)
     extra: dict[str, float] = field(default_factory=dict)
     n: int = 0  # tokens the attention sees (N + 1 after a class token); 0: not recognised
+    # DP with rotary embeddings: certified rho_q rho_k >= max_i ||R_i||_2 (query, key), folded
+    # into `scale` (docs/bounds.md, "Rotary position embeddings"); 1.0 without them
+    position_factor: float = 1.0
     # float32 readings this layer relies on (docs/bounds.md, Conventions): the certificate is
     # for the exact constants, and the report says so
     notes: list[str] = field(default_factory=list)

@@ -53,8 +53,9 @@ def _affine(info: GraphInfo, nodes: list[Node], source: str) -> set[str]:
         if not vin or not all(i in aff for i in vin):
             continue
         t = n.op_type
-        if t == "MatMul" or t == "Mul":
-            ok = len(vin) == 1
+        if t == "MatMul" or t == "Mul" or t == "Einsum":
+            # Einsum: multilinear, so linear in its one input-dependent operand
+            ok = len(vin) == 1 and (t != "Einsum" or n.inputs.count(vin[0]) == 1)
         elif t == "Gemm" or t == "Div":
             ok = vin == [n.inputs[0]]
         elif t == "Gather":
@@ -115,7 +116,10 @@ def _find_output(info: GraphInfo, start: str, n: int) -> str:
             break
         if c.op_type == "Gemm" and c.inputs[0] != t:
             break
-        if c.op_type not in _LAYOUT | {"MatMul", "Gemm", "Add", "Sub", "Mul", "Div"} or \
+        if c.op_type == "Einsum" and c.inputs.count(t) != 1:
+            break
+        if c.op_type not in _LAYOUT | {"MatMul", "Gemm", "Add", "Sub", "Mul", "Div",
+                                       "Einsum"} or \
                 c.op_type in ("Concat", "Split", "Expand"):
             break
         if c.op_type == "Div" and c.inputs[0] != t:

@@ -105,7 +105,9 @@ def unrotate(info: GraphInfo, nodes: list[Node], aff: set[str], probe: Probe,
     anc.sort(key=lambda t0: -info.order.get(info.producer[t0].name, -1))
     for u in anc:
         for tr_u in (False, True):
-            if token_view(info.env[u], n, tr_u).shape != shape_t:
+            s = info.shape(u)
+            rows = s[-1] if tr_u else (s[-2] if len(s) >= 2 else 0)
+            if len(s) < 2 or rows != n or token_view(info.env[u], n, tr_u).shape != shape_t:
                 continue
             sub = info.region(u, name)
             if sub is None:

@@ -7,26 +7,10 @@ run (bench/out/zoo.json), then edited by hand."""
 from __future__ import annotations
 
 TODAY: dict[tuple[str, str, str], str] = {
-    ("l2-stpp-causal", "(N, 1, D)", "torchscript"):
-        "not_certified: logits (N, N, 1, h) (sequence-first Einsum): keys not on the last axis",
-    ("l2-stpp-causal", "(N, 1, D)", "dynamo"):
-        "not_certified: logits (N, N, 1, h) (sequence-first Einsum): keys not on the last axis",
-    ("l2-stpp", "(N, 1, D)", "torchscript"):
-        "not_certified: logits (N, N, 1, h) (sequence-first Einsum): keys not on the last axis",
-    ("l2-stpp", "(N, 1, D)", "dynamo"):
-        "not_certified: logits (N, N, 1, h) (sequence-first Einsum): keys not on the last axis",
     ("sdpa-mask-prenorm", "(1, N, D)", "torchscript"):
         "not_certified: its probabilities are not used only as P @ V (they feed IsNaN, Where)",
     ("sdpa-mask-prenorm", "(1, N, D)", "dynamo"):
         "not_certified: its probabilities are not used only as P @ V (they feed IsNaN, Where)",
-    ("hf-llama", "inputs_embeds", "torchscript"):
-        "not_certified: query/key not the same affine map at every position (rotary)",
-    ("hf-llama", "inputs_embeds", "dynamo"):
-        "not_certified: query/key not the same affine map at every position (rotary)",
-    ("hf-llama", "ids", "torchscript"):
-        "not_certified: query/key not the same affine map at every position (rotary)",
-    ("hf-llama", "ids", "dynamo"):
-        "not_certified: query/key not the same affine map at every position (rotary)",
     ("xt-decoder", "(1, N, D)", "torchscript"):
         "not_certified: Where replaces masked logits by a finite constant (masked_fill)",
     ("xt-decoder", "(1, N, D)", "dynamo"):

@@ -143,13 +143,15 @@ def test_silu_constant_bounds_its_derivative() -> None:
 class _RotaryBlock(nn.Module):
     """A pre-norm (RMSNorm) rotary attention block written as LLaMA does (rotate_half)."""
 
-    def __init__(self, dm: int, heads: int, n: int, key_bias: bool = False) -> None:
+    def __init__(self, dm: int, heads: int, n: int, key_bias: bool = False,
+                 kv_heads: int | None = None) -> None:
         super().__init__()
         self.h, self.d = heads, dm // heads
+        self.kv = kv_heads or heads  # grouped-query attention: kv_heads < heads
         self.g = nn.Parameter(1 + 0.1 * torch.randn(dm))
         self.q = nn.Linear(dm, dm, bias=False)
-        self.k = nn.Linear(dm, dm, bias=key_bias)
-        self.v = nn.Linear(dm, dm, bias=False)
+        self.k = nn.Linear(dm, self.kv * self.d, bias=key_bias)
+        self.v = nn.Linear(dm, self.kv * self.d, bias=False)
         self.o = nn.Linear(dm, dm, bias=False)
         inv = 1.0 / (10000 ** (torch.arange(0, self.d, 2).float() / self.d))
         ang = torch.arange(n).float()[:, None] * inv[None, :]  # (N, d/2)
@@ -165,10 +167,14 @@ class _RotaryBlock(nn.Module):
     def forward(self, x: Tensor) -> Tensor:  # (1, N, D)
         b, n, dm = x.shape
         z = self.g * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)  # LLaMA's RMSNorm
-        q, k, v = (p(z).view(b, n, self.h, self.d).transpose(1, 2)
-                   for p in (self.q, self.k, self.v))  # (1, H, N, d)
+        q = self.q(z).view(b, n, self.h, self.d).transpose(1, 2)  # (1, H, N, d)
+        k, v = (p(z).view(b, n, self.kv, self.d).transpose(1, 2)
+                for p in (self.k, self.v))  # (1, Hkv, N, d)
         q = q * self.cos + self._half(q) * self.sin
         k = k * self.cos + self._half(k) * self.sin
+        rep = self.h // self.kv  # HF's repeat_kv: each key/value head serves `rep` heads
+        k, v = (t[:, :, None].expand(b, self.kv, rep, n, self.d).reshape(b, self.h, n, self.d)
+                for t in (k, v))  # (1, H, N, d)
         att = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(self.d), dim=-1)  # (1, H, N, N)
         return x + self.o((att @ v).transpose(1, 2).reshape(b, n, dm))
 
@@ -188,10 +194,13 @@ def _export(m: nn.Module, x: Tensor, path: Path, dynamo: bool) -> Path:
 
 
 @pytest.mark.parametrize("dynamo", [False, True])
-def test_onnx_rotary_block_certified_above_jacobian(tmp_path: Path, dynamo: bool) -> None:
+@pytest.mark.parametrize("kv_heads", [None, 1])
+def test_onnx_rotary_block_certified_above_jacobian(tmp_path: Path, dynamo: bool,
+                                                    kv_heads: int | None) -> None:
+    """Rotary attention, with grouped-query attention too (one key/value head shared)."""
     torch.manual_seed(0)
     n, dm = 5, 8
-    m = _RotaryBlock(dm, 2, n).eval()
+    m = _RotaryBlock(dm, 2, n, kv_heads=kv_heads).eval()
     x = torch.randn(1, n, dm)
     path = _export(m, x, tmp_path / "rot.onnx", dynamo)
     model = load_onnx(path.read_bytes(), path.name)

@@ -49,35 +49,46 @@ def rotation_norm_upper(m: np.ndarray) -> tuple[float, float]:
 
 
 def _per_position_map(info: GraphInfo, sub: list[Node], u: str, tr_u: bool, t: str, tr_t: bool,
-                      n: int) -> np.ndarray | None:
-    """M (G, N, w, w) with `view(t)[g, i] = view(u)[g, i] M[g, i]` on the closed region `sub`
-    from u to t, or None. Basis inputs (every row of u set to e_k) read M exactly; a random u
-    confirms the map keeps groups and positions apart and has no constant part."""
+                      n: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """(M (Gt, N, w, w), parent (Gt,)) with `view(t)[g, i] = view(u)[parent[g], i] M[g, i]`
+    on the closed region `sub` from u to t, or None. Each t group reads one u group (the same
+    one, or a shared key/value head repeated for grouped-query attention): found with one
+    random u group at a time. Basis inputs (every row of u set to e_k) then read M exactly; a
+    random u confirms the map keeps groups and positions apart and has no constant part."""
     shape_u = info.shape(u)
-    view_u = token_view(info.env[u], n, tr_u)
-    g, _, w = view_u.shape
+    gu, _, w = token_view(info.env[u], n, tr_u).shape
+    gen = np.random.default_rng(11)
 
-    def run(v: np.ndarray) -> np.ndarray:  # v: (G, N, w) view of u
+    def run(v: np.ndarray) -> np.ndarray:  # v: (Gu, N, w) view of u
         a = np.swapaxes(v, -1, -2) if tr_u else v
         x = torch.from_numpy(np.ascontiguousarray(a).reshape(shape_u))
         with torch.no_grad():
             out = info.eval_nodes(sub, {u: x})[t]
         return token_view(out, n, tr_t)
 
-    zero = run(np.zeros((g, n, w)))
-    if zero.shape != (g, n, w) or np.abs(zero).max() > 0:
+    zero = run(np.zeros((gu, n, w)))
+    gt = zero.shape[0]
+    if zero.shape != (gt, n, w) or gt % gu or np.abs(zero).max() > 0:
         return None  # a per-position constant would need its own norm in the bound
-    m = np.empty((g, n, w, w))
+    reads = np.zeros((gt, gu), dtype=bool)
+    for g in range(gu):
+        one = np.zeros((gu, n, w))
+        one[g] = gen.standard_normal((n, w))
+        reads[:, g] = np.abs(run(one)).reshape(gt, -1).max(axis=1) > 0
+    if not (reads.sum(axis=1) == 1).all():
+        return None
+    parent = reads.argmax(axis=1)  # (Gt,)
+    m = np.empty((gt, n, w, w))
     for k in range(w):
-        basis = np.zeros((g, n, w))
+        basis = np.zeros((gu, n, w))
         basis[..., k] = 1.0
         m[:, :, k, :] = run(basis)
-    probe = np.random.default_rng(11).standard_normal((g, n, w))
+    probe = gen.standard_normal((gu, n, w))
     got = run(probe)
-    pred = np.einsum("gik,gikl->gil", probe, m)  # (G, N, w)
+    pred = np.einsum("gik,gikl->gil", probe[parent], m)  # (Gt, N, w)
     if not np.abs(pred - got).max() <= TOL * (1.0 + np.abs(pred).max()):
         return None
-    return m
+    return m, parent
 
 
 def unrotate(info: GraphInfo, nodes: list[Node], aff: set[str], probe: Probe,
@@ -107,7 +118,8 @@ def unrotate(info: GraphInfo, nodes: list[Node], aff: set[str], probe: Probe,
         for tr_u in (False, True):
             s = info.shape(u)
             rows = s[-1] if tr_u else (s[-2] if len(s) >= 2 else 0)
-            if len(s) < 2 or rows != n or token_view(info.env[u], n, tr_u).shape != shape_t:
+            if len(s) < 2 or rows != n or \
+                    token_view(info.env[u], n, tr_u).shape[1:] != shape_t[1:]:
                 continue
             sub = info.region(u, name)
             if sub is None:
@@ -116,16 +128,18 @@ def unrotate(info: GraphInfo, nodes: list[Node], aff: set[str], probe: Probe,
                 ((w, b),) = probe.affine([(u, tr_u)], envs, xs)
             except NotAttention:
                 continue
-            m = _per_position_map(info, sub, u, tr_u, name, tr, n)
-            if m is None:
+            found = _per_position_map(info, sub, u, tr_u, name, tr, n)
+            if found is None:
                 continue
+            m, parent = found
             rho, defect = rotation_norm_upper(m.reshape(-1, *m.shape[-2:]))
             if not defect <= ROTATION_TOL:
                 raise NotAttention(
                     f"tensor {name} is a position-dependent linear map of the projection {u} "
                     f"that is not a rotation (max_i ||M_i^T M_i - I||_F = {defect:.3g}); only "
                     "rotary position embeddings (orthogonal per-position maps) are covered")
-            return (w, b), rho
+            # per query/key head: the projection of the head it reads (GQA shares them)
+            return (w[parent], b[parent]), rho
     raise NotAttention(f"tensor {name} is not the same affine map of the layer input at every "
                        "position, nor a per-position rotation of one (rotary embeddings); "
                        "position-dependent query/key maps of other kinds are not covered")

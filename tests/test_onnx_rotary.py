@@ -35,14 +35,16 @@ def _rotations(n: int, d: int, seed: int) -> Tensor:
     return q  # (N, d, d)
 
 
-def _rotary_attention(wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor, rq: Tensor, rk: Tensor,
-                      causal: bool):  # type: ignore[no-untyped-def]
-    """DP attention with per-position maps `q_i = x_i W^Q_h R_i`, `k_j = x_j W^K_h R'_j`."""
+def _rotary_attention(wq: Tensor, bq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor, rq: Tensor,
+                      rk: Tensor, causal: bool):  # type: ignore[no-untyped-def]
+    """DP attention with per-position maps `q_i = (x_i W^Q_h + b^Q_h) R_i`,
+    `k_j = x_j W^K_h R'_j`."""
     heads, _, d = wq.shape
 
     def f(x: Tensor) -> Tensor:  # (N, D) -> (N, D)
         n = x.shape[0]
-        q = torch.einsum("nD,hDd,nde->hne", x, wq, rq)  # (H, N, d)
+        u = torch.einsum("nD,hDd->hnd", x, wq) + bq[:, None, :]  # (H, N, d)
+        q = torch.einsum("hnd,nde->hne", u, rq)  # (H, N, d)
         k = torch.einsum("nD,hDd,nde->hne", x, wk, rk)  # (H, N, d)
         v = torch.einsum("nD,hDd->hnd", x, wv)  # (H, N, dv)
         logits = q @ k.transpose(-1, -2) / math.sqrt(d)  # (H, N, N)
@@ -77,13 +79,14 @@ def test_rotary_dp_bound_never_below_exact_jacobian(shape: tuple[int, int, int],
     wq, wk, wv = (scale * torch.randn(h, dm, d, generator=g, dtype=torch.float64)
                   for _ in range(3))
     wo = scale * torch.randn(h * d, dm, generator=g, dtype=torch.float64)
+    bq = scale * torch.randn(h, d, generator=g, dtype=torch.float64)
     rq, rk = _rotations(n, d, seed + 1), _rotations(n, d, seed + 2)
     rho_q, _ = rotation_norm_upper(rq.numpy())
     rho_k, _ = rotation_norm_upper(rk.numpy())
     s = mul_up(inv_sqrt_up(d), rho_q, rho_k)
     bound = dp_mha_radius_bound(wq.numpy(), wk.numpy(), wv.numpy(), wo.numpy(), n, radius,
-                                "2", scale=s)
-    f = _rotary_attention(wq, wk, wv, wo, rq, rk, causal)
+                                "2", scale=s, bq=bq.numpy())
+    f = _rotary_attention(wq, bq, wk, wv, wo, rq, rk, causal)
     x = _in_ball(n, dm, radius, seed + 3)
     assert float(torch.linalg.matrix_norm(jacobian_matrix(f, x), 2)) <= bound
     # a short ascent, projected back onto the ball

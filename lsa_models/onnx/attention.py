@@ -305,14 +305,14 @@ def _read_projections(info: GraphInfo, reg: _Region, probe: Probe,
         if kind != "dp":
             raise
     out, factor = [], 1.0
-    for t in (a, b):
+    for is_key, t in ((False, a), (True, b)):
         try:
             out += probe.affine([t], envs, xs)
             continue
         except NotAttention:
             pass
         (w, bias), rho = unrotate(info, reg.nodes, reg.aff, probe, envs, xs, t)
-        if t is b and np.abs(bias).max() > 0:
+        if is_key and np.abs(bias).max() > 0:
             layer.reason = (f"attention at Softmax {layer.softmax}: rotary keys with a key "
                             "bias are not covered (the bias rotates with the position, so it "
                             "no longer drops out of the softmax); a key projection without "

@@ -23,9 +23,9 @@ from .ops import OPS, Node, gemm_epilogue
 
 TOL = 1e-8  # relative tolerance of the read-out checks, far above float64 rounding
 FIT_MARGIN = 1e-12  # relative allowance for constants fitted by least squares in float64
-_POSITION_HINT = (" (position-dependent query/key maps such as rotary position embeddings are "
-                  "not covered yet; a model without them, or with learned absolute positions "
-                  "added to its input, is)")
+_POSITION_HINT = (" (position-dependent maps are covered only as rotary embeddings of "
+                  "dot-product queries and keys; a model without them, or with learned "
+                  "absolute positions added to its input, is)")
 
 
 @dataclass

@@ -149,3 +149,39 @@ def test_onnx_seq_first_rewrite_keeps_the_function(tmp_path: Path) -> None:
     # float32 constants of the graph (1/sqrt(d), the folded A) differ from the module's by
     # float32 rounding; a wrong permutation would differ by O(1)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+class _SeqFirstDP(nn.Module):
+    """Pre-norm dot-product attention on `(T, B, E)` with einsums; logits `(T, S, B, H)`."""
+
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.h, self.dh = heads, d // heads
+        self.norm = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.out = nn.Linear(d, d)
+
+    def forward(self, x: Tensor) -> Tensor:  # (T, B, E)
+        t, b, e = x.shape
+        q, k, v = self.qkv(self.norm(x)).view(t, b, 3, self.h, self.dh).unbind(2)  # (T, B, H, d)
+        logits = torch.einsum("tbhd,sbhd->tsbh", q, k) / math.sqrt(self.dh)  # (T, S, B, H)
+        p = torch.softmax(logits, dim=1)
+        o = torch.einsum("tsbh,sbhd->tbhd", p, v)  # (T, B, H, d)
+        return x + self.out(o.reshape(t, b, e))
+
+
+@pytest.mark.parametrize("dynamo", [False, True])
+def test_onnx_seq_first_dp_certified_above_jacobian(tmp_path: Path, dynamo: bool) -> None:
+    torch.manual_seed(5)
+    n, d = 5, 8
+    m = _SeqFirstDP(d, 2).eval()
+    path = _export(m, torch.randn(n, 1, d), tmp_path / "sfdp.onnx", dynamo)
+    model = load_onnx(path.read_bytes(), path.name)
+    (layer,) = recognise(GraphInfo(model.module, n))
+    assert (layer.kind, layer.reason, layer.n) == ("dp", None, n)
+    res = analyse(model, "2")
+    assert res.verdict == "certified" and res.upper is not None
+    f64 = m.double()
+    lower = max_jacobian_norm(lambda z: f64(z.unsqueeze(1)).squeeze(1),
+                              torch.randn(n, d, dtype=torch.float64), "2", steps=2)
+    assert lower <= res.upper

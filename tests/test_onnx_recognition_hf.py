@@ -115,9 +115,10 @@ def test_onnx_recognition_token_id_models_start_at_the_lookup(
         assert abs(got.upper - ref.upper) <= 1e-9 * ref.upper, (got.upper, ref.upper)
 
 
-def test_onnx_recognition_llama_loads_and_names_what_is_missing(tmp_path: Path) -> None:
+def test_onnx_recognition_llama_certified_with_rotary(tmp_path: Path) -> None:
     # rotary tables are computed from position ids with Cos/Sin (constants of the input):
-    # the graph loads, its RMSNorms are recognised, and the refusal names the rotary maps
+    # the graph loads, its RMSNorms, the rotary attention and the gated MLP's SiLU are
+    # recognised, and the certificate is above the float64 Jacobian norm
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(hidden_size=D, intermediate_size=32, num_hidden_layers=1,
                                    num_attention_heads=2, num_key_value_heads=2,
@@ -127,6 +128,11 @@ def test_onnx_recognition_llama_loads_and_names_what_is_missing(tmp_path: Path) 
     m = _Embeds(transformers.LlamaModel(cfg)).eval()
     model = load_onnx(_export(m, torch.randn(1, N, D), tmp_path / "l.onnx", False))
     got = analyse(model, "2")
-    assert [lb.kind for lb in got.layers].count("rmsnorm") == 3
-    assert got.verdict == "not_certified"
-    assert "rotary" in (got.reason or "") and "Softmax" in (got.reason or "")
+    kinds = [lb.kind for lb in got.layers]
+    assert kinds.count("rmsnorm") == 3
+    assert "dp_mha_radius" in kinds and "activation:silu" in kinds
+    assert got.verdict == "certified" and got.upper is not None
+    assert "rotary" in got.method
+    f64 = m.double()
+    x = torch.randn(1, N, D, dtype=torch.float64)
+    assert jacobian_norm(lambda z: f64(z), x, "2") <= got.upper

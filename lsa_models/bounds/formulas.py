@@ -112,7 +112,7 @@ class _L2Parts:
     """The exact composed matrices of one tied L2-MHA layer, in float64.
 
     `q[h] = W^Q_h` (D, d); `qv[h] = W^{Q T}_h W^V_h` (d, d), so `M_h = qv[h] / sqrt(d)`;
-    `o[h] = W^O_h` (d, D), the rows of W^O that head h's output meets; `q_all` (D, H d) the
+    `o[h] = W^O_h` (dv, D), the rows of W^O that head h's output meets; `q_all` (D, H d) the
     concatenated query projection."""
 
     q: list[np.ndarray]
@@ -126,8 +126,9 @@ class _L2Parts:
     def of(wq: ArrayLike, wv: ArrayLike, wo: ArrayLike) -> _L2Parts:
         q, v, o = _as_float64(wq), _as_float64(wv), _as_float64(wo)
         heads, dim, d = q.shape
+        dv = v.shape[-1]  # head h's output (N, dv) meets rows h dv .. (h + 1) dv of W^O
         return _L2Parts([q[h] for h in range(heads)], [v[h] for h in range(heads)],
-                        [o[h * d:(h + 1) * d] for h in range(heads)], o,
+                        [o[h * dv:(h + 1) * dv] for h in range(heads)], o,
                         np.ascontiguousarray(q.transpose(1, 0, 2).reshape(dim, heads * d)), d)
 
 

@@ -22,6 +22,7 @@ from ..bounds.report import BoundResult, LayerBound, NormName, Verdict
 from .graph import GraphInfo
 from .loading import DynamicSeqLenError, OnnxModel
 from .ops import OPS, Flow, Node, NotCertified, layernorm_flow, rmsnorm_flow
+from .ops.base import SILU_LIPSCHITZ
 from .patterns import Composite, find_composites
 
 METHOD = ("analytic on the ONNX graph: recognised attention (Theorem 3.2 for tied L2; the "
@@ -176,9 +177,9 @@ def _composite(c: Composite, info: GraphInfo, flows: dict[str, Flow | None], st:
                norm: NormName) -> None:
     fx = flows.get(c.input)
     shape = info.shape(c.output)
-    if c.kind == "gelu":
-        local = ACTIVATION_LIPSCHITZ["gelu"]
-        st.layers.append(LayerBound(c.output, "activation:gelu", local, nodes=c.nodes))
+    if c.kind in ("gelu", "silu"):  # silu: x * Sigmoid(x), |silu(x)| <= |x| (recoglayout)
+        local = ACTIVATION_LIPSCHITZ["gelu"] if c.kind == "gelu" else SILU_LIPSCHITZ
+        st.layers.append(LayerBound(c.output, f"activation:{c.kind}", local, nodes=c.nodes))
         flows[c.output] = None if fx is None else Flow(
             mul_up(fx.lip, local), None if fx.radius is None else mul_up(local, fx.radius),
             shape)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 from torch import Tensor
 
+from ..bounds.numerics import inv_sqrt_up, mul_up
 from .attention_l2 import finish_l2
 from .attention_mask import (
     Found,
@@ -42,6 +43,7 @@ from .attention_probe import (
     probe_tail,
     token_view,
 )
+from .attention_rotary import ROTARY_NOTE, unrotate
 from .graph import GraphInfo
 from .ops import FLOAT_TYPES, Node
 
@@ -59,8 +61,9 @@ def _affine(info: GraphInfo, nodes: list[Node], source: str) -> set[str]:
         if not vin or not all(i in aff for i in vin):
             continue
         t = n.op_type
-        if t == "MatMul" or t == "Mul":
-            ok = len(vin) == 1
+        if t == "MatMul" or t == "Mul" or t == "Einsum":
+            # Einsum: multilinear, so linear in its one input-dependent operand
+            ok = len(vin) == 1 and (t != "Einsum" or n.inputs.count(vin[0]) == 1)
         elif t == "Gemm" or t == "Div":
             ok = vin == [n.inputs[0]]
         elif t == "Gather":
@@ -121,7 +124,10 @@ def _find_output(info: GraphInfo, start: str, n: int) -> str:
             break
         if c.op_type == "Gemm" and c.inputs[0] != t:
             break
-        if c.op_type not in _LAYOUT | {"MatMul", "Gemm", "Add", "Sub", "Mul", "Div"} or \
+        if c.op_type == "Einsum" and c.inputs.count(t) != 1:
+            break
+        if c.op_type not in _LAYOUT | {"MatMul", "Gemm", "Add", "Sub", "Mul", "Div",
+                                       "Einsum"} or \
                 c.op_type in ("Concat", "Split", "Expand"):
             break
         if c.op_type == "Div" and c.inputs[0] != t:
@@ -287,7 +293,7 @@ def _analyse(info: GraphInfo, sm: Node, logits: str, x: str, layer: AttentionLay
     causal_mask = np.tril(np.ones((n, n), dtype=bool))
     layer.causal = bool(np.array_equal(finite, np.broadcast_to(causal_mask, finite.shape))) \
         and not finite.all()
-    (wa, ba), (wb, bb) = probe.affine([a, b], envs, xs)
+    (wa, ba), (wb, bb) = _read_projections(info, reg, probe, envs, xs, kind, a, b, layer)
     layer.wq, layer.bq = per_head(wa, g), per_head(ba, g)
     layer.wk, bk = per_head(wb, g), per_head(bb, g)
     layer.bk = bk
@@ -300,6 +306,40 @@ def _analyse(info: GraphInfo, sm: Node, logits: str, x: str, layer: AttentionLay
                                  and np.array_equal(layer.bq, bk)))
     finish_l2(info, reg.nodes, probe, envs, xs, reg.v_name, layer, (c, resid, ls, finite),
               heads_o)
+
+
+def _read_projections(info: GraphInfo, reg: _Region, probe: Probe,
+                      envs: list[Mapping[str, Tensor]], xs: list[np.ndarray], kind: str,
+                      a: tuple[str, bool], b: tuple[str, bool], layer: AttentionLayer
+                      ) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The query and key projections; for dot-product attention whose query/key is a
+    per-position rotation of a projection (rotary embeddings), the projection it rotates,
+    with the rotations' certified norm in `layer.position_factor` (docs/bounds.md, "Rotary
+    position embeddings")."""
+    try:
+        return probe.affine([a, b], envs, xs)
+    except NotAttention:
+        if kind != "dp":
+            raise
+    out, factor = [], 1.0
+    for is_key, t in ((False, a), (True, b)):
+        try:
+            out += probe.affine([t], envs, xs)
+            continue
+        except NotAttention:
+            pass
+        (w, bias), rho = unrotate(info, reg.nodes, reg.aff, probe, envs, xs, t)
+        if is_key and np.abs(bias).max() > 0:
+            layer.reason = (f"attention at Softmax {layer.softmax}: rotary keys with a key "
+                            "bias are not covered (the bias rotates with the position, so it "
+                            "no longer drops out of the softmax); a key projection without "
+                            "bias is")
+        out.append((w, bias))
+        factor = mul_up(factor, rho)
+    layer.position_factor = factor
+    if ROTARY_NOTE not in layer.notes:
+        layer.notes.append(ROTARY_NOTE)
+    return out
 
 
 def _region(info: GraphInfo, sm: Node, logits: str, x: str, layer: AttentionLayer,
@@ -448,6 +488,11 @@ def _finish_dp(probe: Probe, envs: list[Mapping[str, Tensor]], xs: list[np.ndarr
         # the fitted scale carries the evaluation's rounding (~1e-15 relative, more
         # when large constants sit in the logits): certify a slightly larger one
         scale = math.nextafter(scale * (1 + max(FIT_MARGIN, fit_err)), math.inf)
+    if layer.position_factor != 1.0:
+        # rotary: ||R_i||_2 <= rho for queries and keys scales the logit term by rho_q rho_k,
+        # folded into the scale; from 1/sqrt(d) rounded up, as the analyser would use
+        base = inv_sqrt_up(layer.wq.shape[-1]) if scale == canonical else scale
+        scale = mul_up(base, layer.position_factor)
     layer.scale = scale
 
 

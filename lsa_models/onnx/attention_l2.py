@@ -77,11 +77,19 @@ def _l2_values(info: GraphInfo, nodes: list[Node], probe: Probe,
             break
         t = nd.inputs[0]
     assert layer.wq is not None
-    if mm is None or heads_o != g:
+    if heads_o != g:
         layer.reason = reason
         return
-    z_name = mm.inputs[0]
-    wv_const = info.env[mm.inputs[1]].detach().numpy()
+    if mm is not None:
+        z_name = mm.inputs[0]
+        wv_const = info.env[mm.inputs[1]].detach().numpy()
+    else:
+        # the values are Z = X A_h themselves, W^V applied after P (neural_stpp writes
+        # `(P (X A_h)) W^V_h`, the same map): W^V_h = I here, and the tail's W^O holds
+        # blockdiag(W^V_h) W^O (docs/bounds.md, "Sequence-first logits")
+        z_name = v_name
+        width = probe.width
+        wv_const = np.eye(width)
     try:
         ((wz, bz),) = probe.affine([(z_name, False)], envs, xs)
     except NotAttention:

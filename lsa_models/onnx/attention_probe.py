@@ -23,9 +23,9 @@ from .ops import OPS, Node, gemm_epilogue
 
 TOL = 1e-8  # relative tolerance of the read-out checks, far above float64 rounding
 FIT_MARGIN = 1e-12  # relative allowance for constants fitted by least squares in float64
-_POSITION_HINT = (" (position-dependent query/key maps such as rotary position embeddings are "
-                  "not covered yet; a model without them, or with learned absolute positions "
-                  "added to its input, is)")
+_POSITION_HINT = (" (position-dependent maps are covered only as rotary embeddings of "
+                  "dot-product queries and keys; a model without them, or with learned "
+                  "absolute positions added to its input, is)")
 
 
 @dataclass
@@ -53,6 +53,9 @@ class AttentionLayer:
     value_factor: float = 1.0  # L2: max_h c'_h sqrt(d) (1.0 for the canonical scale)
     extra: dict[str, float] = field(default_factory=dict)
     n: int = 0  # tokens the attention sees (N + 1 after a class token); 0: not recognised
+    # DP with rotary embeddings: certified rho_q rho_k >= max_i ||R_i||_2 (query, key), folded
+    # into `scale` (docs/bounds.md, "Rotary position embeddings"); 1.0 without them
+    position_factor: float = 1.0
     # float32 readings this layer relies on (docs/bounds.md, Conventions): the certificate is
     # for the exact constants, and the report says so
     notes: list[str] = field(default_factory=list)

@@ -34,7 +34,7 @@ from .errors import (
 )
 from .graph import GraphModule, GraphSpec
 from .ops import FLOAT_TYPES, Node, patchwise_reason, unsupported_ops
-from .rewrite import lower_einsum
+from .rewrite import canonical_layouts
 
 __all__ = [  # the error classes live in errors.py; re-exported for callers of this module
     "DynamicSeqLenError", "LoadOptions", "OnnxCheckError", "OnnxExternalDataError",
@@ -498,7 +498,8 @@ def load_onnx(data: bytes, filename: str = "", opts: LoadOptions | None = None,
     _check_declared_shapes(model, opts)
     if not model.graph.output:
         raise OnnxCheckError("the graph has no output")
-    nodes = lower_einsum(nodes)  # after the checks: they and onnxruntime see the upload
+    # after the checks: they and onnxruntime see the upload
+    nodes = canonical_layouts(nodes, model)
     name, d_model, n, batch, rank, skipped, ids = _select_input(model, nodes)
     spec = GraphSpec(model, nodes, name, model.graph.output[0].name, d_model, n, batch, rank,
                      skipped, ids, opset, blob, seq_first, pixels)

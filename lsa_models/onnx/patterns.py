@@ -20,7 +20,7 @@ from .ops import Node, decimal_attr
 
 @dataclass
 class Composite:
-    kind: str  # "attention" | "gelu" | "layernorm" | "rmsnorm"
+    kind: str  # "attention" | "gelu" | "silu" | "layernorm" | "rmsnorm"
     input: str
     output: str
     nodes: list[str]
@@ -103,6 +103,22 @@ def _gelu_at(info: GraphInfo, e: Node, x: str, approximate: str) -> Composite | 
                 continue
         return Composite("gelu", x, t, [n.name for n in nodes])
     return None
+
+
+def _silu_patterns(info: GraphInfo) -> list[Composite]:
+    """SiLU written out as `x * Sigmoid(x)` (LLaMA's and Qwen's gated MLP, both exporters):
+    the Sigmoid's only reader is the Mul, whose other operand is the Sigmoid's input."""
+    out = []
+    for s in info.nodes:
+        if s.op_type != "Sigmoid" or s.inputs[0] not in info.var:
+            continue
+        x, sig = s.inputs[0], s.outputs[0]
+        cons = [c for c in info.consumers.get(sig, []) if c.name in info.live]
+        if len(cons) != 1 or cons[0].op_type != "Mul" or sorted(cons[0].inputs) != sorted(
+                [x, sig]) or info.shape(cons[0].outputs[0]) != info.shape(x):
+            continue
+        out.append(Composite("silu", x, cons[0].outputs[0], [s.name, cons[0].name]))
+    return out
 
 
 def _layernorm_patterns(info: GraphInfo) -> list[Composite]:
@@ -259,7 +275,8 @@ def find_composites(info: GraphInfo) -> tuple[list[Composite], list[str]]:
         elif a.reason:
             hints.append(a.reason)  # no region: the generic rules decide, sound either way
     taken = {nm for c in comps for nm in c.nodes}
-    for c in _gelu_patterns(info) + _layernorm_patterns(info) + _rmsnorm_patterns(info, taken):
+    for c in _gelu_patterns(info) + _silu_patterns(info) + _layernorm_patterns(info) + \
+            _rmsnorm_patterns(info, taken):
         if not taken & set(c.nodes):
             comps.append(c)
             taken |= set(c.nodes)

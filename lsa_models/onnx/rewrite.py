@@ -9,6 +9,8 @@ list only; onnxruntime still checks the uploaded graph.
 
 from __future__ import annotations
 
+import onnx
+
 from .ops import Node
 
 
@@ -62,3 +64,146 @@ def lower_einsum(nodes: list[Node]) -> list[Node]:
             b = bt
         out.append(Node(nd.name, "MatMul", [a, b], list(nd.outputs), {}, nd.domain))
     return out
+
+
+def _permuted_matmul(eq: str) -> tuple[list[int], list[int], list[int]] | None:
+    """For a two-operand Einsum that is a batched matrix product up to axis permutations
+    (neural_stpp writes `tbhd,sbhd->tsbh` and `tsbh,sbhm->tbhm`): one index free in each
+    operand, one contracted, every other index in both operands and the output. Returns the
+    Transpose perms of a (to `batch, i, k`), b (to `batch, k, j`) and of the product
+    (`batch, i, j` to the output's order), else None."""
+    eq = eq.replace(" ", "")
+    if "..." in eq or "->" not in eq:
+        return None
+    lhs, out = eq.split("->")
+    terms = lhs.split(",")
+    if len(terms) != 2:
+        return None
+    a, b = terms
+    if any(len(set(t)) != len(t) for t in (a, b, out)):
+        return None
+    a_free = [c for c in a if c not in b]
+    b_free = [c for c in b if c not in a]
+    contr = [c for c in a if c in b and c not in out]
+    batch = [c for c in out if c in a and c in b]
+    if len(a_free) != 1 or len(b_free) != 1 or len(contr) != 1 or \
+            sorted(out) != sorted(batch + a_free + b_free) or \
+            set(a) != set(batch + a_free + contr) or set(b) != set(batch + b_free + contr):
+        return None
+    i, j, k = a_free[0], b_free[0], contr[0]
+    prod = [*batch, i, j]
+    return ([a.index(c) for c in (*batch, i, k)], [b.index(c) for c in (*batch, k, j)],
+            [prod.index(c) for c in out])
+
+
+def _transpose(name: str, src: str, dst: str, perm: list[int], like: Node) -> Node:
+    return Node(name, "Transpose", [src], [dst], {"perm": perm}, like.domain)
+
+
+def _lower_permuted(nd: Node, perms: tuple[list[int], list[int], list[int]]) -> list[Node]:
+    """Transpose both operands, MatMul, Transpose the product back: the same sums of
+    products as the Einsum (each output entry one dot product over the contracted index)."""
+    pa, pb, po = perms
+    ident = list(range(len(pa)))
+    a, b = nd.inputs
+    out: list[Node] = []
+    if pa != ident:
+        out.append(_transpose(f"{nd.name}/Transpose_a", a, f"{nd.outputs[0]}__einsum_a", pa,
+                              nd))
+        a = f"{nd.outputs[0]}__einsum_a"
+    if pb != ident:
+        out.append(_transpose(f"{nd.name}/Transpose_b", b, f"{nd.outputs[0]}__einsum_b", pb,
+                              nd))
+        b = f"{nd.outputs[0]}__einsum_b"
+    if po == list(range(len(po))):
+        out.append(Node(nd.name, "MatMul", [a, b], list(nd.outputs), {}, nd.domain))
+        return out
+    prod = f"{nd.outputs[0]}__einsum_ab"
+    out.append(Node(nd.name, "MatMul", [a, b], [prod], {}, nd.domain))
+    out.append(_transpose(f"{nd.name}/Transpose_out", prod, nd.outputs[0], po, nd))
+    return out
+
+
+def _dims(model: onnx.ModelProto) -> dict[str, tuple[int | str, ...]]:
+    """Each tensor's shape from shape inference (`value_info`): sizes, or the symbol of a
+    dynamic axis (two axes with the same symbol have the same size)."""
+    out: dict[str, tuple[int | str, ...]] = {}
+    for vi in [*model.graph.value_info, *model.graph.input, *model.graph.output]:
+        t = vi.type.tensor_type
+        if not t.HasField("shape"):
+            continue
+        out[vi.name] = tuple(d.dim_value if d.HasField("dim_value") else
+                             (d.dim_param or f"?{vi.name}:{k}") for k, d in enumerate(t.shape.dim))
+    return out
+
+
+def _softmax_perm(shape: tuple[int | str, ...], axis: int) -> list[int] | None:
+    """The permutation putting the query axis (the other axis of the softmax axis' size,
+    nearest before it) second to last and the softmax (key) axis last; None when the
+    softmax is already over the last axis or no such axis exists."""
+    r = len(shape)
+    axis %= max(r, 1)
+    if r < 2 or axis == r - 1:
+        return None
+    same = [k for k in range(r) if k != axis and shape[k] == shape[axis]]
+    if not same:
+        return None
+    before = [k for k in same if k < axis]
+    q = before[-1] if before else same[0]
+    return [*[k for k in range(r) if k not in (q, axis)], q, axis]
+
+
+def _cancel_transposes(nodes: list[Node], keep: set[str]) -> list[Node]:
+    """`Transpose(Transpose(t, p1), p2)` with a single reader of the middle tensor becomes one
+    Transpose with perm `p1[p2[i]]`, an Identity when that is the identity."""
+    readers: dict[str, int] = {}
+    for nd in nodes:
+        for i in nd.inputs:
+            readers[i] = readers.get(i, 0) + 1
+    by_out = {o: nd for nd in nodes for o in nd.outputs}
+    merged: set[str] = set()
+    out: list[Node] = []
+    for nd in nodes:
+        first = by_out.get(nd.inputs[0]) if nd.op_type == "Transpose" and nd.inputs else None
+        if first is None or first.op_type != "Transpose" or readers.get(nd.inputs[0]) != 1 \
+                or nd.inputs[0] in keep or "perm" not in first.attrs or "perm" not in nd.attrs:
+            out.append(nd)
+            continue
+        p1, p2 = list(first.attrs["perm"]), list(nd.attrs["perm"])
+        perm = [p1[k] for k in p2]
+        merged.add(first.name)
+        if perm == list(range(len(perm))):
+            out.append(Node(nd.name, "Identity", [first.inputs[0]], list(nd.outputs), {},
+                            nd.domain))
+        else:
+            out.append(_transpose(nd.name, first.inputs[0], nd.outputs[0], perm, nd))
+    return [nd for nd in out if nd.name not in merged]
+
+
+def canonical_layouts(nodes: list[Node], model: onnx.ModelProto) -> list[Node]:
+    """The node list in the layout the recogniser reads, the function unchanged: batched-
+    matmul Einsums as MatMul (`lower_einsum`), permuted ones as Transpose + MatMul +
+    Transpose, and a Softmax over an axis other than the last (sequence-first logits
+    `(T, S, B, H)` over S) as Transpose + Softmax over the last axis + the inverse Transpose,
+    with the query axis second to last; then back-to-back Transposes merged (the inverse
+    Transpose and the value product's Transpose of P cancel)."""
+    dims = _dims(model)
+    out: list[Node] = []
+    for nd in lower_einsum(nodes):
+        if nd.op_type == "Einsum" and len(nd.inputs) == 2:
+            eq = nd.attrs.get("equation", b"")
+            perms = _permuted_matmul(eq.decode() if isinstance(eq, bytes) else str(eq))
+            if perms is not None:
+                out.extend(_lower_permuted(nd, perms))
+                continue
+        shape = dims.get(nd.inputs[0]) if nd.op_type == "Softmax" and nd.inputs else None
+        perm = None if shape is None else _softmax_perm(shape, int(nd.attrs.get("axis", -1)))
+        if perm is None:
+            out.append(nd)
+            continue
+        inv = [perm.index(k) for k in range(len(perm))]
+        t_in, t_out = f"{nd.outputs[0]}__keys_last_in", f"{nd.outputs[0]}__keys_last"
+        out += [_transpose(f"{nd.name}/Transpose_in", nd.inputs[0], t_in, perm, nd),
+                Node(nd.name, "Softmax", [t_in], [t_out], {**nd.attrs, "axis": -1}, nd.domain),
+                _transpose(f"{nd.name}/Transpose_out", t_out, nd.outputs[0], inv, nd)]
+    return _cancel_transposes(out, {o.name for o in model.graph.output})

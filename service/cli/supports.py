@@ -30,6 +30,13 @@ PATTERNS: tuple[tuple[str, str, str], ...] = (
      "masked_fill replacing logits by constants; SDPA's NaN guard when no row is all masked)"),
      ("ball bound when its input norms are bounded (LayerNorm before it, or --radius; with "
      "replaced logits the key bias counts); otherwise not_lipschitz (Theorem 3.1)")),
+    ("rotary position embeddings", ("dot-product queries/keys rotated per position (LLaMA's "
+     "rotate_half with Cos/Sin tables), no key bias"),
+     "the ball bound with its scale times certified max_i ||R_i|| (1 for exact rotations)"),
+    ("sequence-first attention", ("logits (T, S, B, H) with the Softmax over the key axis, "
+     "Einsum products (neural_stpp style)"), "as the same attention in the canonical layout"),
+    ("SiLU and gated MLPs", "x * Sigmoid(x); a product of two tensors with bounded tokens",
+     "1.0999; R_b Lip(a) + R_a Lip(b) (docs/bounds.md, Gated MLPs)"),
     ("LayerNorm", "LayerNormalization, or decomposed ReduceMean/Sub/Pow/Sqrt/Div",
      "max|gamma| / sqrt(eps) (eps > 0), output radius sqrt(D) max|gamma| + ||beta||"),
     ("GELU", "Gelu, or written out with Erf or tanh (GPT-2)", "1.1290"),

@@ -64,6 +64,18 @@ class AddSubOp(Op):
         return [Flow(flow.lip, _broadcast_add_radius(flow, const), shape)]
 
 
+def _product_flow(node: Node, a: Flow, b: Flow, shape: tuple[int, ...]) -> Flow:
+    """`a * b` of two input-dependent tensors with bounded tokens (a gated MLP's
+    `silu(x W^G) * (x W^U)` behind an RMSNorm): `A B - A' B' = (A - A') B + A' (B - B')`, and
+    every entry of a token is at most its 2-norm, so `Lip <= R_b Lip(a) + R_a Lip(b)` in the 2-
+    and the inf-norm; tokens have norm `<= R_a R_b` (docs/bounds.md, "Gated MLPs (SwiGLU)")."""
+    if a.shape != shape or b.shape != shape:
+        raise NotCertified(f"Mul node {node.name} broadcasts an input-dependent tensor")
+    assert a.radius is not None and b.radius is not None
+    lip = add_up(mul_up(b.radius, a.lip), mul_up(a.radius, b.lip))
+    return Flow(lip, mul_up(a.radius, b.radius), shape)
+
+
 @register
 class MulDivOp(Op):
     types = ("Mul", "Div")
@@ -82,10 +94,15 @@ class MulDivOp(Op):
         a, b = args[0], args[1]
         if node.op_type == "Mul" and isinstance(b, Flow) and isinstance(a, np.ndarray):
             a, b = b, a
+        if node.op_type == "Mul" and isinstance(a, Flow) and isinstance(b, Flow) \
+                and a.radius is not None and b.radius is not None:
+            return [_product_flow(node, a, b, out_shapes[0])]
         if not (isinstance(a, Flow) and isinstance(b, np.ndarray)):
             raise NotCertified(f"{node.op_type} node {node.name} of two input-dependent "
                                "tensors (or a constant divided by one) outside a recognised "
-                               "pattern: not Lipschitz in general")
+                               "pattern: not Lipschitz in general (a product of two is bounded "
+                               "when both factors' token norms are, e.g. behind a LayerNorm "
+                               "or RMSNorm, or with an input radius)")
         if a.shape != out_shapes[0]:
             raise NotCertified(f"{node.op_type} node {node.name} broadcasts an "
                                "input-dependent tensor")

@@ -28,6 +28,9 @@ from ...bounds.numerics import (
 
 # sup |erf'| = 2/sqrt(pi) = 1.1283791670955126..., rounded up.
 ERF_LIPSCHITZ = 1.1283792
+# sup |silu'| = 1.0998393... (at x = 2.39936...; inf silu' = -0.0998393... at -2.39936...),
+# rounded up (docs/bounds.md, "Gated MLPs (SwiGLU)"); |silu(x)| <= |x| coordinate-wise.
+SILU_LIPSCHITZ = 1.0999
 SOFTMAX_LIPSCHITZ = 0.5  # ||diag(p) - p p^T|| <= 1/2 in the 2- and inf-norms
 
 

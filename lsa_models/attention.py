@@ -145,6 +145,13 @@ class L2MHA(nn.Module):
         return torch.bmm(m, wo).reshape(h * d, -1)  # (D, D)
 
     def forward(self, x: Tensor) -> Tensor:  # x: (B, N, D)
+        # One fused product-plus-bias (addmm) for the output projection.
+        return F.linear(self.attend(x), self.folded_output_weight().transpose(0, 1),
+                        self.out_proj.bias)  # (B, N, D)
+
+    def attend(self, x: Tensor) -> Tensor:  # x: (B, N, D) -> (B, N, D)
+        """The merged head outputs `[P_h X W^Q_h]_h` before the folded output projection:
+        `forward(x) = attend(x) @ folded_output_weight() + out_proj.bias`."""
         cfg = self.config
         d = cfg.head_dim
         q = _split_heads(self.q_proj(x), cfg.n_heads)  # (B, H, N, d)
@@ -152,14 +159,14 @@ class L2MHA(nn.Module):
         # torch's fused CPU kernel needs one head size for queries, keys and values and runs
         # fastest at a multiple of 8: zero columns pad all three to e >= d + 1 at no change
         # in value (they add 0 to every logit and give output columns that are dropped).
+        # `[q, 1/2] . [k, -|k|^2]` at scale 2/sqrt(d) is the logit `(2 q.k - |k|^2)/sqrt(d)`,
+        # and the same augmented queries serve as the values (their first d columns are q).
         e = -(-(d + 1) // 8) * 8
         pad = q.new_zeros(*q.shape[:-1], e - d - 1)  # (B, H, N, e-d-1)
-        q_aug = torch.cat([2.0 * q, torch.ones_like(q[..., :1]), pad], dim=-1)  # (B, H, N, e)
+        q_aug = torch.cat([q, torch.full_like(q[..., :1], 0.5), pad], dim=-1)  # (B, H, N, e)
         k_aug = torch.cat([k, -(k * k).sum(-1, keepdim=True), pad], dim=-1)  # (B, H, N, e)
-        v = torch.cat([q, pad, torch.zeros_like(q[..., :1])], dim=-1)  # (B, H, N, e)
-        y = _sdpa(q_aug, k_aug, v, cfg.causal, 1.0 / math.sqrt(d))[..., :d]  # (B, H, N, d)
-        out = _merge_heads(y) @ self.folded_output_weight()  # (B, N, D)
-        return out + self.out_proj.bias
+        y = _sdpa(q_aug, k_aug, q_aug, cfg.causal, 2.0 / math.sqrt(d))[..., :d]  # (B, H, N, d)
+        return _merge_heads(y)  # (B, N, D)
 
     def forward_export(self, x: Tensor, form: str = "pairwise") -> Tensor:
         """The definition in an exporter-friendly form: explicit logits (pairwise differences

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -32,10 +33,54 @@ _L2_NORMS_NEEDED = {"theorem_3_2": ("q", "v", "o"), "per_head": ("q", "m", "o"),
                     "head_sum": ("q", "b"), "concat": ("q_all", "b_stack")}
 
 
+def _candidate_value(name: str, s: dict[str, Tensor], d: int) -> Tensor:
+    """The weight factor of one 2-norm candidate of `l2_mha_candidates` (without the lead
+    factor `L`) from the spectral norms `s` of `_L2_NORMS_NEEDED[name]`."""
+    if name == "theorem_3_2":
+        # ||W^Q||^4: the corrected weight term of bounds.formulas._two_norm_weights
+        return torch.sqrt((s["q"]**4 * s["v"]**2).sum()) * s["o"] / math.sqrt(d)
+    if name == "per_head":
+        return s["o"] * torch.sqrt(((s["q"] * s["m"]) ** 2).sum())
+    if name == "head_sum":
+        return (s["q"] * s["b"]).sum()
+    return s["q_all"] * s["b_stack"]
+
+
+def _needed(names: tuple[str, ...]) -> list[str]:
+    return sorted({k for n in names for k in _L2_NORMS_NEEDED[n]})
+
+
+@dataclass(frozen=True)
+class TrainingEstimate:
+    """What a training-mode forward of a contractive block needs before it runs: the
+    matrices whose spectral norms set its scale (`common.estimate_norms` takes them, in one
+    batched call for a whole `ContractiveTrunk`) and the block's own precomputed operand."""
+
+    mats: list[Tensor]
+    operand: Tensor | None = None
+
+
+def _training_mode(block: nn.Module, weight: Tensor, frozen: object, enabled: bool) -> bool:
+    """Training mode with the cheap estimate: scales `c / U_est`, differentiable."""
+    return (frozen is None and block.training and enabled and torch.is_grad_enabled()
+            and weight.requires_grad)
+
+
 class ResidualBlock(nn.Module):
-    """`G(X) = X + g(X)` with `branch = g`; `lipschitz_upper()` is Lip_2(g) or None."""
+    """`G(X) = X + g(X)` with `branch = g`; `lipschitz_upper()` is Lip_2(g) or None.
+
+    Contractive blocks in training mode also offer `training_estimate()` (None elsewhere)
+    and `branch_estimated(x, estimate, norms)`, `norms` the `estimate_norms` of
+    `estimate.mats`: `branch(x)` is exactly that with the norms estimated there."""
 
     def branch(self, x: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def training_estimate(self) -> TrainingEstimate | None:
+        return None
+
+    def branch_estimated(self, x: Tensor, estimate: TrainingEstimate,
+                         norms: list[Tensor]) -> Tensor:
         raise NotImplementedError
 
     def lipschitz_upper(self, seq_len: int | None = None) -> float | None:
@@ -109,37 +154,46 @@ class ContractiveL2Block(ResidualBlock):
                 self._cache, self._cache_key = (u, scale), key
         return self._cache
 
-    def _torch_u(self, exact: bool, names: tuple[str, ...]) -> Tensor:
-        """The certified formula in torch (differentiable): the smallest of the 2-norm
-        `l2_mha_candidates` in `names`, spectral norms by SVD (`exact`) or by
-        `estimate_norms`; only the norms those candidates use are computed."""
+    def _norm_inputs(self, need: list[str], folded: Tensor | None) -> list[Tensor]:
+        """The float32 matrices whose spectral norms the candidates use, in `need`'s order;
+        `folded`: `attn.folded_output_weight()` when the caller has it already (it is
+        `[B_1; ..; B_H]`, the stacked `M_h W^O_h`)."""
         a = self.attn
         h, d = self.config.n_heads, self.config.d_model // self.config.n_heads
         with torch.autocast(a.q_proj.weight.device.type, enabled=False):
-            wq, wv = a.query_weights().float(), a.value_weights().float()  # (H, D, d)
-            wo = a.output_weight().float()  # (D, D)
-            m = torch.einsum("hke,hkf->hef", wq, wv) / math.sqrt(d)  # (H, d, d) = M_h
-            b = torch.bmm(m, wo.reshape(h, d, -1))  # (H, d, D) = M_h W^O_h
-            mats = {"q": wq, "v": wv, "o": wo, "m": m, "b": b,
-                    "q_all": a.q_proj.weight.float(), "b_stack": b.reshape(h * d, -1)}
-            need = sorted({k for n in names for k in _L2_NORMS_NEEDED[n]})
-            got = (_spec_norms(mats[k]) for k in need) if exact else \
-                iter(estimate_norms([mats[k] for k in need]))
-            s = dict(zip(need, got, strict=True))
-            values = []
-            for n in names:
-                if n == "theorem_3_2":
-                    # ||W^Q||^4: the corrected weight term of bounds.formulas._two_norm_weights
-                    values.append(torch.sqrt((s["q"]**4 * s["v"]**2).sum()) * s["o"]
-                                  / math.sqrt(d))
-                elif n == "per_head":
-                    values.append(s["o"] * torch.sqrt(((s["q"] * s["m"]) ** 2).sum()))
-                elif n == "head_sum":
-                    values.append((s["q"] * s["b"]).sum())
-                else:
-                    values.append(s["q_all"] * s["b_stack"])
-            lead = _lead(self.config.max_len, self.config.causal)
-            return lead * torch.stack(values).min()
+            if folded is None and ("b" in need or "b_stack" in need):
+                folded = a.folded_output_weight().float()  # (D, D)
+            mats: dict[str, Tensor] = {"q_all": a.q_proj.weight.float()}  # (D, D)
+            if "q" in need or "m" in need:
+                mats["q"] = a.query_weights().float()  # (H, D, d)
+            if "v" in need:
+                mats["v"] = a.value_weights().float()  # (H, D, d)
+            if "o" in need:
+                mats["o"] = a.output_weight().float()  # (D, D)
+            if "m" in need:
+                mats["m"] = torch.einsum("hke,hkf->hef", mats["q"],
+                                         a.value_weights().float()) / math.sqrt(d)  # (H, d, d)
+            if folded is not None:
+                mats["b"] = folded.reshape(h, d, -1)  # (H, d, D) = M_h W^O_h
+                mats["b_stack"] = folded  # (H d, D)
+        return [mats[k] for k in need]
+
+    def _u_from(self, names: tuple[str, ...], norms: list[Tensor]) -> Tensor:
+        """The smallest candidate in `names` from the spectral norms of `_norm_inputs`."""
+        d = self.config.d_model // self.config.n_heads
+        s = dict(zip(_needed(names), norms, strict=True))
+        values = [_candidate_value(n, s, d) for n in names]
+        lead = _lead(self.config.max_len, self.config.causal)
+        return lead * (values[0] if len(values) == 1 else torch.stack(values).min())
+
+    def _torch_u(self, exact: bool, names: tuple[str, ...],
+                 folded: Tensor | None = None) -> Tensor:
+        """The certified formula in torch (differentiable): the smallest of the 2-norm
+        `l2_mha_candidates` in `names`, spectral norms by SVD (`exact`) or by
+        `estimate_norms`; only the matrices and norms those candidates use are computed."""
+        mats = self._norm_inputs(_needed(names), folded)
+        norms = [_spec_norms(m) for m in mats] if exact else estimate_norms(mats)
+        return self._u_from(names, norms)
 
     def _surrogate_u(self) -> Tensor:
         """`_torch_u` with exact (SVD) spectral norms, on `bound_names` (default: all but
@@ -149,7 +203,34 @@ class ContractiveL2Block(ResidualBlock):
     def estimated_u(self) -> Tensor:
         """`_torch_u` with `estimate_norms` (Rayleigh quotients: an estimate from below) on
         `training_bounds` (or `bound_names` when set)."""
-        return self._torch_u(False, self.bound_names or self.training_bounds)
+        return self._torch_u(False, self._training_names())
+
+    def _training_names(self) -> tuple[str, ...]:
+        return self.bound_names or self.training_bounds
+
+    def training_estimate(self) -> TrainingEstimate | None:
+        """Training mode: the folded output matrix (the forward's, and the `concat`
+        candidate's stacked B) and the matrices the training scale's norms are taken of."""
+        a = self.attn
+        if not _training_mode(self, a.q_proj.weight, self.frozen, self.estimate_in_training):
+            return None
+        with torch.autocast(a.q_proj.weight.device.type, enabled=False):
+            folded = a.folded_output_weight().float()  # (D, D)
+        return TrainingEstimate(self._norm_inputs(_needed(self._training_names()), folded),
+                                folded)
+
+    def branch_estimated(self, x: Tensor, estimate: TrainingEstimate,
+                         norms: list[Tensor]) -> Tensor:  # (B, N, D)
+        """`c F(X) / U_est`. The scale multiplies the (D, D) folded matrix and the bias
+        instead of the (B, N, D) output: the same map up to rounding, and nothing certified
+        is computed from a training-mode forward."""
+        self._check_length(x)
+        a, folded = self.attn, estimate.operand
+        assert folded is not None
+        # NaN weights give a NaN scale and loss here; train_lm stops on it.
+        s = self.config.c / self._u_from(self._training_names(), norms)
+        return nn.functional.linear(a.attend(x), (folded * s).transpose(0, 1),
+                                    a.out_proj.bias * s)  # (B, N, D)
 
     def scale(self) -> Tensor | float:
         """The factor multiplying F(X). Training: `c / U_est` (differentiable). Otherwise the
@@ -173,10 +254,16 @@ class ContractiveL2Block(ResidualBlock):
         # Lip(g) = scale * Lip(F) <= scale * U(n); U(n) <= U(max_len) for n <= max_len.
         return mul_up(self._certified()[1], u_n)
 
-    def branch(self, x: Tensor) -> Tensor:  # (B, N, D)
+    def _check_length(self, x: Tensor) -> None:
         if x.shape[1] > self.config.max_len:
             raise ValueError(f"sequence length {x.shape[1]} exceeds the certified max_len="
                              f"{self.config.max_len}")
+
+    def branch(self, x: Tensor) -> Tensor:  # (B, N, D)
+        self._check_length(x)
+        est = self.training_estimate()
+        if est is not None:
+            return self.branch_estimated(x, est, estimate_norms(est.mats))
         return self.attn(x) * self.scale()  # (B, N, D)
 
 
@@ -235,6 +322,23 @@ class ContractiveFFNBlock(ResidualBlock):
             return (sa - sa.detach()) + a, (sb - sb.detach()) + b
         return a, b
 
+    def training_estimate(self) -> TrainingEstimate | None:
+        """Training mode: the two weights whose norms set the scales."""
+        if not _training_mode(self, self.fc1.weight, self.frozen, self.estimate_in_training):
+            return None
+        return TrainingEstimate([self.fc1.weight.float(), self.fc2.weight.float()])
+
+    def branch_estimated(self, x: Tensor, estimate: TrainingEstimate,
+                         norms: list[Tensor]) -> Tensor:  # (B, N, D)
+        """Scales `1/s1`, `c/(L_act s2)` on the (F, D) and (D, F) weights instead of the
+        (B, N, F) and (B, N, D) products (fused with the biases): the same map up to
+        rounding, and nothing certified is computed from a training-mode forward."""
+        s1, s2 = norms
+        lact = ACTIVATION_LIPSCHITZ[self.config.activation]
+        h = self.act(nn.functional.linear(x, self.fc1.weight / s1, self.fc1.bias))  # (B, N, F)
+        return nn.functional.linear(h, self.fc2.weight * (self.config.c / (lact * s2)),
+                                    self.fc2.bias)  # (B, N, D)
+
     def lipschitz_upper(self, seq_len: int | None = None) -> float:
         s1, s2, a, b = self._certified()
         lact = ACTIVATION_LIPSCHITZ[self.config.activation]
@@ -243,6 +347,9 @@ class ContractiveFFNBlock(ResidualBlock):
     def branch(self, x: Tensor) -> Tensor:  # (B, N, D)
         # Scale the products, not the weights: the certified map is then exactly
         # `a W1 x` with the stored W1 (a rounded weight copy fl(a W1) would not be).
+        est = self.training_estimate()
+        if est is not None:
+            return self.branch_estimated(x, est, estimate_norms(est.mats))
         a, b = self.scales()
         h = self.act(nn.functional.linear(x, self.fc1.weight) * a + self.fc1.bias)  # (B, N, F)
         return nn.functional.linear(h, self.fc2.weight) * b + self.fc2.bias  # (B, N, D)

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from ..bounds.numerics import add_up, div_up, mul_up
 from ..config import ConfigError
 from .blocks import ContractiveFFNBlock, ContractiveL2Block, ResidualBlock
-from .common import ContractiveFFNConfig, ContractiveL2Config
+from .common import ContractiveFFNConfig, ContractiveL2Config, estimate_norms
 from .inverse import InverseResult, NotInvertibleError
 from .logdet import LogDetEstimate, logdet_estimate
 
@@ -76,6 +76,17 @@ class ContractiveTrunk(nn.Module):
         return [b for b in self.blocks if isinstance(b, ResidualBlock)]
 
     def forward(self, x: Tensor) -> Tensor:  # (B, N, D)
+        blocks = self.residual_blocks()
+        estimates = [b.training_estimate() for b in blocks]
+        if all(e is not None for e in estimates):
+            # Training mode: the norm estimates of every block in one batched call (the
+            # weights do not change during a forward), then each block with its own norms.
+            mats = [m for e in estimates if e is not None for m in e.mats]
+            norms = iter(estimate_norms(mats))
+            for blk, est in zip(blocks, estimates, strict=True):
+                assert est is not None
+                x = x + blk.branch_estimated(x, est, [next(norms) for _ in est.mats])
+            return x
         for blk in self.blocks:
             x = blk(x)
         return x

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -24,8 +23,8 @@ from .common import (
     _param_key,
     _require_finite,
     _spec_norms,
-    estimate_norms,
 )
+from .estimate import PowerState, TrainingEstimate, estimate_norms, run_estimates
 from .inverse import InverseResult, fixed_point_inverse
 
 # The spectral norms each 2-norm candidate of `bounds.formulas.l2_mha_candidates` uses.
@@ -50,16 +49,6 @@ def _needed(names: tuple[str, ...]) -> list[str]:
     return sorted({k for n in names for k in _L2_NORMS_NEEDED[n]})
 
 
-@dataclass(frozen=True)
-class TrainingEstimate:
-    """What a training-mode forward of a contractive block needs before it runs: the
-    matrices whose spectral norms set its scale (`common.estimate_norms` takes them, in one
-    batched call for a whole `ContractiveTrunk`) and the block's own precomputed operand."""
-
-    mats: list[Tensor]
-    operand: Tensor | None = None
-
-
 def _training_mode(block: nn.Module, weight: Tensor, frozen: object, enabled: bool) -> bool:
     """Training mode with the cheap estimate: scales `c / U_est`, differentiable."""
     return (frozen is None and block.training and enabled and torch.is_grad_enabled()
@@ -70,8 +59,9 @@ class ResidualBlock(nn.Module):
     """`G(X) = X + g(X)` with `branch = g`; `lipschitz_upper()` is Lip_2(g) or None.
 
     Contractive blocks in training mode also offer `training_estimate()` (None elsewhere)
-    and `branch_estimated(x, estimate, norms)`, `norms` the `estimate_norms` of
-    `estimate.mats`: `branch(x)` is exactly that with the norms estimated there."""
+    and `branch_estimated(x, estimate, norms)`, `norms` the estimated spectral norms of
+    `estimate.mats` (`estimate.run_estimates`, one batched call for a whole trunk):
+    `branch(x)` is exactly that with this block's norms estimated on their own."""
 
     def branch(self, x: Tensor) -> Tensor:
         raise NotImplementedError
@@ -102,7 +92,7 @@ class ContractiveL2Block(ResidualBlock):
     (`bounds.formulas.l2_mha_bound`: the smallest of the chained bounds and Theorem 3.2).
 
     In training mode (grad enabled, `self.training`) the scale is `c / U_est`, U_est the same
-    formula on estimates of the spectral norms (`common.estimate_norms`): cheap and
+    formula on estimates of the spectral norms (`estimate.estimate_norms_warm`): cheap and
     differentiable, but not certified. Everywhere else (eval mode, no grad, `lipschitz_upper`,
     `inverse`, `frozen_scales`, export, certification) the scale is the certified
     `<= c / U_cert`, so `Lip(g) <= c` holds for the weights as they are used there.
@@ -127,6 +117,7 @@ class ContractiveL2Block(ResidualBlock):
         self._cache_key: tuple[object, ...] | None = None
         self._cache: tuple[float, float] = (0.0, 0.0)  # (U_cert, scale32)
         self.frozen: float | None = None
+        self.power = PowerState()  # warm-start vectors of the training estimate
 
     def _weights(self) -> list[Tensor]:
         return [self.attn.q_proj.weight, self.attn.v_proj.weight, self.attn.out_proj.weight]
@@ -217,7 +208,7 @@ class ContractiveL2Block(ResidualBlock):
         with torch.autocast(a.q_proj.weight.device.type, enabled=False):
             folded = a.folded_output_weight().float()  # (D, D)
         return TrainingEstimate(self._norm_inputs(_needed(self._training_names()), folded),
-                                folded)
+                                self.power, folded)
 
     def branch_estimated(self, x: Tensor, estimate: TrainingEstimate,
                          norms: list[Tensor]) -> Tensor:  # (B, N, D)
@@ -263,7 +254,7 @@ class ContractiveL2Block(ResidualBlock):
         self._check_length(x)
         est = self.training_estimate()
         if est is not None:
-            return self.branch_estimated(x, est, estimate_norms(est.mats))
+            return self.branch_estimated(x, est, run_estimates([est])[0])
         return self.attn(x) * self.scale()  # (B, N, D)
 
 
@@ -287,6 +278,7 @@ class ContractiveFFNBlock(ResidualBlock):
         self._cache_key: tuple[object, ...] | None = None
         self._cache: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
         self.frozen: tuple[float, float] | None = None
+        self.power = PowerState()  # warm-start vectors of the training estimate
 
     def _certified(self) -> tuple[float, float, float, float]:
         """(s1, s2, a, b): certified spectral norms and the float32 scales a <= 1/s1,
@@ -326,7 +318,7 @@ class ContractiveFFNBlock(ResidualBlock):
         """Training mode: the two weights whose norms set the scales."""
         if not _training_mode(self, self.fc1.weight, self.frozen, self.estimate_in_training):
             return None
-        return TrainingEstimate([self.fc1.weight.float(), self.fc2.weight.float()])
+        return TrainingEstimate([self.fc1.weight.float(), self.fc2.weight.float()], self.power)
 
     def branch_estimated(self, x: Tensor, estimate: TrainingEstimate,
                          norms: list[Tensor]) -> Tensor:  # (B, N, D)
@@ -349,7 +341,7 @@ class ContractiveFFNBlock(ResidualBlock):
         # `a W1 x` with the stored W1 (a rounded weight copy fl(a W1) would not be).
         est = self.training_estimate()
         if est is not None:
-            return self.branch_estimated(x, est, estimate_norms(est.mats))
+            return self.branch_estimated(x, est, run_estimates([est])[0])
         a, b = self.scales()
         h = self.act(nn.functional.linear(x, self.fc1.weight) * a + self.fc1.bias)  # (B, N, F)
         return nn.functional.linear(h, self.fc2.weight) * b + self.fc2.bias  # (B, N, D)

@@ -75,80 +75,8 @@ def _lead(n: int, causal: bool) -> float:
 
 def _spec_norms(w: Tensor) -> Tensor:
     """Largest singular value of each matrix in a (..., m, n) stack, differentiable (an SVD:
-    exact but slow; the training path uses `estimate_norms` instead)."""
+    exact but slow; the training path uses `estimate.estimate_norms` instead)."""
     return torch.linalg.matrix_norm(w.float(), ord=2)
-
-
-# Power steps on each Gram matrix G: the estimate is `G^_POWER e_j`, e_j the basis vector
-# of G's largest column, so the Rayleigh quotient's error is ~ (l2/l1)^(2 _POWER)
-# (l = eigenvalues of G). Matrix-vector products (k^2 each) rather than squarings of G
-# (k^3 each): at k = 64 sixteen of them cost a sixteenth of the four squarings to G^16.
-_POWER = 16
-_RENORM_EVERY = 3
-
-
-def _dominant_vectors(grams: Tensor) -> Tensor:  # (S, k, k) -> (S, k, 1)
-    """Unit estimates of the dominant eigenvector of each PSD matrix: `G^_POWER e_j` with
-    j the largest column. G is divided by its trace first (every eigenvalue <= 1, the
-    largest >= 1/k) and the vector renormalised every `_RENORM_EVERY` steps, so its entries
-    stay far inside float32's range with few normalisations."""
-    g = grams / (grams.diagonal(dim1=-2, dim2=-1).sum(-1)[:, None, None] + 1e-30)
-    k = g.shape[-1]
-    v = g.gather(-1, g.norm(dim=-2).argmax(-1)[:, None, None].expand(-1, k, 1))  # (S, k, 1)
-    for i in range(1, _POWER):
-        if i % _RENORM_EVERY == 0:
-            v = v / v.norm(dim=-2, keepdim=True).clamp_min(1e-30)
-        v = _matvec(g, v)  # (S, k, 1)
-    return v / v.norm(dim=-2, keepdim=True).clamp_min(1e-30)
-
-
-def _matvec(a: Tensor, v: Tensor) -> Tensor:  # (S, m, k), (S, k, 1) -> (S, m, 1)
-    # A broadcast product and a row sum: on CPU several times faster than bmm, whose
-    # one-column products go through a general matrix kernel batch by batch.
-    return (a * v.mT).sum(-1, keepdim=True)
-
-
-def estimate_norms(mats: list[Tensor]) -> list[Tensor]:
-    """Largest singular value of each matrix in each (..., m, n) stack: shape (...) each.
-
-    Stateless and deterministic in the weights (so a resumed training run repeats the
-    uninterrupted one bit for bit): each matrix is oriented tall (`W^T` when it is wider than
-    tall), `_POWER` power steps on the Gram matrix `W^T W` of its short side
-    (`_dominant_vectors`) give the dominant right singular vector estimate v, and `sigma = ||W v||` (v a unit vector) is a Rayleigh quotient, `<=` the true norm,
-    differentiable in W with gradient `u v^T`, the gradient of `||W||_2` at convergence.
-    Grams of one size share one batched chain of products, and matrices of one oriented shape
-    one batched Rayleigh quotient, so a whole `ContractiveTrunk` (16 matrices at D=64, four
-    layers) costs a few kernels. Estimates only: they drive the contractive rescale during
-    training, never a certified number. Autocast is off inside (float32 throughout).
-    """
-    if not mats:
-        return []
-    tall = [w.mT if w.shape[-1] > w.shape[-2] else w for w in mats]
-    shapes: dict[tuple[int, int], list[int]] = {}
-    for i, w in enumerate(tall):
-        shapes.setdefault((w.shape[-2], w.shape[-1]), []).append(i)
-    with torch.autocast(mats[0].device.type, enabled=False):
-        stacks = {mk: torch.cat([tall[i].reshape(-1, *mk) for i in idx])  # (S, m, k)
-                  for mk, idx in shapes.items()}
-        with torch.no_grad():
-            by_k: dict[int, list[tuple[int, int]]] = {}
-            for mk in stacks:
-                by_k.setdefault(mk[1], []).append(mk)
-            vectors: dict[tuple[int, int], Tensor] = {}
-            for mks in by_k.values():
-                grams = torch.cat([stacks[mk].detach().mT @ stacks[mk].detach()
-                                   for mk in mks])  # (S, k, k)
-                v = _dominant_vectors(grams)  # (S, k, 1)
-                for mk, part in zip(mks, v.split([stacks[mk].shape[0] for mk in mks]),
-                                    strict=True):
-                    vectors[mk] = part
-        out: list[Tensor | None] = [None] * len(mats)
-        for mk, idx in shapes.items():
-            sigma = _matvec(stacks[mk], vectors[mk]).squeeze(-1).norm(dim=-1)  # (S,): ||W v||
-            counts = [math.prod(mats[i].shape[:-2]) for i in idx]
-            for i, part in zip(idx, sigma.split(counts), strict=True):
-                out[i] = part.reshape(mats[i].shape[:-2])
-    return [o for o in out if o is not None]
 
 
 @dataclass(frozen=True)

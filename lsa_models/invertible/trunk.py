@@ -12,7 +12,8 @@ from torch import Tensor, nn
 from ..bounds.numerics import add_up, div_up, mul_up
 from ..config import ConfigError
 from .blocks import ContractiveFFNBlock, ContractiveL2Block, ResidualBlock
-from .common import ContractiveFFNConfig, ContractiveL2Config, estimate_norms
+from .common import ContractiveFFNConfig, ContractiveL2Config
+from .estimate import run_estimates
 from .inverse import InverseResult, NotInvertibleError
 from .logdet import LogDetEstimate, logdet_estimate
 
@@ -81,14 +82,14 @@ class ContractiveTrunk(nn.Module):
         if all(e is not None for e in estimates):
             # Training mode: the norm estimates of every block in one batched call (the
             # weights do not change during a forward), then each block with its own norms.
-            mats = [m for e in estimates if e is not None for m in e.mats]
-            norms = iter(estimate_norms(mats))
-            for blk, est in zip(blocks, estimates, strict=True):
-                assert est is not None
-                x = x + blk.branch_estimated(x, est, [next(norms) for _ in est.mats])
+            ready = [e for e in estimates if e is not None]
+            # (The blocks' own forward is bypassed here, and with it any forward hooks on
+            # them; eval-mode forwards always go through it.)
+            for blk, est, norms in zip(blocks, ready, run_estimates(ready), strict=True):
+                x = x + blk.branch_estimated(x, est, norms)
             return x
-        for blk in self.blocks:
-            x = blk(x)
+        for module in self.blocks:
+            x = module(x)
         return x
 
     def branch_constants(self, seq_len: int | None = None) -> list[float]:

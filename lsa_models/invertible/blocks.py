@@ -206,9 +206,9 @@ class ContractiveL2Block(ResidualBlock):
         if not _training_mode(self, a.q_proj.weight, self.frozen, self.estimate_in_training):
             return None
         with torch.autocast(a.q_proj.weight.device.type, enabled=False):
-            folded = a.folded_output_weight().float()  # (D, D)
-        return TrainingEstimate(self._norm_inputs(_needed(self._training_names()), folded),
-                                self.power, folded)
+            folded = a.folded_output_weight()  # (D, D), in the weights' dtype
+        mats = self._norm_inputs(_needed(self._training_names()), folded.float())
+        return TrainingEstimate(mats, self.power, folded)
 
     def branch_estimated(self, x: Tensor, estimate: TrainingEstimate,
                          norms: list[Tensor]) -> Tensor:  # (B, N, D)

@@ -77,11 +77,12 @@ class L2MHA(nn.Module):
     """L2 multi-head self-attention (Kim et al. 2021), efficient form.
 
     Logits `-||q_i - k_j||^2 / sqrt(d)` equal `(2 q_i.k_j - ||k_j||^2) / sqrt(d)` up to a
-    per-row constant, so they are a scaled dot product of augmented vectors
-    `[2 q_i, 1] . [k_j, -||k_j||^2]`, which `scaled_dot_product_attention` runs unmasked.
+    per-row constant, so they are a scaled dot product (scale 2/sqrt(d)) of augmented vectors
+    `[q_i, 1/2] . [k_j, -||k_j||^2]`, which `scaled_dot_product_attention` runs unmasked.
     The value path `X A_h W^V_h` with `A_h = W^Q_h W^K_h^T / sqrt(d)` equals
     `Q_h (W^K_h^T W^V_h) / sqrt(d)`; the d x d factor is folded into the output projection,
-    so the values are the queries themselves and no value projection runs per token.
+    so the values are the (augmented) queries themselves and no value projection runs per
+    token. The output projection is one fused product with bias (`attend` + addmm).
     """
 
     def __init__(self, d_model: int, n_heads: int, *, tied: bool = True,

@@ -224,8 +224,9 @@ class ContractiveL2Block(ResidualBlock):
                                     a.out_proj.bias * s)  # (B, N, D)
 
     def scale(self) -> Tensor | float:
-        """The factor multiplying F(X). Training: `c / U_est` (differentiable). Otherwise the
-        certified value `<= c / U_cert` (with grad but not training: that value, with the
+        """The factor multiplying F(X). Training: `c / U_est` (differentiable; the stateless
+        `estimated_u`, which a training forward's warm-started estimate refines). Otherwise
+        the certified value `<= c / U_cert` (with grad but not training: that value, with the
         gradient of `c / U_surrogate`)."""
         if self.frozen is not None:
             return self.frozen
@@ -260,7 +261,7 @@ class ContractiveL2Block(ResidualBlock):
 
 class ContractiveFFNBlock(ResidualBlock):
     """Token-wise `x + c (W2/s2) act((W1/s1) x + b1) / L_act + b2`, s_i certified norms
-    (training mode: power-iteration estimates, as in `ContractiveL2Block`)."""
+    (training mode: warm-started power-iteration estimates, as in `ContractiveL2Block`)."""
 
     estimate_in_training: bool = True
 
@@ -297,6 +298,9 @@ class ContractiveFFNBlock(ResidualBlock):
         return self._cache
 
     def scales(self) -> tuple[Tensor | float, Tensor | float]:
+        """(a, b) multiplying `W1 x` and `W2 h`: training, `1/s1` and `c/(L_act s2)` on the
+        stateless estimates (a training forward refines them warm); otherwise certified, as
+        `ContractiveL2Block.scale`."""
         if self.frozen is not None:
             return self.frozen
         w = self.fc1.weight

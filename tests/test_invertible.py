@@ -421,6 +421,11 @@ def test_estimate_norms_is_close_on_the_lm_shapes_and_warm_steps_converge():
         values.append(float(norms[0]))
     assert values[0] < 2.99 and abs(values[-1] - 3.0) < 1e-4
     assert all(b >= a - 1e-5 for a, b in zip(values, values[1:], strict=False))  # monotone
+    # A start in the weight's null space (weights replaced since): a cold start, not 0.
+    w = torch.tensor([[2.0, 0.0], [0.0, 0.0], [0.0, 0.0]])  # (3, 2), null space e_2
+    norms, _ = estimate_norms_warm([w, torch.eye(2)], [torch.tensor([0.0, 1.0]),
+                                                       torch.tensor([1.0, 0.0])])
+    assert float(norms[0]) == pytest.approx(2.0) and float(norms[1]) == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize("warm", [False, True])

@@ -91,14 +91,21 @@ def _rayleigh(mats: tuple[Tensor, ...], starts: tuple[Tensor, ...] | None
     us, vs = list(sigma), list(sigma)
     for mk, idx in shapes.items():
         w = stacks[mk]  # (S, m, k)
-        if starts is None:
+        if starts is not None:
+            v0 = torch.cat([starts[i].reshape(-1, mk[1]) for i in idx])  # (S, k)
+            u = _matvec(w, v0)  # (S, m)
+            n0 = u.norm(dim=-1)  # (S,)
+            # A start in a weight's null space (weights replaced since) would give sigma = 0:
+            # that group starts cold instead.
+            if bool((n0 <= 0).any()):
+                cold.update(_cold_vectors({mk: w}))
+        if mk in cold:
             v = cold[mk]  # (S, k)
             u = _matvec(w, v)  # (S, m)
             s = u.norm(dim=-1)  # (S,)
             u = u / s.clamp_min(1e-30)[:, None]
         else:
-            v0 = torch.cat([starts[i].reshape(-1, mk[1]) for i in idx])  # (S, k)
-            u = _unit(_matvec(w, v0))  # (S, m)
+            u = u / n0[:, None]  # (S, m)
             v = _rmatvec(w, u)  # (S, k)
             s = v.norm(dim=-1)  # (S,)
             v = v / s.clamp_min(1e-30)[:, None]

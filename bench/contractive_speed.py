@@ -9,12 +9,14 @@ alike; tokens/s from each step's process CPU time (median), with wall-clock figu
 - `contractive_old`: the scheme before issue 15: the Theorem 3.2 bound, certified in float64
   at every step, with an SVD surrogate for its gradient;
 - `contractive`: the current scheme: the tighter bound, driven during training by
-  warm-started power-iteration estimates (certified values only where the model is
-  certified, evaluated, inverted or exported).
+  warm-started power-iteration estimates (one power step per training step, all blocks in
+  one batched call, the scale folded into the (D, D) weights; certified values only where
+  the model is certified, evaluated, inverted or exported).
 
 Then (`--train-steps` > 0) trains `contractive_old` and `contractive` with `train_lm` at equal
 c on PTB (the `ptb` extra) or, without it, tests/data/tiny_corpus.txt, and reports validation
-bits per character, the final certified branch constants and the attention scales. Writes
+bits per character, the final certified branch constants, the attention scales and (new
+scheme) the training-mode scale over the certified one. Writes
 bench/out/contractive_speed.json and .png and prints the JSON.
 
     .venv/bin/python bench/contractive_speed.py [--steps 5] [--rounds 12] [--train-steps 300]
@@ -37,6 +39,7 @@ import torch.nn.functional as F
 
 from lsa_models.data import CharCorpus, CorpusError, ptb_corpus, random_windows, text_corpus
 from lsa_models.invertible import ContractiveFFNBlock, ContractiveL2Block
+from lsa_models.invertible.estimate import estimate_norms_warm
 from lsa_models.lm import CharTransformerLM, LMConfig
 from lsa_models.training import TrainConfig, train_lm
 
@@ -147,10 +150,31 @@ def train_both(corpus: CharCorpus, args: argparse.Namespace) -> dict[str, Any]:
                 branch = [b.lipschitz_upper() for b in blocks]
                 scales = [b._certified()[1] for b in blocks]
                 u_cert = [b._certified()[0] for b in blocks]
+            over = training_over_certified(model, args.c) if v == "contractive" else None
         out[v] = {"val_bpc": res.history.val_bpc[-1] if res.history.val_bpc else None,
                   "final_loss": res.history.loss[-1], "steps": res.steps_done,
                   "attention_branch_lipschitz": branch, "attention_scale": scales,
-                  "attention_u_certified": u_cert, "seconds": time.perf_counter() - t0}
+                  "attention_u_certified": u_cert,
+                  "training_scale_over_certified": over,
+                  "seconds": time.perf_counter() - t0}
+    return out
+
+
+def training_over_certified(model: torch.nn.Module, c: float) -> list[float]:
+    """Per attention block of a trained model: the scale its next training step would use
+    (warm-started estimate) over the certified scale. Above 1: how far a training-mode
+    forward's branch may exceed c; the certificate is always on the certified scale."""
+    model.train()
+    out = []
+    with torch.enable_grad():
+        for b in model.modules():
+            if isinstance(b, ContractiveL2Block):
+                est = b.training_estimate()
+                assert est is not None
+                norms, _ = estimate_norms_warm(est.mats, b.power.starts(est.mats))
+                u_est = float(b._u_from(b.training_bounds, norms).detach())
+                out.append(c / u_est / b._certified()[1])
+    model.eval()
     return out
 
 

@@ -27,6 +27,7 @@ from lsa_models.invertible import (
     logdet_estimate,
     trunk_logdet_estimate,
 )
+from lsa_models.invertible.estimate import estimate_norms, estimate_norms_warm
 
 F64 = torch.float64
 
@@ -373,3 +374,156 @@ def test_trunk_logdet_estimate_within_three_standard_errors():
                                     generator=torch.Generator().manual_seed(9))
     assert abs(exact) > 0.5 > 5 * float(est.stderr[0])  # an estimator returning 0 fails
     assert abs(float(est.value[0]) - exact) <= 3 * float(est.stderr[0]) + bias
+
+
+# --- training-time norm estimates (lsa_models/invertible/estimate.py) -------------------------
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000),
+       shape=st.sampled_from([(5, 3), (3, 5), (2, 4, 4), (3, 2, 6), (8, 1), (1, 6), (7, 7)]),
+       scale=st.sampled_from([1e-3, 1.0, 1e3]))
+def test_estimate_norms_is_a_rayleigh_quotient_within_its_proven_range(seed, shape, scale):
+    """`sigma = ||W v||`, v = G^16 e_j / ||.||, G = W^T W, j its largest column: never above
+    sigma_1, and (log-convexity of the moments e_j^T G^q e_j, docs/certification.md) never
+    below sigma_1 k^(-1/4), k the short side."""
+    w = torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * scale
+    true = torch.linalg.matrix_norm(w.double(), 2)
+    est = estimate_norms([w])[0].double()
+    k = min(shape[-2:])
+    assert est.shape == true.shape
+    assert (est <= true * (1 + 1e-5)).all()
+    assert (est >= true * k ** -0.25 * (1 - 1e-5)).all()
+
+
+def test_estimate_norms_is_close_on_the_lm_shapes_and_warm_steps_converge():
+    g = torch.Generator().manual_seed(0)
+    mats = [torch.randn(64, 64, generator=g), torch.randn(256, 64, generator=g),
+            torch.randn(64, 256, generator=g), torch.randn(4, 64, 16, generator=g)]
+    true = [torch.linalg.matrix_norm(m.double(), 2) for m in mats]
+    for est, t in zip(estimate_norms(mats), true, strict=True):
+        # Gaussian matrices have small gaps at the top of the spectrum: the cold estimate is
+        # the hard case (trained weights have larger gaps, and warm steps accumulate).
+        assert ((est.double() / t) >= 0.97).all() and ((est.double() / t) <= 1 + 1e-5).all()
+    warm = estimate_norms_warm(mats, None)[1]
+    for _ in range(200):
+        norms, warm = estimate_norms_warm(mats, warm)
+    for est, t in zip(norms, true, strict=True):
+        assert ((est.double() / t) >= 0.995).all()
+    # A matrix with a clear gap: warm steps from a poor start reach sigma_1.
+    u, _, vh = torch.linalg.svd(torch.randn(32, 16, generator=g), full_matrices=False)
+    sv = torch.cat([torch.tensor([3.0]), torch.linspace(2.0, 0.1, 15)])
+    w = u @ torch.diag(sv) @ vh  # (32, 16), sigma_1 = 3, sigma_2 = 2
+    starts = [torch.ones(16)]
+    values = []
+    for _ in range(40):
+        norms, starts = estimate_norms_warm([w], starts)
+        values.append(float(norms[0]))
+    assert values[0] < 2.99 and abs(values[-1] - 3.0) < 1e-4
+    assert all(b >= a - 1e-5 for a, b in zip(values, values[1:], strict=False))  # monotone
+    # A start in the weight's null space (weights replaced since): a cold start, not 0.
+    w = torch.tensor([[2.0, 0.0], [0.0, 0.0], [0.0, 0.0]])  # (3, 2), null space e_2
+    norms, _ = estimate_norms_warm([w, torch.eye(2)], [torch.tensor([0.0, 1.0]),
+                                                       torch.tensor([1.0, 0.0])])
+    assert float(norms[0]) == pytest.approx(2.0) and float(norms[1]) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("warm", [False, True])
+def test_estimate_norms_gradient_is_u_v_transposed(warm):
+    """The one autograd node's backward equals autograd through `||W_t v||` (cold) or
+    `||W_t^T u||` (warm) with the returned vectors held fixed."""
+    g = torch.Generator().manual_seed(3)
+    mats = [torch.randn(6, 4, generator=g, requires_grad=True),
+            torch.randn(3, 7, generator=g, requires_grad=True),
+            torch.randn(2, 5, 5, generator=g, requires_grad=True)]
+    starts = [torch.randn(4, generator=g), torch.randn(3, generator=g),
+              torch.randn(2, 5, generator=g)] if warm else None
+    norms, vs = estimate_norms_warm(mats, starts)
+    weights = [torch.tensor(1.5), torch.tensor(-0.5), torch.tensor([2.0, 0.25])]
+    got = torch.autograd.grad(sum((c * n).sum() for c, n in zip(weights, norms, strict=True)),
+                              mats)
+    for i, (w, v, c, gw) in enumerate(zip(mats, vs, weights, got, strict=True)):
+        tall = w.mT if w.shape[-1] > w.shape[-2] else w
+        if starts is not None:  # u the unit W_t v0, sigma = ||W_t^T u||, v = W_t^T u / sigma
+            u = torch.nn.functional.normalize((tall @ starts[i].unsqueeze(-1)).squeeze(-1),
+                                              dim=-1).detach()
+            ref = (tall.mT @ u.unsqueeze(-1)).squeeze(-1).norm(dim=-1)
+            torch.testing.assert_close((tall.mT @ u.unsqueeze(-1)).squeeze(-1).detach()
+                                       / ref.detach()[..., None], v)
+        else:  # v the returned unit vector, sigma = ||W_t v||
+            ref = (tall @ v.unsqueeze(-1)).squeeze(-1).norm(dim=-1)
+        torch.testing.assert_close(ref.detach(), norms[i].detach(), rtol=1e-5, atol=1e-6)
+        (want,) = torch.autograd.grad((c * ref).sum(), w)
+        torch.testing.assert_close(gw, want, rtol=1e-4, atol=1e-5)
+
+
+def _train_trunk(trunk: ContractiveTrunk, steps: int, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.Adam(trunk.parameters(), lr=3e-2)
+    trunk.train()
+    cfg = trunk.config
+    for _ in range(steps):
+        x = torch.randn(4, cfg.max_len, cfg.d_model, generator=g)
+        opt.zero_grad()
+        (trunk(x) - x.flip(1)).square().mean().backward()  # move every weight
+        opt.step()
+
+
+def test_trunk_training_forward_batches_the_blocks_estimates():
+    """One batched estimate for the whole trunk gives the block-by-block forward and
+    gradients, and the training map is the eval map at the estimated scale."""
+    torch.manual_seed(4)
+    trunk = ContractiveTrunk(ContractiveTrunkConfig(8, 2, 2, 16, 6, 0.9))
+    _train_trunk(trunk, 3)
+    x = torch.randn(3, 6, 8)
+    blocks = trunk.residual_blocks()
+    saved = [b.power.vectors for b in blocks]
+    out = trunk(x)
+    grads = torch.autograd.grad(out.square().sum(), list(trunk.parameters()))
+    for b, v in zip(blocks, saved, strict=True):
+        b.power.vectors = v
+    h = x
+    for b in blocks:
+        h = b(h)  # each block estimates on its own
+    torch.testing.assert_close(h, out, rtol=1e-5, atol=1e-6)
+    for a, b in zip(torch.autograd.grad(h.square().sum(), list(trunk.parameters())), grads,
+                    strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    # First forward of a fresh block: the cold estimate, i.e. `estimated_u()`; the folded,
+    # scaled weights give the eval-form map `F(X) * c / U_est`.
+    attn = ContractiveL2Block(ContractiveL2Config(8, 2, 6, 0.9)).train()
+    want = attn.attn(x) * (0.9 / attn.estimated_u())
+    torch.testing.assert_close(attn.branch(x), want, rtol=1e-5, atol=1e-6)
+    ffn = ContractiveFFNBlock(ContractiveFFNConfig(8, 16, 0.9)).train()
+    a, b = ffn.scales()
+    want = torch.nn.functional.linear(
+        ffn.act(torch.nn.functional.linear(x, ffn.fc1.weight) * a + ffn.fc1.bias),
+        ffn.fc2.weight) * b + ffn.fc2.bias
+    torch.testing.assert_close(ffn.branch(x), want, rtol=1e-5, atol=1e-6)
+
+
+def test_warm_started_training_tracks_the_bound_and_stays_certified_and_invertible():
+    """After training with one warm power step per step, the training estimate of each
+    attention bound is within 2% below the certified candidate it follows (and never
+    above it); the certified constants are < c and the inverse converges."""
+    torch.manual_seed(5)
+    trunk = ContractiveTrunk(ContractiveTrunkConfig(8, 2, 2, 16, 6, 0.8))
+    _train_trunk(trunk, 40)
+    for blk in trunk.residual_blocks():
+        est = blk.training_estimate()
+        assert est is not None and blk.power.starts(est.mats) is not None
+        if isinstance(blk, ContractiveL2Block):
+            norms, _ = estimate_norms_warm(est.mats, blk.power.starts(est.mats))
+            u_est = float(blk._u_from(blk.training_bounds, norms).detach())
+            a = blk.attn
+            with torch.no_grad():
+                followed = l2_mha_candidates(a.query_weights(), a.value_weights(),
+                                             a.output_weight(), 6, "2", causal=True)["concat"]
+            assert 0.98 * followed <= u_est <= followed * (1 + 1e-5)
+    trunk.eval()
+    assert all(c < 0.8 for c in trunk.branch_constants())
+    x = torch.randn(2, 6, 8)
+    with torch.no_grad():
+        y = trunk(x)
+    res = trunk.inverse(y, atol=1e-5)
+    assert float(_seq_err(res.unwrap(), x).max()) <= max(res.error_bound, 1e-4)

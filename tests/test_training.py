@@ -245,17 +245,17 @@ def test_train_lm_on_cuda_with_bf16_autocast(corpus):
 def test_non_finite_weights_stop_the_run_as_diverged(corpus, tmp_path, monkeypatch):
     from lsa_models import invertible
 
-    real = invertible.ContractiveL2Block.scale  # called once per block per forward
+    real = invertible.ContractiveTrunk.forward  # called once per training step
     calls = {"n": 0}
 
-    def poisoned(self):
+    def poisoned(self, x):
         calls["n"] += 1
-        if calls["n"] > 6:  # two attention blocks per step: fails on step 4
+        if calls["n"] > 3:  # fails on step 4
             with torch.no_grad():
-                self.attn.q_proj.weight[0, 0] = float("nan")
-        return real(self)
+                self.blocks[0].attn.q_proj.weight[0, 0] = float("nan")
+        return real(self, x)
 
-    monkeypatch.setattr(invertible.ContractiveL2Block, "scale", poisoned)
+    monkeypatch.setattr(invertible.ContractiveTrunk, "forward", poisoned)
     res = train_lm(_lm_config(corpus), corpus, _train_config(eval_every=0, checkpoint_every=0))
     assert res.history.diverged and res.history.divergence_events == 1
     assert res.steps_done == 4 and math.isnan(res.history.loss[-1])

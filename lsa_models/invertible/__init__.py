@@ -13,9 +13,10 @@ certified float64 upper bound of the branch's Lipschitz constant for the *curren
   s1, s2 certified spectral norms and L_act the activation's Lipschitz constant.
 
 Training mode (grad on, `module.train()`) uses the same formulas on estimated spectral norms
-(`common.estimate_norms`, Gram powers): cheap and differentiable, not certified;
-the certificate is always computed on the final weights with the certified factor
-(docs/certification.md, "Contractive (invertible) blocks").
+(`estimate`: warm-started power iteration, one step per training step, one batched call per
+trunk): cheap and differentiable, not certified; the certificate is always computed on the
+final weights with the certified factor (docs/certification.md, "Contractive (invertible)
+blocks").
 
 The inverse is Banach's fixed point `X_{k+1} = Y - g(X_k)` with the a-posteriori bound
 `||X_k - X*|| <= c/(1-c) ||X_k - X_{k-1}||` (Frobenius norm per sequence). A residual block

@@ -75,52 +75,8 @@ def _lead(n: int, causal: bool) -> float:
 
 def _spec_norms(w: Tensor) -> Tensor:
     """Largest singular value of each matrix in a (..., m, n) stack, differentiable (an SVD:
-    exact but slow; the training path uses `estimate_norms` instead)."""
+    exact but slow; the training path uses `estimate.estimate_norms` instead)."""
     return torch.linalg.matrix_norm(w.float(), ord=2)
-
-
-_SQUARINGS = 4  # Gram powers G^16: the Rayleigh quotient's error ~ (l2/l1)^32 (l = eigenvalues)
-
-
-def estimate_norms(mats: list[Tensor]) -> list[Tensor]:
-    """Largest singular value of each matrix in each (..., m, n) stack: shape (...) each.
-
-    Stateless and deterministic in the weights (so a resumed training run repeats the
-    uninterrupted one bit for bit): the Gram matrix of the smaller side is squared
-    `_SQUARINGS` times (normalised), its largest column is the dominant singular vector
-    estimate v, and `sigma = ||W v|| / ||v||` (or `||W^T v||` on the row side) is a Rayleigh
-    quotient, `<=` the true norm, differentiable in W with gradient `u v^T`, the gradient of
-    `||W||_2` at convergence. Grams of one size run in one batched product. Estimates only:
-    they drive the contractive rescale during training, never a certified number.
-    """
-    grams: dict[int, list[tuple[int, Tensor]]] = {}
-    with torch.no_grad():
-        for i, w in enumerate(mats):
-            wd = w.detach()
-            g = wd.mT @ wd if wd.shape[-1] <= wd.shape[-2] else wd @ wd.mT  # (..., k, k)
-            grams.setdefault(g.shape[-1], []).append((i, g.reshape(-1, *g.shape[-2:])))
-        vectors: dict[int, Tensor] = {}
-        for k, items in grams.items():
-            p = torch.cat([g for _, g in items])  # (S, k, k)
-            for _ in range(_SQUARINGS):
-                # PSD: the largest entry is on the diagonal, so the amax is the diagonal's.
-                p = p / (p.diagonal(dim1=-2, dim2=-1).amax(-1)[:, None, None] + 1e-30)
-                p = p @ p  # (S, k, k)
-            cols = p.norm(dim=-2)  # (S, k): column norms
-            v = p.gather(-1, cols.argmax(-1)[:, None, None].expand(-1, k, 1))[..., 0]  # (S, k)
-            v = v / v.norm(dim=-1, keepdim=True).clamp_min(1e-30)
-            start = 0
-            for i, g in items:
-                vectors[i] = v[start:start + g.shape[0]]
-                start += g.shape[0]
-    out = []
-    for i, w in enumerate(mats):
-        v = vectors[i].reshape(*w.shape[:-2], -1)  # (..., k)
-        if w.shape[-1] <= w.shape[-2]:
-            out.append((w @ v.unsqueeze(-1)).squeeze(-1).norm(dim=-1))  # ||W v||
-        else:
-            out.append((v.unsqueeze(-2) @ w).squeeze(-2).norm(dim=-1))  # ||W^T v||
-    return out
 
 
 @dataclass(frozen=True)

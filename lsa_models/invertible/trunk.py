@@ -13,6 +13,7 @@ from ..bounds.numerics import add_up, div_up, mul_up
 from ..config import ConfigError
 from .blocks import ContractiveFFNBlock, ContractiveL2Block, ResidualBlock
 from .common import ContractiveFFNConfig, ContractiveL2Config
+from .estimate import run_estimates
 from .inverse import InverseResult, NotInvertibleError
 from .logdet import LogDetEstimate, logdet_estimate
 
@@ -76,8 +77,19 @@ class ContractiveTrunk(nn.Module):
         return [b for b in self.blocks if isinstance(b, ResidualBlock)]
 
     def forward(self, x: Tensor) -> Tensor:  # (B, N, D)
-        for blk in self.blocks:
-            x = blk(x)
+        blocks = self.residual_blocks()
+        estimates = [b.training_estimate() for b in blocks]
+        if all(e is not None for e in estimates):
+            # Training mode: the norm estimates of every block in one batched call (the
+            # weights do not change during a forward), then each block with its own norms.
+            ready = [e for e in estimates if e is not None]
+            # (The blocks' own forward is bypassed here, and with it any forward hooks on
+            # them; eval-mode forwards always go through it.)
+            for blk, est, norms in zip(blocks, ready, run_estimates(ready), strict=True):
+                x = x + blk.branch_estimated(x, est, norms)
+            return x
+        for module in self.blocks:
+            x = module(x)
         return x
 
     def branch_constants(self, seq_len: int | None = None) -> list[float]:

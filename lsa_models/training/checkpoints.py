@@ -16,6 +16,7 @@ from safetensors.torch import save as st_save
 from torch import Tensor
 
 from .. import checkpoint
+from ..invertible.estimate import load_power_vectors, power_vectors
 from ..lm import CharTransformerLM
 from .config import TrainConfig
 from .history import History
@@ -49,6 +50,9 @@ def save_checkpoint(directory: Path, model: CharTransformerLM, optimizer: torch.
                 tensors[f"state.{idx}.{name}"] = value.detach().contiguous().cpu()
             else:
                 scalars.setdefault(str(idx), {})[name] = value
+    # The contractive blocks' warm-start vectors: training state, not weights.
+    for key, value in power_vectors(model).items():
+        tensors[f"power.{key}"] = value.detach().contiguous().cpu()
     meta = {
         "format": TRAIN_STATE_FORMAT,
         "step": str(step),
@@ -78,7 +82,8 @@ def latest_checkpoint(directory: Path) -> Path | None:
 
 
 def read_train_state(model_path: Path) -> tuple[dict[str, str], dict[str, Tensor]]:
-    """The metadata and optimizer tensors saved next to a checkpoint's model file."""
+    """The metadata and tensors (optimizer `state.*`, warm-start `power.*`) saved next to a
+    checkpoint's model file."""
     stem = model_path.name.removesuffix(".safetensors")
     state_path = model_path.with_name(f"{stem}.train.safetensors")
     if not state_path.exists():
@@ -104,6 +109,8 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, meta: dict[str, str],
                          tensors: dict[str, Tensor]) -> None:
     state: dict[int, dict[str, Any]] = {}
     for key, value in tensors.items():
+        if not key.startswith("state."):
+            continue  # `power.*`: see load_power_state
         _, idx, name = key.split(".", 2)
         state.setdefault(int(idx), {})[name] = value
     for idx, extra in json.loads(meta["state_scalars"]).items():
@@ -111,4 +118,11 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, meta: dict[str, str],
     optimizer.load_state_dict({"state": state, "param_groups": json.loads(meta["param_groups"])})
 
 
-__all__ = ["latest_checkpoint", "load_optimizer_state", "read_train_state", "save_checkpoint"]
+def load_power_state(model: CharTransformerLM, tensors: dict[str, Tensor]) -> None:
+    """The warm-start vectors `save_checkpoint` stored (none in older files: a cold start)."""
+    load_power_vectors(model, {k.removeprefix("power."): v for k, v in tensors.items()
+                               if k.startswith("power.")})
+
+
+__all__ = ["latest_checkpoint", "load_optimizer_state", "load_power_state", "read_train_state",
+           "save_checkpoint"]

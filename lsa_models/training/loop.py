@@ -5,7 +5,8 @@ auto-selection (CUDA with bf16 autocast when present) and progress reports.
 
 Exact resume: the batch of step t is drawn from a generator seeded by (seed, t), the learning
 rate is a function of t, the model has no dropout and the optimizer state is restored
-bit for bit, so on CPU a resumed run repeats the uninterrupted one exactly.
+bit for bit (with the contractive blocks' warm-start vectors), so on CPU a resumed run repeats
+the uninterrupted one exactly.
 """
 
 from __future__ import annotations
@@ -26,7 +27,12 @@ from ..config import ConfigError
 from ..data import CharCorpus, eval_windows, random_windows
 from ..invertible import NonFiniteWeightsError, frozen_scales
 from ..lm import CharTransformerLM, LMConfig
-from .checkpoints import load_optimizer_state, read_train_state, save_checkpoint
+from .checkpoints import (
+    load_optimizer_state,
+    load_power_state,
+    read_train_state,
+    save_checkpoint,
+)
 from .config import TrainConfig, select_device
 from .history import LN2, History, Progress, ProgressCallback
 
@@ -87,7 +93,7 @@ class _Resumed:
     history: History
     start: int
     meta: dict[str, str]
-    optimizer_tensors: dict[str, Tensor]
+    state_tensors: dict[str, Tensor]
 
 
 def _resume(model: CharTransformerLM, path: Path, config: TrainConfig) -> _Resumed:
@@ -161,7 +167,8 @@ def train_lm(model_config: LMConfig, corpus: CharCorpus, config: TrainConfig,
     model.to(device).train()
     optimizer = _optimizer(model, config)
     if resumed is not None:
-        load_optimizer_state(optimizer, resumed.meta, resumed.optimizer_tensors)
+        load_optimizer_state(optimizer, resumed.meta, resumed.state_tensors)
+        load_power_state(model, resumed.state_tensors)
 
     end = config.steps if stop_at is None else min(config.steps, stop_at)
     t_start = time.perf_counter()

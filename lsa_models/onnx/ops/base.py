@@ -1,7 +1,8 @@
 """The op registry's base: decoded nodes, flows, the `Op` interface and the registry.
 
 The torch implementations evaluate a graph with autograd (graph.py). The rules bound the
-graph (analyzer.py): every tensor that depends on the model input carries a `Flow`, the
+graph's generic nodes (analyzer.py lowers each to the bound engine's `OpNode` layer): every
+tensor that depends on the model input carries a `Flow` (the engine's `Value`), the
 Lipschitz constant of the map input -> tensor in the chosen norm (2: Frobenius norm of the
 whole tensor; inf: largest entry) and, on bounded domains, a bound on the 2-norm of each of
 its tokens (last-axis rows). Tensors that do not depend on the input are constants (float64
@@ -22,6 +23,7 @@ import onnx
 import torch
 from torch import Tensor
 
+from ...bounds.layer_graph.values import Value
 from ...bounds.numerics import (
     mul_up,
 )
@@ -49,13 +51,9 @@ class Node:
                     list(proto.output), attrs, proto.domain)
 
 
-@dataclass
-class Flow:
-    """What is known about an input-dependent tensor."""
-
-    lip: float
-    radius: float | None  # bound on every last-axis row's 2-norm; None: unknown
-    shape: tuple[int, ...]
+# What is known about an input-dependent tensor: the bound engine's value type
+# (lsa_models/bounds/layer_graph/values.py), `Flow(lip, radius, shape)`.
+Flow = Value
 
 
 class NotCertified(Exception):

@@ -25,9 +25,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from lsa_models.bounds.report import NormName
+
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / "bench" / "out" / "engine_golden"
-NORMS = ("2", "inf")
+NORMS: tuple[NormName, ...] = ("2", "inf")
 
 
 def _fx(x: float | None) -> str | None:
@@ -65,7 +67,8 @@ def _native_models() -> Iterator[tuple[str, nn.Module]]:
                                             activation="relu" if causal else "gelu")
                     yield f"tf:{att}:c{int(causal)}:nf{int(norm_first)}:f{int(final)}", \
                         Transformer(cfg).eval()
-    for att in ("dp", "l2", "l2_untied", "contractive_l2"):
+    lm_kinds: tuple[Any, ...] = ("dp", "l2", "l2_untied", "contractive_l2")
+    for att in lm_kinds:
         for act in ("relu", "tanh", "sigmoid"):
             torch.manual_seed(1)
             lm = CharTransformerLM(LMConfig(vocab_size=11, d_model=8, n_heads=2, n_layers=2,

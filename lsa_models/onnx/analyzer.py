@@ -12,6 +12,7 @@ model input (`Value`, which the op rules call `Flow`), composed `mul_up(L, f)`; 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import torch
@@ -149,13 +150,14 @@ def _node(node: object, info: GraphInfo) -> Layer:
 
 
 def _composite(c: Composite, info: GraphInfo) -> Layer:
-    io = {"inputs": [c.input], "outputs": [c.output], "nodes": c.nodes,
-          "shape": info.shape(c.output)}
+    shape = info.shape(c.output)
+    io: dict[str, Any] = {"inputs": [c.input], "outputs": [c.output], "nodes": c.nodes,
+                          "shape": shape}
     if c.kind == "gelu":
         return Activation(c.output, "gelu", **io)
     if c.kind in ("layernorm", "rmsnorm"):  # docs/bounds.md, "RMSNorm"
         assert c.gamma is not None
-        width = int(io["shape"][-1]) if io["shape"] else 1  # type: ignore[index]
+        width = int(shape[-1]) if shape else 1
         gamma = np.broadcast_to(np.asarray(c.gamma, dtype=np.float64), (width,))
         beta = None if c.beta is None or c.kind == "rmsnorm" else np.broadcast_to(
             np.asarray(c.beta, dtype=np.float64), (width,))
@@ -163,7 +165,7 @@ def _composite(c: Composite, info: GraphInfo) -> Layer:
     return _attention(c, io)
 
 
-def _attention(c: Composite, io: dict) -> Layer:
+def _attention(c: Composite, io: dict[str, Any]) -> Layer:
     """One recognised attention as an engine layer (the weights the theorems need)."""
     a = c.attention
     assert a is not None

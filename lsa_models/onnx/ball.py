@@ -96,9 +96,9 @@ def _op(layer: OpNode, args: list[Any], ball: Ball) -> list[BallValue | None]:
         a, b = variables
         same = a.rho.shape == b.rho.shape == centers[0].shape[:-1]
         rho = a.rho + b.rho if same else math.inf
-        return [settle(centers[0], add_up(a.lip, b.lip), rho, ball)]
+        return [settle(centers[0], add_up(a.lip, b.lip), rho, ball, bound=local[0].radius)]
     if len(variables) != 1:
-        return [None if f is None else settle(c, f.lip, math.inf, ball)
+        return [None if f is None else settle(c, f.lip, math.inf, ball, bound=f.radius)
                 for f, c in zip(local, centers, strict=False)]
     v = variables[0]
     out: list[BallValue | None] = []
@@ -109,7 +109,7 @@ def _op(layer: OpNode, args: list[Any], ball: Ball) -> list[BallValue | None]:
         tokenwise = node.op_type in TOKENWISE and c.shape[:-1] == v.center.shape[:-1] and (
             node.op_type not in ("MatMul", "Gemm") or _right_matrix(layer))
         rho = v.rho * f.lip if tokenwise else math.inf
-        out.append(settle(c, mul_up(v.lip, f.lip), rho, ball))
+        out.append(settle(c, mul_up(v.lip, f.lip), rho, ball, bound=f.radius))
     if layer.report is not None and local and local[0] is not None:
         ball.acc.report(LayerBound(node.name, layer.report, local[0].lip, nodes=[node.name],
                                    rule=f"global {layer.report} rule"))

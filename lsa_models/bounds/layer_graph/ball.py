@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from ..formulas import dp_mha_ball, l2_mha_bound, layernorm_bound
+from ..formulas import dp_mha_ball, l2_mha_bound, layernorm_bound, linear_bound
 from ..numerics import (
     ACTIVATION_LIPSCHITZ,
     add_up,
@@ -61,6 +61,7 @@ class BallValue:
     center: np.ndarray  # T(X0), float64, (*S,)
     lip: float  # sup of ||J_T||_2 over the ball
     rho: np.ndarray  # (*S[:-1],): per-token deviation bound, >= 0
+    bound: float = math.inf  # every token's 2-norm on the ball, by the global rules
 
     def token_norms(self) -> np.ndarray:
         c = self.center.reshape(-1, self.center.shape[-1]) if self.center.ndim else \
@@ -69,7 +70,7 @@ class BallValue:
 
     def reach(self) -> float:
         """Largest token 2-norm the tensor takes on the ball."""
-        return up(float((self.token_norms() + self.rho).max()) * (1 + 1e-15))
+        return min(up(float((self.token_norms() + self.rho).max()) * (1 + 1e-15)), self.bound)
 
 
 @dataclass
@@ -86,12 +87,13 @@ def _token_shape(center: np.ndarray) -> tuple[int, ...]:
 
 
 def settle(center: np.ndarray, lip: float, rho: np.ndarray | float, ball: Ball,
-           amplify: float = 1.0, in_norms: np.ndarray | float = 0.0) -> BallValue:
+           amplify: float = 1.0, in_norms: np.ndarray | float = 0.0,
+           bound: float | None = None) -> BallValue:
     """The value of a layer's output: its radii capped by `lip * eps` and widened by the
     rounding allowance of its centre (`amplify * ||input token||` covers cancellation)."""
     shape = _token_shape(center)
     r = np.broadcast_to(np.asarray(rho, dtype=np.float64), shape).copy()
-    out = BallValue(center, lip, r)
+    out = BallValue(center, lip, r, math.inf if bound is None else bound)
     cap = mul_up(lip, ball.eps)
     slack = CENTER_MARGIN * (1.0 + out.token_norms() + amplify * np.asarray(in_norms))
     out.rho = np.minimum(r, cap) * (1 + 1e-15) + slack
@@ -161,7 +163,8 @@ def _dp_head_at_center(wq: np.ndarray, wk: np.ndarray, wv: np.ndarray, bq: np.nd
     # logit moves: |dz'_ij| <= s (||W^Q|| rho_i ||k0_j - kappa_i|| + ||q_i|| ||W^K|| rho_j)
     delta = s * (sq * rho[:, None] * kd + big_b[:, None] * sk * rho[None, :])
     omega = np.exp(np.minimum(2 * delta.max(axis=1), 700.0)) * (1 + 1e-12)  # (N,)
-    u = np.minimum(1.0, p0 * omega[:, None] * (1 + 1e-12))  # p_ij(X) <= u_ij on the ball
+    # p_ij(X) <= u_ij on the ball; 1e-15 covers the float64 rounding of p0 itself
+    u = np.minimum(1.0, (p0 * (1 + 1e-12) + 1e-15 * (p0 > 0)) * omega[:, None])
     w_v = np.square(vd + sv * rho[None, :])
     sigma = np.sqrt(np.minimum((u * w_v).sum(axis=1), w_v.max(axis=1))) * (1 + 1e-12)
     a_t = np.sqrt(np.minimum((u * np.square(big_a)).sum(axis=1),
@@ -241,7 +244,10 @@ def _norm(layer: Norm, args: list[Any], ball: Ball) -> list[BallValue | None]:
     dim = int(np.asarray(layer.gamma).size)
     span = 2.0 * math.sqrt(dim) * float(np.abs(np.asarray(layer.gamma, dtype=np.float64)).max())
     rho = np.minimum(per_token * x.rho, span * (1 + 1e-12)) * (1 + 1e-15)
-    return [settle(_center(layer, ball), lip, rho, ball, amplify=f, in_norms=x.token_norms())]
+    beta = 0.0 if layer.beta is None else linear_bound(layer.beta[None, :], "2")
+    bound = add_up(mul_up(sqrt_up(dim), float(np.abs(np.asarray(layer.gamma)).max())), beta)
+    return [settle(_center(layer, ball), lip, rho, ball, amplify=f, in_norms=x.token_norms(),
+                   bound=bound)]
 
 
 @ball_family(Activation)
@@ -249,7 +255,8 @@ def _activation(layer: Activation, args: list[Any], ball: Ball) -> list[BallValu
     x = _need(args[0], layer)
     f = ACTIVATION_LIPSCHITZ[layer.act]
     _report(ball, layer, f"activation:{layer.act}", f, "global slope bound")
-    return [settle(_center(layer, ball), mul_up(x.lip, f), x.rho * f, ball)]
+    bound = None if layer.act == "sigmoid" else mul_up(f, x.reach())
+    return [settle(_center(layer, ball), mul_up(x.lip, f), x.rho * f, ball, bound=bound)]
 
 
 @ball_family(Identity)
@@ -260,8 +267,8 @@ def _identity(layer: Identity, args: list[Any], ball: Ball) -> list[BallValue | 
 @ball_family(DPAttention)
 def _dp(layer: DPAttention, args: list[Any], ball: Ball) -> list[BallValue | None]:
     x = _need(args[0], layer)
-    glob, _ = dp_mha_ball(layer.wq, layer.wk, layer.wv, layer.wo, layer.n, x.reach(), "2",
-                          scale=layer.scale, bq=layer.bq, bv=layer.bv, bo=layer.bo)
+    glob, out_r = dp_mha_ball(layer.wq, layer.wk, layer.wv, layer.wo, layer.n, x.reach(), "2",
+                              scale=layer.scale, bq=layer.bq, bv=layer.bv, bo=layer.bo)
     f = min(glob, dp_centred_bound(layer, x))
     rho: np.ndarray | float = math.inf
     p0 = ball.probs.get(layer.name)
@@ -274,7 +281,7 @@ def _dp(layer: DPAttention, args: list[Any], ball: Ball) -> list[BallValue | Non
             rho = dev
     _report(ball, layer, "dp_mha_ball", f, "dot-product attention around the centre "
             "(probabilities at X0 widened by the logits' moves)", glob)
-    return [settle(_center(layer, ball), mul_up(x.lip, f), rho, ball)]
+    return [settle(_center(layer, ball), mul_up(x.lip, f), rho, ball, bound=out_r)]
 
 
 @ball_family(L2Attention)

@@ -31,7 +31,8 @@ from .values import LocalNotCertified
 
 METHOD = ("local: Jacobian enclosure over the ball {X : ||X - X0|| <= eps}, op by op "
           "(docs/local-bounds.md): centre Jacobian exact in float64, remainder by "
-          "telescoping over the ops; the best of it and the global bound; upward rounding")
+          "telescoping over the ops; the best of it, the per-layer local rules on the layer "
+          "graph (2-norm) and the global bound; upward rounding")
 
 
 def as_onnx(model: Any, seq_len: int | None = None) -> OnnxModel:
@@ -82,7 +83,8 @@ def _ball_candidate(om: OnnxModel, x: np.ndarray, eps: float, norm: str,
     for b in ball_layers:
         g = by_name.get(b.name)
         if g is not None and b.upper is not None and g.upper is not None and b.upper < g.upper:
-            g.global_upper, g.upper, g.rule = g.upper, b.upper, b.rule
+            g.global_upper = g.upper if g.global_upper is None else g.global_upper
+            g.upper, g.rule = b.upper, b.rule
     return upper
 
 
@@ -110,9 +112,6 @@ def certify_local(model: Any, at: np.ndarray, eps: float, norm: NormName) -> Bou
     except LocalNotCertified as exc:
         reason = f"local engine: {exc}"
     candidates = [] if glob.upper is None else [glob.upper]
-    ball = _ball_candidate(om, x, eps, norm, layers)
-    if ball is not None:
-        candidates.append(ball)
     if engine is not None:
         candidates.append(engine.upper())
         by_name = {lb.name: lb for lb in layers}
@@ -122,6 +121,9 @@ def certify_local(model: Any, at: np.ndarray, eps: float, norm: NormName) -> Bou
                 g.global_upper, g.upper, g.rule = g.upper, factor, rule
             else:
                 layers.append(LayerBound(name, kind, factor, nodes=[name], rule=rule))
+    ball = _ball_candidate(om, x, eps, norm, layers)
+    if ball is not None:
+        candidates.append(ball)
     n = om.spec.seq_len or x.shape[-2]
     domain = _domain(x, eps, norm)
     if not candidates:

@@ -162,3 +162,17 @@ def test_ball_bound_of_an_encoder_is_sound_and_below_the_global_one() -> None:
             u = torch.randn(x.shape, generator=gen, dtype=torch.float64)
             xs = torch.from_numpy(x0) + eps * u / u.norm()
             assert jacobian_norm(f64, xs, "2") <= upper
+
+
+def test_probabilities_are_used_only_when_they_are_the_layers_own() -> None:
+    from lsa_models.onnx.ball import _probabilities_match
+
+    gen = torch.Generator().manual_seed(3)
+    layer = _dp_layer(2, 4, 2.0, gen)
+    _, probs = _dp_map(layer, causal=True)
+    x = torch.randn(5, 4, generator=gen, dtype=torch.float64)
+    with torch.no_grad():
+        p = probs(x).numpy()
+    assert _probabilities_match(layer, x.numpy(), p)
+    assert not _probabilities_match(layer, x.numpy(), p[::-1].copy())  # heads swapped
+    assert not _probabilities_match(layer, x.numpy(), p.transpose(0, 2, 1).copy())

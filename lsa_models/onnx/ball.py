@@ -147,9 +147,46 @@ def _probabilities(model: OnnxModel, graph: LayerGraph, env: Any) -> dict[str, n
         if out is None or out not in env:
             continue
         p = env[out].detach().numpy().astype(np.float64)
-        if p.size == heads * layer.n * layer.n:
-            probs[layer.name] = p.reshape(heads, layer.n, layer.n)
+        if p.size != heads * layer.n * layer.n or layer.inputs[0] not in env:
+            continue
+        p = p.reshape(heads, layer.n, layer.n)
+        x = env[layer.inputs[0]].detach().numpy().astype(np.float64)
+        if x.size == layer.n * x.shape[-1] and _probabilities_match(layer, x.reshape(
+                layer.n, -1), p):
+            probs[layer.name] = p
     return probs
+
+
+def _probabilities_match(layer: DPAttention, x: np.ndarray, p: np.ndarray) -> bool:
+    """The Softmax output is this layer's attention, head by head: on every row's support
+    its log-probabilities are `s_h q_i . k_j` up to a row constant, with `s_h` at most the
+    layer's scale (so a tensor laid out otherwise, or heads in another order, is not used)."""
+    heads, _, d = layer.wq.shape
+    s_max = 1.0 / math.sqrt(d) if layer.scale is None else abs(float(layer.scale))
+    bq = np.zeros((heads, d)) if layer.bq is None else np.asarray(
+        layer.bq, dtype=np.float64).reshape(heads, -1)
+    for h in range(heads):
+        q = x @ np.asarray(layer.wq[h], dtype=np.float64) + bq[h]
+        z = q @ (x @ np.asarray(layer.wk[h], dtype=np.float64)).T  # (N, N)
+        support = p[h] > 0
+        with np.errstate(divide="ignore"):
+            lp = np.where(support, np.log(np.where(support, p[h], 1.0)), 0.0)
+        dz, dl = [], []
+        for i in range(z.shape[0]):
+            row = support[i]
+            if row.sum() >= 2:
+                dz.append(z[i, row] - z[i, row].mean())
+                dl.append(lp[i, row] - lp[i, row].mean())
+        if not dz:
+            continue
+        a, b = np.concatenate(dz), np.concatenate(dl)
+        zz = float(a @ a)
+        s_h = float(a @ b) / zz if zz > 0 else 0.0
+        resid = float(np.linalg.norm(b - s_h * a))
+        if resid > 1e-6 * (1.0 + float(np.linalg.norm(b))) or s_h > s_max * (1 + 1e-6) \
+                or s_h < -1e-9:
+            return False
+    return True
 
 
 def ball_bound(model: OnnxModel, x0: np.ndarray, eps: float) -> tuple[float, list[LayerBound]]:

@@ -35,7 +35,7 @@ from ..bounds.layer_graph.families import Family, register_family
 from ..bounds.report import BoundResult, LayerBound, NormName, Verdict
 from .graph import GraphInfo
 from .loading import DynamicSeqLenError, OnnxModel
-from .ops import OPS, Flow, NotCertified
+from .ops import OPS, Flow, Node, NotCertified
 from .patterns import Composite, find_composites
 
 METHOD = ("analytic on the ONNX graph: recognised attention (Theorem 3.2 for tied L2; the "
@@ -135,10 +135,7 @@ def _const(info: GraphInfo, name: str) -> np.ndarray:
     return t.detach().to(torch.float64).numpy() if t.is_floating_point() else t.numpy()
 
 
-def _node(node: object, info: GraphInfo) -> Layer:
-    from .ops import Node
-
-    assert isinstance(node, Node)
+def _node(node: Node, info: GraphInfo) -> Layer:
     outs = [o for o in node.outputs if o]
     shape = info.shape(outs[0]) if outs else ()
     consts = {i: _const(info, i) for i in node.inputs if i and i not in info.var}

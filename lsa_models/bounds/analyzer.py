@@ -1,28 +1,54 @@
-"""The driver that walks a native model and combines its layers' rules into one certificate."""
+"""The native front end's entry point: lower a model (rules.py) and run the bound engine
+(layer_graph/) over it."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from .layer_graph import Bound, Context, Layer, ModuleRule, Value, Verdicts
 from .report import BoundResult, Domain, NormName
-from .rules import Bound, UnsupportedModuleError, rule_for
+from .rules import UnsupportedModuleError, rule_for
 
 METHOD = ("analytic: Theorem 3.2 (Kim et al. 2021) + LayerNorm/linear/activation rules, "
           "composition; float64 with upward rounding")
 
 
+class _Lowering:
+    def __init__(self, seq_len: int) -> None:
+        self.seq_len = seq_len
+
+    def __call__(self, module: nn.Module, name: str) -> Layer:
+        rule = rule_for(module)
+        if rule is None:
+            raise UnsupportedModuleError(name, module)
+        if hasattr(rule, "lower"):
+            return rule.lower(module, name, self)
+        return ModuleRule(name, module=module, rule=rule)  # a `bound`-style rule
+
+
 class Analyzer:
+    """Bounds native modules: `bound(module, name, domain)` lowers the module to one layer
+    and runs the engine on it from the domain's radius (what `bound`-style rules call for
+    their children)."""
+
     def __init__(self, norm: NormName) -> None:
         if norm not in ("2", "inf"):
             raise ValueError(f"unknown norm {norm!r}; use '2' or 'inf'")
         self.norm: NormName = norm
+        self.input_bounded: bool | None = None  # set by the first (outermost) call
+
+    def lower(self, module: nn.Module, name: str, seq_len: int) -> Layer:
+        return _Lowering(seq_len)(module, name)
 
     def bound(self, module: nn.Module, name: str, domain: Domain) -> Bound:
-        rule = rule_for(module)
-        if rule is None:
-            raise UnsupportedModuleError(name, module)
-        return rule.bound(module, name, self.norm, domain, self)
+        if self.input_bounded is None:
+            self.input_bounded = domain.radius is not None
+        root = self.lower(module, name, domain.seq_len)
+        acc = Verdicts()
+        ctx = Context(self.norm, "fold", acc, self.input_bounded, domain.seq_len, self)
+        value = ctx.local(root, Value(1.0, domain.radius))
+        return Bound.of(value, acc)
 
 
 def norm_name(norm: NormName | float) -> NormName:

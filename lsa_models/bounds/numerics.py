@@ -306,3 +306,9 @@ ACTIVATION_LIPSCHITZ: dict[str, float] = {
     "sigmoid": 0.25,
     "gelu": GELU_LIPSCHITZ,
 }
+# sup |silu'| = 1.0998393... (at x = 2.39936...; inf silu' = -0.0998393... at -2.39936...),
+# rounded up (docs/bounds.md, "Gated MLPs (SwiGLU)"); |silu(x)| <= |x| coordinate-wise.
+SILU_LIPSCHITZ = 1.0999
+# The activations the layer graph's Activation layers name (SiLU only in recognised ONNX
+# composites, so it is not one of the native/contractive activations above).
+LAYER_ACTIVATION_LIPSCHITZ: dict[str, float] = {**ACTIVATION_LIPSCHITZ, "silu": SILU_LIPSCHITZ}

@@ -19,10 +19,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..bounds.layer_graph.ball import BallNotCertified
 from ..bounds.numerics import mul_up, sqrt_up
 from ..bounds.report import BoundResult, LayerBound, NormName
 from ..empirical.local import attack_radius
 from ..onnx.analyzer import analyse
+from ..onnx.ball import ball_bound
 from ..onnx.export import export_onnx
 from ..onnx.loading import OnnxModel, load_onnx
 from .driver import LocalJacobian, center_sha256, check_center, local_jacobian
@@ -30,7 +32,8 @@ from .values import LocalNotCertified
 
 METHOD = ("local: Jacobian enclosure over the ball {X : ||X - X0|| <= eps}, op by op "
           "(docs/local-bounds.md): centre Jacobian exact in float64, remainder by "
-          "telescoping over the ops; the best of it and the global bound; upward rounding")
+          "telescoping over the ops; the best of it, the per-layer local rules on the layer "
+          "graph (2-norm) and the global bound; upward rounding")
 
 
 def as_onnx(model: Any, seq_len: int | None = None) -> OnnxModel:
@@ -67,6 +70,25 @@ def _global(model: OnnxModel, norm: NormName, x: np.ndarray, eps: float) -> Boun
     return analyse(model, norm, model.spec.seq_len, radius * (1 + 1e-12))
 
 
+def _ball_candidate(om: OnnxModel, x: np.ndarray, eps: float, norm: str,
+                    layers: list[LayerBound]) -> float | None:
+    """Per-layer local rules on the layer graph (2-norm; lsa_models/onnx/ball.py); a layer
+    factor smaller than the global one replaces it in the report."""
+    if norm != "2":
+        return None
+    try:
+        upper, ball_layers = ball_bound(om, x, eps)
+    except BallNotCertified:
+        return None
+    by_name = {lb.name: lb for lb in layers}
+    for b in ball_layers:
+        g = by_name.get(b.name)
+        if g is not None and b.upper is not None and g.upper is not None and b.upper < g.upper:
+            g.global_upper = g.upper if g.global_upper is None else g.global_upper
+            g.upper, g.rule = b.upper, b.rule
+    return upper
+
+
 def certify_local(model: Any, at: np.ndarray, eps: float, norm: NormName) -> BoundResult:
     """Certified upper bound on sup ||J_F(X)||_norm over {X : ||X - at||_norm <= eps}
     (2: Frobenius of the whole input; inf: largest entry). `at` is one input (N, D) or
@@ -100,6 +122,9 @@ def certify_local(model: Any, at: np.ndarray, eps: float, norm: NormName) -> Bou
                 g.global_upper, g.upper, g.rule = g.upper, factor, rule
             else:
                 layers.append(LayerBound(name, kind, factor, nodes=[name], rule=rule))
+    ball = _ball_candidate(om, x, eps, norm, layers)
+    if ball is not None:
+        candidates.append(ball)
     n = om.spec.seq_len or x.shape[-2]
     domain = _domain(x, eps, norm)
     if not candidates:

@@ -1,28 +1,42 @@
-"""The certified bound of an ONNX graph: patterns first, then one rule per node.
+"""The ONNX front end: lower a graph to the layer graph and run the bound engine over it.
 
-Walks the nodes in graph order carrying a `Flow` (Lipschitz constant from the model input,
-token-norm bound) for every input-dependent tensor. Recognised composites (attention layers,
-GELU written out in its Erf or tanh form, decomposed LayerNorm) are bounded as a whole with
-the formulas the native analyser uses (lsa_models/bounds/formulas.py), so an exported native
-model gets the same number; every other node goes through its op's rule (the `ops` package).
-Composition follows bounds/rules.py: `Lip(f o g) <= Lip(f) Lip(g)`, sums add (residuals:
-1 + Lip(g)).
+The recognised composites (attention layers, GELU written out in its Erf or tanh form,
+decomposed LayerNorm / RMSNorm: patterns.py) become the engine's typed layers, bounded by the
+families the native front end uses (lsa_models/bounds/layer_graph), so an exported native
+model gets the native numbers; every other node that depends on the input is an `OpNode`
+layer, bounded by its op's rule (the `ops` package). Values carry the Lipschitz constant from the
+model input (`Value`, which the op rules call `Flow`), composed `mul_up(L, f)`; sums add
+(residuals: `L + L Lip(g)`).
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import torch
 
-from ..bounds.formulas import dp_mha_ball, l2_mha_bound
-from ..bounds.numerics import ACTIVATION_LIPSCHITZ, mul_up, up
+from ..bounds.layer_graph import (
+    Activation,
+    Context,
+    DPAttention,
+    L2Attention,
+    Layer,
+    LayerGraph,
+    Norm,
+    OpNode,
+    Refused,
+    Value,
+    Verdicts,
+    run,
+)
+from ..bounds.layer_graph.families import Family, register_family
 from ..bounds.report import BoundResult, LayerBound, NormName, Verdict
+from .attention_rotary import ROTARY_NOTE
 from .graph import GraphInfo
 from .loading import DynamicSeqLenError, OnnxModel
-from .ops import OPS, Flow, Node, NotCertified, layernorm_flow, rmsnorm_flow
-from .ops.base import SILU_LIPSCHITZ
+from .ops import OPS, Flow, Node, NotCertified
 from .patterns import Composite, find_composites
 
 METHOD = ("analytic on the ONNX graph: recognised attention (Theorem 3.2 for tied L2; the "
@@ -50,24 +64,6 @@ def resolve_seq_len(model: OnnxModel, seq_len: int | None) -> int:
     return seq_len
 
 
-
-
-class _State:
-    def __init__(self) -> None:
-        self.not_lipschitz: str | None = None
-        self.not_certified: str | None = None
-        self.layers: list[LayerBound] = []
-        self.notes: list[str] = []  # float32 readings relied on (`_method`)
-
-    def fail(self, status: Verdict, reason: str, layer: LayerBound | None = None) -> None:
-        if status == "not_lipschitz" and self.not_lipschitz is None:
-            self.not_lipschitz = reason
-        if status == "not_certified" and self.not_certified is None:
-            self.not_certified = reason
-        if layer is not None:
-            self.layers.append(layer)
-
-
 def _method(notes: list[str]) -> str:
     """The method, with the float32 readings the certificate relies on (docs/bounds.md,
     Conventions): it is then a certificate for the exact constants."""
@@ -90,156 +86,142 @@ def analyse(model: OnnxModel, norm: NormName, seq_len: int | None = None,
     except (RuntimeError, ValueError, IndexError) as exc:
         raise ValueError(f"the graph cannot be evaluated at sequence length {n}: "
                          f"{' '.join(str(exc).split())[:300]}") from None
+    graph, hints = lower(info)
+    acc = Verdicts()
+    ctx = Context(norm, "mul_up", acc, input_bounded=radius is not None, seq_len=n)
+    values = run(graph, ctx, Value(1.0, radius, info.shape(graph.input)))
+    out = graph.output
+    reason = acc.first("not_lipschitz")
+    if acc.status() == "not_lipschitz":
+        verdict: Verdict = "not_lipschitz"
+        upper = None
+    elif acc.status() == "not_certified":
+        verdict, upper, reason = "not_certified", None, acc.first("not_certified")
+        if hints:
+            reason = "; ".join(hints + [str(reason)])
+    else:
+        v = values.get(out)
+        verdict = "certified"
+        upper = 0.0 if out not in info.var else (v.lip if v is not None else None)
+        if upper is None:
+            verdict, reason = "not_certified", "the output's bound is unknown"
+    return BoundResult(norm=norm, seq_len=n, radius=radius, verdict=verdict, upper=upper,
+                       layers=acc.layers, method=_method(acc.notes), reason=reason)
+
+
+def lower(info: GraphInfo) -> tuple[LayerGraph, list[str]]:
+    """The graph as engine layers in graph order (a composite where its first node is), and
+    the recognition hints for a not-certified verdict."""
     comps, hints = find_composites(info)
     taken = {nm for c in comps for nm in c.nodes}
     first_of: dict[str, Composite] = {}
     for c in comps:
         first = min(c.nodes, key=lambda nm: info.order[nm])
         first_of[first] = c
-    st = _State()
-    flows: dict[str, Flow | None] = {model.spec.input_name: Flow(
-        1.0, radius, info.shape(model.spec.input_name))}
+    layers: list[Layer] = []
     for node in info.nodes:
         if node.name in first_of:
-            _composite(first_of[node.name], info, flows, st, norm)
+            layers.append(_composite(first_of[node.name], info))
             continue
         if node.name in taken or node.op_type in ("Shape", "Size"):
             continue
         if not any(i in info.var for i in node.inputs):
             continue
-        _node(node, info, flows, st, norm)
-    out = model.spec.output_name
-    if st.not_lipschitz is not None:
-        verdict: Verdict = "not_lipschitz"
-        upper, reason = None, st.not_lipschitz
-    elif st.not_certified is not None:
-        verdict, upper, reason = "not_certified", None, st.not_certified
-        if hints:
-            reason = "; ".join(hints + [st.not_certified])
-    else:
-        flow = flows.get(out)
-        verdict, reason = "certified", None
-        upper = 0.0 if out not in info.var else (flow.lip if flow is not None else None)
-        if upper is None:
-            verdict, reason = "not_certified", "the output's bound is unknown"
-    return BoundResult(norm=norm, seq_len=n, radius=radius, verdict=verdict, upper=upper,
-                       layers=st.layers, method=_method(st.notes), reason=reason)
+        layers.append(_node(node, info))
+    return LayerGraph(layers, info.spec.input_name, info.spec.output_name, "mul_up"), hints
 
 
-def _args(node: Node, info: GraphInfo, flows: dict[str, Flow | None]) -> list | None:
-    args: list[Flow | np.ndarray | None] = []
-    for i in node.inputs:
-        if not i:
-            args.append(None)
-        elif i in info.var:
-            f = flows.get(i)
-            if f is None:
-                return None  # upstream already failed
-            args.append(f)
-        else:
-            args.append(info.env[i].detach().to(torch.float64).numpy()
-                        if info.env[i].is_floating_point() else info.env[i].numpy())
-    return args
+def _const(info: GraphInfo, name: str) -> np.ndarray:
+    t = info.env[name]
+    return t.detach().to(torch.float64).numpy() if t.is_floating_point() else t.numpy()
 
 
-def _node(node: Node, info: GraphInfo, flows: dict[str, Flow | None], st: _State,
-          norm: NormName) -> None:
-    args = _args(node, info, flows)
+def _node(node: Node, info: GraphInfo) -> Layer:
     outs = [o for o in node.outputs if o]
-    if args is None:
-        for o in outs:
-            flows[o] = None
-        return
-    shapes = [info.shape(o) for o in outs]
-    variables = [a for a in args if isinstance(a, Flow)]
-    try:
-        if len(variables) == 1:
-            # local constant with a unit input, then composed: Lip(f o g) <= Lip(f) Lip(g)
-            v = variables[0]
-            unit = [Flow(1.0, a.radius, a.shape) if isinstance(a, Flow) else a for a in args]
-            local = OPS[node.op_type].bound(node, unit, shapes, norm)
-            result = [None if f is None else Flow(mul_up(v.lip, f.lip), f.radius, f.shape)
-                      for f in local]
-            if node.op_type in _REPORTED and local and local[0] is not None:
-                kind = _REPORTED[node.op_type]
-                st.layers.append(LayerBound(node.name, kind, local[0].lip, nodes=[node.name]))
-        else:
-            result = OPS[node.op_type].bound(node, args, shapes, norm)
-    except NotCertified as exc:
-        st.fail("not_certified", str(exc), LayerBound(node.name, node.op_type.lower(), None,
-                                                      "not_certified", str(exc), [node.name]))
-        result = [None] * len(outs)
-    for o, f in zip(outs, result, strict=False):
-        flows[o] = f
+    shape = info.shape(outs[0]) if outs else ()
+    consts = {i: _const(info, i) for i in node.inputs if i and i not in info.var}
+    return OpNode(node.name, node=node, consts=consts,
+                  variables=frozenset(i for i in node.inputs if i in info.var),
+                  out_shapes=[info.shape(o) for o in outs],
+                  report=_REPORTED.get(node.op_type), inputs=list(node.inputs), outputs=outs,
+                  nodes=[node.name], shape=shape)
 
 
-def _composite(c: Composite, info: GraphInfo, flows: dict[str, Flow | None], st: _State,
-               norm: NormName) -> None:
-    fx = flows.get(c.input)
+def _composite(c: Composite, info: GraphInfo) -> Layer:
     shape = info.shape(c.output)
-    if c.kind in ("gelu", "silu"):  # silu: x * Sigmoid(x), |silu(x)| <= |x| (recoglayout)
-        local = ACTIVATION_LIPSCHITZ["gelu"] if c.kind == "gelu" else SILU_LIPSCHITZ
-        st.layers.append(LayerBound(c.output, f"activation:{c.kind}", local, nodes=c.nodes))
-        flows[c.output] = None if fx is None else Flow(
-            mul_up(fx.lip, local), None if fx.radius is None else mul_up(local, fx.radius),
-            shape)
-        return
-    if c.kind == "layernorm":
+    io: dict[str, Any] = {"inputs": [c.input], "outputs": [c.output], "nodes": c.nodes,
+                          "shape": shape}
+    if c.kind in ("gelu", "silu"):  # silu: x * Sigmoid(x), docs/bounds.md "Gated MLPs"
+        return Activation(c.output, c.kind, **io)
+    if c.kind in ("layernorm", "rmsnorm"):  # docs/bounds.md, "RMSNorm"
         assert c.gamma is not None
-        f = layernorm_flow(Flow(1.0, None, shape), c.gamma, c.beta, c.eps, norm, shape)
-        st.layers.append(LayerBound(c.output, "layernorm", f.lip, nodes=c.nodes))
-        flows[c.output] = None if fx is None else Flow(mul_up(fx.lip, f.lip), f.radius, shape)
-        return
-    if c.kind == "rmsnorm":  # docs/bounds.md, "RMSNorm"
-        assert c.gamma is not None
-        f = rmsnorm_flow(Flow(1.0, None, shape), c.gamma, c.eps, norm, shape)
-        st.layers.append(LayerBound(c.output, "rmsnorm", f.lip, nodes=c.nodes))
-        flows[c.output] = None if fx is None else Flow(mul_up(fx.lip, f.lip), f.radius, shape)
-        return
+        width = int(shape[-1]) if shape else 1
+        gamma = np.broadcast_to(np.asarray(c.gamma, dtype=np.float64), (width,))
+        beta = None if c.beta is None or c.kind == "rmsnorm" else np.broadcast_to(
+            np.asarray(c.beta, dtype=np.float64), (width,))
+        return Norm(c.output, gamma, beta, c.eps, rms=c.kind == "rmsnorm", **io)
+    return _attention(c, io)
+
+
+def _attention(c: Composite, io: dict[str, Any]) -> Layer:
+    """One recognised attention as an engine layer (the weights the theorems need)."""
     a = c.attention
     assert a is not None
     name = f"attention@{a.softmax}"
     if a.kind == "unknown" or a.reason is not None:
         reason = a.reason or f"Softmax node {a.softmax}: unrecognised attention"
-        st.fail("not_certified", reason, LayerBound(name, f"{a.kind}_mha" if a.kind != "unknown"
-                                                    else "attention", None, "not_certified",
-                                                    reason, c.nodes))
-        flows[c.output] = None
-        return
+        kind = f"{a.kind}_mha" if a.kind != "unknown" else "attention"
+        return Refused(name, kind, "not_certified", reason, **io)
     assert a.wq is not None and a.wk is not None and a.wv is not None and a.wo is not None
     # the attention's own token count (N + 1 after a class token), never the input's N
     assert a.n >= 1, f"{name}: recognised without its token count"
-    st.notes.extend(nt for nt in a.notes if nt not in st.notes)
     if a.kind == "dp":
-        r = None if fx is None else fx.radius
-        if r is None:
-            inp = flows.get(info.spec.input_name)
-            status: Verdict
-            if inp is not None and inp.radius is not None:
-                status = "not_certified"
-                reason = (f"{name}: dot-product attention whose input token norms are not "
-                          "bounded by the analysis (the radius does not reach it)")
-            else:
-                status = "not_lipschitz"
-                reason = (f"{name}: dot-product attention is not Lipschitz on an unbounded "
-                          "domain (Theorem 3.1); give an input radius to bound it on a "
-                          "bounded domain")
-            st.fail(status, reason, LayerBound(name, "dp_mha", None, status, reason, c.nodes))
-            flows[c.output] = None
-            return
-        assert fx is not None and r is not None
         canonical = 1.0 / math.sqrt(a.wq.shape[-1])
         scale = None if a.scale == canonical else a.scale  # None: inv_sqrt_up(d), as native
-        local, out_r = dp_mha_ball(a.wq, a.wk, a.wv, a.wo, a.n, r, norm, scale=scale, bq=a.bq,
-                                   bv=a.bv, bo=a.bo,
-                                   # recogmask: logits replaced by constants (masked_fill)
-                                   bk=a.bk, replaced=a.replaced)
-        st.layers.append(LayerBound(name, "dp_mha_radius", local, nodes=c.nodes))
-        flows[c.output] = Flow(mul_up(fx.lip, local), out_r, shape)
-        return
-    local = l2_mha_bound(a.wq, a.wv, a.wo, a.n, norm, a.causal)
-    if a.value_factor > 1.0:
-        local = mul_up(local, up(a.value_factor))
-    kind = "l2_mha_causal" if a.causal else "l2_mha"
-    st.layers.append(LayerBound(name, kind, local, nodes=c.nodes))
-    flows[c.output] = None if fx is None else Flow(mul_up(fx.lip, local), None, shape)
+        return DPAttention(name, a.wq, a.wk, a.wv, a.wo, a.n, scale, a.bq, a.bv, a.bo,
+                           notes=list(a.notes),
+                           # logits replaced by constants (masked_fill): the key bias counts
+                           bk=a.bk, replaced=a.replaced,
+                           rotary=ROTARY_NOTE in a.notes, **io)
+    return L2Attention(name, a.wq, a.wv, a.wo, a.n, a.causal, a.value_factor,
+                       notes=list(a.notes), **io)
+
+
+@register_family(OpNode)
+class OpNodeFamily(Family):
+    """A graph node through its op's rule; a single input-dependent operand is bounded from
+    a unit input and composed (`Lip(f o g) <= Lip(f) Lip(g)`), several are handed over as
+    they are (sums, concatenations). A failed operand fails the node silently (its cause is
+    already recorded)."""
+
+    def bound(self, layer: OpNode, args: list[Value | None], ctx: Context
+              ) -> list[Value | None]:
+        node = layer.node
+        real: list[Flow | np.ndarray | None] = []
+        for name, v in zip(node.inputs, args, strict=True):
+            if not name:
+                real.append(None)
+            elif name in layer.variables:
+                if v is None:
+                    return [None] * len(layer.outputs)  # upstream already failed
+                real.append(v)
+            else:
+                real.append(layer.consts[name])
+        shapes = layer.out_shapes
+        variables = [a for a in real if isinstance(a, Value)]
+        try:
+            if len(variables) == 1:
+                v = variables[0]
+                unit = [Value(1.0, a.radius, a.shape) if isinstance(a, Value) else a
+                        for a in real]
+                local = OPS[node.op_type].bound(node, unit, shapes, ctx.norm)
+                if layer.report is not None and local and local[0] is not None:
+                    ctx.acc.report(LayerBound(node.name, layer.report, local[0].lip,
+                                              nodes=[node.name]))
+                return [None if f is None else Value(ctx.compose(v.lip, f.lip), f.radius,
+                                                     f.shape) for f in local]
+            return OPS[node.op_type].bound(node, real, shapes, ctx.norm)
+        except NotCertified as exc:
+            ctx.acc.fail("not_certified", str(exc), LayerBound(
+                node.name, node.op_type.lower(), None, "not_certified", str(exc), [node.name]))
+            return [None] * len(layer.outputs)

@@ -1,7 +1,8 @@
 """The op registry's base: decoded nodes, flows, the `Op` interface and the registry.
 
 The torch implementations evaluate a graph with autograd (graph.py). The rules bound the
-graph (analyzer.py): every tensor that depends on the model input carries a `Flow`, the
+graph's generic nodes (analyzer.py lowers each to the bound engine's `OpNode` layer): every
+tensor that depends on the model input carries a `Flow` (the engine's `Value`), the
 Lipschitz constant of the map input -> tensor in the chosen norm (2: Frobenius norm of the
 whole tensor; inf: largest entry) and, on bounded domains, a bound on the 2-norm of each of
 its tokens (last-axis rows). Tensors that do not depend on the input are constants (float64
@@ -22,15 +23,14 @@ import onnx
 import torch
 from torch import Tensor
 
-from ...bounds.numerics import (
+from ...bounds.layer_graph.values import Value
+from ...bounds.numerics import (  # noqa: F401  (SILU_LIPSCHITZ: re-exported for the ops)
+    SILU_LIPSCHITZ,
     mul_up,
 )
 
 # sup |erf'| = 2/sqrt(pi) = 1.1283791670955126..., rounded up.
 ERF_LIPSCHITZ = 1.1283792
-# sup |silu'| = 1.0998393... (at x = 2.39936...; inf silu' = -0.0998393... at -2.39936...),
-# rounded up (docs/bounds.md, "Gated MLPs (SwiGLU)"); |silu(x)| <= |x| coordinate-wise.
-SILU_LIPSCHITZ = 1.0999
 SOFTMAX_LIPSCHITZ = 0.5  # ||diag(p) - p p^T|| <= 1/2 in the 2- and inf-norms
 
 
@@ -52,13 +52,9 @@ class Node:
                     list(proto.output), attrs, proto.domain)
 
 
-@dataclass
-class Flow:
-    """What is known about an input-dependent tensor."""
-
-    lip: float
-    radius: float | None  # bound on every last-axis row's 2-norm; None: unknown
-    shape: tuple[int, ...]
+# What is known about an input-dependent tensor: the bound engine's value type
+# (lsa_models/bounds/layer_graph/values.py), `Flow(lip, radius, shape)`.
+Flow = Value
 
 
 class NotCertified(Exception):

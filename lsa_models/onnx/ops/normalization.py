@@ -8,9 +8,9 @@ import torch
 from torch import Tensor
 
 from ...bounds.formulas import layernorm_bound, linear_bound
+from ...bounds.layer_graph.families import rmsnorm_bound as _rmsnorm_bound
 from ...bounds.numerics import (
     add_up,
-    inv_sqrt_up,
     mul_up,
     sqrt_up,
 )
@@ -80,18 +80,12 @@ def layernorm_flow(a: Flow, gamma: np.ndarray, beta: np.ndarray | None, eps: flo
 
 
 def rmsnorm_bound(gamma: np.ndarray, eps: float, norm: str) -> float:
-    """RMSNorm `y = g * x / sqrt(mean(x^2) + eps)` per token (docs/bounds.md, "RMSNorm"):
+    """RMSNorm's constant (the bound engine's norm family, docs/bounds.md "RMSNorm"):
     `max|g| / sqrt(eps)` in the 2-norm, `max|g| (1 + sqrt(D)) / sqrt(eps)` in the inf-norm,
     rounded up."""
-    g = np.abs(np.asarray(gamma, dtype=np.float64)).reshape(-1)
     if eps <= 0:
         raise NotCertified("RMSNorm with epsilon <= 0 is not Lipschitz")
-    base = mul_up(float(g.max()), inv_sqrt_up(eps))
-    if norm == "2":
-        return base
-    if norm == "inf":
-        return mul_up(base, add_up(1.0, sqrt_up(g.size)))
-    raise ValueError(f"unknown norm {norm!r}; use '2' or 'inf'")
+    return _rmsnorm_bound(gamma, eps, norm)
 
 
 def rmsnorm_flow(a: Flow, gamma: np.ndarray, eps: float, norm: str,

@@ -1,0 +1,53 @@
+"""The one bound engine: a typed layer graph, one value type, one verdict accumulator, one
+driver (docs/bounds.md, "The bound engine").
+
+Both front ends lower to it: the native walker (bounds/rules.py: one lowering rule per
+module type) turns an nn.Module into one root layer (series, residuals and leaf layers), the
+ONNX front end (onnx/analyzer.py) turns the recognised composites and the remaining nodes
+into a `LayerGraph`. `families.py` bounds each layer kind, `driver.py` composes them.
+"""
+
+from .driver import Context, run
+from .families import FAMILIES, Family, family_of, register_family, rmsnorm_bound
+from .layers import (
+    Activation,
+    DPAttention,
+    Identity,
+    L2Attention,
+    Layer,
+    LayerGraph,
+    Linear,
+    ModuleRule,
+    Norm,
+    OpNode,
+    Refused,
+    Residual,
+    Series,
+)
+from .values import Bound, Value, Verdicts
+
+__all__ = [
+    "FAMILIES",
+    "Activation",
+    "Bound",
+    "Context",
+    "DPAttention",
+    "Family",
+    "Identity",
+    "L2Attention",
+    "Layer",
+    "LayerGraph",
+    "Linear",
+    "ModuleRule",
+    "Norm",
+    "OpNode",
+    "Refused",
+    "Residual",
+    "Series",
+    "Value",
+    "Verdicts",
+    "family_of",
+    "register_family",
+    "rmsnorm_bound",
+    "run",
+]

@@ -1,0 +1,151 @@
+"""The typed layer graph both front ends lower to.
+
+A `LayerGraph` is a list of layers in evaluation order; each layer reads the values named by
+`inputs` and writes the values named by `outputs` (value names are the front end's: ONNX
+tensor names; a native model is one root layer on the name "x"). Layer kinds, each with the
+weights its rule needs (float64 readings happen in the rules, so a front end hands over the
+tensors it has):
+
+- `Linear` (token map x -> x W^T + b), `Norm` (LayerNorm / RMSNorm with gamma, beta, eps),
+  `Activation` (a pointwise activation by name), `Identity` (dropout too);
+- `DPAttention` / `L2Attention`: a whole multi-head attention with its per-head weights, the
+  token count it sees and, for graphs, the float32 readings it relies on;
+- `Refused`: a layer the front end recognised but no theorem covers (untied L2 attention,
+  attention whose weights could not be read), with its verdict and the reason;
+- `Series` (sequential composition of its body), `Residual` (x + branch(x)); a `Series` with
+  `block=True` also reports its own factor (a Transformer block);
+- `ModuleRule`: a native module bounded by a rule registered with `bounds.register_rule`
+  (the rule's own `bound` runs; see rules.py);
+- `OpNode`: one ONNX node bounded by its op's rule (`onnx.ops`), the generic layer of graphs.
+
+`families.py` holds one bound class per kind, `driver.py` runs them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from ..report import Verdict
+
+ArrayLike = Any  # a torch tensor or a numpy array: the formulas read either in float64
+
+
+@dataclass
+class Layer:
+    name: str
+    inputs: list[str] = field(default_factory=list, kw_only=True)
+    outputs: list[str] = field(default_factory=list, kw_only=True)
+    nodes: list[str] = field(default_factory=list, kw_only=True)  # ONNX nodes it stands for
+    shape: tuple[int, ...] = field(default=(), kw_only=True)  # output shape (graphs only)
+
+
+@dataclass
+class Linear(Layer):
+    weight: ArrayLike  # torch layout (out, in)
+    bias: ArrayLike | None = None
+
+
+@dataclass
+class Norm(Layer):
+    gamma: ArrayLike
+    beta: ArrayLike | None
+    eps: float
+    rms: bool = False
+
+
+@dataclass
+class Activation(Layer):
+    act: str  # a key of numerics.ACTIVATION_LIPSCHITZ
+
+
+@dataclass
+class Identity(Layer):
+    pass
+
+
+@dataclass
+class DPAttention(Layer):
+    wq: ArrayLike  # (H, D, d)
+    wk: ArrayLike
+    wv: ArrayLike  # (H, D, dv)
+    wo: ArrayLike  # (H dv, D_out)
+    n: int  # tokens the attention sees
+    scale: float | None = None  # None: the canonical 1/sqrt(d), rounded as the formula does
+    bq: ArrayLike | None = None
+    bv: ArrayLike | None = None
+    bo: ArrayLike | None = None
+    notes: list[str] = field(default_factory=list)
+    # logits replaced by constants on a fixed set of entries (masked_fill): the bound uses the
+    # key bias (docs/bounds.md, "Logits replaced by a constant")
+    bk: ArrayLike | None = None
+    replaced: bool = False
+    # queries/keys rotated per position (docs/bounds.md, "Rotary position embeddings"); the
+    # rotations' norm is folded into `scale`
+    rotary: bool = False
+
+    @property
+    def plain(self) -> bool:
+        """Neither replaced logits nor rotations: the centre-based ball rules
+        (docs/local-bounds.md) are derived for this form only."""
+        return not (self.replaced or self.rotary)
+
+
+@dataclass
+class L2Attention(Layer):
+    wq: ArrayLike  # (H, D, d), tied query/key
+    wv: ArrayLike
+    wo: ArrayLike
+    n: int
+    causal: bool = False
+    value_factor: float = 1.0  # > 1: the graph scales the value path (docs/bounds.md)
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Refused(Layer):
+    kind: str  # the report's kind ("l2_mha_untied", "attention", ...)
+    status: Verdict
+    reason: str
+
+
+@dataclass
+class Series(Layer):
+    body: list[Layer]
+    block: bool = False  # report the composed factor as a "block" entry
+
+
+@dataclass
+class Residual(Layer):
+    branch: Layer
+
+
+@dataclass
+class ModuleRule(Layer):
+    module: Any  # nn.Module
+    rule: Any  # the registered rule object (has `bound`)
+
+
+@dataclass
+class OpNode(Layer):
+    node: Any  # onnx.ops.Node
+    consts: dict[str, Any]  # input name -> float64 (or integer) numpy array
+    variables: frozenset[str]  # the node inputs that depend on the model input
+    out_shapes: list[tuple[int, ...]] = field(default_factory=list)
+    report: str | None = None  # the kind its entry is reported under; None: no entry
+
+
+Chain = Literal["fold", "mul_up"]
+
+
+@dataclass
+class LayerGraph:
+    """Layers in evaluation order; `chain` is how a layer's own constant `f` composes with
+    the constant `L` of its input: "fold" `up(L f)` (so a series of factors from 1.0 is
+    exactly `mul_up(f_1, ..., f_k)`, the native driver's product) or "mul_up"
+    `mul_up(L, f) = up(up(L) f)` (the ONNX driver's); both round upward."""
+
+    layers: list[Layer]
+    input: str
+    output: str
+    chain: Chain

@@ -14,8 +14,9 @@ bench/out/alirpa/src`): `pip install torch==<this torch>`, `pip install --no-dep
 the few pure-Python packages it imports. Without a source it is skipped, saying why.
 auto_LiRPA's local constants (its Jacobian mode) are run on the L_inf ball only (its
 maintainers call its L2 Jacobian bounds loose), so those columns exist for norm inf only; its
-CROWN robustness radius is run in both norms. Its numbers are checked against the float64 lower bound (a local constant
-below it, or a certified radius above the attack radius, is unsound) and flagged.
+CROWN robustness radius is run in both norms. Its numbers are checked against the float64
+lower bound (a local constant below it, or a certified radius above the attack radius, is
+unsound) and flagged.
 """
 
 from __future__ import annotations

@@ -19,9 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from lsa_models.empirical.local import local_lower_bound  # noqa: E402
 from lsa_models.engine import LocalNotCertified, local_jacobian  # noqa: E402
 from lsa_models.engine.local import certify_local  # noqa: E402
 from lsa_models.onnx import load_onnx  # noqa: E402
@@ -45,7 +47,11 @@ def run_case(case: Any, exporter: str, eps: float, norm: str, tmp: Path) -> dict
     x0 = built.example.numpy().astype(np.float64)
     try:
         lj = local_jacobian(om, x0, eps, norm)
-        row.update(local="certified", engine_upper=lj.upper())
+        # the graph module takes a batch: (1, N, D) for a rank-2 graph too
+        lb = local_lower_bound(om.module.with_dtype(torch.float64),
+                               x0 if x0.ndim == 3 else x0[None], eps, norm, restarts=1, steps=8)
+        row.update(local="certified", engine_upper=lj.upper(), lower=lb.lower,
+                   ratio=lj.upper() / lb.lower, sound=bool(lj.upper() >= lb.lower))
     except LocalNotCertified as exc:
         row.update(local="falls back", reason=str(exc)[:200])
     except ValueError as exc:
@@ -75,8 +81,9 @@ def main() -> None:
             for exporter in case.exporters:
                 rows.append(run_case(case, exporter, args.eps, args.norm, Path(tmp)))
                 r = rows[-1]
-                print(f"{r['case']:45s} {exporter:11s} {r['local']:12s} "
-                      f"{r.get('engine_upper', '')!s:22.10s} {r.get('reason', '')}", flush=True)
+                ratio = f"{r['ratio']:.3f}" if "ratio" in r else ""
+                print(f"{r['case']:45s} {exporter:11s} {r['local']:12s} {ratio:8s} "
+                      f"{r.get('reason', '')}", flush=True)
     OUT.mkdir(exist_ok=True)
     (OUT / "local_zoo.json").write_text(json.dumps({"eps": args.eps, "norm": args.norm,
                                                     "rows": rows}, indent=1))

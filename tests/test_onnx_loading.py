@@ -252,6 +252,70 @@ def test_loading_shape_inference_on_large_weights_still_catches_mismatches() -> 
         load_onnx(_mlp_graph(weight=w).SerializeToString())
 
 
+def _wide_graph() -> onnx.ModelProto:
+    """x (1, N, 80) @ w (80, 80): a weight above 4096 elements, which the checker and shape
+    inference see as a typed graph input (loading._light_copy)."""
+    w = np.random.default_rng(1).standard_normal((80, 80)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "wide",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, N, 80])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, N, 80])],
+        [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 8
+    return model
+
+
+def _dup_init(m: onnx.ModelProto) -> None:
+    m.graph.initializer.append(m.graph.initializer[0])
+
+
+def _empty_name(m: onnx.ModelProto) -> None:
+    m.graph.initializer[0].name = ""
+    m.graph.node[0].input[1] = ""
+
+
+def _ir3_not_an_input(m: onnx.ModelProto) -> None:
+    m.ir_version = 3
+    m.opset_import[0].version = 13
+
+
+def _two_value_fields(m: onnx.ModelProto) -> None:
+    m.graph.initializer[0].float_data.append(1.0)
+
+
+def _undefined_type(m: onnx.ModelProto) -> None:
+    m.graph.initializer[0].data_type = TensorProto.UNDEFINED
+
+
+def _short_raw(m: onnx.ModelProto) -> None:
+    t = m.graph.initializer[0]
+    t.raw_data = t.raw_data[:-4]
+
+
+@pytest.mark.parametrize("breakage", [_dup_init, _empty_name, _ir3_not_an_input,
+                                      _two_value_fields, _undefined_type, _short_raw])
+def test_loading_checker_on_light_copy_rejects_what_the_whole_file_checker_rejects(
+        breakage) -> None:  # type: ignore[no-untyped-def]
+    model = _wide_graph()
+    load_onnx(model.SerializeToString())  # the intact graph loads
+    breakage(model)
+    blob = model.SerializeToString()
+    with pytest.raises(onnx.checker.ValidationError):
+        onnx.checker.check_model(blob)
+    with pytest.raises(OnnxCheckError):
+        load_onnx(blob)
+
+
+@pytest.mark.parametrize("delta", [-4, 4])
+def test_loading_raw_weight_of_the_wrong_size_is_rejected(delta: int) -> None:
+    model = _wide_graph()
+    t = model.graph.initializer[0]
+    t.raw_data = t.raw_data[:delta] if delta < 0 else t.raw_data + bytes(delta)
+    with pytest.raises(OnnxCheckError):
+        load_onnx(model.SerializeToString())
+
+
 @pytest.mark.parametrize("dynamo", [False, True])
 def test_loading_shape_inference_matches_inference_on_the_whole_file(dynamo: bool) -> None:
     torch.manual_seed(0)

@@ -220,12 +220,33 @@ def _resolve_external(model: onnx.ModelProto, files: dict[str, bytes] | None, ma
 _SHAPE_DATA_MAX = 4096
 
 
-def _infer_shapes(model: onnx.ModelProto) -> None:
-    """Strict ONNX shape inference, its results written into `model`.
+_T = onnx.TensorProto
+# bytes per element of the data types a weight may store as raw bytes (sub-byte types, whose
+# raw size rounds up, stay with the checker)
+_RAW_ITEMSIZE = {_T.FLOAT: 4, _T.DOUBLE: 8, _T.FLOAT16: 2, _T.BFLOAT16: 2, _T.INT8: 1,
+                 _T.UINT8: 1, _T.INT16: 2, _T.UINT16: 2, _T.INT32: 4, _T.UINT32: 4,
+                 _T.INT64: 8, _T.UINT64: 8, _T.BOOL: 1}
 
-    It runs on a copy whose weights are declared as typed graph inputs instead of carried as
-    data: the inferred shapes are the same (inference reads only small shape-like constants),
-    without serialising and re-parsing every weight (~2.4 s for a 340 MB model)."""
+
+def _is_plain_weight(t: onnx.TensorProto) -> bool:
+    """A large tensor whose data is raw bytes only, exactly as many as its shape and type
+    need: everything `onnx.checker.check_tensor` verifies about a tensor (a defined,
+    non-STRING type, one value field, the raw size) holds for it."""
+    n = math.prod(t.dims)
+    size = _RAW_ITEMSIZE.get(t.data_type)
+    return (n > _SHAPE_DATA_MAX and size is not None and t.data_location != _T.EXTERNAL
+            and len(t.raw_data) == n * size
+            and not (t.float_data or t.int32_data or t.string_data or t.int64_data
+                     or t.double_data or t.uint64_data))
+
+
+def _light_copy(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The model with its plain weights declared as typed graph inputs instead of carried as
+    data: the checker and shape inference give the same verdicts and shapes on it (they read
+    only small shape-like constants), without copying every weight into C++ (~1.9 s of a
+    340 MB model for the checker alone; bench/gpt2_bound.py). What the checker would have
+    verified about the weights taken out, and about initializer names (non-empty, unique,
+    among the graph inputs for IR version <= 3), is checked here."""
     light = onnx.ModelProto()
     light.ir_version = model.ir_version
     light.opset_import.extend(model.opset_import)
@@ -238,12 +259,34 @@ def _infer_shapes(model: onnx.ModelProto) -> None:
     g.value_info.extend(src.value_info)
     g.sparse_initializer.extend(src.sparse_initializer)
     declared = {i.name for i in src.input}
+    seen: set[str] = set()
     for t in src.initializer:
-        if math.prod(t.dims) <= _SHAPE_DATA_MAX:
+        if not t.name:
+            raise OnnxCheckError("the ONNX checker rejected the graph: tensor initializers "
+                                 "must have a non-empty name")
+        if t.name in seen:
+            raise OnnxCheckError(f"the ONNX checker rejected the graph: {t.name} initializer "
+                                 "name is not unique")
+        seen.add(t.name)
+        if not _is_plain_weight(t):
             g.initializer.append(t)
-        elif t.name not in declared:
+        elif t.name in declared:
+            continue
+        elif model.ir_version <= 3:
+            raise OnnxCheckError(f"the ONNX checker rejected the graph: {t.name} in "
+                                 "initializer but not in graph input")
+        else:
             g.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+    return light
+
+
+def _check_and_infer(model: onnx.ModelProto) -> None:
+    """The ONNX checker, then strict shape inference with its results written into `model`,
+    both on the light copy (`_light_copy`)."""
+    light = _light_copy(model)
+    onnx.checker.check_model(light)
     inferred = onnx.shape_inference.infer_shapes(light, strict_mode=True).graph
+    src = model.graph
     del src.value_info[:]
     src.value_info.extend(inferred.value_info)
     del src.output[:]
@@ -485,12 +528,11 @@ def load_onnx(data: bytes, filename: str = "", opts: LoadOptions | None = None,
     bad = unsupported_ops(nodes)
     if bad:
         raise UnsupportedOpsError(bad)
-    # one serialised form for the checker, shape inference and onnxruntime: the upload itself
-    # unless it changed (serialising a 340 MB model costs ~1.2 s each time)
+    # what onnxruntime loads: the upload itself unless it changed (serialising a 340 MB
+    # model costs ~1.2 s each time)
     blob = model.SerializeToString() if inlined or seq_first or pixels else raw
     try:
-        onnx.checker.check_model(blob)
-        _infer_shapes(model)
+        _check_and_infer(model)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError,
             RuntimeError) as exc:
         msg = " ".join(str(exc).split())[:500]

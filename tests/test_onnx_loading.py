@@ -410,3 +410,33 @@ def test_gather_elements_runs_and_bounds_as_a_selection() -> None:
         exact = float(torch.linalg.matrix_norm(sel, 2)) if norm == "2" else float(
             sel.abs().sum(1).max())
         assert exact <= f.lip
+
+
+@pytest.mark.parametrize("array", [
+    np.arange(12, dtype=np.float32).reshape(3, 4) - 5.5,
+    np.float32(2.5),
+    np.zeros((0, 3), np.float32),
+    np.arange(6, dtype=np.float16).reshape(2, 3),
+    np.arange(6, dtype=np.int64),
+    np.array([1.0, -2.0], np.float64),
+])
+def test_graph_initializer_is_the_value_of_tensor_from_proto(array: np.ndarray) -> None:
+    from lsa_models.onnx.graph import _initializer
+    from lsa_models.onnx.ops import tensor_from_proto
+
+    ctx = RunContext(torch.float32)
+    for t in (numpy_helper.from_array(array, "w"),
+              helper.make_tensor("w", helper.np_dtype_to_tensor_dtype(array.dtype),
+                                 array.shape, array.ravel().tolist())):  # raw and typed fields
+        got, want = _initializer(t, ctx), tensor_from_proto(t, ctx)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got, want)
+
+
+def test_graph_initializer_with_short_raw_data_is_an_error() -> None:
+    from lsa_models.onnx.graph import _initializer
+
+    t = numpy_helper.from_array(np.ones((2, 3), np.float32), "w")
+    t.raw_data = t.raw_data[:-4]
+    with pytest.raises(ValueError, match="raw bytes"):
+        _initializer(t, RunContext(torch.float32))

@@ -254,7 +254,7 @@ def test_loading_shape_inference_on_large_weights_still_catches_mismatches() -> 
 
 def _wide_graph() -> onnx.ModelProto:
     """x (1, N, 80) @ w (80, 80): a weight above 4096 elements, which the checker and shape
-    inference see as a typed graph input (loading._light_copy)."""
+    inference see as a typed graph input (light.light_copy)."""
     w = np.random.default_rng(1).standard_normal((80, 80)).astype(np.float32)
     graph = helper.make_graph(
         [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "wide",
@@ -440,3 +440,60 @@ def test_graph_initializer_with_short_raw_data_is_an_error() -> None:
     t.raw_data = t.raw_data[:-4]
     with pytest.raises(ValueError, match="raw bytes"):
         _initializer(t, RunContext(torch.float32))
+
+
+def _attn_blob(dynamo: bool) -> bytes:
+    torch.manual_seed(0)
+
+    class Attn(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mha = torch.nn.MultiheadAttention(96, 4, batch_first=True)  # 27648 weights
+            self.ff = torch.nn.Linear(96, 96)  # 9216: both above the 4096 of a weight
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.ff(self.mha(x, x, x, need_weights=False)[0])
+
+    x = torch.randn(1, 8, 96)
+    with warnings.catch_warnings():  # the exporters' deprecation and tracer chatter
+        warnings.simplefilter("ignore")
+        if dynamo:
+            prog = torch.onnx.export(Attn().eval(), (x,), dynamo=True, opset_version=18)
+            assert prog is not None
+            return prog.model_proto.SerializeToString()
+        buf = io.BytesIO()
+        torch.onnx.export(Attn().eval(), (x,), buf, dynamo=False, opset_version=18)
+        return buf.getvalue()
+
+
+@pytest.mark.parametrize("dynamo", [False, True])
+def test_ort_session_on_module_weights_gives_the_outputs_of_the_whole_file(dynamo: bool) -> None:
+    """The onnxruntime check gets the large float32 weights as the module's arrays
+    (light.ort_light_model): the outputs are bit for bit those of the file as uploaded."""
+    from lsa_models.onnx.light import ort_light_model
+    from lsa_models.onnx.loading import _ort_session
+
+    loaded = load_onnx(_attn_blob(dynamo), "attn.onnx")
+    _, weights = ort_light_model(loaded.spec.model, loaded.module.consts)
+    assert len(weights) >= 2  # the test exercises the arrays path
+    x = np.random.default_rng(0).standard_normal((1, 8, 96)).astype(np.float32)
+    name = loaded.spec.input_name
+    whole = _ort_session(loaded.spec).run(None, {name: x})[0]
+    light = _ort_session(loaded.spec, loaded.module).run(None, {name: x})[0]
+    assert np.array_equal(whole, light)
+
+
+def test_loading_mismatch_with_onnxruntime_on_large_weights_is_an_error(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A torch op that misreads a large weight is still caught: onnxruntime computes with
+    the file's weights, not with what the op made of them."""
+    from lsa_models.onnx import ops
+    from lsa_models.onnx.ops.linear import MatMulOp
+
+    class Transposed(MatMulOp):  # reads W^T instead of W
+        def run(self, node, ins, ctx):  # type: ignore[no-untyped-def]
+            return super().run(node, [ins[0], ins[1].transpose(-1, -2)], ctx)
+
+    monkeypatch.setitem(ops.OPS, "MatMul", Transposed())
+    with pytest.raises(OnnxMismatchError, match="differs from onnxruntime"):
+        load_onnx(_wide_graph().SerializeToString())

@@ -8,7 +8,6 @@ allocated; the torch evaluation is compared with onnxruntime before the model is
 from __future__ import annotations
 
 import io
-import math
 import os
 import posixpath
 import stat
@@ -33,6 +32,7 @@ from .errors import (
     UnsupportedOpsError,
 )
 from .graph import GraphModule, GraphSpec
+from .light import check_and_infer, ort_light_model
 from .ops import FLOAT_TYPES, Node, patchwise_reason, unsupported_ops
 from .rewrite import lower_einsum
 
@@ -213,85 +213,6 @@ def _resolve_external(model: onnx.ModelProto, files: dict[str, bytes] | None, ma
         t.data_location = onnx.TensorProto.DEFAULT
         inlined = True
     return inlined
-
-
-# Initializers up to this many elements keep their values for shape inference (it reads the
-# values of shape-like inputs: Reshape targets, Slice bounds); larger ones are weights.
-_SHAPE_DATA_MAX = 4096
-
-
-_T = onnx.TensorProto
-# bytes per element of the data types a weight may store as raw bytes (sub-byte types, whose
-# raw size rounds up, stay with the checker)
-_RAW_ITEMSIZE: dict[int, int] = {
-    _T.FLOAT: 4, _T.DOUBLE: 8, _T.FLOAT16: 2, _T.BFLOAT16: 2, _T.INT8: 1, _T.UINT8: 1,
-    _T.INT16: 2, _T.UINT16: 2, _T.INT32: 4, _T.UINT32: 4, _T.INT64: 8, _T.UINT64: 8,
-    _T.BOOL: 1}
-
-
-def _is_plain_weight(t: onnx.TensorProto) -> bool:
-    """A large tensor whose data is raw bytes only, exactly as many as its shape and type
-    need: everything `onnx.checker.check_tensor` verifies about a tensor (a defined,
-    non-STRING type, one value field, the raw size) holds for it."""
-    n = math.prod(t.dims)
-    size = _RAW_ITEMSIZE.get(t.data_type)
-    return (n > _SHAPE_DATA_MAX and size is not None and t.data_location != _T.EXTERNAL
-            and len(t.raw_data) == n * size
-            and not (t.float_data or t.int32_data or t.string_data or t.int64_data
-                     or t.double_data or t.uint64_data))
-
-
-def _light_copy(model: onnx.ModelProto) -> onnx.ModelProto:
-    """The model with its plain weights declared as typed graph inputs instead of carried as
-    data: the checker and shape inference give the same verdicts and shapes on it (they read
-    only small shape-like constants), without copying every weight into C++ (~1.9 s of a
-    340 MB model for the checker alone; bench/gpt2_bound.py). What the checker would have
-    verified about the weights taken out, and about initializer names (non-empty, unique,
-    among the graph inputs for IR version <= 3), is checked here."""
-    light = onnx.ModelProto()
-    light.ir_version = model.ir_version
-    light.opset_import.extend(model.opset_import)
-    light.functions.extend(model.functions)
-    g, src = light.graph, model.graph
-    g.name = src.name
-    g.node.extend(src.node)
-    g.input.extend(src.input)
-    g.output.extend(src.output)
-    g.value_info.extend(src.value_info)
-    g.sparse_initializer.extend(src.sparse_initializer)
-    declared = {i.name for i in src.input}
-    seen: set[str] = set()
-    for t in src.initializer:
-        if not t.name:
-            raise OnnxCheckError("the ONNX checker rejected the graph: tensor initializers "
-                                 "must have a non-empty name")
-        if t.name in seen:
-            raise OnnxCheckError(f"the ONNX checker rejected the graph: {t.name} initializer "
-                                 "name is not unique")
-        seen.add(t.name)
-        if not _is_plain_weight(t):
-            g.initializer.append(t)
-        elif t.name in declared:
-            continue
-        elif model.ir_version <= 3:
-            raise OnnxCheckError(f"the ONNX checker rejected the graph: {t.name} in "
-                                 "initializer but not in graph input")
-        else:
-            g.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
-    return light
-
-
-def _check_and_infer(model: onnx.ModelProto) -> None:
-    """The ONNX checker, then strict shape inference with its results written into `model`,
-    both on the light copy (`_light_copy`)."""
-    light = _light_copy(model)
-    onnx.checker.check_model(light)
-    inferred = onnx.shape_inference.infer_shapes(light, strict_mode=True).graph
-    src = model.graph
-    del src.value_info[:]
-    src.value_info.extend(inferred.value_info)
-    del src.output[:]
-    src.output.extend(inferred.output)
 
 
 def _check_declared_shapes(model: onnx.ModelProto, opts: LoadOptions) -> None:
@@ -533,7 +454,7 @@ def load_onnx(data: bytes, filename: str = "", opts: LoadOptions | None = None,
     # model costs ~1.2 s each time)
     blob = model.SerializeToString() if inlined or seq_first or pixels else raw
     try:
-        _check_and_infer(model)
+        check_and_infer(model)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError,
             RuntimeError) as exc:
         msg = " ".join(str(exc).split())[:500]
@@ -553,7 +474,11 @@ def load_onnx(data: bytes, filename: str = "", opts: LoadOptions | None = None,
     return OnnxModel(spec, module, fmt, diff)
 
 
-def _ort_session(spec: GraphSpec):  # type: ignore[no-untyped-def]
+def _ort_session(spec: GraphSpec, module: GraphModule | None = None):  # type: ignore[no-untyped-def]
+    """An onnxruntime session of the graph. With `module`, its large float32 weights are
+    handed to onnxruntime as the module's own arrays (`light.ort_light_model`) instead of
+    in the serialised graph: no copies of them, no 340 MB parse (GPT-2-small: 1 GB of fresh
+    pages and 0.7 -> 0.3 s CPU)."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
@@ -563,8 +488,15 @@ def _ort_session(spec: GraphSpec):  # type: ignore[no-untyped-def]
     # one or a few runs per session: repacking every weight for the GEMM kernels costs more
     # than it saves (GPT-2-small: session 0.4 -> 0.25 s, run +0.02 s)
     so.add_session_config_entry("session.disable_prepacking", "1")
-    return ort.InferenceSession(spec.blob or spec.model.SerializeToString(), so,
-                                providers=["CPUExecutionProvider"])
+    if module is None:
+        blob = spec.blob or spec.model.SerializeToString()
+    else:
+        blob, weights = ort_light_model(spec.model, module.consts)
+        if weights:
+            names = list(weights)
+            so.add_external_initializers(
+                names, [ort.OrtValue.ortvalue_from_numpy(weights[k]) for k in names])
+    return ort.InferenceSession(blob, so, providers=["CPUExecutionProvider"])
 
 
 def ort_run(spec: GraphSpec, x: np.ndarray, session=None) -> np.ndarray:  # type: ignore[no-untyped-def]
@@ -588,7 +520,7 @@ def compare_with_onnxruntime(spec: GraphSpec, module: GraphModule, opts: LoadOpt
     batch = spec.batch or 2
     gen = torch.Generator().manual_seed(0)
     try:
-        sess = _ort_session(spec)
+        sess = _ort_session(spec, module)
     except Exception as exc:  # onnxruntime raises its own exception types
         msg = " ".join(str(exc).split())[:400]
         raise OnnxCheckError(f"onnxruntime cannot load the graph: {msg}") from None

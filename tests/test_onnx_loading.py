@@ -497,3 +497,71 @@ def test_loading_mismatch_with_onnxruntime_on_large_weights_is_an_error(
     monkeypatch.setitem(ops.OPS, "MatMul", Transposed())
     with pytest.raises(OnnxMismatchError, match="differs from onnxruntime"):
         load_onnx(_wide_graph().SerializeToString())
+
+
+def _varint_bytes(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+        n >>= 7
+        if not n:
+            return bytes(out)
+
+
+def _field(number: int, payload: bytes) -> bytes:  # one length-delimited protobuf field
+    return _varint_bytes(number << 3 | 2) + _varint_bytes(len(payload)) + payload
+
+
+@pytest.mark.parametrize("dynamo", [False, True])
+def test_raw_weight_views_are_the_initializers_of_exported_models(dynamo: bool) -> None:
+    from lsa_models.onnx.light import raw_weight_views
+
+    blob = _attn_blob(dynamo)
+    model = onnx.ModelProto()
+    model.ParseFromString(blob)
+    views = raw_weight_views(blob, model)
+    large = [t for t in model.graph.initializer
+             if t.data_type == TensorProto.FLOAT and np.prod(t.dims) > 4096]
+    assert len(large) >= 2 and set(views) == {t.name for t in large}
+    for t in large:
+        assert np.array_equal(views[t.name], numpy_helper.to_array(t))
+    loaded = load_onnx(blob)
+    for t in large:  # the evaluator's constants are those views
+        assert np.shares_memory(loaded.module.consts[t.name].numpy(), np.frombuffer(blob, np.uint8))
+
+
+def test_raw_weight_views_follow_protobuf_merging() -> None:
+    """A graph split over two fields (initializers concatenate) and a tensor whose raw_data
+    appears twice (the last wins): the views are what the parser read."""
+    from lsa_models.onnx.light import raw_weight_views
+
+    model = _wide_graph()
+    t = model.graph.initializer[0]
+    real = t.raw_data
+    garbage = onnx.TensorProto()
+    garbage.CopyFrom(t)
+    garbage.raw_data = bytes(len(real))
+    tensor = garbage.SerializeToString() + _field(9, real)  # raw_data twice: the last wins
+    del model.graph.initializer[:]
+    graph = model.graph.SerializeToString()
+    model.ClearField("graph")
+    blob = (model.SerializeToString() + _field(7, graph)
+            + _field(7, _field(5, tensor)))  # a second graph field holding the initializer
+    parsed = onnx.ModelProto()
+    parsed.ParseFromString(blob)
+    assert parsed.graph.initializer[0].raw_data == real
+    views = raw_weight_views(blob, parsed)
+    assert np.array_equal(views["w"], np.frombuffer(real, np.float32).reshape(80, 80))
+    assert torch.equal(load_onnx(blob).module.consts["w"],
+                       torch.from_numpy(numpy_helper.to_array(parsed.graph.initializer[0])))
+
+
+def test_raw_weight_views_of_bytes_that_do_not_match_are_empty() -> None:
+    from lsa_models.onnx.light import raw_weight_views
+
+    model = _wide_graph()
+    blob = model.SerializeToString()
+    other = _wide_graph()
+    other.graph.initializer[0].name = "v"  # the parsed model does not match the bytes
+    assert raw_weight_views(blob, other) == {}
+    assert raw_weight_views(blob[:-7], model) == {}  # a field runs past the end

@@ -133,3 +133,85 @@ def ort_light_model(model: onnx.ModelProto, consts: Mapping[str, Tensor]
             entry = ext.external_data.add()
             entry.key, entry.value = key, value
     return light.SerializeToString(), arrays
+
+
+def _varint(buf: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        b = buf[pos]
+        pos += 1
+        value |= (b & 0x7F) << shift
+        if b < 0x80:
+            return value, pos
+        shift += 7
+        if shift > 63:
+            raise ValueError("varint too long")
+
+
+def _fields(buf: bytes, start: int, end: int) -> list[tuple[int, int, int]]:
+    """(field number, start, end) of the length-delimited fields of the message in
+    buf[start:end]; other wire types are skipped."""
+    out = []
+    pos = start
+    while pos < end:
+        key, pos = _varint(buf, pos)
+        wire = key & 7
+        if wire == 0:
+            _, pos = _varint(buf, pos)
+        elif wire == 1:
+            pos += 8
+        elif wire == 5:
+            pos += 4
+        elif wire == 2:
+            n, pos = _varint(buf, pos)
+            out.append((key >> 3, pos, pos + n))
+            pos += n
+        else:
+            raise ValueError(f"wire type {wire}")
+    if pos != end:
+        raise ValueError("a field runs past its message")
+    return out
+
+
+# ModelProto.graph = 7, GraphProto.initializer = 5, TensorProto.name = 8, .raw_data = 9
+_GRAPH, _INITIALIZER, _NAME, _RAW = 7, 5, 8, 9
+
+
+def raw_weight_views(raw: bytes, model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    """The large float32 weights of the parsed `model` as read-only arrays over the upload's
+    own bytes `raw` (no copy: the protobuf accessor copies every weight, 340 MB of fresh
+    pages for GPT-2-small). The wire format is walked only where it holds initializers; each
+    one found is matched to the parsed model's initializer at the same position (protobuf
+    concatenates repeated and merged fields in order; the last name and raw_data win), by
+    name and by the byte count its shape needs. Anything unexpected gives no views (the
+    caller then reads the weights from the parsed model)."""
+    inits = model.graph.initializer
+    try:
+        found: list[tuple[str, int, int]] = []
+        for field, gs, ge in _fields(raw, 0, len(raw)):
+            if field != _GRAPH:
+                continue
+            for f2, ts, te in _fields(raw, gs, ge):
+                if f2 != _INITIALIZER:
+                    continue
+                name, span = "", (0, 0)
+                for f3, s, e in _fields(raw, ts, te):
+                    if f3 == _NAME:
+                        name = raw[s:e].decode("utf-8")
+                    elif f3 == _RAW:
+                        span = (s, e)
+                found.append((name, *span))
+    except (ValueError, IndexError, UnicodeDecodeError):
+        return {}
+    if len(found) != len(inits):
+        return {}
+    views: dict[str, np.ndarray] = {}
+    for t, (name, s, e) in zip(inits, found, strict=True):
+        n = math.prod(t.dims)
+        if name != t.name:
+            return {}
+        if (t.data_type == _T.FLOAT and n > _SHAPE_DATA_MAX and e - s == 4 * n
+                and t.data_location != _T.EXTERNAL):
+            views[name] = np.frombuffer(raw, dtype="<f4", count=n, offset=s).reshape(
+                tuple(t.dims))
+    return views

@@ -32,7 +32,7 @@ from .errors import (
     UnsupportedOpsError,
 )
 from .graph import GraphModule, GraphSpec
-from .light import check_and_infer, ort_light_model
+from .light import check_and_infer, ort_light_model, raw_weight_views
 from .ops import FLOAT_TYPES, Node, patchwise_reason, unsupported_ops
 from .rewrite import lower_einsum
 
@@ -438,6 +438,7 @@ def load_onnx(data: bytes, filename: str = "", opts: LoadOptions | None = None,
     else:
         raw, files, main, fmt = data, None, "model.onnx", "onnx"
     model = _parse(raw)
+    views = raw_weight_views(raw, model)  # before external data is inlined: file bytes only
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
     if not MIN_OPSET <= opset <= MAX_OPSET:
         raise OnnxCheckError(f"opset {opset} is not supported; export with opset "
@@ -465,7 +466,7 @@ def load_onnx(data: bytes, filename: str = "", opts: LoadOptions | None = None,
     nodes = lower_einsum(nodes)  # after the checks: they and onnxruntime see the upload
     name, d_model, n, batch, rank, skipped, ids = _select_input(model, nodes)
     spec = GraphSpec(model, nodes, name, model.graph.output[0].name, d_model, n, batch, rank,
-                     skipped, ids, opset, blob, seq_first, pixels)
+                     skipped, ids, opset, blob, seq_first, pixels, views)
     try:
         module = GraphModule(spec)
     except (RuntimeError, ValueError, IndexError, NotImplementedError, KeyError) as exc:

@@ -565,3 +565,13 @@ def test_raw_weight_views_of_bytes_that_do_not_match_are_empty() -> None:
     other.graph.initializer[0].name = "v"  # the parsed model does not match the bytes
     assert raw_weight_views(blob, other) == {}
     assert raw_weight_views(blob[:-7], model) == {}  # a field runs past the end
+
+
+def test_ort_session_falls_back_to_the_whole_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A light graph onnxruntime refuses is no reason to refuse the upload: the check then
+    runs on the file as uploaded."""
+    from lsa_models.onnx import loading
+
+    monkeypatch.setattr(loading, "ort_light_model", lambda model, consts: (b"\x08\x99", {}))
+    loaded = load_onnx(_wide_graph().SerializeToString())
+    assert loaded.max_abs_diff is not None and loaded.max_abs_diff < 1e-4

@@ -252,6 +252,70 @@ def test_loading_shape_inference_on_large_weights_still_catches_mismatches() -> 
         load_onnx(_mlp_graph(weight=w).SerializeToString())
 
 
+def _wide_graph() -> onnx.ModelProto:
+    """x (1, N, 80) @ w (80, 80): a weight above 4096 elements, which the checker and shape
+    inference see as a typed graph input (light.light_copy)."""
+    w = np.random.default_rng(1).standard_normal((80, 80)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "wide",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, N, 80])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, N, 80])],
+        [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 8
+    return model
+
+
+def _dup_init(m: onnx.ModelProto) -> None:
+    m.graph.initializer.append(m.graph.initializer[0])
+
+
+def _empty_name(m: onnx.ModelProto) -> None:
+    m.graph.initializer[0].name = ""
+    m.graph.node[0].input[1] = ""
+
+
+def _ir3_not_an_input(m: onnx.ModelProto) -> None:
+    m.ir_version = 3
+    m.opset_import[0].version = 13
+
+
+def _two_value_fields(m: onnx.ModelProto) -> None:
+    m.graph.initializer[0].float_data.append(1.0)
+
+
+def _undefined_type(m: onnx.ModelProto) -> None:
+    m.graph.initializer[0].data_type = TensorProto.UNDEFINED
+
+
+def _short_raw(m: onnx.ModelProto) -> None:
+    t = m.graph.initializer[0]
+    t.raw_data = t.raw_data[:-4]
+
+
+@pytest.mark.parametrize("breakage", [_dup_init, _empty_name, _ir3_not_an_input,
+                                      _two_value_fields, _undefined_type, _short_raw])
+def test_loading_checker_on_light_copy_rejects_what_the_whole_file_checker_rejects(
+        breakage) -> None:  # type: ignore[no-untyped-def]
+    model = _wide_graph()
+    load_onnx(model.SerializeToString())  # the intact graph loads
+    breakage(model)
+    blob = model.SerializeToString()
+    with pytest.raises(onnx.checker.ValidationError):
+        onnx.checker.check_model(blob)
+    with pytest.raises(OnnxCheckError):
+        load_onnx(blob)
+
+
+@pytest.mark.parametrize("delta", [-4, 4])
+def test_loading_raw_weight_of_the_wrong_size_is_rejected(delta: int) -> None:
+    model = _wide_graph()
+    t = model.graph.initializer[0]
+    t.raw_data = t.raw_data[:delta] if delta < 0 else t.raw_data + bytes(delta)
+    with pytest.raises(OnnxCheckError):
+        load_onnx(model.SerializeToString())
+
+
 @pytest.mark.parametrize("dynamo", [False, True])
 def test_loading_shape_inference_matches_inference_on_the_whole_file(dynamo: bool) -> None:
     torch.manual_seed(0)
@@ -346,3 +410,168 @@ def test_gather_elements_runs_and_bounds_as_a_selection() -> None:
         exact = float(torch.linalg.matrix_norm(sel, 2)) if norm == "2" else float(
             sel.abs().sum(1).max())
         assert exact <= f.lip
+
+
+@pytest.mark.parametrize("array", [
+    np.arange(12, dtype=np.float32).reshape(3, 4) - 5.5,
+    np.float32(2.5),
+    np.zeros((0, 3), np.float32),
+    np.arange(6, dtype=np.float16).reshape(2, 3),
+    np.arange(6, dtype=np.int64),
+    np.array([1.0, -2.0], np.float64),
+])
+def test_graph_initializer_is_the_value_of_tensor_from_proto(array: np.ndarray) -> None:
+    from lsa_models.onnx.graph import _initializer
+    from lsa_models.onnx.ops import tensor_from_proto
+
+    ctx = RunContext(torch.float32)
+    for t in (numpy_helper.from_array(array, "w"),
+              helper.make_tensor("w", helper.np_dtype_to_tensor_dtype(array.dtype),
+                                 array.shape, array.ravel().tolist())):  # raw and typed fields
+        got, want = _initializer(t, ctx), tensor_from_proto(t, ctx)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got, want)
+
+
+def test_graph_initializer_with_short_raw_data_is_an_error() -> None:
+    from lsa_models.onnx.graph import _initializer
+
+    t = numpy_helper.from_array(np.ones((2, 3), np.float32), "w")
+    t.raw_data = t.raw_data[:-4]
+    with pytest.raises(ValueError, match="raw bytes"):
+        _initializer(t, RunContext(torch.float32))
+
+
+def _attn_blob(dynamo: bool) -> bytes:
+    torch.manual_seed(0)
+
+    class Attn(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mha = torch.nn.MultiheadAttention(96, 4, batch_first=True)  # 27648 weights
+            self.ff = torch.nn.Linear(96, 96)  # 9216: both above the 4096 of a weight
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.ff(self.mha(x, x, x, need_weights=False)[0])
+
+    x = torch.randn(1, 8, 96)
+    with warnings.catch_warnings():  # the exporters' deprecation and tracer chatter
+        warnings.simplefilter("ignore")
+        if dynamo:
+            prog = torch.onnx.export(Attn().eval(), (x,), dynamo=True, opset_version=18)
+            assert prog is not None
+            return prog.model_proto.SerializeToString()
+        buf = io.BytesIO()
+        torch.onnx.export(Attn().eval(), (x,), buf, dynamo=False, opset_version=18)
+        return buf.getvalue()
+
+
+@pytest.mark.parametrize("dynamo", [False, True])
+def test_ort_session_on_module_weights_gives_the_outputs_of_the_whole_file(dynamo: bool) -> None:
+    """The onnxruntime check gets the large float32 weights as the module's arrays
+    (light.ort_light_model): the outputs are bit for bit those of the file as uploaded."""
+    from lsa_models.onnx.light import ort_light_model
+    from lsa_models.onnx.loading import _ort_session
+
+    loaded = load_onnx(_attn_blob(dynamo), "attn.onnx")
+    _, weights = ort_light_model(loaded.spec.model, loaded.module.consts)
+    assert len(weights) >= 2  # the test exercises the arrays path
+    x = np.random.default_rng(0).standard_normal((1, 8, 96)).astype(np.float32)
+    name = loaded.spec.input_name
+    whole = _ort_session(loaded.spec).run(None, {name: x})[0]
+    light = _ort_session(loaded.spec, loaded.module).run(None, {name: x})[0]
+    assert np.array_equal(whole, light)
+
+
+def test_loading_mismatch_with_onnxruntime_on_large_weights_is_an_error(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A torch op that misreads a large weight is still caught: onnxruntime computes with
+    the file's weights, not with what the op made of them."""
+    from lsa_models.onnx import ops
+    from lsa_models.onnx.ops.linear import MatMulOp
+
+    class Transposed(MatMulOp):  # reads W^T instead of W
+        def run(self, node, ins, ctx):  # type: ignore[no-untyped-def]
+            return super().run(node, [ins[0], ins[1].transpose(-1, -2)], ctx)
+
+    monkeypatch.setitem(ops.OPS, "MatMul", Transposed())
+    with pytest.raises(OnnxMismatchError, match="differs from onnxruntime"):
+        load_onnx(_wide_graph().SerializeToString())
+
+
+def _varint_bytes(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+        n >>= 7
+        if not n:
+            return bytes(out)
+
+
+def _field(number: int, payload: bytes) -> bytes:  # one length-delimited protobuf field
+    return _varint_bytes(number << 3 | 2) + _varint_bytes(len(payload)) + payload
+
+
+@pytest.mark.parametrize("dynamo", [False, True])
+def test_raw_weight_views_are_the_initializers_of_exported_models(dynamo: bool) -> None:
+    from lsa_models.onnx.light import raw_weight_views
+
+    blob = _attn_blob(dynamo)
+    model = onnx.ModelProto()
+    model.ParseFromString(blob)
+    views = raw_weight_views(blob, model)
+    large = [t for t in model.graph.initializer
+             if t.data_type == TensorProto.FLOAT and np.prod(t.dims) > 4096]
+    assert len(large) >= 2 and set(views) == {t.name for t in large}
+    for t in large:
+        assert np.array_equal(views[t.name], numpy_helper.to_array(t))
+    loaded = load_onnx(blob)
+    for t in large:  # the evaluator's constants are those views
+        assert np.shares_memory(loaded.module.consts[t.name].numpy(), np.frombuffer(blob, np.uint8))
+
+
+def test_raw_weight_views_follow_protobuf_merging() -> None:
+    """A graph split over two fields (initializers concatenate) and a tensor whose raw_data
+    appears twice (the last wins): the views are what the parser read."""
+    from lsa_models.onnx.light import raw_weight_views
+
+    model = _wide_graph()
+    t = model.graph.initializer[0]
+    real = t.raw_data
+    garbage = onnx.TensorProto()
+    garbage.CopyFrom(t)
+    garbage.raw_data = bytes(len(real))
+    tensor = garbage.SerializeToString() + _field(9, real)  # raw_data twice: the last wins
+    del model.graph.initializer[:]
+    graph = model.graph.SerializeToString()
+    model.ClearField("graph")
+    blob = (model.SerializeToString() + _field(7, graph)
+            + _field(7, _field(5, tensor)))  # a second graph field holding the initializer
+    parsed = onnx.ModelProto()
+    parsed.ParseFromString(blob)
+    assert parsed.graph.initializer[0].raw_data == real
+    views = raw_weight_views(blob, parsed)
+    assert np.array_equal(views["w"], np.frombuffer(real, np.float32).reshape(80, 80))
+    assert torch.equal(load_onnx(blob).module.consts["w"],
+                       torch.from_numpy(numpy_helper.to_array(parsed.graph.initializer[0])))
+
+
+def test_raw_weight_views_of_bytes_that_do_not_match_are_empty() -> None:
+    from lsa_models.onnx.light import raw_weight_views
+
+    model = _wide_graph()
+    blob = model.SerializeToString()
+    other = _wide_graph()
+    other.graph.initializer[0].name = "v"  # the parsed model does not match the bytes
+    assert raw_weight_views(blob, other) == {}
+    assert raw_weight_views(blob[:-7], model) == {}  # a field runs past the end
+
+
+def test_ort_session_falls_back_to_the_whole_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A light graph onnxruntime refuses is no reason to refuse the upload: the check then
+    runs on the file as uploaded."""
+    from lsa_models.onnx import loading
+
+    monkeypatch.setattr(loading, "ort_light_model", lambda model, consts: (b"\x08\x99", {}))
+    loaded = load_onnx(_wide_graph().SerializeToString())
+    assert loaded.max_abs_diff is not None and loaded.max_abs_diff < 1e-4

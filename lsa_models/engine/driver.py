@@ -19,7 +19,8 @@ import torch
 from ..bounds.numerics import U, add_up, inf_norm_upper, mul_up, spectral_norm_upper, sqrt_up
 from ..onnx.loading import OnnxModel
 from ..onnx.ops import Node, decimal_attr
-from .primitives import LIBM_REL, derivative
+from . import fused
+from .primitives import LIBM_REL, derivative, elementwise
 from .rules import LOCAL_RULES, exact
 from .values import Ball, LocalNotCertified, LocalValue, enclose, input_value
 
@@ -40,6 +41,9 @@ class LocalJacobian:
     out_hi: np.ndarray
     # (node, kind, local factor, rule) per reported layer
     layers: list[tuple[str, str, float, str]] = field(default_factory=list)
+    # j -> a bound on |grad (f_label - f_j)(X) - (jc_label - jc_j)| over the ball (P,), from
+    # the margin's own telescoped remainder (local_jacobian(margins_of=label))
+    margin_jr: dict[int, np.ndarray] = field(default_factory=dict)
 
     def upper(self) -> float:
         """Certified bound on sup ||J_F(X)||_p over the ball."""
@@ -94,13 +98,14 @@ def _check_eps(eps: float) -> None:
 
 
 def local_jacobian(model: OnnxModel, x0: np.ndarray, eps: float, norm: str,
-                   telescope: bool = True) -> LocalJacobian:
+                   telescope: bool = True, margins_of: int | None = None) -> LocalJacobian:
     """Enclose the output's Jacobian over `{X : ||X - X0||_norm <= eps}`. Raises
     LocalNotCertified when an op has no local rule or a range leaves an op's domain.
 
     With `telescope`, the inputs of the range-sensitive ops (CHECKPOINTS) and the output get
     the telescoped remainder (exact adjoints at X0) instead of the forward one, whichever is
-    smaller entrywise."""
+    smaller entrywise. With `margins_of` = a label Y, the margins f_Y - f_j also get their own
+    telescoped remainder (`LocalJacobian.margin_jr`)."""
     if norm not in ("2", "inf"):
         raise ValueError(f"unknown norm {norm!r}; use '2' or 'inf'")
     _check_eps(eps)
@@ -120,14 +125,25 @@ def local_jacobian(model: OnnxModel, x0: np.ndarray, eps: float, norm: str,
     out = values[model.spec.output_name]
     if not isinstance(out, LocalValue):
         out = exact(np.asarray(out, dtype=np.float64), ball)
+    k = out.center.size
+    margin_jr: dict[int, np.ndarray] = {}
     if tight is not None:
         out = tight.tighten(model.spec.output_name, out, values, ball)
-    k = out.center.size
+        if margins_of is not None:
+            # the margins f_label - f_j telescoped as rows of their own
+            others = [j for j in range(k) if j != margins_of]
+            combos = np.zeros((len(others), k))
+            combos[:, margins_of] = 1.0
+            combos[np.arange(len(others)), others] = -1.0
+            rem = tight.remainder(model.spec.output_name, values, ball, combos)
+            if rem is not None:
+                margin_jr = dict(zip(others, rem, strict=True))
     if not (np.all(np.isfinite(out.jc)) and np.all(np.isfinite(out.jr))):
         raise LocalNotCertified("the Jacobian enclosure overflowed on this ball (too wide "
                                 "for the op-by-op ranges)")
     return LocalJacobian(ball, out.center.reshape(k), out.jc.reshape(k, -1),
-                         out.jr.reshape(k, -1), out.lo.reshape(k), out.hi.reshape(k), layers)
+                         out.jr.reshape(k, -1), out.lo.reshape(k), out.hi.reshape(k), layers,
+                         margin_jr)
 
 
 # Ops whose enclosures depend most on their input's range: their inputs are tightened.
@@ -141,7 +157,20 @@ def _walk(model: OnnxModel, module: torch.nn.Module, env: dict[str, torch.Tensor
     """One pass over the input-dependent nodes in graph order."""
     values: Values = {model.spec.input_name: input_value(ball)}
     layers: list[tuple[str, str, float, str]] = []
+    chains, inside = _chains(model, module, env)
     for node in module.runtime_nodes:  # type: ignore[union-attr]
+        if node.name in inside:
+            chain = chains.get(node.name)
+            if chain is None:
+                continue  # an inner link of a fused chain: bounded at its sink
+            root = values.get(chain.root)
+            if not isinstance(root, LocalValue):
+                raise LocalNotCertified(f"the elementwise chain ending at {node.name} has an "
+                                        "input-independent root")
+            if tight is not None:
+                root = values[chain.root] = tight.tighten(chain.root, root, values, ball)
+            values[chain.sink] = _fused(chain, root, env, ball)
+            continue
         if tight is not None and node.op_type in CHECKPOINTS and (
                 node.op_type not in ("Mul", "MatMul", "Div") or
                 sum(isinstance(values.get(i), LocalValue) for i in node.inputs if i) > 1):
@@ -177,6 +206,35 @@ def _walk(model: OnnxModel, module: torch.nn.Module, env: dict[str, torch.Tensor
     return values, layers
 
 
+def _chains(model: OnnxModel, module: torch.nn.Module, env: dict[str, torch.Tensor]
+            ) -> tuple[dict[str, fused.Chain], set[str]]:
+    variable = {model.spec.input_name}
+    nodes = module.runtime_nodes  # type: ignore[union-attr]
+    for nd in nodes:
+        if nd.op_type not in ("Shape", "Size") and any(i in variable for i in nd.inputs if i):
+            variable.update(o for o in nd.outputs if o)
+    return fused.find_chains(nodes, env, variable, {model.spec.output_name})
+
+
+def _fused(chain: fused.Chain, x: LocalValue, env: dict[str, torch.Tensor],
+           ball: Ball) -> LocalValue:
+    """y = f(x) for a fused chain: elementwise with f' from interval differentiation."""
+    consts = {i: float(env[i].reshape(())) for nd in chain.nodes for i in nd.inputs
+              if i and i in env and env[i].numel() == 1 and i != chain.root
+              and i not in {n.outputs[0] for n in chain.nodes}}
+
+    def d(c: np.ndarray) -> np.ndarray:
+        lo, hi = fused.evaluate(chain, consts, c, c)[1]
+        return 0.5 * (lo + hi)
+
+    def rng(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return fused.ranges(chain, consts, lo, hi)[1]
+
+    vals = fused.ranges(chain, consts, x.lo, x.hi)[0]
+    out = env[chain.sink].detach().numpy()
+    return elementwise(x, "fused", out, ball, deriv=(d, rng), values=vals)
+
+
 # Relative allowance on the adjoints G computed by autograd in float64 at the centre (they
 # only scale remainder terms): far above float64 backward-pass rounding.
 ADJOINT_MARGIN = 1e-9
@@ -194,18 +252,24 @@ class _Telescope:
         self.env = module.run_env(self.xt)
         self.zero = zero
 
-    def tighten(self, name: str, v: LocalValue, values: Values, ball: Ball) -> LocalValue:
+    def remainder(self, name: str, values: Values, ball: Ball,
+                  combos: np.ndarray | None = None) -> np.ndarray | None:
+        """The telescoped bound on |J_t(X) - jc_t| for every entry of tensor `name`, (k, P);
+        with `combos` (M, k), for the rows combos @ t instead (their adjoints combined before
+        the absolute values, so cancellations between the entries are kept). None: nothing
+        to telescope."""
         z = self.zero.get(name)
         if not isinstance(z, LocalValue) or name not in self.env:
-            return v
+            return None
         names = [t for t, u in values.items()
                  if isinstance(u, LocalValue) and u.term is not None and t in self.env]
         if not names:
-            return v
+            return None
         target = self.env[name].reshape(-1)
         ts = [self.env[t] for t in names]
         k = target.numel()
-        total = np.zeros((k, ball.size))
+        m = k if combos is None else combos.shape[0]
+        total = np.zeros((m, ball.size))
         rows = [torch.autograd.grad(target[i], ts, retain_graph=True, allow_unused=True)
                 for i in range(k)]
         for j, t in enumerate(names):
@@ -214,11 +278,22 @@ class _Telescope:
             zero_g = np.zeros(tuple(ts[j].shape))
             g = np.stack([zero_g if (gi := r[j]) is None else gi.detach().numpy()
                           for r in rows])
+            if combos is not None:
+                g = np.tensordot(combos, g, axes=1)  # (M, *S_t)
             ga = np.abs(g) * (1 + ADJOINT_MARGIN) + ADJOINT_MARGIN * float(np.abs(g).max())
             u = values[t]
             assert isinstance(u, LocalValue) and u.term is not None
             total += u.term(ga)
-        jr = np.minimum(v.jr, ((total + z.jr.reshape(k, -1)) * (1 + 1e-12)).reshape(v.jr.shape))
+        zr = z.jr.reshape(k, -1)
+        if combos is not None:
+            zr = np.abs(combos) @ zr
+        return (total + zr) * (1 + 1e-12)
+
+    def tighten(self, name: str, v: LocalValue, values: Values, ball: Ball) -> LocalValue:
+        total = self.remainder(name, values, ball)
+        if total is None:
+            return v
+        jr = np.minimum(v.jr, total.reshape(v.jr.shape))
         out = enclose(v.center, v.jc, jr, ball, v.lo, v.hi)
         out.term = v.term
         return out

@@ -140,6 +140,8 @@ def _pair_constants(lj: LocalJacobian, label: int) -> dict[int, float]:
             continue
         g = np.abs(lj.jc[label] - lj.jc[j]) * (1 + 2.0**-52)
         r = (lj.jr[label] + lj.jr[j]) * (1 + 2.0**-52)
+        if j in lj.margin_jr:  # both bound |grad m_j(X) - (jc_label - jc_j)|
+            r = np.minimum(r, lj.margin_jr[j])
         if lj.ball.norm == "inf":
             v = float((g + r).sum()) * (1 + (p + 4) * 2.0**-52)
         else:
@@ -154,7 +156,7 @@ def _certified_at(om: OnnxModel, x: np.ndarray, r: float, norm: str, label: int,
     """Every margin f_label - f_j stays positive on the ball of radius r:
     margin(X) >= margin(X0) - r L_pair(r) (mean value theorem on the segment)."""
     try:
-        lj = local_jacobian(om, x, r, norm)
+        lj = local_jacobian(om, x, r, norm, margins_of=label)
     except LocalNotCertified:
         return False, {}
     consts = _pair_constants(lj, label)

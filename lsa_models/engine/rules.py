@@ -17,7 +17,9 @@ from torch.func import vmap
 
 from ..onnx.ops import FLOAT_TYPES, OPS, Node, RunContext, decimal_attr
 from . import primitives as pr
-from .values import Ball, LocalNotCertified, LocalValue, enclose
+from .layernorm import direct as ln_direct
+from .values import Ball, LocalNotCertified, LocalValue, center_margin, enclose, widen_up
+from .values import gamma as gamma_k
 
 Arg = LocalValue | np.ndarray | None
 CTX = RunContext(torch.float64)
@@ -164,7 +166,13 @@ class LinearRule(LocalRule):
         k = max(int(np.prod(a.shape)) if a is not None else 1 for a in args)
         c = centers[0]
         assert c is not None
-        return [pr.linear(c, jc, jr_abs, jc_abs, k, ball)]
+        # interval form: |y(X) - y_c| <= |L|(rad_in) + the centre's margin (docs, "Values")
+        fixed = consts(True)
+        for i, v in zip(var, vals, strict=True):
+            fixed[i] = _torch(v.rad)  # type: ignore[union-attr]
+        spread = OPS[absn.op_type].run(absn, fixed, CTX)[0].numpy()
+        rad = widen_up(np.broadcast_to(spread, c.shape), k) + center_margin(c)
+        return [pr.linear(c, jc, jr_abs, jc_abs, k, ball, c - rad, c + rad)]
 
 
 def _divide(node: Node, args: list[Arg], centers: list[np.ndarray | None],
@@ -265,17 +273,29 @@ def layernorm(x: LocalValue, gamma: np.ndarray, beta: np.ndarray | None, eps: fl
     z = pr.product(u, r, uc * r.center, ball, matmul=False)
     g = np.broadcast_to(np.asarray(gamma, dtype=np.float64), (d,))
     ag = np.abs(g)[:, None]
-    out = pr.linear(out_center, z.jc * g[:, None], z.jr * ag, np.abs(z.jc) * ag, 2, ball)
+    chain = pr.linear(out_center, z.jc * g[:, None], z.jr * ag, np.abs(z.jc) * ag, 2, ball)
+    # the direct enclosure of S = dz/dx (layernorm.py); both hold, so the entrywise smaller
+    # (the chain's radius moved to the direct centre by |jc_chain - jc_direct|)
+    jc, jr_d, y_lo, y_hi, _, sr, sr0 = ln_direct(x, u, g, beta, eps, norm0, rho)
+    jr_c = widen_up(chain.jr + np.abs(chain.jc - jc), 2)
+    out = enclose(out_center, jc, np.minimum(jr_d, jr_c), ball, y_lo, y_hi)
     sq_t, r_t, z_t = sq.term, r.term, z.term
     assert sq_t is not None and r_t is not None and z_t is not None
     rs = -0.5 * np.power(s.center, -1.5)  # dr/ds at the centre
+    upstream = np.abs(x.jc) + x.jr  # (..., D, P)
+    srs = sr + sr0  # (..., D, D): rows are the output's entries
 
     def term(gy: np.ndarray) -> np.ndarray:
         # adjoints of the chain's links at the centre, from the output's
         gz = gy * g  # (K, ..., D)
         gr = (gz * uc).sum(axis=-1, keepdims=True)  # (K, ..., 1)
         gsq = np.broadcast_to(gr * rs / d, gz.shape)
-        return z_t(gz) + r_t(gr) + sq_t(gsq)
+        via_chain = z_t(gz) + r_t(gr) + sq_t(gsq)
+        # directly: sum_i |G_i| |gamma_i| (sr + sr0)_ij |J_x(X)|_j
+        k = gy.shape[0]
+        h = (np.abs(gz)[..., None, :] @ srs)[..., 0, :]  # (K, ..., D)
+        via_s = h.reshape(k, -1) @ upstream.reshape(-1, upstream.shape[-1])
+        return np.minimum(via_chain, via_s * (1 + gamma_k(2 * d)))
     out.term = term
     return out
 

@@ -16,13 +16,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..bounds.numerics import U, add_up, inf_norm_upper, mul_up, spectral_norm_upper, sqrt_up
+from ..bounds.numerics import (U, add_up, frobenius_upper, inf_norm_upper, mul_up,
+                               spectral_norm_upper, sqrt_up)
 from ..onnx.loading import OnnxModel
 from ..onnx.ops import Node, decimal_attr
 from . import fused
+from .structured import Structured, structured_bounds
 from .primitives import LIBM_REL, derivative, elementwise
 from .rules import LOCAL_RULES, exact
-from .values import Ball, LocalNotCertified, LocalValue, enclose, input_value
+from .values import Ball, LocalNotCertified, LocalValue, enclose, input_value, widen_up
 
 # Jacobian entries the engine will hold for one tensor (float64): beyond it, the ball is
 # bounded by per-layer rules instead.
@@ -45,11 +47,25 @@ class LocalJacobian:
     # the margin's own telescoped remainder (local_jacobian(margins_of=label))
     margin_jr: dict[int, np.ndarray] = field(default_factory=dict)
 
+    # bounds on the norms of J(X) - jc from the factored terms (structured.py); None: not run
+    structured: Structured | None = None
+    # j -> bound on ||grad (f_label - f_j)(X)||_dual over the ball from the factored terms
+    margin_dual: dict[int, float] = field(default_factory=dict)
+
     def upper(self) -> float:
-        """Certified bound on sup ||J_F(X)||_p over the ball."""
+        """Certified bound on sup ||J_F(X)||_p over the ball: the entrywise enclosure's norm,
+        or the structured one when smaller."""
+        st = self.structured
         if self.ball.norm == "2":
-            return add_up(spectral_norm_upper(self.jc), spectral_norm_upper(self.jr))
-        return inf_norm_upper(np.abs(self.jc) + self.jr) * (1.0 + 2.0**-50)
+            plain = add_up(spectral_norm_upper(self.jc), spectral_norm_upper(self.jr))
+            if st is not None:
+                plain = min(plain, add_up(spectral_norm_upper(self.jc), st.mat_two))
+            return plain
+        plain = inf_norm_upper(np.abs(self.jc) + self.jr) * (1.0 + 2.0**-50)
+        if st is not None:
+            rows = widen_up(np.abs(self.jc).sum(axis=1), self.jc.shape[1]) + st.rows_inf
+            plain = min(plain, float(rows.max()) * (1.0 + 2.0**-50))
+        return plain
 
     def center_norm(self) -> float:
         """||J_F(X0)|| (float64, not rounded: a reference, not a bound)."""
@@ -127,6 +143,8 @@ def local_jacobian(model: OnnxModel, x0: np.ndarray, eps: float, norm: str,
         out = exact(np.asarray(out, dtype=np.float64), ball)
     k = out.center.size
     margin_jr: dict[int, np.ndarray] = {}
+    margin_dual: dict[int, float] = {}
+    st: Structured | None = None
     if tight is not None:
         out = tight.tighten(model.spec.output_name, out, values, ball)
         if margins_of is not None:
@@ -138,12 +156,23 @@ def local_jacobian(model: OnnxModel, x0: np.ndarray, eps: float, norm: str,
             rem = tight.remainder(model.spec.output_name, values, ball, combos)
             if rem is not None:
                 margin_jr = dict(zip(others, rem, strict=True))
+            mst = tight.structured(model.spec.output_name, values, ball, combos)
+            if mst is not None:
+                jcm = combos @ out.jc.reshape(k, -1)  # (M, P) centre gradients of the margins
+                for r, j in enumerate(others):
+                    if norm == "inf":
+                        base = float(widen_up(np.abs(jcm[r]).sum(), jcm.shape[1] + 2))
+                        margin_dual[j] = add_up(base, float(mst.rows_inf[r]))
+                    else:
+                        base = frobenius_upper(jcm[r]) * (1 + 4 * U)
+                        margin_dual[j] = add_up(base, float(mst.rows_two[r]))
+        st = tight.structured(model.spec.output_name, values, ball)
     if not (np.all(np.isfinite(out.jc)) and np.all(np.isfinite(out.jr))):
         raise LocalNotCertified("the Jacobian enclosure overflowed on this ball (too wide "
                                 "for the op-by-op ranges)")
     return LocalJacobian(ball, out.center.reshape(k), out.jc.reshape(k, -1),
                          out.jr.reshape(k, -1), out.lo.reshape(k), out.hi.reshape(k), layers,
-                         margin_jr)
+                         margin_jr, st, margin_dual)
 
 
 # Ops whose enclosures depend most on their input's range: their inputs are tightened.
@@ -251,13 +280,14 @@ class _Telescope:
         self.xt = torch.from_numpy(x).requires_grad_(True)
         self.env = module.run_env(self.xt)
         self.zero = zero
+        # the adjoint rows of the last (tensor, ops) asked for: the output is asked several
+        # times (entrywise, margins, structured)
+        self.cache: dict[tuple[str, tuple[str, ...]], list] = {}
 
-    def remainder(self, name: str, values: Values, ball: Ball,
-                  combos: np.ndarray | None = None) -> np.ndarray | None:
-        """The telescoped bound on |J_t(X) - jc_t| for every entry of tensor `name`, (k, P);
-        with `combos` (M, k), for the rows combos @ t instead (their adjoints combined before
-        the absolute values, so cancellations between the entries are kept). None: nothing
-        to telescope."""
+    def _terms(self, name: str, values: Values, combos: np.ndarray | None
+               ) -> list[tuple[np.ndarray, LocalValue]] | None:
+        """(|G| with its margin, the op's value) per op with a remainder term, G the adjoint
+        of `name` (or of combos @ name) w.r.t. the op's output at X0."""
         z = self.zero.get(name)
         if not isinstance(z, LocalValue) or name not in self.env:
             return None
@@ -265,13 +295,16 @@ class _Telescope:
                  if isinstance(u, LocalValue) and u.term is not None and t in self.env]
         if not names:
             return None
-        target = self.env[name].reshape(-1)
+        key = (name, tuple(names))
+        if key not in self.cache:
+            target = self.env[name].reshape(-1)
+            ts = [self.env[t] for t in names]
+            self.cache = {key: [torch.autograd.grad(target[i], ts, retain_graph=True,
+                                                    allow_unused=True)
+                                for i in range(target.numel())]}
+        rows = self.cache[key]
         ts = [self.env[t] for t in names]
-        k = target.numel()
-        m = k if combos is None else combos.shape[0]
-        total = np.zeros((m, ball.size))
-        rows = [torch.autograd.grad(target[i], ts, retain_graph=True, allow_unused=True)
-                for i in range(k)]
+        out = []
         for j, t in enumerate(names):
             if all(r[j] is None for r in rows):
                 continue
@@ -283,11 +316,43 @@ class _Telescope:
             ga = np.abs(g) * (1 + ADJOINT_MARGIN) + ADJOINT_MARGIN * float(np.abs(g).max())
             u = values[t]
             assert isinstance(u, LocalValue) and u.term is not None
+            out.append((ga, u))
+        return out
+
+    def _rounding(self, name: str, combos: np.ndarray | None) -> np.ndarray:
+        """|J(X0) - jc| for the rows: the enclosure's radius at eps = 0."""
+        z = self.zero[name]
+        assert isinstance(z, LocalValue)
+        zr = z.jr.reshape(z.center.size, -1)
+        return zr if combos is None else np.abs(combos) @ zr
+
+    def remainder(self, name: str, values: Values, ball: Ball,
+                  combos: np.ndarray | None = None) -> np.ndarray | None:
+        """The telescoped bound on |J_t(X) - jc_t| for every entry of tensor `name`, (k, P);
+        with `combos` (M, k), for the rows combos @ t instead (their adjoints combined before
+        the absolute values, so cancellations between the entries are kept). None: nothing
+        to telescope."""
+        terms = self._terms(name, values, combos)
+        if terms is None:
+            return None
+        total = self._rounding(name, combos).copy()
+        for ga, u in terms:
+            assert u.term is not None
             total += u.term(ga)
-        zr = z.jr.reshape(k, -1)
-        if combos is not None:
-            zr = np.abs(combos) @ zr
-        return (total + zr) * (1 + 1e-12)
+        return total * (1 + 1e-12)
+
+    def structured(self, name: str, values: Values, ball: Ball,
+                   combos: np.ndarray | None = None) -> Structured | None:
+        """Norm bounds on J_t(X) - jc_t from the factored terms (structured.py)."""
+        terms = self._terms(name, values, combos)
+        if terms is None:
+            return None
+        try:
+            return structured_bounds([(u.term(ga), None if u.parts is None else u.parts(ga))
+                                      for ga, u in terms if u.term is not None],
+                                     self._rounding(name, combos), ball.norm)
+        except ValueError:  # a term overflowed (not finite): the entrywise bound stands
+            return None
 
     def tighten(self, name: str, v: LocalValue, values: Values, ball: Ball) -> LocalValue:
         total = self.remainder(name, values, ball)

@@ -147,6 +147,8 @@ def _pair_constants(lj: LocalJacobian, label: int) -> dict[int, float]:
         else:
             v = math.sqrt(float(np.square(g + r).sum()) * (1 + (p + 4) * 2.0**-52)) \
                 * (1 + 2.0**-51)
+        if j in lj.margin_dual:  # the factored (structured) bound, when smaller
+            v = min(v, lj.margin_dual[j])
         out[j] = v
     return out
 

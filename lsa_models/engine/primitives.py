@@ -11,8 +11,8 @@ from collections.abc import Callable
 import numpy as np
 from scipy import special
 
-from .values import (Ball, LocalNotCertified, LocalValue, center_margin, dual_row_norms, enclose,
-                     gamma, widen_up)
+from .values import (Ball, LocalNotCertified, LocalValue, Parts, center_margin, dual_row_norms,
+                     enclose, gamma, widen_up)
 
 # Relative allowance on derivative values computed with libm/scipy (erf, exp, tanh):
 # faithfully rounded to a few ulp; 1e-12 is far above that.
@@ -207,7 +207,12 @@ def elementwise(v: LocalValue, kind: str, out_center: np.ndarray, ball: Ball,
         k = g.shape[0]
         flat = upstream.reshape(-1, upstream.shape[-1])
         return (np.abs(g).reshape(k, -1) * (dr + dr0).reshape(-1)) @ flat
-    out.term = term
+
+    def parts(g: np.ndarray) -> list[Parts]:
+        k, p = g.shape[0], v.jc.shape[-1]
+        return [(np.abs(g).reshape(k, -1) * (dr + dr0).reshape(-1), v.jc.reshape(-1, p),
+                 v.jr.reshape(-1, p))]
+    out.term, out.parts = term, parts
     return out
 
 
@@ -277,7 +282,24 @@ def product(a: LocalValue | np.ndarray, b: LocalValue | np.ndarray, out_center: 
         t2 = (ag * np.broadcast_to(ar2, shape)).reshape(k, -1) @ \
             np.broadcast_to(ub, (*shape, p)).reshape(-1, p)
         return t1 + t2
-    out.term = term
+
+    def parts(g: np.ndarray) -> list[Parts]:
+        # the same two products with the operands' Jacobians signed: (c, jc, jr) per operand
+        k, ag = g.shape[0], np.abs(g)
+        br2, ar2 = br + bm, ar + am
+        if matmul:
+            h1 = ag @ np.swapaxes(br2, -1, -2)  # (K, ..., n, k): weights on a's entries
+            h2 = np.swapaxes(ar2, -1, -2) @ ag  # (K, ..., k, m): on b's entries
+            s1, s2 = h1.shape[1:], h2.shape[1:]
+        else:
+            h1, h2 = ag * np.broadcast_to(br2, shape), ag * np.broadcast_to(ar2, shape)
+            s1 = s2 = shape
+
+        def flat(x: np.ndarray, s: tuple[int, ...]) -> np.ndarray:
+            return np.broadcast_to(x, (*s, p)).reshape(-1, p)
+        return [(h1.reshape(k, -1), flat(ajc, s1), flat(ajr, s1)),
+                (h2.reshape(k, -1), flat(bjc, s2), flat(bjr, s2))]
+    out.term, out.parts = term, parts
     return out
 
 
@@ -372,5 +394,10 @@ def softmax(v: LocalValue, axis: int, out_center: np.ndarray, ball: Ball) -> Loc
         k = g.shape[0]
         h = (np.moveaxis(np.abs(g), ax + 1, -1)[..., None, :] @ (sr + sr0))[..., 0, :]
         return h.reshape(k, -1) @ upstream.reshape(-1, upstream.shape[-1])
-    out.term = term
+
+    def parts(g: np.ndarray) -> list[Parts]:
+        k, p = g.shape[0], jc_in.shape[-1]
+        h = (np.moveaxis(np.abs(g), ax + 1, -1)[..., None, :] @ (sr + sr0))[..., 0, :]
+        return [(h.reshape(k, -1), jc_in.reshape(-1, p), jr_in.reshape(-1, p))]
+    out.term, out.parts = term, parts
     return out

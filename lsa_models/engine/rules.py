@@ -18,7 +18,7 @@ from torch.func import vmap
 from ..onnx.ops import FLOAT_TYPES, OPS, Node, RunContext, decimal_attr
 from . import primitives as pr
 from .layernorm import direct as ln_direct
-from .values import Ball, LocalNotCertified, LocalValue, center_margin, enclose, widen_up
+from .values import Ball, LocalNotCertified, LocalValue, Parts, center_margin, enclose, widen_up
 from .values import gamma as gamma_k
 
 Arg = LocalValue | np.ndarray | None
@@ -190,10 +190,17 @@ def _divide(node: Node, args: list[Arg], centers: list[np.ndarray | None],
     assert prod_term is not None and inv_term is not None
     ac = a.center if isinstance(a, LocalValue) else np.asarray(a, dtype=np.float64)
 
+    prod_parts, inv_parts = out.parts, inv.parts
+    assert prod_parts is not None and inv_parts is not None
+
     def term(g: np.ndarray) -> np.ndarray:
-        # the adjoint of 1/b: G * a at the centre, summed over the broadcast axes
-        return prod_term(g) + inv_term(_unbroadcast(g * ac, inv.shape))
-    out.term = term
+        # the adjoint of 1/b is G * a at the centre summed over the broadcast axes; g = |G|, so
+        # the sum of |G| |a| bounds its absolute value
+        return prod_term(g) + inv_term(_unbroadcast(g * np.abs(ac), inv.shape))
+
+    def parts(g: np.ndarray) -> list[Parts]:
+        return prod_parts(g) + inv_parts(_unbroadcast(g * np.abs(ac), inv.shape))
+    out.term, out.parts = term, parts
     return out
 
 
@@ -296,7 +303,12 @@ def layernorm(x: LocalValue, gamma: np.ndarray, beta: np.ndarray | None, eps: fl
         h = (np.abs(gz)[..., None, :] @ srs)[..., 0, :]  # (K, ..., D)
         via_s = h.reshape(k, -1) @ upstream.reshape(-1, upstream.shape[-1])
         return np.minimum(via_chain, via_s * (1 + gamma_k(2 * d)))
-    out.term = term
+
+    def parts(gy: np.ndarray) -> list[Parts]:  # the direct form: c = |G gamma| (sr + sr0)
+        k, p = gy.shape[0], x.jc.shape[-1]
+        h = (np.abs(gy * g)[..., None, :] @ srs)[..., 0, :] * (1 + gamma_k(2 * d))
+        return [(h.reshape(k, -1), x.jc.reshape(-1, p), x.jr.reshape(-1, p))]
+    out.term, out.parts = term, parts
     return out
 
 

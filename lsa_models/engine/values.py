@@ -43,6 +43,9 @@ class Ball:
         return int(self.center.size)
 
 
+Parts = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
 @dataclass
 class LocalValue:
     center: np.ndarray  # (*S,)
@@ -54,6 +57,11 @@ class LocalValue:
     # output's adjoint G = d out / d this tensor at X0, (K, *S), to a nonnegative (K, P)
     # bound on G (D_op(X) - D_op(X0)) J_in(X) over the ball. None: the op is linear.
     term: Callable[[np.ndarray], np.ndarray] | None = field(default=None, repr=False)
+    # The same bound in factored form (driver.py, "structured output norms"): for the adjoint
+    # |G| (K, *S), a list of (c, jc_in, jr_in) with c (K, n) >= 0 and the op's input Jacobian
+    # enclosure jc_in +- jr_in (n, P), such that |G (D_op(X) - D_op(X0)) J_in(X)| is bounded
+    # row by row by sum_b c_kb |J_in,b(X)| with the signs of J_in kept.
+    parts: Callable[[np.ndarray], list[Parts]] | None = field(default=None, repr=False)
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -107,12 +107,13 @@ def main() -> None:
         j_enc, j_s = float(v.jr.max()), float(dev[n].max())
         nd = producer.get(n)
         rows.append({"tensor": n, "op": nd.op_type if nd else "input", "width": w_enc,
-                     "width_sampled": w_s, "width_ratio": w_enc / max(w_s, 1e-300), "width_linear": w_lin,
-                     "width_lin_ratio": w_enc / max(w_lin, 1e-300),
+                     "width_sampled": w_s, "width_ratio": w_enc / max(w_s, 1e-300),
+                     "width_linear": w_lin, "width_lin_ratio": w_enc / max(w_lin, 1e-300),
                      "jr": j_enc, "jr_sampled": j_s, "jr_ratio": j_enc / max(j_s, 1e-300)})
-        print(f"{rows[-1]['op']:>20} {n[-28:]:>28}  width {w_enc:9.3g} / {w_s:9.3g} = "
-              f"{rows[-1]['width_ratio']:9.3g} lin {w_lin:9.3g} {rows[-1]['width_lin_ratio']:7.3g}  jr {j_enc:9.3g} / {j_s:9.3g} = "
-              f"{rows[-1]['jr_ratio']:9.3g}")
+        r = rows[-1]
+        print(f"{r['op']:>20} {n[-28:]:>28}  width {w_enc:9.3g} / {w_s:9.3g} = "
+              f"{r['width_ratio']:9.3g} lin {w_lin:9.3g} {r['width_lin_ratio']:7.3g}  "
+              f"jr {j_enc:9.3g} / {j_s:9.3g} = {r['jr_ratio']:9.3g}")
     OUT.mkdir(exist_ok=True)
     (OUT / f"local_growth_{args.kind}_{args.norm}_{args.eps:g}.json").write_text(
         json.dumps({"args": vars(args), "rows": rows}, indent=1))

@@ -16,15 +16,30 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..bounds.numerics import (U, add_up, frobenius_upper, inf_norm_upper, mul_up,
-                               spectral_norm_upper, sqrt_up)
+from ..bounds.numerics import (
+    U,
+    add_up,
+    frobenius_upper,
+    inf_norm_upper,
+    mul_up,
+    spectral_norm_upper,
+    sqrt_up,
+)
 from ..onnx.loading import OnnxModel
 from ..onnx.ops import Node, decimal_attr
 from . import fused
-from .structured import Structured, structured_bounds
 from .primitives import LIBM_REL, derivative, elementwise
 from .rules import LOCAL_RULES, exact
-from .values import Ball, LocalNotCertified, LocalValue, enclose, input_value, widen_up
+from .structured import Structured, row_two_bounds, structured_bounds
+from .values import (
+    Ball,
+    LocalNotCertified,
+    LocalValue,
+    center_margin,
+    enclose,
+    input_value,
+    widen_up,
+)
 
 # Jacobian entries the engine will hold for one tensor (float64): beyond it, the ball is
 # bounded by per-layer rules instead.
@@ -190,23 +205,11 @@ def _walk(model: OnnxModel, module: torch.nn.Module, env: dict[str, torch.Tensor
     for node in module.runtime_nodes:  # type: ignore[union-attr]
         if node.name in inside:
             chain = chains.get(node.name)
-            if chain is None:
-                continue  # an inner link of a fused chain: bounded at its sink
-            root = values.get(chain.root)
-            if not isinstance(root, LocalValue):
-                raise LocalNotCertified(f"the elementwise chain ending at {node.name} has an "
-                                        "input-independent root")
-            if tight is not None:
-                root = values[chain.root] = tight.tighten(chain.root, root, values, ball)
-            values[chain.sink] = _fused(chain, root, env, ball)
+            if chain is not None:  # inner links are bounded at their chain's sink
+                layers.append(_walk_chain(node, chain, values, env, ball, tight))
             continue
-        if tight is not None and node.op_type in CHECKPOINTS and (
-                node.op_type not in ("Mul", "MatMul", "Div") or
-                sum(isinstance(values.get(i), LocalValue) for i in node.inputs if i) > 1):
-            for i in node.inputs:
-                v = values.get(i) if i else None
-                if isinstance(v, LocalValue):
-                    values[i] = tight.tighten(i, v, values, ball)
+        if tight is not None:
+            _checkpoint(node, values, ball, tight)
         args = [None if not i else values[i] if i in values else
                 (env[i].detach().numpy() if i in env else None) for i in node.inputs]
         centers = [None if not o or o not in env else env[o].detach().numpy()
@@ -235,10 +238,46 @@ def _walk(model: OnnxModel, module: torch.nn.Module, env: dict[str, torch.Tensor
     return values, layers
 
 
+def _checkpoint(node: Node, values: Values, ball: Ball, tight: _Telescope) -> None:
+    """Tighten the inputs of a range-sensitive op (CHECKPOINTS; products only of two
+    input-dependent tensors) by telescoping."""
+    if node.op_type not in CHECKPOINTS or (
+            node.op_type in ("Mul", "MatMul", "Div") and
+            sum(isinstance(values.get(i), LocalValue) for i in node.inputs if i) < 2):
+        return
+    for i in node.inputs:
+        v = values.get(i) if i else None
+        if isinstance(v, LocalValue):
+            values[i] = tight.tighten(i, v, values, ball)
+
+
+def _walk_chain(node: Node, chain: fused.Chain, values: Values, env: dict[str, torch.Tensor],
+                ball: Ball, tight: _Telescope | None) -> tuple[str, str, float, str]:
+    """Bound a fused elementwise chain at its sink node; returns its reported factor."""
+    root = values.get(chain.root)
+    if not isinstance(root, LocalValue):
+        raise LocalNotCertified(f"the elementwise chain ending at {node.name} has an "
+                                "input-independent root")
+    if tight is not None:
+        root = values[chain.root] = tight.tighten(chain.root, root, values, ball)
+    values[chain.sink] = _fused(chain, root, env, ball)
+    dlo, dhi = fused.ranges(chain, _chain_consts(chain, env), root.lo, root.hi)[1]
+    f = float(np.max(np.maximum(np.abs(dlo), np.abs(dhi)))) * (1 + LIBM_REL) + 1e-300
+    ops = "/".join(nd.op_type for nd in chain.nodes)
+    return (node.name, "activation:fused", f,
+            f"local elementwise chain ({ops}): largest slope over the input's range")
+
+
+def _chain_consts(chain: fused.Chain, env: dict[str, torch.Tensor]) -> dict[str, float]:
+    inner = {n.outputs[0] for n in chain.nodes}
+    return {i: float(env[i].reshape(())) for nd in chain.nodes for i in nd.inputs
+            if i and i in env and env[i].numel() == 1 and i != chain.root and i not in inner}
+
+
 def _chains(model: OnnxModel, module: torch.nn.Module, env: dict[str, torch.Tensor]
             ) -> tuple[dict[str, fused.Chain], set[str]]:
     variable = {model.spec.input_name}
-    nodes = module.runtime_nodes  # type: ignore[union-attr]
+    nodes: list[Node] = list(module.runtime_nodes)  # type: ignore[arg-type]
     for nd in nodes:
         if nd.op_type not in ("Shape", "Size") and any(i in variable for i in nd.inputs if i):
             variable.update(o for o in nd.outputs if o)
@@ -248,9 +287,7 @@ def _chains(model: OnnxModel, module: torch.nn.Module, env: dict[str, torch.Tens
 def _fused(chain: fused.Chain, x: LocalValue, env: dict[str, torch.Tensor],
            ball: Ball) -> LocalValue:
     """y = f(x) for a fused chain: elementwise with f' from interval differentiation."""
-    consts = {i: float(env[i].reshape(())) for nd in chain.nodes for i in nd.inputs
-              if i and i in env and env[i].numel() == 1 and i != chain.root
-              and i not in {n.outputs[0] for n in chain.nodes}}
+    consts = _chain_consts(chain, env)
 
     def d(c: np.ndarray) -> np.ndarray:
         lo, hi = fused.evaluate(chain, consts, c, c)[1]
@@ -359,7 +396,26 @@ class _Telescope:
         if total is None:
             return v
         jr = np.minimum(v.jr, total.reshape(v.jr.shape))
-        out = enclose(v.center, v.jc, jr, ball, v.lo, v.hi)
+        lo, hi = v.lo, v.hi
+        if ball.norm == "2":
+            # values from the structured row bounds: |T_i(X) - T_i(X0) - jc_i d| <=
+            # eps sup ||J_i(xi) - jc_i||_2 (mean value theorem; structured.py)
+            terms = self._terms(name, values, None)
+            assert terms is not None
+            try:
+                rows = row_two_bounds([(u.term(ga), None if u.parts is None else u.parts(ga))
+                                       for ga, u in terms if u.term is not None],
+                                      self._rounding(name, None))
+            except ValueError:  # not finite
+                rows = None
+            if rows is not None:
+                p = v.jc.shape[-1]
+                lin = np.sqrt(widen_up(np.square(v.jc.reshape(-1, p)).sum(axis=1), p)) \
+                    * (1 + 4 * U)
+                rad = widen_up(ball.eps * (lin + rows), 4).reshape(v.center.shape) \
+                    + center_margin(v.center)
+                lo, hi = np.maximum(lo, v.center - rad), np.minimum(hi, v.center + rad)
+        out = enclose(v.center, v.jc, jr, ball, lo, hi)
         out.term = v.term
         return out
 

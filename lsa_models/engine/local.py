@@ -224,7 +224,7 @@ def robustness(model: Any, at: np.ndarray, label: int, norm: NormName,
                for j in range(k) if j != label}
     predicted = int(np.argmax(logits))
     t0 = time.monotonic()
-    lo, n_steps, consts = 0.0, 0, {}
+    lo, n_steps, consts = 0.0, 0, dict[int, float]()
     if min(margins.values()) > 0:
         lo, n_steps, consts = _sweep(om, x, norm, label, margins, steps)
     t1 = time.monotonic()

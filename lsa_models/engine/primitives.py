@@ -11,8 +11,17 @@ from collections.abc import Callable
 import numpy as np
 from scipy import special
 
-from .values import (Ball, LocalNotCertified, LocalValue, Parts, center_margin, dual_row_norms,
-                     enclose, gamma, widen_up)
+from .values import (
+    Ball,
+    LocalNotCertified,
+    LocalValue,
+    Parts,
+    center_margin,
+    dual_row_norms,
+    enclose,
+    gamma,
+    widen_up,
+)
 
 # Relative allowance on derivative values computed with libm/scipy (erf, exp, tanh):
 # faithfully rounded to a few ulp; 1e-12 is far above that.
@@ -232,15 +241,15 @@ def product(a: LocalValue | np.ndarray, b: LocalValue | np.ndarray, out_center: 
     (Jc +- Jr)(Bc +- Br) in Jc Bc +- (|Jc| Br + Jr |Bc| + Jr Br)."""
     p = ball.size
 
-    def parts(x: LocalValue | np.ndarray, like: np.ndarray) -> tuple[np.ndarray, ...]:
+    def unpack(x: LocalValue | np.ndarray) -> tuple[np.ndarray, ...]:
         if isinstance(x, LocalValue):
             return x.center, x.rad, x.jc, x.jr, center_margin(x.center)
         c = np.asarray(x, dtype=np.float64)
         z = np.zeros((*c.shape, p))
         return c, np.zeros_like(c), z, z, np.zeros_like(c)
 
-    ac, ar, ajc, ajr, am = parts(a, out_center)
-    bc, br, bjc, bjr, bm = parts(b, out_center)
+    ac, ar, ajc, ajr, am = unpack(a)
+    bc, br, bjc, bjr, bm = unpack(b)
     if matmul:
         def mul(x: np.ndarray, y: np.ndarray, xt: bool, yt: bool) -> np.ndarray:
             # one of x, y is a tangent array (*S, P)

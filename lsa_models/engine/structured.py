@@ -48,6 +48,31 @@ def _inf_to_one(c: np.ndarray, jc: np.ndarray, plain: float) -> float:
     return min(plain, mul_up(sqrt_up(float(n * p)), s))
 
 
+def row_two_bounds(terms: list[tuple[np.ndarray, list[Parts] | None]], zr: np.ndarray
+                   ) -> np.ndarray:
+    """Only `Structured.rows_two` (cheap: no per-row spectral norms), for value ranges."""
+    m, p = zr.shape
+    plain = zr.copy()
+    fact = np.zeros(m)
+    for mk, parts in terms:
+        if parts is None:
+            plain += mk
+            continue
+        two_f = np.zeros(m)
+        for c, jc, jr in parts:
+            nj = add_up(spectral_norm_upper(jc), spectral_norm_upper(jr))
+            two_f += np.sqrt(widen_up(np.square(c).sum(axis=1), c.shape[1])) * (1 + 4 * U) \
+                * nj * (1 + 2 * U)
+        two_f = widen_up(two_f, 4 * len(parts))
+        own = np.sqrt(np.square(mk).sum(axis=1))
+        use = two_f < own
+        fact += np.where(use, two_f, 0.0)
+        plain += np.where(use[:, None], 0.0, mk)
+    rows = np.sqrt(widen_up(np.square(widen_up(plain, 2 * len(terms) + 2)).sum(axis=1), p)) \
+        * (1 + 4 * U)
+    return widen_up(rows + fact, 2 * len(terms) + 2)
+
+
 def structured_bounds(terms: list[tuple[np.ndarray, list[Parts] | None]], zr: np.ndarray,
                       norm: str) -> Structured:
     """terms: (M_k (m, P), parts_k or None) per op; zr (m, P): the rounding of jc."""

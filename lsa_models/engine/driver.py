@@ -27,11 +27,13 @@ from ..bounds.numerics import (
 )
 from ..onnx.loading import OnnxModel
 from ..onnx.ops import Node, decimal_attr
-from . import fused
+from . import forward_error, fused
 from .primitives import LIBM_REL, derivative, elementwise
 from .rules import LOCAL_RULES, exact
 from .structured import Structured, row_two_bounds, structured_bounds
 from .values import (
+    FORWARD_MARGIN,
+    MARGIN,
     Ball,
     LocalNotCertified,
     LocalValue,
@@ -66,6 +68,9 @@ class LocalJacobian:
     structured: Structured | None = None
     # j -> bound on ||grad (f_label - f_j)(X)||_dual over the ball from the factored terms
     margin_dual: dict[int, float] = field(default_factory=dict)
+    # whether the float64 centre values' error was proven (forward_error.py), and the margin
+    forward_checked: bool = False
+    forward_detail: str = ""
 
     def upper(self) -> float:
         """Certified bound on sup ||J_F(X)||_p over the ball: the entrywise enclosure's norm,
@@ -147,6 +152,20 @@ def local_jacobian(model: OnnxModel, x0: np.ndarray, eps: float, norm: str,
     module = model.module.with_dtype(torch.float64)
     with torch.no_grad():
         env = module.run_env(torch.from_numpy(x))
+    # the forward margin, proven a posteriori (forward_error.py)
+    proven, detail = forward_error.check(list(module.runtime_nodes),  # type: ignore[arg-type]
+                                         model.spec.input_name, x, env)
+    token = MARGIN.set(FORWARD_MARGIN if proven is None else proven)
+    try:
+        return _enclose_all(model, module, env, x, float(eps), norm, telescope, margins_of,
+                            proven is not None, detail)
+    finally:
+        MARGIN.reset(token)
+
+
+def _enclose_all(model: OnnxModel, module: torch.nn.Module, env: dict[str, torch.Tensor],
+                 x: np.ndarray, eps: float, norm: str, telescope: bool,
+                 margins_of: int | None, checked: bool, detail: str) -> LocalJacobian:
     ball = Ball(x, float(eps), norm)
     tight: _Telescope | None = None
     if telescope and eps > 0:
@@ -187,7 +206,7 @@ def local_jacobian(model: OnnxModel, x0: np.ndarray, eps: float, norm: str,
                                 "for the op-by-op ranges)")
     return LocalJacobian(ball, out.center.reshape(k), out.jc.reshape(k, -1),
                          out.jr.reshape(k, -1), out.lo.reshape(k), out.hi.reshape(k), layers,
-                         margin_jr, st, margin_dual)
+                         margin_jr, st, margin_dual, checked, detail)
 
 
 # Ops whose enclosures depend most on their input's range: their inputs are tightened.

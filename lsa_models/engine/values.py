@@ -13,6 +13,7 @@ Tensors that do not depend on the input are plain float64 arrays.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,10 +21,13 @@ import numpy as np
 from ..bounds.numerics import U
 
 # Relative margin on the centre values of every tensor: covers the rounding of the float64
-# forward pass at X0 (docs/local-bounds.md, "Rounding").
+# forward pass at X0 (docs/local-bounds.md, "Rounding"). The smallest one used; a run whose
+# forward error is proven larger (forward_error.py) uses that proven one instead.
 FORWARD_MARGIN = 1e-9
 # Absolute floor of that margin, relative to the tensor's largest centre entry.
 FORWARD_FLOOR = 1e-9
+# The margin m of the current engine run: |T(X0) - c_T| <= m |c_T| + m max|c_T|
+MARGIN: ContextVar[float] = ContextVar("forward_margin", default=FORWARD_MARGIN)
 
 
 class LocalNotCertified(Exception):
@@ -97,7 +101,8 @@ def dual_row_norms(absjac: np.ndarray, norm: str) -> np.ndarray:
 def center_margin(center: np.ndarray) -> np.ndarray:
     """How far the computed centre value may be from the true T(X0) (the forward margin)."""
     scale = float(np.max(np.abs(center))) if center.size else 0.0
-    return widen_up(FORWARD_MARGIN * np.abs(center) + FORWARD_FLOOR * scale, 4)
+    m = MARGIN.get()
+    return widen_up(m * np.abs(center) + m * scale, 4)
 
 
 def enclose(center: np.ndarray, jc: np.ndarray, jr: np.ndarray, ball: Ball,
@@ -109,7 +114,8 @@ def enclose(center: np.ndarray, jc: np.ndarray, jr: np.ndarray, ball: Ball,
         raise LocalNotCertified("a tensor is not finite at the centre")
     rows = dual_row_norms(np.abs(jc) + jr, ball.norm)
     scale = float(np.max(np.abs(center))) if center.size else 0.0
-    margin = FORWARD_MARGIN * np.abs(center) + FORWARD_FLOOR * scale
+    m = MARGIN.get()
+    margin = m * np.abs(center) + m * scale
     rad = widen_up(ball.eps * rows + margin, 4)
     mlo, mhi = center - rad, center + rad
     if lo is not None:

@@ -146,14 +146,14 @@ def _node(node: Node, iv: dict[str, Iv], env: dict[str, torch.Tensor]) -> Iv | N
         p = 2.0
         if kind == "pow":
             p = float(env[args[1]].reshape(()))
-        lo, hi = value_range(kind, *iv[args[0]], exponent=p)
-        return None if lo is None or hi is None else (lo, hi)
+        vlo, vhi = value_range(kind, *iv[args[0]], exponent=p)
+        return None if vlo is None or vhi is None else (vlo, vhi)
     if t == "Softmax":
         ax = int(node.attrs.get("axis", -1)) % c_out.ndim
-        lo, hi = np.moveaxis(iv[args[0]][0], ax, -1), np.moveaxis(iv[args[0]][1], ax, -1)
+        llo, lhi = np.moveaxis(iv[args[0]][0], ax, -1), np.moveaxis(iv[args[0]][1], ax, -1)
         pc = np.moveaxis(c_out, ax, -1)
         n = pc.shape[-1]
-        plo, phi, _ = _softmax_ranges(lo, hi, pc, np.zeros((*pc.shape, n)))
+        plo, phi, _ = _softmax_ranges(llo, lhi, pc, np.zeros((*pc.shape, n)))
         return np.moveaxis(plo, -1, ax), np.moveaxis(phi, -1, ax)
     if t == "LayerNormalization" and var == [0]:
         g = env[args[1]].detach().numpy()

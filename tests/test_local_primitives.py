@@ -14,14 +14,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lsa_models.engine import fused
-from lsa_models.engine.driver import _chains
 from lsa_models.engine import primitives as pr
+from lsa_models.engine.driver import _chains
 from lsa_models.engine.fused import Chain
+from lsa_models.engine.rules import layernorm
 from lsa_models.engine.structured import _inf_to_one
+from lsa_models.engine.values import Ball, LocalValue, enclose
 from lsa_models.onnx import load_onnx
 from lsa_models.onnx.ops import Node
-from lsa_models.engine.rules import layernorm
-from lsa_models.engine.values import Ball, LocalValue, enclose
 
 P = 5
 

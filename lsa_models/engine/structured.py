@@ -44,7 +44,10 @@ def _inf_to_one(c: np.ndarray, jc: np.ndarray, plain: float) -> float:
     # ||B||_2 >= its largest row norm: skip the certificate when it cannot win
     if math.sqrt(n * p) * float(np.sqrt(np.square(b).sum(axis=1).max())) >= plain:
         return plain
-    s = spectral_norm_upper(b[:, cols]) * (1 + 4 * U)  # the product c jc rounds once
+    # b = fl(c jc) is within u |c jc| entrywise of the exact product, and
+    # || |E| ||_2 <= ||E||_F <= u ||b||_F (1 + u)
+    bc = b[:, cols]
+    s = add_up(spectral_norm_upper(bc), mul_up(2 * U, frobenius_upper(bc)))
     return min(plain, mul_up(sqrt_up(float(n * p)), s))
 
 

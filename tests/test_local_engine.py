@@ -14,8 +14,10 @@ from hypothesis import strategies as st
 
 from bench.local_models import N, build, center, export
 from lsa_models.empirical.local import jacobian_norm, local_lower_bound
-from lsa_models.engine import forward_error, local_jacobian
+from lsa_models.engine import LocalValue, forward_error, local_jacobian
+from lsa_models.engine.driver import _Telescope, _walk
 from lsa_models.engine.local import certify_local
+from lsa_models.engine.values import Ball
 from lsa_models.onnx import OnnxModel, load_onnx
 
 
@@ -145,3 +147,34 @@ def test_local_forward_margin_is_proven_and_catches_a_wrong_centre(
     env[name] = env[name] + 1e-6 * scale
     bad, _ = forward_error.check(nodes, om.spec.input_name, x0, env)
     assert bad is None or bad >= 0.4e-6  # 1e-6 scale <= m (|c| + max|c|) <= m 2.0x scale
+
+
+@settings(max_examples=8)
+@given(seed=st.integers(0, 10**6), eps=st.sampled_from([1e-2, 1e-1]),
+       norm=st.sampled_from(["2", "inf"]), kind=st.sampled_from(["mlp", "tf1"]))
+def test_local_value_ranges_hold_for_every_tensor(
+        models: dict[str, OnnxModel], seed: int, eps: float, norm: str, kind: str) -> None:
+    """Every tensor's range (interval forms, second-order products, the integrated form with
+    the half ball, structured rows, telescoped checkpoints) contains its float64 values at
+    corners / sphere points of the ball."""
+    om = models[kind]
+    x0 = center(seed % 1000).numpy().astype(np.float64)
+    module = om.module.with_dtype(torch.float64)
+    with torch.no_grad():
+        env = module.run_env(torch.from_numpy(x0))
+    zero, _ = _walk(om, module, env, Ball(x0, 0.0, norm), None)
+    tight = _Telescope(om, x0, zero)
+    half, _ = _walk(om, module, env, Ball(x0, eps / 2, norm), tight)
+    values, _ = _walk(om, module, env, Ball(x0, eps, norm), tight, half)
+    rng = np.random.default_rng(seed)
+    for _ in range(4):
+        d = rng.choice([-1.0, 1.0], size=x0.shape) * eps if norm == "inf" else \
+            rng.standard_normal(x0.shape)
+        x = x0 + (d if norm == "inf" else d * (eps / np.linalg.norm(d)))
+        with torch.no_grad():
+            at = module.run_env(torch.from_numpy(x))
+        for name, v in values.items():
+            if isinstance(v, LocalValue) and name in at:
+                t = at[name].numpy()
+                tol = 1e-12 * (1 + np.abs(t))
+                assert np.all(t >= v.lo - tol) and np.all(t <= v.hi + tol), name

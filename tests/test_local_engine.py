@@ -180,3 +180,32 @@ def test_local_value_ranges_hold_for_every_tensor(
                 t = at[name].numpy()
                 tol = 1e-12 * (1 + np.abs(t))
                 assert np.all(t >= v.lo - tol) and np.all(t <= v.hi + tol), name
+
+
+@pytest.mark.parametrize("norm", ["2", "inf"])
+def test_local_bound_on_hf_gpt2_with_causal_mask(norm: str, tmp_path: Path) -> None:
+    """HF GPT-2 (random weights, eager attention: logits + a -3.4e38 causal mask, the tanh GELU
+    with Pow 3) is enclosed locally (entrywise proven forward errors keep the mask's magnitude
+    out of the other entries' margins), and the bound holds at points of the ball."""
+    from tests.zoo.models_ext import HFEmbeds, gpt2
+
+    torch.manual_seed(0)
+    net = HFEmbeds(gpt2(16, 2, 1, 6)).eval()
+    path = tmp_path / "gpt2.onnx"
+    torch.onnx.export(net, (torch.randn(1, 6, 16),), str(path), dynamo=False, opset_version=18,
+                      input_names=["x"], output_names=["y"])
+    om = load_onnx(path.read_bytes())
+    x0 = torch.randn(1, 6, 16, generator=torch.Generator().manual_seed(1)).numpy().astype(
+        np.float64)
+    lj = local_jacobian(om, x0, 1e-2, norm)
+    assert lj.forward_checked, lj.forward_detail
+    upper = lj.upper()
+    f = om.module.with_dtype(torch.float64)
+    lb = local_lower_bound(f, x0, 1e-2, norm, restarts=2, steps=6, seed=0)
+    assert lb.lower <= upper <= 1.5 * lb.lower
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        d = rng.choice([-1.0, 1.0], size=x0.shape) * 1e-2 if norm == "inf" else \
+            rng.standard_normal(x0.shape)
+        x = x0 + (d if norm == "inf" else d * (1e-2 / np.linalg.norm(d)))
+        assert _jac_norm(om, x, norm) <= upper

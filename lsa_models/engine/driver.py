@@ -34,9 +34,11 @@ from .structured import Structured, row_two_bounds, structured_bounds
 from .values import (
     FORWARD_MARGIN,
     MARGIN,
+    PROVEN,
     Ball,
     LocalNotCertified,
     LocalValue,
+    array_key,
     center_margin,
     dual_row_norms,
     enclose,
@@ -154,13 +156,19 @@ def local_jacobian(model: OnnxModel, x0: np.ndarray, eps: float, norm: str,
     with torch.no_grad():
         env = module.run_env(torch.from_numpy(x))
     # the forward margin, proven a posteriori (forward_error.py)
+    errors: dict[str, np.ndarray] = {}
     proven, detail = forward_error.check(list(module.runtime_nodes),  # type: ignore[arg-type]
-                                         model.spec.input_name, x, env)
+                                         model.spec.input_name, x, env, errors)
     token = MARGIN.set(FORWARD_MARGIN if proven is None else proven)
+    # the graph tensors' own proven errors (entrywise: no per-tensor floor)
+    known = {} if proven is None else {array_key(env[n].detach().numpy()): e
+                                       for n, e in errors.items() if n in env}
+    token_p = PROVEN.set(known)
     try:
         return _enclose_all(model, module, env, x, float(eps), norm, telescope, margins_of,
                             proven is not None, detail)
     finally:
+        PROVEN.reset(token_p)
         MARGIN.reset(token)
 
 

@@ -163,10 +163,12 @@ def _node(node: Node, iv: dict[str, Iv], env: dict[str, torch.Tensor]) -> Iv | N
 
 
 def check(nodes: list[Node], input_name: str, x: np.ndarray,
-          env: dict[str, torch.Tensor]) -> tuple[float | None, str]:
+          env: dict[str, torch.Tensor], errors: dict[str, np.ndarray] | None = None
+          ) -> tuple[float | None, str]:
     """(m, detail): the smallest margin m with |T(X0) - c_T| <= m |c_T| + m max|c_T| proven
     for every input-dependent tensor T (at least FORWARD_MARGIN), or None when an op has no
-    forward-error rule (then the engine keeps FORWARD_MARGIN as a stated assumption)."""
+    forward-error rule (then the engine keeps FORWARD_MARGIN as a stated assumption).
+    `errors`, when given, receives every tensor's proven entrywise error."""
     iv: dict[str, Iv] = {input_name: (x, x)}
     need = max(FORWARD_MARGIN, FORWARD_FLOOR)
     for node in nodes:
@@ -192,6 +194,8 @@ def check(nodes: list[Node], input_name: str, x: np.ndarray,
         if c.size:
             need = max(need, float(np.max(err / (np.abs(c) + float(np.max(np.abs(c)))
                                                   + 1e-300))) * (1 + 1e-6))
+        if errors is not None:
+            errors[name] = err * (1 + 1e-9) + 1e-300
         iv[name] = (np.minimum(out[0], c), np.maximum(out[1], c))
     if need > PROVEN_CAP:
         return None, (f"the interval bound on the forward error ({need:.3g} relative) is too "

@@ -166,7 +166,8 @@ def value_range(kind: str, lo: np.ndarray, hi: np.ndarray, exponent: float = 2.0
                 ) -> tuple[np.ndarray | None, np.ndarray | None]:
     """An enclosure of f over [lo, hi] entrywise (interval arithmetic, docs/local-bounds.md):
     increasing functions map the ends; 1/x and x^p with p < 0 (on x > 0, checked by
-    `derivative`) decrease; x^2 from the end nearest to / farthest from 0; GELU has one
+    `derivative`) decrease; integer x^p (2 <= p <= 16) increase (p odd) or go from the end
+    nearest to / farthest from 0 (p even); GELU has one
     minimum, at x*. Library values get LIBM_REL of their magnitude; None: no range known."""
     if kind in _F:
         f = _F[kind]
@@ -176,9 +177,15 @@ def value_range(kind: str, lo: np.ndarray, hi: np.ndarray, exponent: float = 2.0
             b = np.maximum(f(lo), f(hi))
     elif kind == "reciprocal":
         a, b = 1.0 / hi, 1.0 / lo  # lo, hi on one side of 0
-    elif kind == "pow" and exponent == 2.0:
-        near = np.where((lo <= 0) & (hi >= 0), 0.0, np.minimum(np.abs(lo), np.abs(hi)))
-        a, b = near * near, np.maximum(lo * lo, hi * hi)
+    elif kind == "pow" and exponent == int(exponent) and 2 <= exponent <= 16:
+        # integer powers: odd ones increase, even ones from the ends nearest to / farthest
+        # from 0
+        e = int(exponent)
+        if e % 2:
+            a, b = np.power(lo, e), np.power(hi, e)
+        else:
+            near = np.where((lo <= 0) & (hi >= 0), 0.0, np.minimum(np.abs(lo), np.abs(hi)))
+            a, b = np.power(near, e), np.power(np.maximum(np.abs(lo), np.abs(hi)), e)
     elif kind == "pow" and exponent < 0:
         a, b = np.power(hi, exponent), np.power(lo, exponent)
     else:

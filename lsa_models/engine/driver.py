@@ -161,8 +161,8 @@ def local_jacobian(model: OnnxModel, x0: np.ndarray, eps: float, norm: str,
                                          model.spec.input_name, x, env, errors)
     token = MARGIN.set(FORWARD_MARGIN if proven is None else proven)
     # the graph tensors' own proven errors (entrywise: no per-tensor floor)
-    known = {} if proven is None else {array_key(env[n].detach().numpy()): e
-                                       for n, e in errors.items() if n in env}
+    known: dict = {} if proven is None else {array_key(env[n].detach().numpy()): (None, e)
+                                             for n, e in errors.items() if n in env}
     token_p = PROVEN.set(known)
     try:
         return _enclose_all(model, module, env, x, float(eps), norm, telescope, margins_of,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .values import LocalValue, center_margin, gamma, widen_up
+from .values import PROVEN, LocalValue, U, array_key, center_margin, gamma, widen_up
 
 # relative allowance for the round-to-nearest float64 operations forming one interval end
 # (a few operations per end, each within u = 1.1e-16 relative)
@@ -108,3 +108,26 @@ def direct(x: LocalValue, u: LocalValue, g: np.ndarray, beta: np.ndarray | None,
     y_lo, y_hi = np.minimum(y_a, y_b), np.maximum(y_a, y_b)
     pad = _REL * (np.abs(y_lo) + np.abs(y_hi)) + 1e-300
     return jc, jr, y_lo - pad, y_hi + pad, s_c, sr, sr0
+
+
+def chain_errors(x: LocalValue, uc: np.ndarray, sqc: np.ndarray, sc: np.ndarray,
+                 rc: np.ndarray, zc: np.ndarray, eps: float) -> None:
+    """In a run with proven forward errors, the proven errors of the centres the chain forms
+    (u = P x, u^2, s = mean(u^2) + eps, r = s^-1/2, z = u r) from x's (docs/local-bounds.md,
+    "Rounding"): errors propagate through each link's derivative plus its own rounding."""
+    known = PROVEN.get()
+    if known is None:
+        return
+    d = uc.shape[-1]
+    ex = center_margin(x.center)
+    ax = np.abs(x.center)
+    e_u = ex + ex.mean(axis=-1, keepdims=True) + gamma(d + 2) * (ax + ax.mean(
+        axis=-1, keepdims=True))
+    e_sq = 2 * np.abs(uc) * e_u + e_u * e_u + 4 * U * sqc
+    e_s = e_sq.mean(axis=-1, keepdims=True) + gamma(d + 2) * (sc + eps)
+    if np.any(sc - e_s <= 0):
+        return  # no proven error for r: the run's margin m stays (docs: the open gap)
+    e_r = 0.5 * np.power(sc - e_s, -1.5) * e_s + 8 * U * np.abs(rc)
+    e_z = np.abs(uc) * e_r + e_u * np.abs(rc) + e_u * e_r + 4 * U * np.abs(zc)
+    for arr, err in ((uc, e_u), (sqc, e_sq), (sc, e_s), (rc, e_r), (zc, e_z)):
+        known[array_key(arr)] = (arr, widen_up(err, 8))

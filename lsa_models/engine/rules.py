@@ -17,6 +17,7 @@ from torch.func import vmap
 
 from ..onnx.ops import FLOAT_TYPES, OPS, Node, RunContext, decimal_attr
 from . import primitives as pr
+from .layernorm import chain_errors
 from .layernorm import direct as ln_direct
 from .values import Ball, LocalNotCertified, LocalValue, Parts, center_margin, enclose, widen_up
 from .values import gamma as gamma_k
@@ -262,10 +263,14 @@ def layernorm(x: LocalValue, gamma: np.ndarray, beta: np.ndarray | None, eps: fl
     d = x.shape[-1]
     jm = x.jc.mean(axis=-2, keepdims=True)  # (..., 1, P)
     uc = x.center - x.center.mean(axis=-1, keepdims=True)
+    sqc = uc * uc
+    sc = sqc.mean(axis=-1, keepdims=True) + eps
+    rc = 1.0 / np.sqrt(sc)
+    zc = uc * rc
+    chain_errors(x, uc, sqc, sc, rc, zc, eps)  # the chain's own centres' proven errors
     u = pr.linear(uc, x.jc - jm, x.jr + x.jr.mean(axis=-2, keepdims=True),
                   np.abs(x.jc) + np.abs(x.jc).mean(axis=-2, keepdims=True), d, ball)
-    sq = pr.elementwise(u, "pow", uc * uc, ball)
-    sc = sq.center.mean(axis=-1, keepdims=True) + eps
+    sq = pr.elementwise(u, "pow", sqc, ball)
     # ||P x|| is within ||P x0|| +- rho, rho >= ||x - x0|| per token (P is a projection):
     # s = ||P x||^2 / D + eps lies in [(||P x0|| - rho)_+^2 / D + eps, (||P x0|| + rho)^2 / D + eps]
     norm0 = np.sqrt(np.square(uc).sum(axis=-1, keepdims=True))
@@ -276,8 +281,8 @@ def layernorm(x: LocalValue, gamma: np.ndarray, beta: np.ndarray | None, eps: fl
     s = pr.linear(sc, sq.jc.mean(axis=-2, keepdims=True), sq.jr.mean(axis=-2, keepdims=True),
                   np.abs(sq.jc).mean(axis=-2, keepdims=True), d, ball,
                   lo=np.maximum(s_lo, eps * (1 - 1e-12)), hi=s_hi)
-    r = pr.elementwise(s, "pow", 1.0 / np.sqrt(s.center), ball, exponent=-0.5)
-    z = pr.product(u, r, uc * r.center, ball, matmul=False)
+    r = pr.elementwise(s, "pow", rc, ball, exponent=-0.5)
+    z = pr.product(u, r, zc, ball, matmul=False)
     g = np.broadcast_to(np.asarray(gamma, dtype=np.float64), (d,))
     ag = np.abs(g)[:, None]
     chain = pr.linear(out_center, z.jc * g[:, None], z.jr * ag, np.abs(z.jc) * ag, 2, ball)

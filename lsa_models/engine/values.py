@@ -100,11 +100,14 @@ def dual_row_norms(absjac: np.ndarray, norm: str) -> np.ndarray:
 
 # Proven entrywise forward errors of the graph's tensors for the current run, by the address,
 # shape and strides of their centre arrays (the float64 evaluation's own buffers)
-PROVEN: ContextVar[dict[tuple[int, tuple[int, ...], tuple[int, ...]], np.ndarray] | None] = \
+# (the graph's buffers stay alive for the whole run, so their addresses are not reused; an
+# array a rule forms is registered with itself as owner and matched by identity)
+Key = tuple[int, tuple[int, ...], tuple[int, ...]]
+PROVEN: ContextVar[dict[Key, tuple[np.ndarray | None, np.ndarray]] | None] = \
     ContextVar("proven_forward_errors", default=None)
 
 
-def array_key(a: np.ndarray) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+def array_key(a: np.ndarray) -> Key:
     return (int(a.__array_interface__["data"][0]), tuple(a.shape), tuple(a.strides))
 
 
@@ -112,9 +115,10 @@ def _margin(center: np.ndarray) -> np.ndarray:
     """|T(X0) - c_T| <= this: the proven entrywise error of a graph tensor when known, else
     m |c_T| + m max|c_T| with the run's margin m."""
     known = PROVEN.get()
-    err = known.get(array_key(center)) if known and center.size else None
-    if err is not None and err.shape == center.shape:
-        return err
+    hit = known.get(array_key(center)) if known and center.size else None
+    if hit is not None and (hit[0] is None or hit[0] is center) \
+            and hit[1].shape == center.shape:
+        return hit[1]
     scale = float(np.max(np.abs(center))) if center.size else 0.0
     m = MARGIN.get()
     return m * np.abs(center) + m * scale
@@ -146,4 +150,8 @@ def input_value(ball: Ball) -> LocalValue:
     """The input itself: Jacobian the identity, exactly."""
     p = ball.size
     jc = np.eye(p).reshape(*ball.center.shape, p)
-    return enclose(ball.center.astype(np.float64), jc, np.zeros_like(jc), ball)
+    c = ball.center.astype(np.float64)
+    known = PROVEN.get()
+    if known is not None:  # X0 itself is exact
+        known[array_key(c)] = (c, np.zeros_like(c))
+    return enclose(c, jc, np.zeros_like(jc), ball)

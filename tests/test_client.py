@@ -173,10 +173,10 @@ def test_client_robustness_job_honours_retry_after() -> None:
                                     headers={"Retry-After": "2", "Location": "/jobs/j7"})],
         "/jobs/j7": [
             httpx.Response(200, json={"status": "running", "progress": 0.4,
-                                      "stage": "bisection 7/30, certified 0.041"},
+                                      "stage": "radius sweep 7/30, certified 0.041"},
                            headers={"Retry-After": "3"}),
             httpx.Response(200, json={"status": "running", "progress": 0.5,
-                                      "stage": "bisection 8/30, certified 0.041"}),
+                                      "stage": "radius sweep 8/30, certified 0.041"}),
             httpx.Response(200, json={"status": "succeeded", "progress": 1.0,
                                       "stage": "done", "result": cert}),
         ],
@@ -201,7 +201,7 @@ def test_client_robustness_job_honours_retry_after() -> None:
                      "min_radius": 0.01}]
     # The 202's Retry-After before the first poll, each answer's after it; none: the default.
     assert sleeps == [2.0, 3.0, 0.25]
-    assert stages[0] == "bisection 7/30, certified 0.041"
+    assert stages[0] == "radius sweep 7/30, certified 0.041"
 
 
 def test_client_failed_job_raises_with_its_error() -> None:

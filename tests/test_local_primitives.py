@@ -4,16 +4,24 @@ ball's corners / boundary) must lie inside the enclosure the primitive computes.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lsa_models.engine import fused
 from lsa_models.engine import primitives as pr
+from lsa_models.engine.driver import _chains
+from lsa_models.engine.fused import Chain
 from lsa_models.engine.rules import layernorm
+from lsa_models.engine.structured import _inf_to_one
 from lsa_models.engine.values import Ball, LocalValue, enclose
+from lsa_models.onnx import load_onnx
+from lsa_models.onnx.ops import Node
 
 P = 5
 
@@ -119,7 +127,7 @@ def test_local_softmax_encloses_jacobian_and_values(seed: int, eps: float, norm:
 def test_local_layernorm_encloses_jacobian_and_values(seed: int, eps: float, norm: str,
                                                       ln_eps: float) -> None:
     rng = np.random.default_rng(seed)
-    c = rng.standard_normal((2, 6)) * rng.choice([0.1, 1.0, 3.0])
+    c = rng.standard_normal((2, 6)) * rng.choice([0.01, 0.1, 1.0, 3.0])  # 0.01: near eps
     a = rng.standard_normal((2, 6, P))
     g, b = rng.standard_normal(6), rng.standard_normal(6)
     ball = Ball(np.zeros(P), eps, norm)
@@ -133,3 +141,77 @@ def test_local_layernorm_encloses_jacobian_and_values(seed: int, eps: float, nor
         assert "LocalNotCertified" in type(exc).__name__
         return
     _check(fn, y, c, a, _points(rng, eps, norm))
+
+
+# ---- fused elementwise chains (fused.py) ---------------------------------------------------
+
+def _chain(kind: str) -> tuple[Chain, dict[str, float], Callable[[torch.Tensor], torch.Tensor]]:
+    """The tanh form of GELU as torch exports it, or a chain with Pow/Erf/Sigmoid/Div/Sub."""
+    if kind == "gelu_tanh":
+        nodes = [Node("m", "Mul", ["x", "x"], ["x2"]), Node("m1", "Mul", ["x", "x2"], ["x3"]),
+                 Node("m2", "Mul", ["a", "x3"], ["ax3"]), Node("ad", "Add", ["x", "ax3"], ["s"]),
+                 Node("m3", "Mul", ["c", "s"], ["cs"]), Node("t", "Tanh", ["cs"], ["th"]),
+                 Node("ad1", "Add", ["one", "th"], ["p"]), Node("m4", "Mul", ["x", "p"], ["xp"]),
+                 Node("m5", "Mul", ["half", "xp"], ["y"])]
+        consts = {"a": 0.044715, "c": 0.7978845608028654, "one": 1.0, "half": 0.5}
+        return Chain("x", "y", nodes), consts, lambda x: torch.nn.functional.gelu(
+            x, approximate="tanh")
+    nodes = [Node("p", "Pow", ["x", "three"], ["x3"]), Node("e", "Erf", ["x3"], ["ex"]),
+             Node("s", "Sigmoid", ["x"], ["sx"]), Node("m", "Mul", ["ex", "sx"], ["q"]),
+             Node("d", "Div", ["q", "two"], ["q2"]), Node("b", "Sub", ["q2", "x"], ["r"]),
+             Node("n", "Neg", ["r"], ["y"])]
+    return Chain("x", "y", nodes), {"three": 3.0, "two": 2.0}, lambda x: -(
+        torch.erf(x ** 3) * torch.sigmoid(x) / 2.0 - x)
+
+
+@settings(max_examples=300)
+@given(seed=st.integers(0, 10**6), width=st.sampled_from([1e-3, 0.1, 1.0, 4.0]),
+       kind=st.sampled_from(["gelu_tanh", "mixed"]))
+def test_local_fused_chain_encloses_values_and_slopes(seed: int, width: float, kind: str) -> None:
+    rng = np.random.default_rng(seed)
+    chain, consts, fn = _chain(kind)
+    lo = rng.standard_normal(16) * 2
+    hi = lo + width * rng.random(16)
+    (vlo, vhi), (dlo, dhi) = fused.ranges(chain, consts, lo, hi)
+    for t in [0.0, 1.0, *rng.random(6)]:
+        x = torch.tensor(lo + t * (hi - lo), dtype=torch.float64, requires_grad=True)
+        y = fn(x)
+        (g,) = torch.autograd.grad(y.sum(), x)
+        yv, gv = y.detach().numpy(), g.numpy()
+        assert np.all(yv >= vlo - 1e-12 * (1 + np.abs(yv))) and np.all(yv <= vhi + 1e-12 * (
+            1 + np.abs(yv)))
+        assert np.all(gv >= dlo - 1e-12 * (1 + np.abs(gv))) and np.all(gv <= dhi + 1e-12 * (
+            1 + np.abs(gv)))
+
+
+def test_local_fused_chains_found_in_a_tanh_gelu_mlp(tmp_path: Path) -> None:
+    """torch exports GELU's tanh form as 9 nodes; each activation becomes one fused chain."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Flatten(1), torch.nn.Linear(12, 8),
+                              torch.nn.GELU("tanh"), torch.nn.Linear(8, 8),
+                              torch.nn.GELU("tanh"), torch.nn.Linear(8, 2)).eval()
+    path = tmp_path / "m.onnx"
+    torch.onnx.export(net, (torch.randn(1, 3, 4),), str(path), dynamo=False, opset_version=18,
+                      input_names=["x"], output_names=["y"])
+    om = load_onnx(path.read_bytes())
+    module = om.module.with_dtype(torch.float64)
+    env = module.run_env(torch.zeros(1, 3, 4, dtype=torch.float64))
+    chains, inside = _chains(om, module, env)
+    assert len(chains) == 2 and all(len(c.nodes) == 9 for c in chains.values())
+    assert len(inside) == 18
+
+
+# ---- structured norms (structured.py) --------------------------------------------------------
+
+@settings(max_examples=200)
+@given(seed=st.integers(0, 10**6), n=st.integers(1, 6), p=st.integers(1, 8))
+def test_local_inf_to_one_bound_is_above_the_brute_force_norm(seed: int, n: int, p: int) -> None:
+    rng = np.random.default_rng(seed)
+    c = np.abs(rng.standard_normal(n)) * (rng.random(n) < 0.8)
+    jc = rng.standard_normal((n, p)) * rng.choice([1e-3, 1.0, 1e3])
+    b = c[:, None] * jc
+    exact = max(float(np.abs(b @ np.array(s)).sum()) for s in itertools.product([-1.0, 1.0],
+                                                                              repeat=p))
+    plain = float((c @ np.abs(jc).sum(axis=1)) * (1 + 1e-12))
+    bound = _inf_to_one(c, jc, plain)
+    assert exact <= bound * (1 + 1e-12) + 1e-300 and bound <= plain

@@ -287,11 +287,6 @@ class LNDifference(nn.Module):
         return self.ln(x) @ self.w
 
 
-@pytest.mark.xfail(
-    strict=True, raises=AssertionError,
-    reason="rules.layernorm's remainder term carries the adjoint bound through signed gamma, "
-    "u0 and dr/ds (gr = sum(|G| gamma u0) can cancel); fix: gz = |gy| |gamma|, "
-    "gr = sum(gz |uc|), gsq = gr |rs| / d, then drop this marker")
 def test_local_layernorm_enclosure_holds_at_the_corners_of_the_ball(tmp_path: Path) -> None:
     torch.manual_seed(0)
     om = _export(LNDifference(), tmp_path / "ln.onnx", 18, (1, 3, 2))

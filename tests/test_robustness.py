@@ -11,6 +11,7 @@ import torch
 from typer.testing import CliRunner
 
 from bench.local_models import build, center, export
+from lsa_models.empirical.local import _pgd
 from lsa_models.engine.local import robustness
 from lsa_models.onnx import OnnxModel, load_onnx
 from service.cli import app
@@ -53,3 +54,20 @@ def test_robustness_cli_json_and_bad_label(mlp_path: Path, tmp_path: Path) -> No
     assert set(out["margins"]) == {"1", "2", "3"}
     bad = runner.invoke(app, ["robustness", str(mlp_path), "--at", str(x0), "--label", "7"])
     assert bad.exit_code == 2 and "label must be in 0..3" in bad.stderr
+
+
+@pytest.mark.parametrize("kind", ["mlp", "tf1"])
+def test_robustness_pgd_finds_no_flip_inside_the_certified_ball(
+        kind: str, tmp_path: Path) -> None:
+    """PGD (margin loss, restarts) at the certified radius never flips the label."""
+    om = load_onnx(export(build(kind, seed=6), tmp_path / f"{kind}.onnx").read_bytes())
+    x0 = center(8).numpy().astype(np.float64)
+    f = om.module.with_dtype(torch.float64)
+    label = int(f(torch.from_numpy(x0)).argmax())
+    for norm in ("2", "inf"):
+        r = robustness(om, x0, label, norm, attack_restarts=1)
+        assert r.certified_radius > 0 and r.bisection_steps >= 2
+        assert r.attack_radius is None or r.certified_radius <= r.attack_radius
+        gen = torch.Generator().manual_seed(0)
+        hit = _pgd(f, torch.from_numpy(x0), label, r.certified_radius, norm, 4, 60, gen)
+        assert hit is None

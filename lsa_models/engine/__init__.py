@@ -1,8 +1,11 @@
 """The local bound engine: Jacobian enclosures over a ball around one input, op by op.
 
 values.py (the value type), primitives.py (enclosure arithmetic), rules.py (one local rule
-class per op family, in a registry), driver.py (the graph driver), local.py (the public
-functions: certify_local, robustness). Derivations: docs/local-bounds.md.
+class per op family, in a registry), layernorm.py (LayerNorm's Jacobian enclosed directly),
+fused.py (elementwise chains as one function), structured.py (factored output norms),
+forward_error.py (the forward margin proven a posteriori), driver.py (the graph driver),
+local.py (the public functions: certify_local, robustness). Derivations:
+docs/local-bounds.md.
 """
 
 from __future__ import annotations

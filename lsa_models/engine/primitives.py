@@ -11,7 +11,17 @@ from collections.abc import Callable
 import numpy as np
 from scipy import special
 
-from .values import Ball, LocalNotCertified, LocalValue, center_margin, enclose, gamma, widen_up
+from .values import (
+    Ball,
+    LocalNotCertified,
+    LocalValue,
+    Parts,
+    center_margin,
+    dual_row_norms,
+    enclose,
+    gamma,
+    widen_up,
+)
 
 # Relative allowance on derivative values computed with libm/scipy (erf, exp, tanh):
 # faithfully rounded to a few ulp; 1e-12 is far above that.
@@ -138,10 +148,61 @@ _RANGE: dict[str, tuple[float, float]] = {"sigmoid": (0.0, 1.0), "tanh": (-1.0, 
                                           "sqrt": (0.0, math.inf), "exp": (0.0, math.inf)}
 
 
+# GELU's minimum: x* = -0.7517915247, GELU(x*) = -0.1699712702 (GELU' = Phi + x phi has its
+# only negative-side zero there); -0.17 is below it
+_GELU_MIN_X, _GELU_MIN = -0.7517915247, -0.17
+
+
+def _gelu(x: np.ndarray) -> np.ndarray:
+    return 0.5 * x * (1.0 + special.erf(x / _SQRT2))
+
+
+_F: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "relu": lambda x: np.maximum(x, 0.0), "tanh": np.tanh, "sigmoid": special.expit,
+    "erf": special.erf, "exp": np.exp, "sqrt": np.sqrt, "gelu": _gelu}
+
+
+def value_range(kind: str, lo: np.ndarray, hi: np.ndarray, exponent: float = 2.0
+                ) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """An enclosure of f over [lo, hi] entrywise (interval arithmetic, docs/local-bounds.md):
+    increasing functions map the ends; 1/x and x^p with p < 0 (on x > 0, checked by
+    `derivative`) decrease; integer x^p (2 <= p <= 16) increase (p odd) or go from the end
+    nearest to / farthest from 0 (p even); GELU has one
+    minimum, at x*. Library values get LIBM_REL of their magnitude; None: no range known."""
+    if kind in _F:
+        f = _F[kind]
+        a, b = f(lo), f(hi)
+        if kind == "gelu":
+            a = np.where((lo < _GELU_MIN_X) & (hi > _GELU_MIN_X), _GELU_MIN, np.minimum(a, b))
+            b = np.maximum(f(lo), f(hi))
+    elif kind == "reciprocal":
+        a, b = 1.0 / hi, 1.0 / lo  # lo, hi on one side of 0
+    elif kind == "pow" and exponent == int(exponent) and 2 <= exponent <= 16:
+        # integer powers: odd ones increase, even ones from the ends nearest to / farthest
+        # from 0
+        e = int(exponent)
+        if e % 2:
+            a, b = np.power(lo, e), np.power(hi, e)
+        else:
+            near = np.where((lo <= 0) & (hi >= 0), 0.0, np.minimum(np.abs(lo), np.abs(hi)))
+            a, b = np.power(near, e), np.power(np.maximum(np.abs(lo), np.abs(hi)), e)
+    elif kind == "pow" and exponent < 0:
+        a, b = np.power(hi, exponent), np.power(lo, exponent)
+    else:
+        return None, None
+    pad = 4 * LIBM_REL * np.maximum(np.abs(a), np.abs(b)) + 1e-300
+    a, b = a - pad, b + pad
+    if kind in _RANGE:
+        a, b = np.maximum(a, _RANGE[kind][0]), np.minimum(b, _RANGE[kind][1])
+    return a, b
+
+
 def elementwise(v: LocalValue, kind: str, out_center: np.ndarray, ball: Ball,
-                exponent: float = 2.0) -> LocalValue:
-    """y = f(x) entrywise: dy = f'(x) dx with f'(x) in [dlo, dhi] over the input's range."""
-    d, rng = derivative(kind, v.lo, v.hi, exponent)
+                exponent: float = 2.0, deriv: Deriv | None = None,
+                values: tuple[np.ndarray, np.ndarray] | None = None) -> LocalValue:
+    """y = f(x) entrywise: dy = f'(x) dx with f'(x) in [dlo, dhi] over the input's range.
+    `deriv` and `values` (f's range) override the built-in ones (fused chains)."""
+    d, rng = deriv if deriv is not None else derivative(kind, v.lo, v.hi, exponent)
     dc = d(v.center)  # (*S,)
     dlo, dhi = rng(v.lo, v.hi)
     pad = LIBM_REL * np.maximum(np.abs(dlo), np.abs(dhi)) + 1e-300
@@ -154,12 +215,7 @@ def elementwise(v: LocalValue, kind: str, out_center: np.ndarray, ball: Ball,
     ajc = np.abs(v.jc)
     jc = dc[..., None] * v.jc  # (*S, P)
     jr = widen_up(adc * v.jr + dr[..., None] * (ajc + v.jr) + gamma(2) * adc * ajc, 4)
-    lo, hi = None, None
-    if kind in _RANGE:
-        a, b = _RANGE[kind]
-        lo, hi = np.full(out_center.shape, a), np.full(out_center.shape, b)
-    elif kind == "pow" and exponent == 2.0:
-        lo = np.zeros(out_center.shape)
+    lo, hi = values if values is not None else value_range(kind, v.lo, v.hi, exponent)
     out = enclose(out_center, jc, jr, ball, lo, hi)
     upstream = ajc + v.jr  # (*S, P)
 
@@ -167,7 +223,12 @@ def elementwise(v: LocalValue, kind: str, out_center: np.ndarray, ball: Ball,
         k = g.shape[0]
         flat = upstream.reshape(-1, upstream.shape[-1])
         return (np.abs(g).reshape(k, -1) * (dr + dr0).reshape(-1)) @ flat
-    out.term = term
+
+    def parts(g: np.ndarray) -> list[Parts]:
+        k, p = g.shape[0], v.jc.shape[-1]
+        return [(np.abs(g).reshape(k, -1) * (dr + dr0).reshape(-1), v.jc.reshape(-1, p),
+                 v.jr.reshape(-1, p))]
+    out.term, out.parts = term, parts
     return out
 
 
@@ -187,15 +248,15 @@ def product(a: LocalValue | np.ndarray, b: LocalValue | np.ndarray, out_center: 
     (Jc +- Jr)(Bc +- Br) in Jc Bc +- (|Jc| Br + Jr |Bc| + Jr Br)."""
     p = ball.size
 
-    def parts(x: LocalValue | np.ndarray, like: np.ndarray) -> tuple[np.ndarray, ...]:
+    def unpack(x: LocalValue | np.ndarray) -> tuple[np.ndarray, ...]:
         if isinstance(x, LocalValue):
             return x.center, x.rad, x.jc, x.jr, center_margin(x.center)
         c = np.asarray(x, dtype=np.float64)
         z = np.zeros((*c.shape, p))
         return c, np.zeros_like(c), z, z, np.zeros_like(c)
 
-    ac, ar, ajc, ajr, am = parts(a, out_center)
-    bc, br, bjc, bjr, bm = parts(b, out_center)
+    ac, ar, ajc, ajr, am = unpack(a)
+    bc, br, bjc, bjr, bm = unpack(b)
     if matmul:
         def mul(x: np.ndarray, y: np.ndarray, xt: bool, yt: bool) -> np.ndarray:
             # one of x, y is a tangent array (*S, P)
@@ -215,7 +276,10 @@ def product(a: LocalValue | np.ndarray, b: LocalValue | np.ndarray, out_center: 
     shape = out_center.shape
     jc = np.broadcast_to(jc, (*shape, p))
     jr = np.broadcast_to(jr, (*shape, p))
-    out = enclose(out_center, np.ascontiguousarray(jc), np.ascontiguousarray(jr), ball)
+    vlo, vhi = _product_values(ac, ar, ajr, am, bc, br, bjr, bm, jc, out_center, ball, matmul,
+                               k)
+    out = enclose(out_center, np.ascontiguousarray(jc), np.ascontiguousarray(jr), ball,
+                  vlo, vhi)
     ua, ub = aajc + ajr, abjc + bjr  # |J_a(X)|, |J_b(X)| bounds (*S_a, P), (*S_b, P)
 
     def term(g: np.ndarray) -> np.ndarray:
@@ -234,8 +298,57 @@ def product(a: LocalValue | np.ndarray, b: LocalValue | np.ndarray, out_center: 
         t2 = (ag * np.broadcast_to(ar2, shape)).reshape(k, -1) @ \
             np.broadcast_to(ub, (*shape, p)).reshape(-1, p)
         return t1 + t2
-    out.term = term
+
+    def parts(g: np.ndarray) -> list[Parts]:
+        # the same two products with the operands' Jacobians signed: (c, jc, jr) per operand
+        k, ag = g.shape[0], np.abs(g)
+        br2, ar2 = br + bm, ar + am
+        if matmul:
+            h1 = ag @ np.swapaxes(br2, -1, -2)  # (K, ..., n, k): weights on a's entries
+            h2 = np.swapaxes(ar2, -1, -2) @ ag  # (K, ..., k, m): on b's entries
+            s1, s2 = h1.shape[1:], h2.shape[1:]
+        else:
+            h1, h2 = ag * np.broadcast_to(br2, shape), ag * np.broadcast_to(ar2, shape)
+            s1 = s2 = shape
+
+        def flat(x: np.ndarray, s: tuple[int, ...]) -> np.ndarray:
+            return np.broadcast_to(x, (*s, p)).reshape(-1, p)
+        return [(h1.reshape(k, -1), flat(ajc, s1), flat(ajr, s1)),
+                (h2.reshape(k, -1), flat(bjc, s2), flat(bjr, s2))]
+    out.term, out.parts = term, parts
     return out
+
+
+def _product_values(ac: np.ndarray, ar: np.ndarray, ajr: np.ndarray, am: np.ndarray,
+                    bc: np.ndarray, br: np.ndarray, bjr: np.ndarray, bm: np.ndarray,
+                    jc: np.ndarray, out_center: np.ndarray, ball: Ball, matmul: bool, k: int
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """The second-order value form of a product (docs/local-bounds.md): with a(X) = ac + da,
+    da = jc_a d + e_a, |e_a| <= jr_a |d| + m_a (likewise b),
+    ab - ac bc = (ac jc_b + jc_a bc) d + (ac e_b + e_a bc) + da db, so
+    |ab - ac bc| <= eps ||jc row|| + eps ||(|ac| jr_b + jr_a |bc|) row|| + |ac| m_b + m_a |bc|
+                   + |a - ac| |b - bc|, the last one an interval product of the radii."""
+    if matmul:
+        def mm(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+            return x @ y
+
+        def mt(x: np.ndarray, y: np.ndarray, xt: bool) -> np.ndarray:  # one tangent operand
+            return _b((_t(x) if xt else x) @ (y if xt else _t(y)))
+    else:
+        def mm(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+            return x * y
+
+        def mt(x: np.ndarray, y: np.ndarray, xt: bool) -> np.ndarray:
+            return (x * y[..., None]) if xt else (x[..., None] * y)
+    aac, abc = np.abs(ac), np.abs(bc)
+    pc = mm(ac, bc)
+    lin = dual_row_norms(np.abs(jc), ball.norm)
+    cross = dual_row_norms(np.broadcast_to(mt(aac, bjr, False) + mt(ajr, abc, True),
+                                           jc.shape), ball.norm)
+    rest = mm(aac, bm) + mm(am, abc) + mm(ar, br) + np.abs(out_center - pc) \
+        + gamma(k) * mm(aac, abc)
+    rad = widen_up(ball.eps * (lin + cross) + rest, 8 * k)
+    return out_center - rad, out_center + rad
 
 
 def _softmax_ranges(lo: np.ndarray, hi: np.ndarray, pc: np.ndarray,
@@ -297,5 +410,10 @@ def softmax(v: LocalValue, axis: int, out_center: np.ndarray, ball: Ball) -> Loc
         k = g.shape[0]
         h = (np.moveaxis(np.abs(g), ax + 1, -1)[..., None, :] @ (sr + sr0))[..., 0, :]
         return h.reshape(k, -1) @ upstream.reshape(-1, upstream.shape[-1])
-    out.term = term
+
+    def parts(g: np.ndarray) -> list[Parts]:
+        k, p = g.shape[0], jc_in.shape[-1]
+        h = (np.moveaxis(np.abs(g), ax + 1, -1)[..., None, :] @ (sr + sr0))[..., 0, :]
+        return [(h.reshape(k, -1), jc_in.reshape(-1, p), jr_in.reshape(-1, p))]
+    out.term, out.parts = term, parts
     return out

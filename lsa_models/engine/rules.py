@@ -17,7 +17,10 @@ from torch.func import vmap
 
 from ..onnx.ops import FLOAT_TYPES, OPS, Node, RunContext, decimal_attr
 from . import primitives as pr
-from .values import Ball, LocalNotCertified, LocalValue, enclose
+from .layernorm import chain_errors
+from .layernorm import direct as ln_direct
+from .values import Ball, LocalNotCertified, LocalValue, Parts, center_margin, enclose, widen_up
+from .values import gamma as gamma_k
 
 Arg = LocalValue | np.ndarray | None
 CTX = RunContext(torch.float64)
@@ -164,7 +167,13 @@ class LinearRule(LocalRule):
         k = max(int(np.prod(a.shape)) if a is not None else 1 for a in args)
         c = centers[0]
         assert c is not None
-        return [pr.linear(c, jc, jr_abs, jc_abs, k, ball)]
+        # interval form: |y(X) - y_c| <= |L|(rad_in) + the centre's margin (docs, "Values")
+        fixed = consts(True)
+        for i, v in zip(var, vals, strict=True):
+            fixed[i] = _torch(v.rad)  # type: ignore[union-attr]
+        spread = OPS[absn.op_type].run(absn, fixed, CTX)[0].numpy()
+        rad = widen_up(np.broadcast_to(spread, c.shape), k) + center_margin(c)
+        return [pr.linear(c, jc, jr_abs, jc_abs, k, ball, c - rad, c + rad)]
 
 
 def _divide(node: Node, args: list[Arg], centers: list[np.ndarray | None],
@@ -182,10 +191,17 @@ def _divide(node: Node, args: list[Arg], centers: list[np.ndarray | None],
     assert prod_term is not None and inv_term is not None
     ac = a.center if isinstance(a, LocalValue) else np.asarray(a, dtype=np.float64)
 
+    prod_parts, inv_parts = out.parts, inv.parts
+    assert prod_parts is not None and inv_parts is not None
+
     def term(g: np.ndarray) -> np.ndarray:
-        # the adjoint of 1/b: G * a at the centre, summed over the broadcast axes
-        return prod_term(g) + inv_term(_unbroadcast(g * ac, inv.shape))
-    out.term = term
+        # the adjoint of 1/b is G * a at the centre summed over the broadcast axes; g = |G|, so
+        # the sum of |G| |a| bounds its absolute value
+        return prod_term(g) + inv_term(_unbroadcast(g * np.abs(ac), inv.shape))
+
+    def parts(g: np.ndarray) -> list[Parts]:
+        return prod_parts(g) + inv_parts(_unbroadcast(g * np.abs(ac), inv.shape))
+    out.term, out.parts = term, parts
     return out
 
 
@@ -247,10 +263,14 @@ def layernorm(x: LocalValue, gamma: np.ndarray, beta: np.ndarray | None, eps: fl
     d = x.shape[-1]
     jm = x.jc.mean(axis=-2, keepdims=True)  # (..., 1, P)
     uc = x.center - x.center.mean(axis=-1, keepdims=True)
+    sqc = uc * uc
+    sc = sqc.mean(axis=-1, keepdims=True) + eps
+    rc = 1.0 / np.sqrt(sc)
+    zc = uc * rc
+    chain_errors(x, uc, sqc, sc, rc, zc, eps)  # the chain's own centres' proven errors
     u = pr.linear(uc, x.jc - jm, x.jr + x.jr.mean(axis=-2, keepdims=True),
                   np.abs(x.jc) + np.abs(x.jc).mean(axis=-2, keepdims=True), d, ball)
-    sq = pr.elementwise(u, "pow", uc * uc, ball)
-    sc = sq.center.mean(axis=-1, keepdims=True) + eps
+    sq = pr.elementwise(u, "pow", sqc, ball)
     # ||P x|| is within ||P x0|| +- rho, rho >= ||x - x0|| per token (P is a projection):
     # s = ||P x||^2 / D + eps lies in [(||P x0|| - rho)_+^2 / D + eps, (||P x0|| + rho)^2 / D + eps]
     norm0 = np.sqrt(np.square(uc).sum(axis=-1, keepdims=True))
@@ -261,22 +281,42 @@ def layernorm(x: LocalValue, gamma: np.ndarray, beta: np.ndarray | None, eps: fl
     s = pr.linear(sc, sq.jc.mean(axis=-2, keepdims=True), sq.jr.mean(axis=-2, keepdims=True),
                   np.abs(sq.jc).mean(axis=-2, keepdims=True), d, ball,
                   lo=np.maximum(s_lo, eps * (1 - 1e-12)), hi=s_hi)
-    r = pr.elementwise(s, "pow", 1.0 / np.sqrt(s.center), ball, exponent=-0.5)
-    z = pr.product(u, r, uc * r.center, ball, matmul=False)
+    r = pr.elementwise(s, "pow", rc, ball, exponent=-0.5)
+    z = pr.product(u, r, zc, ball, matmul=False)
     g = np.broadcast_to(np.asarray(gamma, dtype=np.float64), (d,))
     ag = np.abs(g)[:, None]
-    out = pr.linear(out_center, z.jc * g[:, None], z.jr * ag, np.abs(z.jc) * ag, 2, ball)
+    chain = pr.linear(out_center, z.jc * g[:, None], z.jr * ag, np.abs(z.jc) * ag, 2, ball)
+    # the direct enclosure of S = dz/dx (layernorm.py); both hold, so the entrywise smaller
+    # (the chain's radius moved to the direct centre by |jc_chain - jc_direct|)
+    jc, jr_d, y_lo, y_hi, _, sr, sr0 = ln_direct(x, u, g, beta, eps, norm0, rho)
+    jr_c = widen_up(chain.jr + np.abs(chain.jc - jc), 2)
+    out = enclose(out_center, jc, np.minimum(jr_d, jr_c), ball, y_lo, y_hi)
     sq_t, r_t, z_t = sq.term, r.term, z.term
     assert sq_t is not None and r_t is not None and z_t is not None
     rs = -0.5 * np.power(s.center, -1.5)  # dr/ds at the centre
+    upstream = np.abs(x.jc) + x.jr  # (..., D, P)
+    srs = sr + sr0  # (..., D, D): rows are the output's entries
 
     def term(gy: np.ndarray) -> np.ndarray:
-        # adjoints of the chain's links at the centre, from the output's
-        gz = gy * g  # (K, ..., D)
-        gr = (gz * uc).sum(axis=-1, keepdims=True)  # (K, ..., 1)
-        gsq = np.broadcast_to(gr * rs / d, gz.shape)
-        return z_t(gz) + r_t(gr) + sq_t(gsq)
-    out.term = term
+        # bounds on the adjoints of the chain's links at the centre, from the output's: each
+        # link's term takes a nonnegative bound on its adjoint, so the signed factors (gamma,
+        # u0, dr/ds) enter with their absolute values (with signs, sum |G| gamma u0 cancels
+        # and the remainder came out too small: tests/test_local_rules_more.py, corners)
+        gz = np.abs(gy) * np.abs(g)  # (K, ..., D)
+        gr = (gz * np.abs(uc)).sum(axis=-1, keepdims=True)  # (K, ..., 1)
+        gsq = np.broadcast_to(gr * np.abs(rs) / d, gz.shape)
+        via_chain = z_t(gz) + r_t(gr) + sq_t(gsq)
+        # directly: sum_i |G_i| |gamma_i| (sr + sr0)_ij |J_x(X)|_j
+        k = gy.shape[0]
+        h = (np.abs(gz)[..., None, :] @ srs)[..., 0, :]  # (K, ..., D)
+        via_s = h.reshape(k, -1) @ upstream.reshape(-1, upstream.shape[-1])
+        return np.minimum(via_chain, via_s * (1 + gamma_k(2 * d)))
+
+    def parts(gy: np.ndarray) -> list[Parts]:  # the direct form: c = |G gamma| (sr + sr0)
+        k, p = gy.shape[0], x.jc.shape[-1]
+        h = (np.abs(gy * g)[..., None, :] @ srs)[..., 0, :] * (1 + gamma_k(2 * d))
+        return [(h.reshape(k, -1), x.jc.reshape(-1, p), x.jr.reshape(-1, p))]
+    out.term, out.parts = term, parts
     return out
 
 

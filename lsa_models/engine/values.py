@@ -13,6 +13,7 @@ Tensors that do not depend on the input are plain float64 arrays.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,10 +21,13 @@ import numpy as np
 from ..bounds.numerics import U
 
 # Relative margin on the centre values of every tensor: covers the rounding of the float64
-# forward pass at X0 (docs/local-bounds.md, "Rounding").
+# forward pass at X0 (docs/local-bounds.md, "Rounding"). The smallest one used; a run whose
+# forward error is proven larger (forward_error.py) uses that proven one instead.
 FORWARD_MARGIN = 1e-9
 # Absolute floor of that margin, relative to the tensor's largest centre entry.
 FORWARD_FLOOR = 1e-9
+# The margin m of the current engine run: |T(X0) - c_T| <= m |c_T| + m max|c_T|
+MARGIN: ContextVar[float] = ContextVar("forward_margin", default=FORWARD_MARGIN)
 
 
 class LocalNotCertified(Exception):
@@ -43,6 +47,9 @@ class Ball:
         return int(self.center.size)
 
 
+Parts = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
 @dataclass
 class LocalValue:
     center: np.ndarray  # (*S,)
@@ -54,6 +61,11 @@ class LocalValue:
     # output's adjoint G = d out / d this tensor at X0, (K, *S), to a nonnegative (K, P)
     # bound on G (D_op(X) - D_op(X0)) J_in(X) over the ball. None: the op is linear.
     term: Callable[[np.ndarray], np.ndarray] | None = field(default=None, repr=False)
+    # The same bound in factored form (driver.py, "structured output norms"): for the adjoint
+    # |G| (K, *S), a list of (c, jc_in, jr_in) with c (K, n) >= 0 and the op's input Jacobian
+    # enclosure jc_in +- jr_in (n, P), such that |G (D_op(X) - D_op(X0)) J_in(X)| is bounded
+    # row by row by sum_b c_kb |J_in,b(X)| with the signs of J_in kept.
+    parts: Callable[[np.ndarray], list[Parts]] | None = field(default=None, repr=False)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -86,10 +98,35 @@ def dual_row_norms(absjac: np.ndarray, norm: str) -> np.ndarray:
     return np.sqrt(widen_up(np.square(absjac).sum(axis=-1), p)) * (1.0 + 4 * U)
 
 
+# Proven entrywise forward errors of the graph's tensors for the current run, by the address,
+# shape and strides of their centre arrays (the float64 evaluation's own buffers)
+# (the graph's buffers stay alive for the whole run, so their addresses are not reused; an
+# array a rule forms is registered with itself as owner and matched by identity)
+Key = tuple[int, tuple[int, ...], tuple[int, ...]]
+PROVEN: ContextVar[dict[Key, tuple[np.ndarray | None, np.ndarray]] | None] = \
+    ContextVar("proven_forward_errors", default=None)
+
+
+def array_key(a: np.ndarray) -> Key:
+    return (int(a.__array_interface__["data"][0]), tuple(a.shape), tuple(a.strides))
+
+
+def _margin(center: np.ndarray) -> np.ndarray:
+    """|T(X0) - c_T| <= this: the proven entrywise error of a graph tensor when known, else
+    m |c_T| + m max|c_T| with the run's margin m."""
+    known = PROVEN.get()
+    hit = known.get(array_key(center)) if known and center.size else None
+    if hit is not None and (hit[0] is None or hit[0] is center) \
+            and hit[1].shape == center.shape:
+        return hit[1]
+    scale = float(np.max(np.abs(center))) if center.size else 0.0
+    m = MARGIN.get()
+    return m * np.abs(center) + m * scale
+
+
 def center_margin(center: np.ndarray) -> np.ndarray:
     """How far the computed centre value may be from the true T(X0) (the forward margin)."""
-    scale = float(np.max(np.abs(center))) if center.size else 0.0
-    return widen_up(FORWARD_MARGIN * np.abs(center) + FORWARD_FLOOR * scale, 4)
+    return widen_up(_margin(center), 4)
 
 
 def enclose(center: np.ndarray, jc: np.ndarray, jr: np.ndarray, ball: Ball,
@@ -100,9 +137,7 @@ def enclose(center: np.ndarray, jc: np.ndarray, jr: np.ndarray, ball: Ball,
     if not np.all(np.isfinite(center)):
         raise LocalNotCertified("a tensor is not finite at the centre")
     rows = dual_row_norms(np.abs(jc) + jr, ball.norm)
-    scale = float(np.max(np.abs(center))) if center.size else 0.0
-    margin = FORWARD_MARGIN * np.abs(center) + FORWARD_FLOOR * scale
-    rad = widen_up(ball.eps * rows + margin, 4)
+    rad = widen_up(ball.eps * rows + _margin(center), 4)
     mlo, mhi = center - rad, center + rad
     if lo is not None:
         mlo = np.maximum(mlo, lo)
@@ -115,4 +150,8 @@ def input_value(ball: Ball) -> LocalValue:
     """The input itself: Jacobian the identity, exactly."""
     p = ball.size
     jc = np.eye(p).reshape(*ball.center.shape, p)
-    return enclose(ball.center.astype(np.float64), jc, np.zeros_like(jc), ball)
+    c = ball.center.astype(np.float64)
+    known = PROVEN.get()
+    if known is not None:  # X0 itself is exact
+        known[array_key(c)] = (c, np.zeros_like(c))
+    return enclose(c, jc, np.zeros_like(jc), ball)

@@ -1,5 +1,5 @@
 """POST /certify with `at`, `label`, `min_radius`: a `robustness` job (202, Location,
-Retry-After; progress is the bisection step) whose result is a signed certificate that passes
+Retry-After; progress is the radius sweep's step) whose result is a signed certificate that passes
 iff the certified radius >= min_radius; the radii are stored per (model, centre, label, norm),
 so another min_radius is answered at once (201), also by a fresh server; the certificate is
 verifiable by POST /certificates/verify and `lsa verify [--recompute --at]` (any altered
@@ -102,11 +102,11 @@ def test_robustness_certificate_is_a_job_then_cached_and_verifies(
     assert rob["label"] == label and rob["predicted"] == label and rob["min_radius"] == 1e-9
     assert rob["attack_radius"] is None or rob["certified_radius"] <= rob["attack_radius"]
     assert cert["threshold"] == 1e-9 and cert["upper"] is None
-    # Progress named each bisection step with the radius certified so far.
-    steps = [s for s in stages if re.match(r"bisection \d+/\d+, ", s)]
+    # Progress named each engine run of the radius sweep with the radius certified so far.
+    steps = [s for s in stages if re.match(r"radius sweep \d+/\d+, ", s)]
     assert len(steps) == rob["bisection_steps"] > 1
-    assert steps[0].startswith("bisection 1/30, certified ")
-    assert steps[-1] == (f"bisection {rob['bisection_steps']}/30, certified "
+    assert steps[0].startswith("radius sweep 1/30, certified ")
+    assert steps[-1] == (f"radius sweep {rob['bisection_steps']}/30, certified "
                          f"{rob['certified_radius']:.3g}")
     # Another min_radius: the stored radii, signed at once (201), the same radius.
     too_far = client.post("/certify", json={**req, "min_radius": 2 * rob["certified_radius"]})
@@ -259,7 +259,7 @@ def test_robustness_job_cancelled_mid_bisection_stores_nothing(
 
     def held(self: JobContext, fraction: float, stage: str | None = None, *,
              force: bool = False) -> None:
-        if stage is not None and re.match(r"bisection \d+/", stage):
+        if stage is not None and re.match(r"radius sweep \d+/", stage):
             in_bisection.set()
             cancelled.wait(60)  # the next progress write is the cancel check
         try:
@@ -361,7 +361,7 @@ def test_robustness_jobs_for_the_same_radii_compute_them_once(
 
     def held(self: JobContext, fraction: float, stage: str | None = None, *,
              force: bool = False) -> None:
-        if stage is not None and re.match(r"bisection \d+/", stage) \
+        if stage is not None and re.match(r"radius sweep \d+/", stage) \
                 and not in_bisection.is_set():
             in_bisection.set()
             release.wait(60)  # the first job holds here, mid-bisection

@@ -1,0 +1,203 @@
+"""A checked bound on the float64 forward pass's error at the centre (docs/local-bounds.md,
+"Rounding: the forward margin, checked").
+
+The engine takes every centre value c_T = fl(T(X0)) to be within FORWARD_MARGIN |c_T| +
+FORWARD_FLOOR max|c_T| of the true T(X0). This module proves it a posteriori for a graph:
+one interval evaluation at X0 (a point, so the intervals are only as wide as the rounding),
+each op with its own outward-rounded rule,
+  - layout ops move entries (run on both ends: exact);
+  - linear maps y = L(x) + b: |y - c_y| <= |L|(r_x) + gamma_k (|L|(|c_x|) + |b|), the second
+    term bounding the float64 rounding of c_y = fl(L(c_x) + b) in any summation order;
+  - elementwise f: the range of f over the input interval (primitives.value_range);
+  - products a * b, a @ b: |c_a| r_b + r_a |c_b| + r_a r_b + gamma_k |c_a| |c_b|;
+  - Softmax from the logit intervals; LayerNorm from u = P x, s = mean(u^2) + eps, z = u/sigma
+    intervals (layernorm.jacobian_ranges);
+and returns the smallest margin that covers the resulting radius around every c_T; the engine
+runs with it. An op without such a rule leaves FORWARD_MARGIN an assumption (reported), never
+refused.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..onnx.ops import OPS, Node, RunContext, decimal_attr
+from .layernorm import _bounds_of_s, jacobian_ranges
+from .primitives import _softmax_ranges, value_range
+from .values import FORWARD_FLOOR, FORWARD_MARGIN, gamma, widen_up
+
+CTX = RunContext(torch.float64)
+# A proven relative error above this means the interval evaluation is useless here: it is then
+# not used and FORWARD_MARGIN stays an assumption, reported (docs/local-bounds.md)
+PROVEN_CAP = 1e-3
+_LAYOUT = ("Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Slice",
+           "Gather", "Concat", "Split", "Expand", "Dropout", "Cast", "Tile")
+_LINEAR = ("Add", "Sub", "Neg", "Mul", "Div", "MatMul", "Gemm", "ReduceMean", "ReduceSum")
+_ELEMENTWISE = {"Relu": "relu", "Tanh": "tanh", "Sigmoid": "sigmoid", "Erf": "erf",
+                "Gelu": "gelu", "Exp": "exp", "Sqrt": "sqrt", "Reciprocal": "reciprocal",
+                "Pow": "pow"}
+Iv = tuple[np.ndarray, np.ndarray]
+
+
+def _t(x: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.array(x, dtype=np.float64, order="C"))
+
+
+def _run(node: Node, ins: list[torch.Tensor | None]) -> np.ndarray:
+    return OPS[node.op_type].run(node, ins, CTX)[0].numpy()
+
+
+def _abs_node(node: Node) -> Node:
+    n = Node(node.name, node.op_type, node.inputs, node.outputs, dict(node.attrs), node.domain)
+    if node.op_type == "Sub":
+        n.op_type = "Add"
+    if node.op_type == "Neg":
+        n.op_type = "Identity"
+    for a in ("alpha", "beta"):
+        if a in n.attrs:
+            n.attrs[a] = abs(float(n.attrs[a]))
+    return n
+
+
+def _linear(node: Node, args: list, iv: dict[str, Iv], env: dict[str, torch.Tensor]) -> Iv:
+    absn = _abs_node(node)
+    var = [i for i, a in enumerate(args) if a in iv]
+    additive = node.op_type in ("Add", "Sub") or node.op_type == "Gemm"
+
+    def fill(values: dict[int, np.ndarray], keep_additive: bool) -> list[torch.Tensor | None]:
+        out: list[torch.Tensor | None] = []
+        for i, name in enumerate(args):
+            if i in values:
+                out.append(_t(values[i]))
+            elif not name:
+                out.append(None)
+            else:
+                c = env[name].detach()
+                if not c.is_floating_point():
+                    out.append(c)
+                elif additive and (node.op_type != "Gemm" or i == 2) and not keep_additive:
+                    out.append(torch.zeros_like(c, dtype=torch.float64))
+                else:
+                    out.append(c.to(torch.float64).abs())
+        return out
+
+    cen = {i: env[args[i]].detach().numpy() for i in var}
+    rad = {i: np.maximum(iv[args[i]][1] - cen[i], cen[i] - iv[args[i]][0]) for i in var}
+    spread = _run(absn, fill(rad, False))
+    mag = _run(absn, fill({i: np.abs(c) for i, c in cen.items()}, True))
+    k = max(int(env[a].numel()) if a and a in env else 1 for a in args) + 2
+    c_out = env[node.outputs[0]].detach().numpy()
+    r = widen_up(np.broadcast_to(spread, c_out.shape) + gamma(k) * mag, k)
+    return c_out - r, c_out + r
+
+
+def _product(node: Node, a: Iv, b: Iv, ca: np.ndarray, cb: np.ndarray,
+             c_out: np.ndarray) -> Iv:
+    mm = node.op_type == "MatMul"
+    ra, rb = np.maximum(a[1] - ca, ca - a[0]), np.maximum(b[1] - cb, cb - b[0])
+
+    def mul(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+        return x @ y if mm else x * y
+    k = int(ca.shape[-1]) + 2 if mm else 4
+    r = mul(np.abs(ca), rb) + mul(ra, np.abs(cb)) + mul(ra, rb) + gamma(k) * mul(
+        np.abs(ca), np.abs(cb))
+    r = widen_up(np.broadcast_to(r, c_out.shape), 4 * k)
+    return c_out - r, c_out + r
+
+
+def _layernorm(node: Node, x: Iv, xc: np.ndarray, g: np.ndarray, b: np.ndarray | None) -> Iv:
+    d = xc.shape[-1]
+    eps = decimal_attr(float(node.attrs.get("epsilon", 1e-5)))
+    rx = np.maximum(x[1] - xc, xc - x[0])
+    uc = xc - xc.mean(axis=-1, keepdims=True)
+    ru = widen_up(rx + rx.mean(axis=-1, keepdims=True)
+                  + gamma(d + 2) * (np.abs(xc) + np.abs(xc).mean(axis=-1, keepdims=True)), 4)
+    norm0 = np.sqrt(np.square(uc).sum(axis=-1, keepdims=True))
+    rho = np.sqrt(np.square(ru).sum(axis=-1, keepdims=True)) * (1 + 1e-12)
+    s_lo, s_hi = _bounds_of_s(norm0, rho, d, eps)
+    zr = jacobian_ranges(uc - ru, uc + ru, s_lo, s_hi)[3]
+    gg = np.broadcast_to(g, (d,))
+    bb = np.zeros(d) if b is None else np.broadcast_to(b, (d,))
+    y1, y2 = gg * zr[0] + bb, gg * zr[1] + bb
+    lo, hi = np.minimum(y1, y2), np.maximum(y1, y2)
+    pad = 1e-12 * (np.abs(lo) + np.abs(hi)) + 1e-300
+    return lo - pad, hi + pad
+
+
+def _node(node: Node, iv: dict[str, Iv], env: dict[str, torch.Tensor]) -> Iv | None:
+    """The interval of the node's (first) output, or None: no rule for this op."""
+    t, args = node.op_type, node.inputs
+    var = [i for i, a in enumerate(args) if a in iv]
+    c_out = env[node.outputs[0]].detach().numpy()
+    if t in _LAYOUT:
+        lo = [_t(iv[a][0]) if a in iv else (env[a].detach() if a else None) for a in args]
+        hi = [_t(iv[a][1]) if a in iv else (env[a].detach() if a else None) for a in args]
+        return _run(node, lo), _run(node, hi)
+    if t in ("Mul", "MatMul") and len(var) == 2:
+        ca, cb = env[args[0]].detach().numpy(), env[args[1]].detach().numpy()
+        return _product(node, iv[args[0]], iv[args[1]], ca, cb, c_out)
+    if t == "Div" and 1 in var:
+        return None
+    if t in _LINEAR:
+        return _linear(node, args, iv, env)
+    if t in _ELEMENTWISE:
+        kind = _ELEMENTWISE[t]
+        p = 2.0
+        if kind == "pow":
+            p = float(env[args[1]].reshape(()))
+        vlo, vhi = value_range(kind, *iv[args[0]], exponent=p)
+        return None if vlo is None or vhi is None else (vlo, vhi)
+    if t == "Softmax":
+        ax = int(node.attrs.get("axis", -1)) % c_out.ndim
+        llo, lhi = np.moveaxis(iv[args[0]][0], ax, -1), np.moveaxis(iv[args[0]][1], ax, -1)
+        pc = np.moveaxis(c_out, ax, -1)
+        n = pc.shape[-1]
+        plo, phi, _ = _softmax_ranges(llo, lhi, pc, np.zeros((*pc.shape, n)))
+        return np.moveaxis(plo, -1, ax), np.moveaxis(phi, -1, ax)
+    if t == "LayerNormalization" and var == [0]:
+        g = env[args[1]].detach().numpy()
+        b = env[args[2]].detach().numpy() if len(args) > 2 and args[2] else None
+        return _layernorm(node, iv[args[0]], env[args[0]].detach().numpy(), g, b)
+    return None
+
+
+def check(nodes: list[Node], input_name: str, x: np.ndarray,
+          env: dict[str, torch.Tensor], errors: dict[str, np.ndarray] | None = None
+          ) -> tuple[float | None, str]:
+    """(m, detail): the smallest margin m with |T(X0) - c_T| <= m |c_T| + m max|c_T| proven
+    for every input-dependent tensor T (at least FORWARD_MARGIN), or None when an op has no
+    forward-error rule (then the engine keeps FORWARD_MARGIN as a stated assumption).
+    `errors`, when given, receives every tensor's proven entrywise error."""
+    iv: dict[str, Iv] = {input_name: (x, x)}
+    need = max(FORWARD_MARGIN, FORWARD_FLOOR)
+    for node in nodes:
+        if node.op_type in ("Shape", "Size") or not any(a in iv for a in node.inputs if a):
+            continue
+        if node.op_type in _LAYOUT and len([o for o in node.outputs if o]) > 1:
+            lo = [_t(iv[a][0]) if a in iv else (env[a].detach() if a else None)
+                  for a in node.inputs]
+            hi = [_t(iv[a][1]) if a in iv else (env[a].detach() if a else None)
+                  for a in node.inputs]
+            outs = zip(OPS[node.op_type].run(node, lo, CTX), OPS[node.op_type].run(node, hi, CTX),
+                       node.outputs, strict=False)
+            iv.update({o: (a.numpy(), b.numpy()) for a, b, o in outs if o})
+            continue
+        out = _node(node, iv, env) if len([o for o in node.outputs if o]) == 1 else None
+        if out is None:
+            return None, f"{node.op_type} node {node.name}: no forward-error rule"
+        name = node.outputs[0]
+        c = env[name].detach().numpy()
+        err = np.maximum(out[1] - c, c - out[0])
+        if not np.all(np.isfinite(err)):
+            return None, f"{node.op_type} node {node.name}: the forward error is not finite"
+        if c.size:
+            need = max(need, float(np.max(err / (np.abs(c) + float(np.max(np.abs(c)))
+                                                  + 1e-300))) * (1 + 1e-6))
+        if errors is not None:
+            errors[name] = err * (1 + 1e-9) + 1e-300
+        iv[name] = (np.minimum(out[0], c), np.maximum(out[1], c))
+    if need > PROVEN_CAP:
+        return None, (f"the interval bound on the forward error ({need:.3g} relative) is too "
+                      f"wide to use; FORWARD_MARGIN {FORWARD_MARGIN:g} is assumed")
+    return need, f"forward error proven op by op: margin {need:.3g}"

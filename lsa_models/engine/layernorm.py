@@ -1,0 +1,133 @@
+"""LayerNorm's Jacobian as one matrix enclosed over the ball (docs/local-bounds.md,
+"LayerNorm, directly").
+
+Per token, with u = P x (P = I - 11^T/D), sigma = sqrt(||u||^2/D + eps), z = u / sigma:
+    dz/dx = S(x) = (1/sigma) (P - z z^T / D)
+and y = gamma z + beta. Over the ball, 1/sigma lies in [1/sigma_hi, 1/sigma_lo] (sigma from the
+token's centred norm +- its displacement) and z_i in u_i / sigma intervals, |z_i| < sqrt(D);
+every entry of S gets an interval, so S(X) in S(X0) +- sr, and
+    J_y(X) = diag(gamma) S(X) J_x(X) in gamma S_c jc +- |gamma| (|S_c| jr + sr (|jc| + jr)).
+Unlike the chain u -> u^2 -> mean -> ^-1/2 -> product, the entries of S keep the correlation
+of sigma and z (one interval per entry, no product of two separately widened enclosures).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .values import PROVEN, LocalValue, U, array_key, center_margin, gamma, widen_up
+
+# relative allowance for the round-to-nearest float64 operations forming one interval end
+# (a few operations per end, each within u = 1.1e-16 relative)
+_REL = 1e-12
+
+
+def _bounds_of_s(norm0: np.ndarray, rho: np.ndarray, d: int, eps: float
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """sigma^2 = ||u||^2 / D + eps over ||u|| in [norm0 - rho, norm0 + rho] (..., 1)."""
+    slack = _REL * (np.square(norm0 + rho) / d + eps)
+    s_lo = np.maximum(np.square(np.maximum(norm0 - rho, 0.0)) / d + eps - slack,
+                      eps * (1 - _REL))
+    s_hi = np.square(norm0 + rho) / d + eps + slack
+    return s_lo, s_hi
+
+
+def jacobian_ranges(u_lo: np.ndarray, u_hi: np.ndarray, s_lo: np.ndarray, s_hi: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """From u in [u_lo, u_hi] (..., D) and sigma^2 in [s_lo, s_hi] (..., 1): the interval
+    [lo, hi] of every entry of S (..., D, D), the magnitude of the terms forming them (for
+    rounding), and z's interval (2, ..., D)."""
+    d = u_lo.shape[-1]
+    w_lo = 1.0 / np.sqrt(s_hi) * (1 - _REL)  # 1/sigma, outward
+    w_hi = 1.0 / np.sqrt(s_lo) * (1 + _REL)
+    # z = u w with w > 0: the ends are u_lo w_hi or u_lo w_lo (and likewise for u_hi)
+    z_lo = np.minimum(u_lo * w_lo, u_lo * w_hi)
+    z_hi = np.maximum(u_hi * w_lo, u_hi * w_hi)
+    lim = np.sqrt(d) * (1 + _REL)  # ||z||^2 = D ||u||^2 / (||u||^2 + D eps) < D
+    z_lo = np.clip(z_lo - _REL * np.abs(z_lo), -lim, lim)
+    z_hi = np.clip(z_hi + _REL * np.abs(z_hi), -lim, lim)
+    # z_i z_j: interval product; the diagonal z_i^2 >= 0
+    cands = np.stack([z_lo[..., :, None] * z_lo[..., None, :],
+                      z_lo[..., :, None] * z_hi[..., None, :],
+                      z_hi[..., :, None] * z_lo[..., None, :],
+                      z_hi[..., :, None] * z_hi[..., None, :]])
+    zz_lo, zz_hi = cands.min(axis=0), cands.max(axis=0)
+    eye = np.eye(d, dtype=bool)
+    across = (z_lo <= 0) & (z_hi >= 0)
+    diag_lo = np.where(across, 0.0, np.minimum(z_lo * z_lo, z_hi * z_hi))
+    zz_lo = np.where(eye, diag_lo[..., :, None], zz_lo)
+    pm = np.eye(d) - 1.0 / d
+    q_lo = pm - zz_hi / d  # P_ij - z_i z_j / D
+    q_hi = pm - zz_lo / d
+    wl, wh = w_lo[..., None], w_hi[..., None]  # (..., 1, 1)
+    s_entry_lo = np.minimum(wl * q_lo, wh * q_lo)
+    s_entry_hi = np.maximum(wl * q_hi, wh * q_hi)
+    mag = wh * (np.abs(pm) + np.maximum(np.abs(zz_lo), np.abs(zz_hi)) / d)
+    return s_entry_lo, s_entry_hi, mag, np.stack([z_lo, z_hi])
+
+
+def center_jacobian(uc: np.ndarray, sc: np.ndarray) -> np.ndarray:
+    """S(X0) = (1/sigma)(P - z z^T / D) per token, float64 (rounding: `_REL` of `mag`)."""
+    d = uc.shape[-1]
+    wc = 1.0 / np.sqrt(sc)  # (..., 1)
+    zc = uc * wc  # (..., D)
+    pm = np.eye(d) - 1.0 / d
+    return wc[..., None] * (pm - zc[..., :, None] * zc[..., None, :] / d)
+
+
+def direct(x: LocalValue, u: LocalValue, g: np.ndarray, beta: np.ndarray | None,
+           eps: float, norm0: np.ndarray, rho: np.ndarray
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray,
+                      np.ndarray]:
+    """The direct enclosure of y = LayerNorm(x): (jc, jr, y_lo, y_hi, S_c, sr, sr0) with
+    sr0 the entries' radius over the centre's own forward margin (docs/local-bounds.md)."""
+    d = x.shape[-1]
+    uc = u.center
+    sc = np.square(uc).sum(axis=-1, keepdims=True) / d + eps  # (..., 1)
+    s_lo, s_hi = _bounds_of_s(norm0, rho, d, eps)
+    s_lo, s_hi = np.minimum(s_lo, sc), np.maximum(s_hi, sc)
+    s_c = center_jacobian(uc, sc)  # (..., D, D)
+    lo, hi, mag, zr = jacobian_ranges(u.lo, u.hi, s_lo, s_hi)
+    sr = np.maximum(np.maximum(hi - s_c, s_c - lo), 0.0) + 4 * _REL * mag + 1e-300
+    # the true centre: u(X0) within |P| (centre margin of x) of uc
+    mx = center_margin(x.center)
+    mu = widen_up(mx + mx.mean(axis=-1, keepdims=True), 4)  # |P| m <= (I + 11^T/D) m
+    rho0 = np.sqrt(np.square(mu).sum(axis=-1, keepdims=True)) * (1 + _REL)
+    s0_lo, s0_hi = _bounds_of_s(norm0, rho0, d, eps)
+    s0_lo, s0_hi = np.minimum(s0_lo, sc), np.maximum(s0_hi, sc)
+    lo0, hi0, mag0, _ = jacobian_ranges(uc - mu, uc + mu, s0_lo, s0_hi)
+    sr0 = np.maximum(np.maximum(hi0 - s_c, s_c - lo0), 0.0) + 4 * _REL * mag0 + 1e-300
+    ag = np.abs(g)[:, None]  # (D, 1): scales the output rows
+    ajc = np.abs(x.jc)
+    asc = np.abs(s_c)
+    jc = g[:, None] * (s_c @ x.jc)  # (..., D, P)
+    jr = widen_up(ag * (asc @ x.jr + sr @ (ajc + x.jr) + gamma(d) * (asc @ ajc)), 4 * d)
+    b = np.zeros(d) if beta is None else np.broadcast_to(np.asarray(beta, np.float64), (d,))
+    z_lo, z_hi = zr[0], zr[1]
+    y_a, y_b = g * z_lo + b, g * z_hi + b
+    y_lo, y_hi = np.minimum(y_a, y_b), np.maximum(y_a, y_b)
+    pad = _REL * (np.abs(y_lo) + np.abs(y_hi)) + 1e-300
+    return jc, jr, y_lo - pad, y_hi + pad, s_c, sr, sr0
+
+
+def chain_errors(x: LocalValue, uc: np.ndarray, sqc: np.ndarray, sc: np.ndarray,
+                 rc: np.ndarray, zc: np.ndarray, eps: float) -> None:
+    """In a run with proven forward errors, the proven errors of the centres the chain forms
+    (u = P x, u^2, s = mean(u^2) + eps, r = s^-1/2, z = u r) from x's (docs/local-bounds.md,
+    "Rounding"): errors propagate through each link's derivative plus its own rounding."""
+    known = PROVEN.get()
+    if known is None:
+        return
+    d = uc.shape[-1]
+    ex = center_margin(x.center)
+    ax = np.abs(x.center)
+    e_u = ex + ex.mean(axis=-1, keepdims=True) + gamma(d + 2) * (ax + ax.mean(
+        axis=-1, keepdims=True))
+    e_sq = 2 * np.abs(uc) * e_u + e_u * e_u + 4 * U * sqc
+    e_s = e_sq.mean(axis=-1, keepdims=True) + gamma(d + 2) * (sc + eps)
+    if np.any(sc - e_s <= 0):
+        return  # no proven error for r: the run's margin m stays (docs: the open gap)
+    e_r = 0.5 * np.power(sc - e_s, -1.5) * e_s + 8 * U * np.abs(rc)
+    e_z = np.abs(uc) * e_r + e_u * np.abs(rc) + e_u * e_r + 4 * U * np.abs(zc)
+    for arr, err in ((uc, e_u), (sqc, e_sq), (sc, e_s), (rc, e_r), (zc, e_z)):
+        known[array_key(arr)] = (arr, widen_up(err, 8))

@@ -106,12 +106,85 @@ def test_onnx_conv_image_not_whole_patches_refused(tmp_path: Path) -> None:
         load_onnx(_export(m, _pixels(), tmp_path / "m.onnx", False))
 
 
-def test_onnx_conv_padded_conv_rule_refuses() -> None:
-    node = Node("c", "Conv", ["x", "w"], ["y"], {"kernel_shape": [2, 2], "strides": [2, 2],
-                                                 "pads": [1, 1, 1, 1]})
-    w = np.ones((4, 3, 2, 2))
-    with pytest.raises(NotCertified, match="Conv node c is not a patch embedding: it pads"):
-        OPS["Conv"].bound(node, [Flow(1.0, None, (1, 3, 4, 4)), w], [(1, 4, 3, 3)], "2")
+def test_onnx_conv_padded_conv_is_bounded_by_its_overlap() -> None:
+    """Kernel 3, stride 1, padding 1: a pixel lies in up to 3 x 3 patches, so the 2-norm
+    constant is sqrt(9) ||K|| (docs/bounds.md, "Conv"); the inf-norm one a kernel row's sum."""
+    node = Node("c", "Conv", ["x", "w"], ["y"], {"kernel_shape": [3, 3], "pads": [1, 1, 1, 1]})
+    w = np.ones((4, 3, 3, 3))
+    two = OPS["Conv"].bound(node, [Flow(1.0, None, (1, 3, 5, 5)), w], [(1, 4, 5, 5)], "2")[0]
+    inf = OPS["Conv"].bound(node, [Flow(1.0, None, (1, 3, 5, 5)), w], [(1, 4, 5, 5)], "inf")[0]
+    assert two is not None and inf is not None
+    assert two.lip == pytest.approx(3.0 * np.linalg.norm(w.reshape(4, -1), 2), rel=1e-9)
+    assert two.lip >= 3.0 * np.linalg.norm(w.reshape(4, -1), 2)
+    assert inf.lip >= 27.0 and inf.lip == pytest.approx(27.0, rel=1e-12)
+
+
+def test_onnx_conv_input_dependent_kernel_refused() -> None:
+    node = Node("c", "Conv", ["x", "w"], ["y"], {"kernel_shape": [2, 2]})
+    x = Flow(1.0, None, (1, 3, 4, 4))
+    with pytest.raises(NotCertified, match="Conv node c: only an input-dependent image"):
+        OPS["Conv"].bound(node, [x, x], [(1, 3, 3, 3)], "2")
+
+
+@settings(max_examples=60, deadline=None)
+@given(scale=st.sampled_from([1e-3, 1.0, 1e3]), k=st.integers(1, 4), stride=st.integers(1, 3),
+       dilation=st.integers(1, 2), pad=st.integers(0, 2), groups=st.sampled_from([1, 2]),
+       seed=st.integers(0, 2**31 - 1), norm=st.sampled_from(["2", "inf"]),
+       spatial=st.sampled_from([1, 2]))
+def test_onnx_conv_general_rule_never_below_exact_jacobian(
+        scale: float, k: int, stride: int, dilation: int, pad: int, groups: int, seed: int,
+        norm: str, spatial: int) -> None:
+    """Overlapping, strided, dilated, padded and grouped Convs (1-D and 2-D) against the
+    exact float64 Jacobian, and against the Jacobian's norm at the worst kernel placement:
+    a constant image's Jacobian is the map itself (linear), so this hunts the overlap factor."""
+    gen = torch.Generator().manual_seed(seed)
+    c_in, out = 2 * groups, 2 * groups
+    kern = (k,) * spatial
+    w = scale * torch.randn(out, c_in // groups, *kern, generator=gen, dtype=torch.float64)
+    size = (2 + dilation * (k - 1) + 2 * stride,) * spatial
+    x = torch.randn(1, c_in, *size, generator=gen, dtype=torch.float64)
+    conv = F.conv1d if spatial == 1 else F.conv2d
+
+    def f(z: Tensor) -> Tensor:
+        return conv(z, w, stride=stride, padding=pad, dilation=dilation, groups=groups)
+
+    attrs = {"kernel_shape": list(kern), "strides": [stride] * spatial,
+             "dilations": [dilation] * spatial, "pads": [pad] * (2 * spatial), "group": groups}
+    node = Node("c", "Conv", ["x", "w"], ["y"], attrs)
+    y = f(x)
+    flow = OPS["Conv"].bound(node, [Flow(1.0, None, tuple(x.shape)), w.numpy()],
+                             [tuple(y.shape)], norm)[0]
+    assert flow is not None
+    assert jacobian_norm(f, x, norm) <= flow.lip
+
+
+class _ConvMixer(nn.Module):
+    """Tokens through a depthwise Conv1d over the sequence (Conformer's convolution module,
+    CPVT's positional conv in 1-D) in a residual, then a pre-norm attention block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.conv = nn.Conv1d(D, D, 3, padding=1, groups=D)
+        self.norm = nn.LayerNorm(D)
+        self.attn = nn.MultiheadAttention(D, 2, batch_first=True)
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, N, D)
+        x = x + self.conv(x.transpose(1, 2)).transpose(1, 2)  # (B, N, D)
+        h = self.norm(x)  # (B, N, D)
+        return x + self.attn(h, h, h, need_weights=False)[0]  # (B, N, D)
+
+
+@pytest.mark.parametrize("dynamo", [False, True])
+@pytest.mark.parametrize("norm", ["2", "inf"])
+def test_onnx_conv_sequence_conv_block_certified_above_jacobian(tmp_path: Path, dynamo: bool,
+                                                                norm: str) -> None:
+    m = _ConvMixer().eval()
+    x = torch.randn(1, 6, D, generator=torch.Generator().manual_seed(1))
+    model = load_onnx(_export(m, x, tmp_path / "m.onnx", dynamo))
+    r = analyse(model, norm)
+    assert r.verdict == "certified", r.reason
+    assert r.upper is not None and r.upper >= _jacobian_lower(m, x, norm)
 
 
 def test_onnx_conv_run_matches_torch_with_padding() -> None:

@@ -1,13 +1,16 @@
-"""Conv: evaluated in every form; bounded as a patch embedding (docs/bounds.md, "Conv").
+"""Conv: evaluated in every form; bounded in every form (docs/bounds.md, "Conv").
 
-A Conv whose kernel equals its stride, without padding, dilation or groups, applies one
-matrix (the kernel reshaped to (out_channels, C * kh * kw)) to each of the non-overlapping
-patches of its input: its operator norm is that matrix's (2: spectral norm; inf: largest
-absolute row sum). Overlapping or padded Convs are refused by the rule, naming why.
+A Conv applies one matrix per group (the group's kernel reshaped to (out/g, C/g * prod k)) to
+each patch of its (zero-padded) input. Patch embeddings (kernel == stride, no padding,
+dilation or groups) have disjoint patches: the operator norm is that matrix's (2: spectral
+norm; inf: largest absolute row sum). In general a pixel lies in at most
+`m = prod_a ceil(k_a gcd(d_a, s_a) / s_a)` patches, so the 2-norm constant is
+`sqrt(m) max_g ||K_g||_2`; the inf-norm constant is still the largest absolute row sum.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -15,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ...bounds.formulas import linear_bound
-from ...bounds.numerics import mul_up
+from ...bounds.numerics import mul_up, sqrt_up
 from .base import Arg, Flow, Node, NotCertified, Op, RunContext, register
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
@@ -78,13 +81,37 @@ class ConvOp(Op):
         if not (isinstance(x, Flow) and isinstance(w, np.ndarray)) or isinstance(bias, Flow):
             raise NotCertified(f"Conv node {node.name}: only an input-dependent image with a "
                                "constant kernel and bias is supported")
-        why = patchwise_reason(node, w.shape[2:])
-        if why is not None:
-            raise NotCertified(f"Conv node {node.name} is not a patch embedding: {why}; only "
-                               "Convs with kernel == stride and no padding, dilation or groups "
-                               "(ViT patch embeddings) are bounded")
-        # each output position is (out, C*kh*kw) @ its own patch; patches are disjoint
-        mat = w.reshape(w.shape[0], -1)  # (out_channels, C * kh * kw)
         # output rows (last axis: image columns) are not tokens: no radius
-        return [Flow(mul_up(x.lip, linear_bound(mat, norm)), None, out_shapes[0])]
+        return [Flow(mul_up(x.lip, conv_bound(node, w, norm)), None, out_shapes[0])]
+
+
+def patch_overlap(node: Node, kernel: Sequence[int]) -> int:
+    """The most patches one input pixel lies in: along axis a, the kernel offsets t with
+    `p s + t d = i` for some output position p form an arithmetic progression of step
+    `s / gcd(d, s)` in [0, k), so at most `ceil(k gcd(d, s) / s)` of them (1 for a patch
+    embedding); the axes multiply. Padding adds zeros, not pixels."""
+    k = len(kernel)
+    strides = _spatial(node, "strides", k, 1)
+    dilations = _spatial(node, "dilations", k, 1)
+    m = 1
+    for ka, sa, da in zip(kernel, strides, dilations, strict=True):
+        m *= min(int(ka), -(-int(ka) * math.gcd(int(da), int(sa)) // int(sa)))
+    return m
+
+
+def conv_bound(node: Node, w: np.ndarray, norm: str) -> float:
+    """Certified operator norm of the Conv's linear part on the whole tensor (docs/bounds.md,
+    "Conv"): with `K_g` the kernel of group g as a (out/g, C/g * prod k) matrix, 2-norm
+    `sqrt(m) max_g ||K_g||_2` (m = patch_overlap), inf-norm `max_o sum |K_o|` (a row of the
+    kernel on its patch, whatever the groups)."""
+    groups = int(node.attrs.get("group", 1))
+    mat = w.reshape(w.shape[0], -1)  # (out_channels, C/g * prod k)
+    if norm == "inf":
+        return linear_bound(mat, "inf")
+    per = w.shape[0] // groups
+    blocks = [linear_bound(mat[g * per:(g + 1) * per], "2") for g in range(groups)]
+    norm2 = max(blocks)
+    m = patch_overlap(node, w.shape[2:])
+    # each output position is K_g @ its own patch; a patch embedding's patches are disjoint
+    return norm2 if m == 1 else mul_up(sqrt_up(m), norm2)
 

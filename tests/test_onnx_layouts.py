@@ -5,7 +5,6 @@ neural_stpp's `(T, B, E)` style is certified above its Jacobian norm."""
 from __future__ import annotations
 
 import math
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +20,7 @@ from lsa_models.onnx.graph import GraphInfo
 from lsa_models.onnx.rewrite import _permuted_matmul, _softmax_perm
 
 from .jacobians import max_jacobian_norm
+from .onnx_export import export_to
 
 _EQUATIONS = ["tbhd,sbhd->tsbh", "tsbh,sbhm->tbhm", "bhid,bhjd->bhij", "ik,kj->ij",
               "hid,hjd->ijh", "bij,bjk->bki", "jb,bi->ij"]
@@ -96,17 +96,7 @@ class _StppL2(nn.Module):
 
 
 def _export(m: nn.Module, x: Tensor, path: Path, dynamo: bool) -> Path:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if dynamo:
-            prog = torch.onnx.export(m, (x,), dynamo=True, opset_version=18,
-                                     input_names=["x"], output_names=["y"], verbose=False)
-            assert prog is not None
-            prog.save(str(path), external_data=False)
-        else:
-            torch.onnx.export(m, (x,), str(path), dynamo=False, opset_version=17,
-                              input_names=["x"], output_names=["y"])
-    return path
+    return export_to(m, x, path, dynamo)
 
 
 @pytest.mark.parametrize("dynamo", [False, True])

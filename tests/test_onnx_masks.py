@@ -6,7 +6,6 @@ constant") against exact float64 Jacobians, and its recognition in exported grap
 from __future__ import annotations
 
 import math
-import warnings
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,8 @@ from lsa_models.onnx import OnnxLoadError, analyse, load_onnx
 from lsa_models.onnx.empirical import lower_bound
 from tests.jacobians import jacobian_matrix, norm_of
 from tests.zoo.models_l2 import L2Expanded
+
+from .onnx_export import export_to
 
 N, D, H = 5, 8, 2
 F32_MAX = float(torch.finfo(torch.float32).max)
@@ -206,19 +207,7 @@ def test_replaced_dp_bound_without_key_bias_is_the_plain_bound() -> None:
 # ---- recognition in exported graphs ----------------------------------------------------------
 
 def _export(module: nn.Module, path: Path, dynamo: bool) -> Path:
-    module.eval()
-    x = torch.randn(1, N, D)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if dynamo:
-            prog = torch.onnx.export(module, (x,), dynamo=True, opset_version=18,
-                                     input_names=["x"], output_names=["y"], verbose=False)
-            assert prog is not None
-            prog.save(str(path), external_data=False)
-        else:
-            torch.onnx.export(module, (x,), str(path), dynamo=False, opset_version=17,
-                              input_names=["x"], output_names=["y"])
-    return path
+    return export_to(module, torch.randn(1, N, D), path, dynamo)
 
 
 def _mask(kind: str) -> Tensor:

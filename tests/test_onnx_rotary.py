@@ -5,7 +5,6 @@ recognition of a rotary attention block exported by torch."""
 from __future__ import annotations
 
 import math
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +25,7 @@ from lsa_models.onnx.ops.arithmetic import _product_flow
 from lsa_models.onnx.ops.base import SILU_LIPSCHITZ
 
 from .jacobians import jacobian_matrix, max_jacobian_norm
+from .onnx_export import export_to
 
 
 def _rotations(n: int, d: int, seed: int) -> Tensor:
@@ -183,17 +183,7 @@ class _RotaryBlock(nn.Module):
 
 
 def _export(m: nn.Module, x: Tensor, path: Path, dynamo: bool) -> Path:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if dynamo:
-            prog = torch.onnx.export(m, (x,), dynamo=True, opset_version=18,
-                                     input_names=["x"], output_names=["y"], verbose=False)
-            assert prog is not None
-            prog.save(str(path), external_data=False)
-        else:
-            torch.onnx.export(m, (x,), str(path), dynamo=False, opset_version=17,
-                              input_names=["x"], output_names=["y"])
-    return path
+    return export_to(m, x, path, dynamo)
 
 
 @pytest.mark.parametrize("dynamo", [False, True])

@@ -3,7 +3,6 @@ decomposed form recognised in exported graphs."""
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +16,7 @@ from lsa_models.onnx import analyse, load_onnx
 from lsa_models.onnx.ops import rmsnorm_bound
 
 from .jacobians import jacobian_norm
+from .onnx_export import export_to
 
 
 def _rms(x: torch.Tensor, g: torch.Tensor, eps: float) -> torch.Tensor:  # (N, D) -> (N, D)
@@ -68,17 +68,7 @@ def test_rmsnorm_decomposed_is_recognised(tmp_path: Path, dynamo: bool) -> None:
     d, eps = 8, 1e-5
     m = _RMSBlock(d, eps, cast=True).eval()
     x = torch.randn(1, 5, d)
-    path = tmp_path / "m.onnx"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if dynamo:
-            prog = torch.onnx.export(m, (x,), dynamo=True, opset_version=18,
-                                     input_names=["x"], output_names=["y"], verbose=False)
-            assert prog is not None
-            prog.save(str(path), external_data=False)
-        else:
-            torch.onnx.export(m, (x,), str(path), dynamo=False, opset_version=18,
-                              input_names=["x"], output_names=["y"])
+    path = export_to(m, x, tmp_path / "m.onnx", dynamo, opset=18)
     got = analyse(load_onnx(path.read_bytes()), "2")
     assert got.verdict == "certified", got.reason
     rms = [lb for lb in got.layers if lb.kind == "rmsnorm"]

@@ -16,20 +16,17 @@ for the untied layer; `checkpoint` translates them on load.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
 
 from .blocks import Transformer
-from .bounds.report import Domain, NormName
-from .bounds.rules import Bound, compose, register_rule
+from .bounds.layer_graph import Layer, Series
+from .bounds.rules import Lowering, LoweringRule, register_rule
 from .checkpoint import register_model_kind
 from .config import ATTENTION_NAMES, AttentionName, ConfigError, TransformerConfig, attention_name
 from .invertible import ContractiveTrunk, ContractiveTrunkConfig
-
-if TYPE_CHECKING:
-    from .bounds.analyzer import Analyzer  # the rule's caller; bounds.analyzer imports rules
 
 LM_ATTENTION_KINDS: tuple[str, ...] = ATTENTION_NAMES
 
@@ -131,19 +128,14 @@ class LMContinuous(nn.Module):
 
 
 @register_rule(LMContinuous)
-class LMContinuousRule:
-    """The continuous part's bound: trunk, final LayerNorm and read-out, composed (each one's
-    output radius is the next one's input domain)."""
+class LMContinuousRule(LoweringRule):
+    """The continuous part is the series trunk, final LayerNorm, read-out: each part's output
+    radius is the next one's input radius, the constants multiply (the engine's `Series`)."""
 
-    def bound(self, module: LMContinuous, name: str, norm: NormName, domain: Domain,
-              analyzer: Analyzer) -> Bound:
+    def lower(self, module: LMContinuous, name: str, lowering: Lowering) -> Layer:
         prefix = f"{name}." if name else ""
-        parts = []
-        for child in ("trunk", "ln_f", "head"):
-            b = analyzer.bound(getattr(module, child), prefix + child, domain)
-            parts.append(b)
-            domain = domain.with_radius(b.out_radius)
-        return compose(parts)
+        return Series(name, [lowering(getattr(module, child), prefix + child)
+                             for child in ("trunk", "ln_f", "head")])
 
 
 register_model_kind("char_lm", CharTransformerLM, LMConfig)

@@ -18,10 +18,13 @@ from lsa_models import L2MHA, DotProductMHA, Transformer, TransformerConfig, cer
 from lsa_models.bounds import Analyzer, register_rule
 from lsa_models.bounds.formulas import layernorm_bound, linear_bound
 from lsa_models.bounds.layer_graph import (
+    CertifiedResidual,
     Context,
     L2Attention,
+    Layer,
     LayerGraph,
     Linear,
+    ModuleRule,
     Norm,
     Refused,
     Residual,
@@ -162,6 +165,66 @@ def test_bound_style_rules_still_register_and_compose() -> None:
     w = linear_bound(lin.weight, "2")
     assert res.upper == mul_up(mul_up(w, 3.0), 1.0)
     assert [lb.kind for lb in res.layers] == ["linear", "scale", "activation:tanh"]
+
+
+def _leaves(layer: Layer) -> list[Layer]:
+    if isinstance(layer, Series):
+        return [leaf for part in layer.body for leaf in _leaves(part)]
+    if isinstance(layer, Residual):
+        return _leaves(layer.branch)
+    return [layer]
+
+
+@pytest.mark.parametrize("attention", ["dp", "l2", "l2_untied", "contractive_l2"])
+def test_lowering_bounds_every_native_lm_with_engine_families(attention: str) -> None:
+    from lsa_models.lm import CharTransformerLM, LMConfig
+
+    torch.manual_seed(0)
+    lm = CharTransformerLM(LMConfig(vocab_size=7, d_model=8, n_heads=2, n_layers=2, d_ff=16,
+                                    seq_len=6, attention=attention))  # type: ignore[arg-type]
+    root = Analyzer("2").lower(lm.continuous_part().eval(), "", 6)
+    leaves = _leaves(root)
+    assert not any(isinstance(leaf, ModuleRule) for leaf in leaves)
+    assert [leaf.name for leaf in leaves[-2:]] == ["ln_f", "head"]
+    blocks = [leaf for leaf in leaves if isinstance(leaf, CertifiedResidual)]
+    assert len(blocks) == (4 if attention == "contractive_l2" else 0)
+
+
+def test_certified_residual_is_one_plus_the_blocks_branch_bound_and_2_norm_only() -> None:
+    from lsa_models.invertible import ContractiveTrunk, ContractiveTrunkConfig
+
+    torch.manual_seed(1)
+    trunk = ContractiveTrunk(ContractiveTrunkConfig(d_model=4, n_heads=2, n_layers=1, d_ff=8,
+                                                    max_len=5, c=0.7)).eval()
+    res = certify(trunk, "2", 9)  # N > max_len: the blocks recompute their bound for N
+    consts = [add_up(1.0, b.lipschitz_upper(9)) for b in trunk.blocks]
+    assert res.verdict == "certified" and res.upper == mul_up(*consts)
+    assert [(lb.kind, lb.upper) for lb in res.layers] == list(zip(
+        ["contractive_l2_block", "contractive_ffn_block"], consts, strict=True))
+    refused = certify(trunk, "inf", 9)
+    assert refused.verdict == "not_certified" and refused.upper is None
+    assert refused.reason is not None and "blocks.0" in refused.reason
+    assert [lb.status for lb in refused.layers] == ["not_certified"] * 2
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 10**6), n=st.integers(1, 4), c=st.floats(0.1, 0.99),
+       scale=st.floats(1e-2, 5.0), act=st.sampled_from(["relu", "gelu", "tanh"]))
+def test_contractive_lm_bound_dominates_float64_jacobians(seed: int, n: int, c: float,
+                                                          scale: float, act: str) -> None:
+    from lsa_models.lm import CharTransformerLM, LMConfig
+
+    torch.manual_seed(seed)
+    lm = CharTransformerLM(LMConfig(vocab_size=5, d_model=4, n_heads=2, n_layers=2, d_ff=8,
+                                    seq_len=4, c=c, activation=act))  # type: ignore[arg-type]
+    part = lm.continuous_part().eval()
+    res = certify(part, "2", n)
+    assert res.verdict == "certified" and res.upper is not None
+    f64 = copy.deepcopy(part).double()
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(2):
+        x = scale * torch.randn(n, 4, generator=gen, dtype=torch.float64)
+        assert jacobian_norm(lambda h: f64(h[None])[0], x, "2") <= res.upper
 
 
 def test_tighter_by_rounding_accepts_only_ulp_decreases() -> None:

@@ -8,7 +8,9 @@ bound the layers; nothing here computes a number.
 
 Rules written for the older interface (a `bound(module, name, norm, domain, analyzer)` method
 returning a `Bound`, composing children with `analyzer.bound` and `compose`) still register
-with `register_rule`: the module becomes a `ModuleRule` layer whose family calls that method.
+with `register_rule` (the extension point for user rules; the library's own rules, here and in
+lm.py and invertible/rules.py, all lower): the module becomes a `ModuleRule` layer whose
+family calls that method.
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ from .report import Domain, NormName
 if TYPE_CHECKING:
     from .analyzer import Analyzer
 
-__all__ = ["RULES", "Bound", "Lowering", "Rule", "UnsupportedModuleError", "compose",
-           "register_rule", "rule_for"]
+__all__ = ["RULES", "Bound", "Lowering", "LoweringRule", "Rule", "UnsupportedModuleError",
+           "compose", "register_rule", "rule_for"]
 
 
 class UnsupportedModuleError(TypeError, ValueError):

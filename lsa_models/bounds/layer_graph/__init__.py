@@ -11,6 +11,7 @@ from .driver import Context, run
 from .families import FAMILIES, Family, family_of, register_family, rmsnorm_bound
 from .layers import (
     Activation,
+    CertifiedResidual,
     DPAttention,
     Identity,
     L2Attention,
@@ -30,6 +31,7 @@ __all__ = [
     "FAMILIES",
     "Activation",
     "Bound",
+    "CertifiedResidual",
     "Context",
     "DPAttention",
     "Family",

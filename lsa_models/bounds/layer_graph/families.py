@@ -29,6 +29,7 @@ from ..numerics import (
 from ..report import Domain, LayerBound, Verdict
 from .layers import (
     Activation,
+    CertifiedResidual,
     DPAttention,
     Identity,
     L2Attention,
@@ -235,6 +236,26 @@ class ResidualFamily(Family):
             return None
         r = None if x.radius is None or g.radius is None else add_up(x.radius, g.radius)
         return Value(add_up(1.0, g.lip), r, layer.shape)
+
+
+@register_family(CertifiedResidual)
+class CertifiedResidualFamily(Family):
+    """`x + g(x)` with `Lip_2(g) <= c` certified by the block itself (`lipschitz_upper`, the
+    bound its branch is scaled by): `Lip_2 <= 1 + c`. The certificate is a 2-norm one only,
+    so other norms are refused; the output radius is not tracked (None)."""
+
+    def local(self, layer: CertifiedResidual, x: Value, ctx: Context) -> Value | None:
+        if ctx.norm != "2":
+            reason = (f"{layer.name or 'block'}: contractive blocks are scaled by their 2-norm "
+                      "bound; certify them with norm '2'")
+            ctx.acc.fail("not_certified", reason, LayerBound(
+                layer.name, layer.kind, None, "not_certified", reason, layer.nodes))
+            return None
+        with torch.no_grad():
+            branch = layer.block.lipschitz_upper(layer.n)
+        upper = add_up(1.0, float(branch))
+        ctx.acc.report(LayerBound(layer.name, layer.kind, upper, nodes=layer.nodes))
+        return Value(upper, None, layer.shape)
 
 
 @register_family(ModuleRule)

@@ -14,8 +14,10 @@ tensors it has):
   attention whose weights could not be read), with its verdict and the reason;
 - `Series` (sequential composition of its body), `Residual` (x + branch(x)); a `Series` with
   `block=True` also reports its own factor (a Transformer block);
+- `CertifiedResidual`: a residual block `x + g(x)` whose branch certifies its own 2-norm
+  constant (the contractive blocks of `lsa_models.invertible`, scaled by that bound);
 - `ModuleRule`: a native module bounded by a rule registered with `bounds.register_rule`
-  (the rule's own `bound` runs; see rules.py);
+  in the older style (the rule's own `bound` runs; see rules.py);
 - `OpNode`: one ONNX node bounded by its op's rule (`onnx.ops`), the generic layer of graphs.
 
 `families.py` holds one bound class per kind, `driver.py` runs them.
@@ -118,6 +120,15 @@ class Series(Layer):
 @dataclass
 class Residual(Layer):
     branch: Layer
+
+
+@dataclass
+class CertifiedResidual(Layer):
+    kind: str  # the report's kind ("contractive_l2_block", ...)
+    # the block (an nn.Module, kept untyped: the engine imports no model code) whose
+    # `lipschitz_upper(n)` is a certified bound on Lip_2 of its branch on n tokens
+    block: Any
+    n: int  # tokens the block sees
 
 
 @dataclass

@@ -10,6 +10,7 @@ docs/local-bounds.md.
 
 from __future__ import annotations
 
+from . import rules_conv  # noqa: F401  (Conv with a constant kernel: after rules.py)
 from . import rules_more  # noqa: F401  (masks, Where, ReduceMax, tanh-Gelu: after rules.py)
 from .driver import LocalJacobian, center_sha256, check_center, local_jacobian
 from .values import Ball, LocalNotCertified, LocalValue

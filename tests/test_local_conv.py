@@ -126,6 +126,7 @@ def test_local_conv_vit_on_pixels_certified_between_lower_and_global(
     om, x0 = vit_pixels
     eps = 1e-2
     lj = local_jacobian(om, x0, eps, norm)  # type: ignore[arg-type]
+    assert lj.forward_checked, lj.forward_detail  # the Conv's forward error is proven too
     enclosure = lj.upper()
     res = certify_local(om, x0, eps, norm)  # type: ignore[arg-type]
     glob = analyse(om, norm)  # type: ignore[arg-type]

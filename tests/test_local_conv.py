@@ -24,7 +24,7 @@ from lsa_models.engine.values import Ball, LocalValue, input_value
 from lsa_models.onnx import analyse, load_onnx
 from lsa_models.onnx.ops import Node
 
-from .test_onnx_conv import _ViT
+from .test_onnx_conv import _ConvMixer, _ViT
 from .test_onnx_recognition import _export
 
 _CONV = {1: F.conv1d, 2: F.conv2d}
@@ -136,6 +136,23 @@ def test_local_conv_vit_on_pixels_certified_between_lower_and_global(
     assert lb.lower <= enclosure and lb.lower <= res.upper <= glob.upper
     # the Jacobian enclosure itself is the local bound here (far below the global one)
     assert res.upper <= enclosure and enclosure < glob.upper
+
+
+@pytest.mark.parametrize("dynamo", [False, True])
+def test_local_conv_depthwise_token_conv_block_certified_locally(tmp_path: Path,
+                                                                 dynamo: bool) -> None:
+    """A Conv inside the graph (Conformer-style depthwise Conv1d over the tokens, padded,
+    D groups) in a residual before attention: local bound between the in-ball lower bound and
+    the global bound, in both norms and through both exporters."""
+    m = _ConvMixer().eval()
+    om = load_onnx(_export(m, torch.randn(1, 6, 16), tmp_path / "mix.onnx", dynamo))
+    x0 = np.random.default_rng(0).standard_normal((1, 6, 16))
+    f64 = om.module.with_dtype(torch.float64)
+    for norm in ("2", "inf"):
+        lj = local_jacobian(om, x0, 1e-2, norm)
+        glob = analyse(om, norm).upper
+        lb = local_lower_bound(f64, x0, 1e-2, norm, restarts=2, steps=6, seed=0)
+        assert glob is not None and lb.lower <= lj.upper() < glob, norm
 
 
 class _PixelNet(nn.Module):

@@ -4,13 +4,14 @@ values.py (the value type), primitives.py (enclosure arithmetic), rules.py (one 
 class per op family, in a registry), layernorm.py (LayerNorm's Jacobian enclosed directly),
 fused.py (elementwise chains as one function), structured.py (factored output norms),
 forward_error.py (the forward margin proven a posteriori), driver.py (the graph driver),
-local.py (the public functions: certify_local, robustness). Derivations:
+local.py (the public functions: certify_local, robustness), rules_conv.py and
+rules_more.py (more ops, registered into the same registry after rules.py). Derivations:
 docs/local-bounds.md.
 """
 
 from __future__ import annotations
 
-from . import rules_more  # noqa: F401  (masks, Where, ReduceMax, tanh-Gelu: after rules.py)
+from . import rules_conv, rules_more  # noqa: F401  (Conv; masks, Where, ReduceMax, tanh-Gelu)
 from .driver import LocalJacobian, center_sha256, check_center, local_jacobian
 from .values import Ball, LocalNotCertified, LocalValue
 

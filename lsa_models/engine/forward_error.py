@@ -63,7 +63,8 @@ def _abs_node(node: Node) -> Node:
 def _linear(node: Node, args: list, iv: dict[str, Iv], env: dict[str, torch.Tensor]) -> Iv:
     absn = _abs_node(node)
     var = [i for i, a in enumerate(args) if a in iv]
-    additive = node.op_type in ("Add", "Sub") or node.op_type == "Gemm"
+    # Gemm's and Conv's bias (input 2) is additive: zero in the spread, |b| in the magnitudes
+    additive = node.op_type in ("Add", "Sub", "Gemm", "Conv")
 
     def fill(values: dict[int, np.ndarray], keep_additive: bool) -> list[torch.Tensor | None]:
         out: list[torch.Tensor | None] = []
@@ -76,7 +77,8 @@ def _linear(node: Node, args: list, iv: dict[str, Iv], env: dict[str, torch.Tens
                 c = env[name].detach()
                 if not c.is_floating_point():
                     out.append(c)
-                elif additive and (node.op_type != "Gemm" or i == 2) and not keep_additive:
+                elif additive and (node.op_type not in ("Gemm", "Conv") or i == 2) \
+                        and not keep_additive:
                     out.append(torch.zeros_like(c, dtype=torch.float64))
                 else:
                     out.append(c.to(torch.float64).abs())
@@ -139,7 +141,7 @@ def _node(node: Node, iv: dict[str, Iv], env: dict[str, torch.Tensor]) -> Iv | N
         return _product(node, iv[args[0]], iv[args[1]], ca, cb, c_out)
     if t == "Div" and 1 in var:
         return None
-    if t in _LINEAR:
+    if t in _LINEAR or (t == "Conv" and var == [0]):  # Conv: a constant kernel and bias
         return _linear(node, args, iv, env)
     if t in _ELEMENTWISE:
         kind = _ELEMENTWISE[t]

@@ -36,16 +36,20 @@ def _rotations(n: int, d: int, seed: int) -> Tensor:
 
 
 def _rotary_attention(wq: Tensor, bq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor, rq: Tensor,
-                      rk: Tensor, causal: bool):  # type: ignore[no-untyped-def]
+                      rk: Tensor, causal: bool,
+                      bk: Tensor | None = None):  # type: ignore[no-untyped-def]
     """DP attention with per-position maps `q_i = (x_i W^Q_h + b^Q_h) R_i`,
-    `k_j = x_j W^K_h R'_j`."""
+    `k_j = (x_j W^K_h + b^K_h) R'_j` (b^K = 0 when not given)."""
     heads, _, d = wq.shape
 
     def f(x: Tensor) -> Tensor:  # (N, D) -> (N, D)
         n = x.shape[0]
         u = torch.einsum("nD,hDd->hnd", x, wq) + bq[:, None, :]  # (H, N, d)
         q = torch.einsum("hnd,nde->hne", u, rq)  # (H, N, d)
-        k = torch.einsum("nD,hDd,nde->hne", x, wk, rk)  # (H, N, d)
+        w = torch.einsum("nD,hDd->hnd", x, wk)  # (H, N, d)
+        if bk is not None:
+            w = w + bk[:, None, :]
+        k = torch.einsum("hnd,nde->hne", w, rk)  # (H, N, d)
         v = torch.einsum("nD,hDd->hnd", x, wv)  # (H, N, dv)
         logits = q @ k.transpose(-1, -2) / math.sqrt(d)  # (H, N, N)
         if causal:
@@ -90,6 +94,40 @@ def test_rotary_dp_bound_never_below_exact_jacobian(shape: tuple[int, int, int],
     x = _in_ball(n, dm, radius, seed + 3)
     assert float(torch.linalg.matrix_norm(jacobian_matrix(f, x), 2)) <= bound
     # a short ascent, projected back onto the ball
+    xa = x.clone()
+    for _ in range(3):
+        xa = xa + 0.3 * radius * torch.randn(xa.shape, generator=g, dtype=torch.float64)
+        xa = xa * torch.clamp(radius / xa.norm(dim=-1, keepdim=True).clamp_min(1e-30), max=1.0)
+        assert float(torch.linalg.matrix_norm(jacobian_matrix(f, xa), 2)) <= bound
+
+
+@settings(max_examples=60, deadline=None)
+@given(shape=st.sampled_from([(2, 1, 2), (4, 1, 4), (4, 2, 2), (6, 2, 2)]),
+       n=st.integers(2, 4), causal=st.booleans(), radius=st.floats(0.1, 5.0),
+       scale=st.floats(0.3, 3.0), bias=st.sampled_from([1.0, 10.0, 30.0]),
+       seed=st.integers(0, 10**6))
+def test_rotary_dp_bound_with_key_bias_never_below_exact_jacobian(
+        shape: tuple[int, int, int], n: int, causal: bool, radius: float, scale: float,
+        bias: float, seed: int) -> None:
+    """A key bias rotating with the key's position (Qwen2's k_proj bias): the bound without
+    row centring (Kmax = R ||W^K|| + ||b^K||, `replaced=True`) at the scale times rho_q rho_k
+    dominates the exact Jacobian inside the ball and after a short ascent."""
+    dm, h, d = shape
+    g = torch.Generator().manual_seed(seed)
+    wq, wk, wv = (scale * torch.randn(h, dm, d, generator=g, dtype=torch.float64)
+                  for _ in range(3))
+    wo = scale * torch.randn(h * d, dm, generator=g, dtype=torch.float64)
+    bq = scale * torch.randn(h, d, generator=g, dtype=torch.float64)
+    bk = bias * scale * torch.randn(h, d, generator=g, dtype=torch.float64)
+    rq, rk = _rotations(n, d, seed + 1), _rotations(n, d, seed + 2)
+    rho_q, _ = rotation_norm_upper(rq.numpy())
+    rho_k, _ = rotation_norm_upper(rk.numpy())
+    s = mul_up(inv_sqrt_up(d), rho_q, rho_k)
+    bound = dp_mha_radius_bound(wq.numpy(), wk.numpy(), wv.numpy(), wo.numpy(), n, radius,
+                                "2", scale=s, bq=bq.numpy(), bk=bk.numpy(), replaced=True)
+    f = _rotary_attention(wq, bq, wk, wv, wo, rq, rk, causal, bk)
+    x = _in_ball(n, dm, radius, seed + 3)
+    assert float(torch.linalg.matrix_norm(jacobian_matrix(f, x), 2)) <= bound
     xa = x.clone()
     for _ in range(3):
         xa = xa + 0.3 * radius * torch.randn(xa.shape, generator=g, dtype=torch.float64)
@@ -209,13 +247,30 @@ def test_onnx_rotary_block_certified_above_jacobian(tmp_path: Path, dynamo: bool
     assert lower <= res.upper
 
 
-def test_onnx_rotary_key_bias_refused_with_reason(tmp_path: Path) -> None:
+@pytest.mark.parametrize("dynamo", [False, True])
+def test_onnx_rotary_key_bias_certified_with_the_key_bias_counted(tmp_path: Path,
+                                                                  dynamo: bool) -> None:
+    """A trained Qwen2-style k_proj bias (here 3x N(0, 1)): recognised, certified with the
+    Kmax form, and above the module's float64 Jacobian norm; the same block without the bias
+    gets a smaller number (the bias counts)."""
     torch.manual_seed(1)
     n, dm = 4, 8
     m = _RotaryBlock(dm, 2, n, key_bias=True).eval()
     with torch.no_grad():
-        m.k.bias.normal_()
-    path = _export(m, torch.randn(1, n, dm), tmp_path / "rotb.onnx", False)
-    res = analyse(load_onnx(path.read_bytes(), path.name), "2")
-    assert res.verdict == "not_certified"
-    assert res.reason is not None and "rotary keys with a key bias" in res.reason
+        m.k.bias.normal_(std=3.0)
+    x = torch.randn(1, n, dm)
+    path = _export(m, x, tmp_path / "rotb.onnx", dynamo)
+    model = load_onnx(path.read_bytes(), path.name)
+    (layer,) = recognise(GraphInfo(model.module, n))
+    assert layer.kind == "dp" and layer.reason is None and layer.rotated_key_bias
+    res = analyse(model, "2")
+    assert res.verdict == "certified" and res.upper is not None, res.reason
+    f64 = m.double()
+    lower = max_jacobian_norm(lambda z: f64(z.unsqueeze(0)).squeeze(0),
+                              torch.randn(n, dm, dtype=torch.float64), "2", steps=2)
+    assert lower <= res.upper
+    with torch.no_grad():
+        m.float().k.bias.zero_()
+    plain = analyse(load_onnx(_export(m, x, tmp_path / "rot0.onnx", dynamo).read_bytes()), "2")
+    assert plain.verdict == "certified" and plain.upper is not None
+    assert plain.upper < res.upper

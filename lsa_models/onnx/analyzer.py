@@ -180,8 +180,9 @@ def _attention(c: Composite, io: dict[str, Any]) -> Layer:
         scale = None if a.scale == canonical else a.scale  # None: inv_sqrt_up(d), as native
         return DPAttention(name, a.wq, a.wk, a.wv, a.wo, a.n, scale, a.bq, a.bv, a.bo,
                            notes=list(a.notes),
-                           # logits replaced by constants (masked_fill): the key bias counts
-                           bk=a.bk, replaced=a.replaced,
+                           # logits replaced by constants (masked_fill) or a rotated key
+                           # bias: the bound without row centring, where the key bias counts
+                           bk=a.bk, replaced=a.replaced or a.rotated_key_bias,
                            rotary=ROTARY_NOTE in a.notes, **io)
     return L2Attention(name, a.wq, a.wv, a.wo, a.n, a.causal, a.value_factor,
                        notes=list(a.notes), **io)

@@ -330,10 +330,10 @@ def _read_projections(info: GraphInfo, reg: _Region, probe: Probe,
             pass
         (w, bias), rho = unrotate(info, reg.nodes, reg.aff, probe, envs, xs, t)
         if is_key and np.abs(bias).max() > 0:
-            layer.reason = (f"attention at Softmax {layer.softmax}: rotary keys with a key "
-                            "bias are not covered (the bias rotates with the position, so it "
-                            "no longer drops out of the softmax); a key projection without "
-                            "bias is")
+            # the bias rotates with the key's position (no row constant): the bound without
+            # the row centring, where ||b^K|| counts (docs/bounds.md, "Rotary position
+            # embeddings")
+            layer.rotated_key_bias = True
         out.append((w, bias))
         factor = mul_up(factor, rho)
     layer.position_factor = factor

@@ -56,6 +56,9 @@ class AttentionLayer:
     # DP with rotary embeddings: certified rho_q rho_k >= max_i ||R_i||_2 (query, key), folded
     # into `scale` (docs/bounds.md, "Rotary position embeddings"); 1.0 without them
     position_factor: float = 1.0
+    # rotary keys with a key bias: `b^K R'_j` rotates with the key's position, so the bound
+    # takes the key bias into account as for replaced logits (docs/bounds.md, "Rotary")
+    rotated_key_bias: bool = False
     # float32 readings this layer relies on (docs/bounds.md, Conventions): the certificate is
     # for the exact constants, and the report says so
     notes: list[str] = field(default_factory=list)

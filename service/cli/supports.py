@@ -31,7 +31,7 @@ PATTERNS: tuple[tuple[str, str, str], ...] = (
      ("ball bound when its input norms are bounded (LayerNorm before it, or --radius; with "
      "replaced logits the key bias counts); otherwise not_lipschitz (Theorem 3.1)")),
     ("rotary position embeddings", ("dot-product queries/keys rotated per position (LLaMA's "
-     "rotate_half with Cos/Sin tables), no key bias"),
+     "rotate_half with Cos/Sin tables; a key bias counts as for replaced logits)"),
      "the ball bound with its scale times certified max_i ||R_i|| (1 for exact rotations)"),
     ("sequence-first attention", ("logits (T, S, B, H) with the Softmax over the key axis, "
      "Einsum products (neural_stpp style)"), "as the same attention in the canonical layout"),

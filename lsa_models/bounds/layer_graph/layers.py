@@ -78,8 +78,9 @@ class DPAttention(Layer):
     bv: ArrayLike | None = None
     bo: ArrayLike | None = None
     notes: list[str] = field(default_factory=list)
-    # logits replaced by constants on a fixed set of entries (masked_fill): the bound uses the
-    # key bias (docs/bounds.md, "Logits replaced by a constant")
+    # logits replaced by constants on a fixed set of entries (masked_fill), or a rotary key
+    # bias: the bound without row centring, which uses the key bias (docs/bounds.md, "Logits
+    # replaced by a constant", "Rotary position embeddings")
     bk: ArrayLike | None = None
     replaced: bool = False
     # queries/keys rotated per position (docs/bounds.md, "Rotary position embeddings"); the

@@ -14,7 +14,6 @@ import argparse
 import json
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.local_models import KINDS, build, center, export  # noqa: E402
-from lsa_models.empirical.local import local_lower_bound  # noqa: E402
-from lsa_models.engine.local import certify_local, robustness  # noqa: E402
+from bench.local_vs_autolirpa import lsa_rows  # noqa: E402
+from lsa_models.engine.local import robustness  # noqa: E402
 from lsa_models.onnx import load_onnx  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"
@@ -38,19 +37,7 @@ def run_kind(kind: str, seed: int, tmp: Path, radii: bool) -> dict[str, Any]:
     f64 = om.module.with_dtype(torch.float64)
     with torch.no_grad():
         label = int(f64(torch.from_numpy(x0)).argmax())
-    rows = []
-    for norm in ("2", "inf"):
-        for eps in EPS:
-            t0 = time.monotonic()
-            res = certify_local(om, x0, eps, norm)  # type: ignore[arg-type]
-            t1 = time.monotonic()
-            lb = local_lower_bound(f64, x0, eps, norm, restarts=3, steps=15, seed=seed)
-            up = res.upper
-            rows.append({"norm": norm, "eps": eps, "upper": up, "lower": lb.lower,
-                         "ratio": None if up is None else up / lb.lower,
-                         "sound": up is None or up >= lb.lower,
-                         "upper_seconds": t1 - t0, "lower_seconds": lb.seconds})
-            print(json.dumps({"kind": kind, **rows[-1]}), file=sys.stderr, flush=True)
+    rows = lsa_rows(om, f64, x0, seed, kind)
     out: dict[str, Any] = {"kind": kind, "label": label, "local": rows}
     if radii:
         out["radii"] = {}

@@ -115,7 +115,9 @@ def _alirpa(python: Path | None, why: str, kind: str, seed: int, x0: Path,
     return out
 
 
-def _lsa_rows(om: Any, f64: Any, x0: np.ndarray, seed: int, kind: str) -> list[dict[str, Any]]:
+def lsa_rows(om: Any, f64: Any, x0: np.ndarray, seed: int, kind: str) -> list[dict[str, Any]]:
+    """lsa's local constant and the in-ball float64 lower bound per norm and eps (shared with
+    bench/local_tightness.py)."""
     rows = []
     for norm in ("2", "inf"):
         for eps in EPS:
@@ -128,7 +130,7 @@ def _lsa_rows(om: Any, f64: Any, x0: np.ndarray, seed: int, kind: str) -> list[d
                          "ratio": None if up is None else up / lb.lower,
                          "sound": up is None or up >= lb.lower,
                          "upper_seconds": t1 - t0, "lower_seconds": lb.seconds})
-            print(json.dumps({"kind": kind, **rows[-1]}), file=sys.stderr)
+            print(json.dumps({"kind": kind, **rows[-1]}), file=sys.stderr, flush=True)
     return rows
 
 
@@ -166,7 +168,7 @@ def run_kind(kind: str, seed: int, tmp: Path, alirpa: tuple[Path | None, str]
     f64 = om.module.with_dtype(torch.float64)
     with torch.no_grad():
         label = int(f64(torch.from_numpy(x0)).argmax())
-    rows = _lsa_rows(om, f64, x0, seed, kind)
+    rows = lsa_rows(om, f64, x0, seed, kind)
     radii = {}
     for norm in ("2", "inf"):
         r = robustness(om, x0, label, norm)  # type: ignore[arg-type]

@@ -31,10 +31,10 @@ from .certificates import new_certificate_body, sign_certificate
 from .certifying import robust
 from .db import transaction
 from .errors import InvalidRequest
-from .jobs.runner import submit_job
+from .jobs.runner import submit_keyed_job
 from .local import model_center, run_counted
 from .runtime import Runtime
-from .tables import ACTIVE_JOB_STATUSES, CertificateRow, Job, RobustnessResultRow
+from .tables import CertificateRow, RobustnessResultRow
 
 # The radii's fields a certificate signs (robustness_of's object less the timings).
 SIGNED_FIELDS = ("label", "predicted", "certified_radius", "attack_radius", "margins",
@@ -158,14 +158,8 @@ def check_label(runtime: Runtime, model: ModelRef, x0: np.ndarray, label: int) -
 def submit_robustness_job(runtime: Runtime, model: ModelRef,
                           params: dict[str, Any]) -> JobAccepted:
     """The active job of this exact request, or a new one (one short write transaction)."""
-    key = str(params["request_key"])
-    with transaction(runtime.sessions) as session:
-        job = session.scalar(select(Job).where(Job.request_key == key,
-                                               Job.status.in_(ACTIVE_JOB_STATUSES)))
-        if job is None:
-            job = submit_job(session, runtime, "robustness", params, model_id=model.id,
-                             request_key=key)
-        return JobAccepted.model_validate({"job_id": job.id, "status": job.status})
+    job_id, status = submit_keyed_job(runtime, "robustness", params, model_id=model.id)
+    return JobAccepted.model_validate({"job_id": job_id, "status": status})
 
 
 async def robustness_certificate(runtime: Runtime, model: ModelRef, at: list[Any],

@@ -27,31 +27,16 @@ from lsa_models.engine.rules_more import (
     masked_softmax,
     reduce_max,
 )
-from lsa_models.engine.values import Ball, LocalNotCertified, LocalValue, enclose
+from lsa_models.engine.values import Ball, LocalNotCertified, LocalValue
 from lsa_models.onnx import load_onnx
 from lsa_models.onnx.loading import OnnxModel
 from lsa_models.onnx.ops import Node
 
-P = 5
+from .test_local_primitives import P, _affine, _points
+
 F32_MIN = float(np.finfo(np.float32).min)
 
 
-def _affine(c: np.ndarray, a: np.ndarray, ball: Ball) -> LocalValue:
-    """x(d) = c + A d: Jacobian A exactly."""
-    return enclose(c, a, np.zeros_like(a), ball)
-
-
-def _points(rng: np.random.Generator, eps: float, norm: str, k: int = 8) -> list[np.ndarray]:
-    out = []
-    for _ in range(k):
-        if norm == "inf":
-            d = rng.choice([-1.0, 1.0], size=P) * eps if rng.random() < 0.5 else \
-                rng.uniform(-eps, eps, size=P)
-        else:
-            d = rng.standard_normal(P)
-            d *= eps / np.linalg.norm(d) * (1.0 if rng.random() < 0.5 else rng.random())
-        out.append(d)
-    return out
 
 
 def _check(fn: Callable[[torch.Tensor], torch.Tensor], v: LocalValue, c: np.ndarray,

@@ -48,17 +48,8 @@ def light_copy(model: onnx.ModelProto) -> onnx.ModelProto:
     340 MB model for the checker alone; bench/gpt2_bound.py). What the checker would have
     verified about the weights taken out, and about initializer names (non-empty, unique,
     among the graph inputs for IR version <= 3), is checked here."""
-    light = onnx.ModelProto()
-    light.ir_version = model.ir_version
-    light.opset_import.extend(model.opset_import)
-    light.functions.extend(model.functions)
+    light = _skeleton(model, shapes=True)
     g, src = light.graph, model.graph
-    g.name = src.name
-    g.node.extend(src.node)
-    g.input.extend(src.input)
-    g.output.extend(src.output)
-    g.value_info.extend(src.value_info)
-    g.sparse_initializer.extend(src.sparse_initializer)
     declared = {i.name for i in src.input}
     seen: set[str] = set()
     for t in src.initializer:
@@ -107,16 +98,8 @@ def ort_light_model(model: onnx.ModelProto, consts: Mapping[str, Tensor]
     little-endian float32; `GraphModule`), so onnxruntime computes with the weights of the
     file and the comparison still tests every op's semantics. Shape annotations are left
     out: onnxruntime infers its own."""
-    light = onnx.ModelProto()
-    light.ir_version = model.ir_version
-    light.opset_import.extend(model.opset_import)
-    light.functions.extend(model.functions)
+    light = _skeleton(model, shapes=False)
     g, src = light.graph, model.graph
-    g.name = src.name
-    g.node.extend(src.node)
-    g.input.extend(src.input)
-    g.output.extend(src.output)
-    g.sparse_initializer.extend(src.sparse_initializer)
     arrays: dict[str, np.ndarray] = {}
     for t in src.initializer:
         c = consts.get(t.name)
@@ -215,3 +198,22 @@ def raw_weight_views(raw: bytes, model: onnx.ModelProto) -> dict[str, np.ndarray
             views[name] = np.frombuffer(raw, dtype="<f4", count=n, offset=s).reshape(
                 tuple(t.dims))
     return views
+
+
+def _skeleton(model: onnx.ModelProto, shapes: bool) -> onnx.ModelProto:
+    """The model without its dense initializers: header, functions, nodes, inputs, outputs,
+    sparse initializers (and the shape annotations when `shapes`); the callers add the
+    initializers they keep."""
+    light = onnx.ModelProto()
+    light.ir_version = model.ir_version
+    light.opset_import.extend(model.opset_import)
+    light.functions.extend(model.functions)
+    g, src = light.graph, model.graph
+    g.name = src.name
+    g.node.extend(src.node)
+    g.input.extend(src.input)
+    g.output.extend(src.output)
+    if shapes:
+        g.value_info.extend(src.value_info)
+    g.sparse_initializer.extend(src.sparse_initializer)
+    return light

@@ -14,9 +14,8 @@ import onnx
 from .ops import Node
 
 
-def _batched_matmul(eq: str) -> bool | None:
-    """For `...ik,...kj->...ij` False, for `...ik,...jk->...ij` True (transpose the second
-    operand), otherwise None."""
+def _two_operands(eq: str) -> tuple[str, str, str] | None:
+    """(a, b, out) of an explicit two-operand equation `a,b->out` (no ellipsis), else None."""
     eq = eq.replace(" ", "")
     if "..." in eq or "->" not in eq:
         return None
@@ -24,7 +23,16 @@ def _batched_matmul(eq: str) -> bool | None:
     terms = lhs.split(",")
     if len(terms) != 2:
         return None
-    a, b = terms
+    return terms[0], terms[1], out
+
+
+def _batched_matmul(eq: str) -> bool | None:
+    """For `...ik,...kj->...ij` False, for `...ik,...jk->...ij` True (transpose the second
+    operand), otherwise None."""
+    parsed = _two_operands(eq)
+    if parsed is None:
+        return None
+    a, b, out = parsed
     r = len(out)
     if r < 2 or len(a) != r or len(b) != r or len(set(a)) != r or len(set(b)) != r \
             or len(set(out)) != r:
@@ -72,14 +80,10 @@ def _permuted_matmul(eq: str) -> tuple[list[int], list[int], list[int]] | None:
     operand, one contracted, every other index in both operands and the output. Returns the
     Transpose perms of a (to `batch, i, k`), b (to `batch, k, j`) and of the product
     (`batch, i, j` to the output's order), else None."""
-    eq = eq.replace(" ", "")
-    if "..." in eq or "->" not in eq:
+    parsed = _two_operands(eq)
+    if parsed is None:
         return None
-    lhs, out = eq.split("->")
-    terms = lhs.split(",")
-    if len(terms) != 2:
-        return None
-    a, b = terms
+    a, b, out = parsed
     if any(len(set(t)) != len(t) for t in (a, b, out)):
         return None
     a_free = [c for c in a if c not in b]

@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 from ..db import after_commit, transaction
 from ..errors import Conflict, NotFound
 from ..runtime import Runtime
-from ..tables import Job, utcnow
+from ..tables import ACTIVE_JOB_STATUSES, Job, utcnow
 from .context import JobAborted, JobContext, rowcount
 from .registry import get_job_kind
 
@@ -144,6 +144,20 @@ def submit_job(session: Session, runtime: Runtime, kind_name: str, params: dict[
     job_id, queue = job.id, job.queue
     after_commit(session, lambda: runtime.queue.enqueue(job_id, queue))
     return job
+
+
+def submit_keyed_job(runtime: Runtime, kind_name: str, params: dict[str, Any], *,
+                     model_id: str) -> tuple[str, str]:
+    """(id, status) of the active job of this exact request (`params["request_key"]`), or of a
+    new one: identical requests share one job (one short write transaction)."""
+    key = str(params["request_key"])
+    with transaction(runtime.sessions) as session:
+        job = session.scalar(select(Job).where(Job.request_key == key,
+                                               Job.status.in_(ACTIVE_JOB_STATUSES)))
+        if job is None:
+            job = submit_job(session, runtime, kind_name, params, model_id=model_id,
+                             request_key=key)
+        return job.id, job.status
 
 
 def recover_jobs(runtime: Runtime, *, all_running: bool, resend_queued: bool = True) -> list[str]:

@@ -10,7 +10,6 @@ from typing import Any
 
 from fastapi import APIRouter
 from fastapi.responses import Response
-from sqlalchemy import select
 from starlette.concurrency import run_in_threadpool
 
 from api_schemas import BoundReport
@@ -19,13 +18,11 @@ from api_schemas.requests import BoundRequest
 
 from ..bounding import ModelRef, check_empirical_size, request_key, resolve_seq_len
 from ..certifying import find_model, report_json, stored_report_json
-from ..db import transaction
 from ..deps import RuntimeDep, WriteAccess
 from ..errors import InvalidRequest, responses
-from ..jobs.runner import submit_job
+from ..jobs.runner import submit_keyed_job
 from ..local import ball_key, local_report_json, model_center
 from ..runtime import Runtime
-from ..tables import ACTIVE_JOB_STATUSES, Job
 from .jobs import accepted_response
 
 router = APIRouter(tags=["bounds"])
@@ -89,11 +86,5 @@ async def local_bound(req: BoundRequest, runtime: Runtime, model: ModelRef) -> R
 
 def submit_bound_job(runtime: Runtime, model: ModelRef, params: dict[str, Any]) -> JobAccepted:
     """The active job of this request, or a new one (one short write transaction)."""
-    key = str(params["request_key"])
-    with transaction(runtime.sessions) as session:
-        job = session.scalar(select(Job).where(Job.request_key == key,
-                                               Job.status.in_(ACTIVE_JOB_STATUSES)))
-        if job is None:
-            job = submit_job(session, runtime, "bound", params, model_id=model.id,
-                             request_key=key)
-        return JobAccepted.model_validate({"job_id": job.id, "status": job.status})
+    job_id, status = submit_keyed_job(runtime, "bound", params, model_id=model.id)
+    return JobAccepted.model_validate({"job_id": job_id, "status": status})

@@ -15,11 +15,44 @@ from __future__ import annotations
 
 import numpy as np
 
-from .values import PROVEN, LocalValue, U, array_key, center_margin, gamma, widen_up
+from .values import PROVEN, Ball, LocalValue, U, array_key, center_margin, gamma, widen_up
 
 # relative allowance for the round-to-nearest float64 operations forming one interval end
 # (a few operations per end, each within u = 1.1e-16 relative)
 _REL = 1e-12
+
+
+def token_radius(v: LocalValue, ball: Ball) -> np.ndarray:
+    """Per token (the last axis, D entries): an upper bound on ||v(X) - c_v||_2 over the ball
+    (..., 1), from the Jacobian enclosure instead of the entrywise box (docs/local-bounds.md,
+    "Token radii"). By the mean value form v(X) - v(X0) = Jbar d with Jbar in jc +- jr, so
+    ||v_S(X) - v_S(X0)||_2 <= ||jc_S||_{p->2} eps + ||jr_S |d| ||_2 for the token's rows S:
+    p = 2: sigma_max(jc_S) eps + ||jr_S||_F eps; p = inf: min(sqrt(P) sigma_max(jc_S),
+    ||row 1-norms of jc_S||_2) eps + ||row sums of jr_S||_2 eps; plus the centre's margin.
+    The box gives ||rad_S||_2, up to sqrt(D) times more on a 2-ball (every entry at its own
+    extreme at once)."""
+    d, p = v.shape[-1], v.jc.shape[-1]
+    jc = v.jc.reshape(-1, d, p)
+    jr = v.jr.reshape(-1, d, p)
+    fro = widen_up(np.square(jc).sum(axis=(1, 2)), d * p)  # (T,)
+    lam = np.linalg.eigvalsh(jc @ jc.transpose(0, 2, 1))[:, -1]  # (T,): of fl(jc jc^T)
+    # Weyl: the Gram's forming error is at most gamma_P ||jc||_F^2 in the 2-norm, LAPACK's
+    # backward error 64 D u |lam| (as numerics._eigvalsh_upper)
+    lam_up = widen_up(np.maximum(lam, 0.0) + 64 * d * U * np.abs(lam) + gamma(p) * fro, 4)
+    sig = np.minimum(np.sqrt(lam_up), np.sqrt(fro)) * (1 + 4 * U)
+    if ball.norm == "2":
+        a = sig
+        b = np.sqrt(widen_up(np.square(jr).sum(axis=(1, 2)), d * p)) * (1 + 4 * U)
+    else:
+        rows = widen_up(np.abs(jc).sum(axis=-1), p)  # (T, D)
+        a = np.minimum(sig * np.sqrt(p) * (1 + 4 * U),
+                       np.sqrt(widen_up(np.square(rows).sum(axis=-1), d)) * (1 + 4 * U))
+        rj = widen_up(jr.sum(axis=-1), p)
+        b = np.sqrt(widen_up(np.square(rj).sum(axis=-1), d)) * (1 + 4 * U)
+    m = center_margin(v.center).reshape(-1, d)
+    mn = np.sqrt(widen_up(np.square(m).sum(axis=-1), d)) * (1 + 4 * U)
+    rho = widen_up(ball.eps * (a + b) + mn, 4)
+    return rho.reshape(*v.shape[:-1], 1)
 
 
 def _bounds_of_s(norm0: np.ndarray, rho: np.ndarray, d: int, eps: float

@@ -17,7 +17,7 @@ from torch.func import vmap
 
 from ..onnx.ops import FLOAT_TYPES, OPS, Node, RunContext, decimal_attr
 from . import primitives as pr
-from .layernorm import chain_errors
+from .layernorm import chain_errors, token_radius
 from .layernorm import direct as ln_direct
 from .values import Ball, LocalNotCertified, LocalValue, Parts, center_margin, enclose, widen_up
 from .values import gamma as gamma_k
@@ -275,6 +275,9 @@ def layernorm(x: LocalValue, gamma: np.ndarray, beta: np.ndarray | None, eps: fl
     # s = ||P x||^2 / D + eps lies in [(||P x0|| - rho)_+^2 / D + eps, (||P x0|| + rho)^2 / D + eps]
     norm0 = np.sqrt(np.square(uc).sum(axis=-1, keepdims=True))
     rho = np.sqrt(np.square(x.rad).sum(axis=-1, keepdims=True))
+    # or from the Jacobian enclosures of x and of u = P x (layernorm.token_radius): a 2-ball
+    # moves a token by far less than its entrywise box says
+    rho = np.minimum(rho, np.minimum(token_radius(x, ball), token_radius(u, ball)))
     slack = 1e-12 * (norm0 * norm0 / d + eps)  # rounding of these few float64 operations
     s_lo = np.maximum(norm0 - rho, 0.0) ** 2 / d + eps - slack
     s_hi = (norm0 + rho) ** 2 / d + eps + slack

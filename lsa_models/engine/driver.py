@@ -11,6 +11,7 @@ both computed with upward rounding (docs/local-bounds.md).
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -74,6 +75,8 @@ class LocalJacobian:
     # whether the float64 centre values' error was proven (forward_error.py), and the margin
     forward_checked: bool = False
     forward_detail: str = ""
+    # bound on sup ||J(X) - jc||_2 from the operator-norm terms (opnorm.py; 2-ball only)
+    opnorm_two: float | None = None
 
     def upper(self) -> float:
         """Certified bound on sup ||J_F(X)||_p over the ball: the entrywise enclosure's norm,
@@ -83,6 +86,8 @@ class LocalJacobian:
             plain = add_up(spectral_norm_upper(self.jc), spectral_norm_upper(self.jr))
             if st is not None:
                 plain = min(plain, add_up(spectral_norm_upper(self.jc), st.mat_two))
+            if self.opnorm_two is not None:
+                plain = min(plain, add_up(spectral_norm_upper(self.jc), self.opnorm_two))
             return plain
         plain = inf_norm_upper(np.abs(self.jc) + self.jr) * (1.0 + 2.0**-50)
         if st is not None:
@@ -198,6 +203,7 @@ def _enclose_all(model: OnnxModel, module: torch.nn.Module, env: dict[str, torch
     margin_jr: dict[int, np.ndarray] = {}
     margin_dual: dict[int, float] = {}
     st: Structured | None = None
+    opnorm_two: float | None = None
     if tight is not None:
         out = tight.tighten(model.spec.output_name, out, values, ball)
         if margins_of is not None:
@@ -219,13 +225,24 @@ def _enclose_all(model: OnnxModel, module: torch.nn.Module, env: dict[str, torch
                     else:
                         base = frobenius_upper(jcm[r]) * (1 + 4 * U)
                         margin_dual[j] = add_up(base, float(mst.rows_two[r]))
+            if norm == "2":
+                mop = tight.opnorm(model.spec.output_name, values, combos)
+                if mop is not None:
+                    jcm = combos @ out.jc.reshape(k, -1)
+                    for r, j in enumerate(others):
+                        cand = add_up(frobenius_upper(jcm[r]) * (1 + 4 * U), float(mop[r]))
+                        margin_dual[j] = min(margin_dual.get(j, math.inf), cand)
         st = tight.structured(model.spec.output_name, values, ball)
+        if norm == "2":
+            wop = tight.opnorm(model.spec.output_name, values)
+            if wop is not None:
+                opnorm_two = float(wop[0])
     if not (np.all(np.isfinite(out.jc)) and np.all(np.isfinite(out.jr))):
         raise LocalNotCertified("the Jacobian enclosure overflowed on this ball (too wide "
                                 "for the op-by-op ranges)")
     return LocalJacobian(ball, out.center.reshape(k), out.jc.reshape(k, -1),
                          out.jr.reshape(k, -1), out.lo.reshape(k), out.hi.reshape(k), layers,
-                         margin_jr, st, margin_dual, checked, detail)
+                         margin_jr, st, margin_dual, checked, detail, opnorm_two)
 
 
 # Balls of radius eps/2, eps/4, ... walked before the ball itself (values by the integrated
@@ -251,7 +268,8 @@ def integrated(v: LocalValue, h: LocalValue | np.ndarray | None, ball: Ball) -> 
     rad = widen_up(ball.eps * rows, 2) + center_margin(v.center)
     lo = np.minimum(np.maximum(v.lo, v.center - rad), v.center)
     hi = np.maximum(np.minimum(v.hi, v.center + rad), v.center)
-    return LocalValue(v.center, lo, hi, v.jc, v.jr, v.term, v.parts)
+    return LocalValue(v.center, lo, hi, v.jc, v.jr, v.term, v.parts, v.opnorm, v.jnorm,
+                      v.tok_rad)
 
 
 def _walk(model: OnnxModel, module: torch.nn.Module, env: dict[str, torch.Tensor], ball: Ball,
@@ -310,7 +328,7 @@ def _checkpoint(node: Node, values: Values, ball: Ball, tight: _Telescope,
     for i in node.inputs:
         v = values.get(i) if i else None
         if isinstance(v, LocalValue):
-            t = tight.tighten(i, v, values, ball)
+            t = tight.tighten(i, v, values, ball, tokens=True)
             values[i] = t if half is None else integrated(t, half.get(i), ball)
 
 
@@ -384,8 +402,8 @@ class _Telescope:
         # times (entrywise, margins, structured)
         self.cache: dict[tuple[str, tuple[str, ...]], list] = {}
 
-    def _terms(self, name: str, values: Values, combos: np.ndarray | None
-               ) -> list[tuple[np.ndarray, LocalValue]] | None:
+    def _terms(self, name: str, values: Values, combos: np.ndarray | None,
+               signed: bool = False) -> list | None:
         """(|G| with its margin, the op's value) per op with a remainder term, G the adjoint
         of `name` (or of combos @ name) w.r.t. the op's output at X0."""
         z = self.zero.get(name)
@@ -416,7 +434,40 @@ class _Telescope:
             ga = np.abs(g) * (1 + ADJOINT_MARGIN) + ADJOINT_MARGIN * float(np.abs(g).max())
             u = values[t]
             assert isinstance(u, LocalValue) and u.term is not None
-            out.append((ga, u))
+            out.append((ga, u, g) if signed else (ga, u))
+        return out
+
+    def opnorm(self, name: str, values: Values, combos: np.ndarray | None = None,
+               groups: list[np.ndarray] | None = None) -> np.ndarray | None:
+        """Per row of `name` (or of combos @ name) as one matrix when `combos` is None, else
+        per combination: a bound on sup ||J(X) - jc||_2 over the 2-ball from the
+        operator-norm terms (opnorm.py): each op's term is the smaller of its opnorm rule
+        (signed adjoint; its rounding margin through the entrywise term) and the 2-norm of
+        its entrywise term; plus the rounding of jc. Returns (1,) for the whole matrix, or
+        (M,) per combination, or per group of rows (index arrays) when `groups` is given.
+        None: nothing to telescope."""
+        terms = self._terms(name, values, combos, signed=True)
+        if terms is None:
+            return None
+        rnd = self._rounding(name, combos)
+        if groups is None:
+            groups = [np.arange(rnd.shape[0])] if combos is None else \
+                [np.array([r]) for r in range(combos.shape[0])]
+        out = np.zeros(len(groups))
+        for r, sl in enumerate(groups):
+            total = spectral_norm_upper(rnd[sl])
+            for ga, u, g in terms:
+                assert u.term is not None
+                plain = spectral_norm_upper(u.term(ga[sl]))
+                op = u.opnorm
+                if op is not None and op[0] is u.term:
+                    err = ADJOINT_MARGIN * (np.abs(g[sl]) + float(np.abs(g[sl]).max()))
+                    plain = min(plain, add_up(op[1](g[sl]),
+                                              spectral_norm_upper(u.term(err))))
+                total = add_up(total, plain)
+            out[r] = total
+        if not np.all(np.isfinite(out)):
+            return None
         return out
 
     def _rounding(self, name: str, combos: np.ndarray | None) -> np.ndarray:
@@ -454,7 +505,8 @@ class _Telescope:
         except ValueError:  # a term overflowed (not finite): the entrywise bound stands
             return None
 
-    def tighten(self, name: str, v: LocalValue, values: Values, ball: Ball) -> LocalValue:
+    def tighten(self, name: str, v: LocalValue, values: Values, ball: Ball,
+                tokens: bool = False) -> LocalValue:
         total = self.remainder(name, values, ball)
         if total is None:
             return v
@@ -479,8 +531,32 @@ class _Telescope:
                     + center_margin(v.center)
                 lo, hi = np.maximum(lo, v.center - rad), np.minimum(hi, v.center + rad)
         out = enclose(v.center, v.jc, jr, ball, lo, hi)
-        out.term = v.term
+        out.term, out.opnorm = v.term, v.opnorm
+        if ball.norm == "2" and tokens:
+            self._norms(name, out, values, ball)
         return out
+
+    def _norms(self, name: str, v: LocalValue, values: Values, ball: Ball) -> None:
+        """2-ball: v.jnorm = ||jc||_2 + the operator-norm remainder of the whole tensor, and
+        per token t (last axis) v.tok_rad = eps (||jc_t||_2 + remainder of its rows) + the
+        centre's margin (mean value theorem: ||T_t(X) - T_t(X0)|| <= eps sup ||J_t||_2)."""
+        d = v.shape[-1] if v.shape else 1
+        k = v.center.size
+        rows = np.arange(k)
+        groups = [rows] + [rows[i:i + d] for i in range(0, k, d)]
+        rem = self.opnorm(name, values, None, groups)
+        if rem is None:
+            return
+        p = v.jc.shape[-1]
+        jc = v.jc.reshape(k, p)
+        v.jnorm = add_up(spectral_norm_upper(jc), float(rem[0]))
+        if not v.shape:
+            return
+        tok = np.array([add_up(spectral_norm_upper(jc[i:i + d]), float(rem[1 + t]))
+                        for t, i in enumerate(range(0, k, d))])
+        mg = center_margin(v.center).reshape(-1, d)
+        mn = np.sqrt(widen_up(np.square(mg).sum(axis=1), d)) * (1 + 4 * U)
+        v.tok_rad = widen_up(ball.eps * tok + mn, 4).reshape(*v.shape[:-1], 1)
 
 
 _ACT = {"Relu": "relu", "Gelu": "gelu", "Erf": "erf", "Tanh": "tanh", "Sigmoid": "sigmoid"}

@@ -11,6 +11,8 @@ from collections.abc import Callable
 import numpy as np
 from scipy import special
 
+from ..bounds.numerics import U, add_up
+from . import opnorm
 from .values import (
     Ball,
     LocalNotCertified,
@@ -229,6 +231,8 @@ def elementwise(v: LocalValue, kind: str, out_center: np.ndarray, ball: Ball,
         return [(np.abs(g).reshape(k, -1) * (dr + dr0).reshape(-1), v.jc.reshape(-1, p),
                  v.jr.reshape(-1, p))]
     out.term, out.parts = term, parts
+    if ball.norm == "2":
+        out.opnorm = (term, opnorm.elementwise(dr + dr0, v.jc, v.jr, v.jnorm))
     return out
 
 
@@ -316,7 +320,35 @@ def product(a: LocalValue | np.ndarray, b: LocalValue | np.ndarray, out_center: 
         return [(h1.reshape(k, -1), flat(ajc, s1), flat(ajr, s1)),
                 (h2.reshape(k, -1), flat(bjc, s2), flat(bjr, s2))]
     out.term, out.parts = term, parts
+    if ball.norm == "2":
+        fn = opnorm.matmul(a, b, shape, ball) if matmul else _mul_opnorm(a, b, shape)
+        if fn is not None:
+            out.opnorm = (term, fn)
     return out
+
+
+def _mul_opnorm(a: LocalValue | np.ndarray, b: LocalValue | np.ndarray,
+                shape: tuple[int, ...]) -> opnorm.OpNorm | None:
+    """y = a * b entrywise, both of the output's shape (no broadcasting): D(X) - D(X0) maps
+    (da, db) to da (b(X) - b(X0)) + (a(X) - a(X0)) db, diagonal scalings by changes bounded
+    entrywise by the other operand's radius plus its centre margin (opnorm.elementwise)."""
+    fns = []
+    for x, other in ((a, b), (b, a)):
+        if not isinstance(x, LocalValue) or not isinstance(other, LocalValue):
+            continue
+        if x.shape != shape or other.shape != shape:
+            return None
+        fns.append(opnorm.elementwise(other.rad + center_margin(other.center), x.jc, x.jr,
+                                      x.jnorm))
+    if not fns:
+        return None
+
+    def fn(g: np.ndarray) -> float:
+        total = 0.0
+        for f in fns:
+            total = add_up(total, f(g))
+        return total
+    return fn
 
 
 def _product_values(ac: np.ndarray, ar: np.ndarray, ajr: np.ndarray, am: np.ndarray,
@@ -416,4 +448,19 @@ def softmax(v: LocalValue, axis: int, out_center: np.ndarray, ball: Ball) -> Loc
         h = (np.moveaxis(np.abs(g), ax + 1, -1)[..., None, :] @ (sr + sr0))[..., 0, :]
         return [(h.reshape(k, -1), jc_in.reshape(-1, p), jr_in.reshape(-1, p))]
     out.term, out.parts = term, parts
+    if ball.norm == "2":
+        out.opnorm = (term, opnorm.blockwise(_softmax_block(plo, phi, sr + sr0), v.jc, v.jr,
+                                             known=v.jnorm))
     return out
+
+
+def _softmax_block(plo: np.ndarray, phi: np.ndarray, srs: np.ndarray) -> float:
+    """max over rows of a bound on ||S(X) - S(X0)||_2, S = diag(p) - p p^T: with
+    dp = phi - plo >= |p(X) - p(X0)| (both in the range), Delta S = diag(Delta p)
+    - Delta p p^T - p0 Delta p^T, so ||Delta S||_2 <= max|dp| + 2 ||dp||_2 (||p||_2 <= 1);
+    or the nonnegative majorant srs of its entries, whichever is smaller."""
+    n = plo.shape[-1]
+    dp = widen_up(phi - plo, 2)
+    analytic = widen_up(dp.max(axis=-1) + 2 * np.sqrt(widen_up(np.square(dp).sum(axis=-1), n))
+                        * (1 + 4 * U), 2)
+    return float(np.minimum(analytic, opnorm.nonneg_block_norms(srs)).max()) * (1 + 4 * U)

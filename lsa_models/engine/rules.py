@@ -15,10 +15,13 @@ import numpy as np
 import torch
 from torch.func import vmap
 
+from ..bounds.numerics import U
 from ..onnx.ops import FLOAT_TYPES, OPS, Node, RunContext, decimal_attr
 from . import primitives as pr
 from .layernorm import chain_errors, token_radius
 from .layernorm import direct as ln_direct
+from .opnorm import blockwise as op_blockwise
+from .opnorm import nonneg_block_norms
 from .values import Ball, LocalNotCertified, LocalValue, Parts, center_margin, enclose, widen_up
 from .values import gamma as gamma_k
 
@@ -278,6 +281,8 @@ def layernorm(x: LocalValue, gamma: np.ndarray, beta: np.ndarray | None, eps: fl
     # or from the Jacobian enclosures of x and of u = P x (layernorm.token_radius): a 2-ball
     # moves a token by far less than its entrywise box says
     rho = np.minimum(rho, np.minimum(token_radius(x, ball), token_radius(u, ball)))
+    if x.tok_rad is not None:  # telescoped in the operator norm (driver.tighten)
+        rho = np.minimum(rho, x.tok_rad)
     slack = 1e-12 * (norm0 * norm0 / d + eps)  # rounding of these few float64 operations
     s_lo = np.maximum(norm0 - rho, 0.0) ** 2 / d + eps - slack
     s_hi = (norm0 + rho) ** 2 / d + eps + slack
@@ -320,7 +325,35 @@ def layernorm(x: LocalValue, gamma: np.ndarray, beta: np.ndarray | None, eps: fl
         h = (np.abs(gy * g)[..., None, :] @ srs)[..., 0, :] * (1 + gamma_k(2 * d))
         return [(h.reshape(k, -1), x.jc.reshape(-1, p), x.jr.reshape(-1, p))]
     out.term, out.parts = term, parts
+    if ball.norm == "2":
+        block = np.minimum(ln_block_norms(u, norm0, rho, d, eps), nonneg_block_norms(srs))
+        out.opnorm = (term, op_blockwise(float(block.max()) * (1 + 4 * U), x.jc, x.jr, g,
+                                         x.jnorm))
     return out
+
+
+def ln_block_norms(u: LocalValue, norm0: np.ndarray, rho: np.ndarray, d: int, eps: float
+                   ) -> np.ndarray:
+    """Per token, a bound on ||S(X) - S(X0)||_2 for S = w (P - z z^T / D), w = 1/sigma
+    (docs/local-bounds.md, "Operator-norm telescoping"): with R = rho + rho0 >= ||u(X) -
+    u(X0)|| (rho: the token's radius around the computed centre, rho0: the centre's margin),
+    w(X), w(X0) in [w_lo, w_hi] (sigma from ||u|| in ||u_c|| +- R),
+    S(X) - S(X0) = (w - w0)(P - z z^T / D) + w0 (z0 z0^T - z z^T) / D, ||P - z z^T/D||_2 <= 1,
+    ||z||, ||z0|| < sqrt(D), and ||z - z0|| <= R w_hi: dz/du = w (I - z z^T / D) on
+    range(P) has norm <= w, and the segment from u(X0) to u(X) stays where w <= w_hi (mean
+    value theorem), so ||S(X) - S(X0)||_2 <= dw + 2 w_hi ||z - z0|| / sqrt(D)."""
+    mu = center_margin(u.center)
+    rho0 = np.sqrt(widen_up(np.square(mu).sum(axis=-1, keepdims=True), d)) * (1 + 4 * U)
+    r = widen_up(rho + rho0, 2)
+    slack = 1e-12 * (np.square(norm0 + r) / d + eps)
+    s_lo = np.maximum(np.square(np.maximum(norm0 - r, 0.0)) / d + eps - slack, eps * (1 - 1e-12))
+    s_hi = np.square(norm0 + r) / d + eps + slack
+    w_lo = 1.0 / np.sqrt(s_hi) * (1 - 1e-12)
+    w_hi = 1.0 / np.sqrt(s_lo) * (1 + 1e-12)
+    dw = (w_hi - w_lo) * (1 + 1e-12)
+    dz = widen_up(r * w_hi, 2)
+    out = widen_up(dw + 2 * w_hi * dz / np.sqrt(d), 4) * (1 + 1e-12)
+    return out[..., 0]
 
 
 @register_local

@@ -66,6 +66,15 @@ class LocalValue:
     # enclosure jc_in +- jr_in (n, P), such that |G (D_op(X) - D_op(X0)) J_in(X)| is bounded
     # row by row by sum_b c_kb |J_in,b(X)| with the signs of J_in kept.
     parts: Callable[[np.ndarray], list[Parts]] | None = field(default=None, repr=False)
+    # (term, fn): fn(G) bounds sup ||G (D_op(X) - D_op(X0)) J_in(X)||_2 over a 2-ball for the
+    # signed adjoint G (opnorm.py); valid only while `term` is this value's term
+    opnorm: tuple[Callable[[np.ndarray], np.ndarray],
+                  Callable[[np.ndarray], float]] | None = field(default=None, repr=False)
+    # 2-ball only, set where the driver tightens a value (driver._Telescope.tighten):
+    # jnorm >= sup ||dT/dX (X)||_2 over the ball; tok_rad (*S[:-1], 1) >= ||T_t(X) - c_t||_2
+    # per token t (the last axis) over the ball, c the computed centre
+    jnorm: float | None = field(default=None, repr=False)
+    tok_rad: np.ndarray | None = field(default=None, repr=False)
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -1,0 +1,147 @@
+"""Operator-norm remainders for the 2-ball (docs/local-bounds.md, "Operator-norm telescoping").
+
+The telescoped remainder of the output's Jacobian is a sum of terms
+`T_k = G_k (D_k(X) - D_k(X0)) J_in_k(X)` (driver.py). The entrywise bounds take absolute values
+of G_k, of the change of D_k and of J_in_k, which in the 2-norm costs up to the square root of
+the dimensions (for a random n x m matrix W, || |W| ||_2 is about sqrt(nm)/(sqrt n + sqrt m)
+times ||W||_2). Here each term is bounded in the operator 2-norm instead,
+    ||T_k||_2 <= ||G_k B_k||_2 * ||C_k||_2 * sup ||J_in_k(X)||_2,
+with the op's Jacobian change factored as B_k C_k where B_k is a diagonal or block-diagonal
+scaling whose blocks are known in norm. The signs of the adjoint G_k are kept.
+
+A rule attaches `LocalValue.opnorm = (term, fn)`: `fn(G)` bounds sup ||G (D(X) - D(X0))
+J_in(X)||_2 over the ball for the signed adjoint G (K, *S). The driver uses it only while
+`opnorm[0] is term` (a rule that replaces a value's term invalidates its opnorm).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from ..bounds.numerics import U, add_up, mul_up, spectral_norm_upper
+from .values import Ball, LocalValue, center_margin, gamma, widen_up
+
+OpNorm = Callable[[np.ndarray], float]
+
+
+def jacobian_norm(jc: np.ndarray, jr: np.ndarray, known: float | None = None
+                  ) -> Callable[[], float]:
+    """A lazily computed bound on sup ||J(X)||_2 for J(X) in jc +- jr entrywise:
+    ||jc||_2 + ||jr||_2 (|E| <= jr entrywise gives ||E||_2 <= ||jr||_2), or `known` (the
+    value's telescoped `jnorm`) when smaller."""
+    cache: list[float] = []
+
+    def get() -> float:
+        if not cache:
+            p = jc.shape[-1]
+            plain = add_up(spectral_norm_upper(jc.reshape(-1, p)),
+                           spectral_norm_upper(jr.reshape(-1, p)))
+            cache.append(plain if known is None else min(plain, known))
+        return cache[0]
+    return get
+
+
+def rows_norm(g: np.ndarray) -> float:
+    """||G||_2 of the adjoint, reshaped (K, n), certified."""
+    return spectral_norm_upper(g.reshape(g.shape[0], -1)) * (1 + 4 * U)
+
+
+def nonneg_block_norms(blocks: np.ndarray) -> np.ndarray:
+    """Upper bounds on ||A||_2 of nonnegative square blocks (..., n, n): the smaller of the
+    Frobenius norm and sqrt(||A||_1 ||A||_inf) (Hoelder), rounded up."""
+    n = blocks.shape[-1]
+    fro = np.sqrt(widen_up(np.square(blocks).sum(axis=(-1, -2)), n * n))
+    one = widen_up(blocks.sum(axis=-2).max(axis=-1), n)
+    inf = widen_up(blocks.sum(axis=-1).max(axis=-1), n)
+    return np.minimum(fro, np.sqrt(widen_up(one * inf, 1))) * (1 + 4 * U)
+
+
+def group_radius(v: LocalValue, ball: Ball, axes: int) -> np.ndarray:
+    """For the groups formed by the last `axes` axes of v (a token: 1; a matrix: 2): an upper
+    bound on the Frobenius norm ||v_S(X) - v_S(X0)||_F of each group over the 2-ball, for the
+    true X0 (..., ): eps (sigma_max(jc_S) + ||jr_S||_F) by the mean value form, the smaller
+    of it and ||rad_S||_F from the entrywise box, plus twice the centre's margin (the box and
+    the form are both around the computed centre)."""
+    shape = v.shape
+    lead = shape[:len(shape) - axes]
+    m = int(np.prod(shape[len(shape) - axes:]))
+    p = v.jc.shape[-1]
+    jc = v.jc.reshape(-1, m, p)
+    jr = v.jr.reshape(-1, m, p)
+    fro = widen_up(np.square(jc).sum(axis=(1, 2)), m * p)
+    k = min(m, p)
+    gram = jc @ jc.transpose(0, 2, 1) if m <= p else jc.transpose(0, 2, 1) @ jc
+    lam = np.linalg.eigvalsh(gram)[:, -1]
+    # Weyl: forming error gamma_inner ||jc||_F^2, LAPACK's backward error 64 k u |lam|
+    lam_up = widen_up(np.maximum(lam, 0.0) + 64 * k * U * np.abs(lam)
+                      + gamma(max(m, p)) * fro, 4)
+    sig = np.minimum(np.sqrt(lam_up), np.sqrt(fro)) * (1 + 4 * U)
+    jrf = np.sqrt(widen_up(np.square(jr).sum(axis=(1, 2)), m * p)) * (1 + 4 * U)
+    form = widen_up(ball.eps * (sig + jrf), 4)
+    box = np.sqrt(widen_up(np.square(v.rad.reshape(-1, m)).sum(axis=1), m)) * (1 + 4 * U)
+    mg = center_margin(v.center).reshape(-1, m)
+    mn = np.sqrt(widen_up(np.square(mg).sum(axis=1), m)) * (1 + 4 * U)
+    return widen_up(np.minimum(form, box) + 2 * mn, 2).reshape(lead)
+
+
+def elementwise(g_scale: np.ndarray, jc_in: np.ndarray, jr_in: np.ndarray,
+                known: float | None = None) -> OpNorm:
+    """y = f(x) entrywise with |f'(x(X)) - f'(x(X0))| <= s (g_scale, x's shape):
+    G diag(delta) = G diag(s) diag(delta / s) and ||diag(delta / s)||_2 <= 1, so
+    ||G diag(delta) J_x(X)||_2 <= ||G diag(s)||_2 sup ||J_x||_2."""
+    ln = jacobian_norm(jc_in, jr_in, known)
+    s = g_scale.reshape(-1)
+
+    def fn(g: np.ndarray) -> float:
+        gs = g.reshape(g.shape[0], -1) * s
+        return mul_up(spectral_norm_upper(gs) * (1 + 4 * U), ln())
+    return fn
+
+
+def blockwise(block_bound: float, jc_in: np.ndarray, jr_in: np.ndarray,
+              scale: np.ndarray | None = None, known: float | None = None) -> OpNorm:
+    """D(X) - D(X0) = diag(scale) blockdiag(E_t) with ||E_t||_2 <= block_bound for every
+    block (LayerNorm per token, softmax per row): ||G diag(scale) blockdiag(E)||_2
+    <= ||G diag(scale)||_2 max_t ||E_t||_2 (G reshaped with the blocks' entries as columns,
+    a permutation of them, which keeps the norm)."""
+    ln = jacobian_norm(jc_in, jr_in, known)
+
+    def fn(g: np.ndarray) -> float:
+        gs = g if scale is None else g * scale
+        return mul_up(rows_norm(gs), block_bound, ln())
+    return fn
+
+
+def matmul(a: LocalValue | np.ndarray, b: LocalValue | np.ndarray, out_shape: tuple[int, ...],
+           ball: Ball) -> OpNorm | None:
+    """y = a @ b with both batch shapes equal to the output's (no broadcasting): per batch
+    D(X) - D(X0) maps (da, db) to da (B(X) - B(X0)) + (A(X) - A(X0)) db, whose parts have
+    norms max_b ||dB_b||_2 and max_b ||dA_b||_2 (<= the Frobenius group radii), so
+    ||G (D(X) - D(X0)) J_in(X)||_2 <= ||G||_2 (max ||dB_b|| sup||J_a|| + max ||dA_b||
+    sup||J_b||). None: broadcast operands (left to the entrywise term)."""
+    batch = out_shape[:-2]
+    parts: list[tuple[float, Callable[[], float]]] = []
+    for x, other in ((a, b), (b, a)):
+        if not isinstance(x, LocalValue):
+            continue
+        if tuple(x.shape[:-2]) != tuple(batch):
+            return None
+        if isinstance(other, LocalValue):
+            if tuple(other.shape[:-2]) != tuple(batch):
+                return None
+            d_other = float(group_radius(other, ball, 2).max())
+        else:
+            continue  # a constant operand: no change of D through it
+        parts.append((d_other, jacobian_norm(x.jc, x.jr, x.jnorm)))
+    if not parts:
+        return None
+
+    def fn(g: np.ndarray) -> float:
+        ng = rows_norm(g)
+        total = 0.0
+        for d_other, ln in parts:
+            total = add_up(total, mul_up(ng, d_other, ln()))
+        return total
+    return fn

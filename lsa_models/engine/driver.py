@@ -340,7 +340,7 @@ def _walk_chain(node: Node, chain: fused.Chain, values: Values, env: dict[str, t
         raise LocalNotCertified(f"the elementwise chain ending at {node.name} has an "
                                 "input-independent root")
     if tight is not None:
-        root = values[chain.root] = tight.tighten(chain.root, root, values, ball)
+        root = values[chain.root] = tight.tighten(chain.root, root, values, ball, tokens=True)
     values[chain.sink] = _fused(chain, root, env, ball)
     dlo, dhi = fused.ranges(chain, _chain_consts(chain, env), root.lo, root.hi)[1]
     f = float(np.max(np.maximum(np.abs(dlo), np.abs(dhi)))) * (1 + LIBM_REL) + 1e-300
@@ -557,6 +557,9 @@ class _Telescope:
         mg = center_margin(v.center).reshape(-1, d)
         mn = np.sqrt(widen_up(np.square(mg).sum(axis=1), d)) * (1 + 4 * U)
         v.tok_rad = widen_up(ball.eps * tok + mn, 4).reshape(*v.shape[:-1], 1)
+        # every entry of a token moves at most the token's 2-norm radius
+        v.lo = np.minimum(np.maximum(v.lo, v.center - v.tok_rad), v.center)
+        v.hi = np.maximum(np.minimum(v.hi, v.center + v.tok_rad), v.center)
 
 
 _ACT = {"Relu": "relu", "Gelu": "gelu", "Erf": "erf", "Tanh": "tanh", "Sigmoid": "sigmoid"}

@@ -298,6 +298,12 @@ def layernorm(x: LocalValue, gamma: np.ndarray, beta: np.ndarray | None, eps: fl
     # (the chain's radius moved to the direct centre by |jc_chain - jc_direct|)
     jc, jr_d, y_lo, y_hi, _, sr, sr0 = ln_direct(x, u, g, beta, eps, norm0, rho)
     jr_c = widen_up(chain.jr + np.abs(chain.jc - jc), 2)
+    # per token ||z(X) - z(X0)||_2 <= w_hi R (ln_block_norms), so every entry of y moves by at
+    # most |gamma_i| w_hi R from y(X0), which is within the centre's margin of out_center
+    zrad = ln_block_norms(u, norm0, rho, d, eps, z_radius=True)[..., None]  # (..., 1)
+    yrad = widen_up(np.abs(g) * zrad + center_margin(out_center), 4)
+    y_lo = np.maximum(y_lo, out_center - yrad)
+    y_hi = np.minimum(y_hi, out_center + yrad)
     out = enclose(out_center, jc, np.minimum(jr_d, jr_c), ball, y_lo, y_hi)
     sq_t, r_t, z_t = sq.term, r.term, z.term
     assert sq_t is not None and r_t is not None and z_t is not None
@@ -332,8 +338,8 @@ def layernorm(x: LocalValue, gamma: np.ndarray, beta: np.ndarray | None, eps: fl
     return out
 
 
-def ln_block_norms(u: LocalValue, norm0: np.ndarray, rho: np.ndarray, d: int, eps: float
-                   ) -> np.ndarray:
+def ln_block_norms(u: LocalValue, norm0: np.ndarray, rho: np.ndarray, d: int, eps: float,
+                   z_radius: bool = False) -> np.ndarray:
     """Per token, a bound on ||S(X) - S(X0)||_2 for S = w (P - z z^T / D), w = 1/sigma
     (docs/local-bounds.md, "Operator-norm telescoping"): with R = rho + rho0 >= ||u(X) -
     u(X0)|| (rho: the token's radius around the computed centre, rho0: the centre's margin),
@@ -341,7 +347,8 @@ def ln_block_norms(u: LocalValue, norm0: np.ndarray, rho: np.ndarray, d: int, ep
     S(X) - S(X0) = (w - w0)(P - z z^T / D) + w0 (z0 z0^T - z z^T) / D, ||P - z z^T/D||_2 <= 1,
     ||z||, ||z0|| < sqrt(D), and ||z - z0|| <= R w_hi: dz/du = w (I - z z^T / D) on
     range(P) has norm <= w, and the segment from u(X0) to u(X) stays where w <= w_hi (mean
-    value theorem), so ||S(X) - S(X0)||_2 <= dw + 2 w_hi ||z - z0|| / sqrt(D)."""
+    value theorem), so ||S(X) - S(X0)||_2 <= dw + 2 w_hi ||z - z0|| / sqrt(D).
+    With `z_radius`: that bound on ||z(X) - z(X0)||_2 per token instead."""
     mu = center_margin(u.center)
     rho0 = np.sqrt(widen_up(np.square(mu).sum(axis=-1, keepdims=True), d)) * (1 + 4 * U)
     r = widen_up(rho + rho0, 2)
@@ -352,6 +359,8 @@ def ln_block_norms(u: LocalValue, norm0: np.ndarray, rho: np.ndarray, d: int, ep
     w_hi = 1.0 / np.sqrt(s_lo) * (1 + 1e-12)
     dw = (w_hi - w_lo) * (1 + 1e-12)
     dz = widen_up(r * w_hi, 2)
+    if z_radius:
+        return dz[..., 0]
     out = widen_up(dw + 2 * w_hi * dz / np.sqrt(d), 4) * (1 + 1e-12)
     return out[..., 0]
 

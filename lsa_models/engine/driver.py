@@ -226,23 +226,29 @@ def _enclose_all(model: OnnxModel, module: torch.nn.Module, env: dict[str, torch
                         base = frobenius_upper(jcm[r]) * (1 + 4 * U)
                         margin_dual[j] = add_up(base, float(mst.rows_two[r]))
             if norm == "2":
-                mop = tight.opnorm(model.spec.output_name, values, combos)
-                if mop is not None:
-                    jcm = combos @ out.jc.reshape(k, -1)
-                    for r, j in enumerate(others):
-                        cand = add_up(frobenius_upper(jcm[r]) * (1 + 4 * U), float(mop[r]))
-                        margin_dual[j] = min(margin_dual.get(j, math.inf), cand)
+                _opnorm_margins(tight, model.spec.output_name, values, combos, others,
+                                out.jc.reshape(k, -1), margin_dual)
         st = tight.structured(model.spec.output_name, values, ball)
-        if norm == "2":
-            wop = tight.opnorm(model.spec.output_name, values)
-            if wop is not None:
-                opnorm_two = float(wop[0])
+        opnorm_two = tight.whole_opnorm(model.spec.output_name, values, ball)
     if not (np.all(np.isfinite(out.jc)) and np.all(np.isfinite(out.jr))):
         raise LocalNotCertified("the Jacobian enclosure overflowed on this ball (too wide "
                                 "for the op-by-op ranges)")
     return LocalJacobian(ball, out.center.reshape(k), out.jc.reshape(k, -1),
                          out.jr.reshape(k, -1), out.lo.reshape(k), out.hi.reshape(k), layers,
                          margin_jr, st, margin_dual, checked, detail, opnorm_two)
+
+
+def _opnorm_margins(tight: _Telescope, name: str, values: Values, combos: np.ndarray,
+                    others: list[int], jc: np.ndarray, margin_dual: dict[int, float]) -> None:
+    """2-ball: ||grad m_j(X)||_2 <= ||grad m_j(X0)||_2 + its operator-norm remainder, kept
+    where smaller than the other margin bounds."""
+    mop = tight.opnorm(name, values, combos)
+    if mop is None:
+        return
+    jcm = combos @ jc  # (M, P) centre gradients of the margins
+    for r, j in enumerate(others):
+        cand = add_up(frobenius_upper(jcm[r]) * (1 + 4 * U), float(mop[r]))
+        margin_dual[j] = min(margin_dual.get(j, math.inf), cand)
 
 
 # Balls of radius eps/2, eps/4, ... walked before the ball itself (values by the integrated
@@ -387,6 +393,26 @@ def _fused(chain: fused.Chain, x: LocalValue, env: dict[str, torch.Tensor],
 ADJOINT_MARGIN = 1e-9
 
 
+def _op_term(u: LocalValue, ga: np.ndarray, g: np.ndarray) -> float:
+    """One op's operator-norm term for the signed adjoint rows g (|g| with its margin: ga):
+    the smaller of the 2-norm of its entrywise term and its opnorm rule plus the adjoint's
+    rounding margin through the entrywise term; inf where a term overflowed (the certified
+    norms refuse non-finite input)."""
+    term, op = u.term, u.opnorm
+    assert term is not None
+    try:
+        plain = spectral_norm_upper(term(ga))
+    except (ValueError, np.linalg.LinAlgError):
+        plain = math.inf
+    if op is None or op[0] is not term:
+        return plain
+    err = ADJOINT_MARGIN * (np.abs(g) + float(np.abs(g).max()))
+    try:
+        return min(plain, add_up(op[1](g), spectral_norm_upper(term(err))))
+    except (ValueError, np.linalg.LinAlgError):
+        return plain
+
+
 class _Telescope:
     """The remainder of a tensor's Jacobian by telescoping over the ops before it:
     J_t(X) - J_t(X0) = sum_ops G_op (D_op(X) - D_op(X0)) J_in(X), G_op = d t / d (op output)
@@ -453,18 +479,27 @@ class _Telescope:
         if groups is None:
             groups = [np.arange(rnd.shape[0])] if combos is None else \
                 [np.array([r]) for r in range(combos.shape[0])]
+        try:
+            return self._opnorm_rows(terms, rnd, groups)
+        except (ValueError, np.linalg.LinAlgError):  # a term overflowed: not finite
+            return None
+
+    @staticmethod
+    def whole_opnorm(self, name: str, values: Values, ball: Ball) -> float | None:
+        """2-ball: the operator-norm remainder of the whole tensor; None otherwise."""
+        if ball.norm != "2":
+            return None
+        rem = self.opnorm(name, values)
+        return None if rem is None else float(rem[0])
+
+    @staticmethod
+    def _opnorm_rows(terms: list, rnd: np.ndarray, groups: list[np.ndarray]
+                     ) -> np.ndarray | None:
         out = np.zeros(len(groups))
         for r, sl in enumerate(groups):
             total = spectral_norm_upper(rnd[sl])
             for ga, u, g in terms:
-                assert u.term is not None
-                plain = spectral_norm_upper(u.term(ga[sl]))
-                op = u.opnorm
-                if op is not None and op[0] is u.term:
-                    err = ADJOINT_MARGIN * (np.abs(g[sl]) + float(np.abs(g[sl]).max()))
-                    plain = min(plain, add_up(op[1](g[sl]),
-                                              spectral_norm_upper(u.term(err))))
-                total = add_up(total, plain)
+                total = add_up(total, _op_term(u, ga[sl], g[sl]))
             out[r] = total
         if not np.all(np.isfinite(out)):
             return None

@@ -32,6 +32,8 @@ def token_radius(v: LocalValue, ball: Ball) -> np.ndarray:
     The box gives ||rad_S||_2, up to sqrt(D) times more on a 2-ball (every entry at its own
     extreme at once)."""
     d, p = v.shape[-1], v.jc.shape[-1]
+    if not (np.all(np.isfinite(v.jc)) and np.all(np.isfinite(v.jr))):
+        return np.full((*v.shape[:-1], 1), np.inf)
     jc = v.jc.reshape(-1, d, p)
     jr = v.jr.reshape(-1, d, p)
     fro = widen_up(np.square(jc).sum(axis=(1, 2)), d * p)  # (T,)

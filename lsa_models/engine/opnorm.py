@@ -68,6 +68,8 @@ def group_radius(v: LocalValue, ball: Ball, axes: int) -> np.ndarray:
     lead = shape[:len(shape) - axes]
     m = int(np.prod(shape[len(shape) - axes:]))
     p = v.jc.shape[-1]
+    if not (np.all(np.isfinite(v.jc)) and np.all(np.isfinite(v.jr))):
+        return np.full(lead, np.inf)
     jc = v.jc.reshape(-1, m, p)
     jr = v.jr.reshape(-1, m, p)
     fro = widen_up(np.square(jc).sum(axis=(1, 2)), m * p)

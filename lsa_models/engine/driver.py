@@ -484,7 +484,6 @@ class _Telescope:
         except (ValueError, np.linalg.LinAlgError):  # a term overflowed: not finite
             return None
 
-    @staticmethod
     def whole_opnorm(self, name: str, values: Values, ball: Ball) -> float | None:
         """2-ball: the operator-norm remainder of the whole tensor; None otherwise."""
         if ball.norm != "2":

@@ -261,6 +261,30 @@ CHECKPOINTS = ("LayerNormalization", "Softmax", "Erf", "Gelu", "Tanh", "Sigmoid"
 Values = dict[str, LocalValue | np.ndarray]
 
 
+def set_token_radius(v: LocalValue, true: np.ndarray) -> None:
+    """v.tok_true = `true` (>= ||T_t(X) - T_t(X0)||_2 per token, (*S[:-1], 1)), v.tok_rad
+    the same around the computed centre (plus the centre's margin), and every entry of a
+    token within its token's radius of the centre."""
+    d = v.shape[-1]
+    mg = center_margin(v.center).reshape(-1, d)
+    mn = (np.sqrt(widen_up(np.square(mg).sum(axis=1), d)) * (1 + 4 * U)).reshape(true.shape)
+    v.tok_true = true
+    v.tok_rad = widen_up(true + mn, 2)
+    v.lo = np.minimum(np.maximum(v.lo, v.center - v.tok_rad), v.center)
+    v.hi = np.maximum(np.minimum(v.hi, v.center + v.tok_rad), v.center)
+
+
+def _integrated_tokens(v: LocalValue, h: LocalValue, ball: Ball) -> None:
+    """Token radii by the integrated form: for X in the ball, X0 + d/2 lies in the half
+    ball, so ||T_t(X) - T_t(X0)|| <= h.tok_true + ||T_t(X) - T_t(X0 + d/2)||
+    <= h.tok_true + (eps/2) sup ||J_t||."""
+    if v.tok_jn is None or v.tok_true is None or h.tok_true is None \
+            or h.tok_true.shape != v.tok_true.shape:
+        return
+    cand = widen_up(h.tok_true + 0.5 * ball.eps * v.tok_jn, 2)
+    set_token_radius(v, np.minimum(v.tok_true, cand))
+
+
 def integrated(v: LocalValue, h: LocalValue | np.ndarray | None, ball: Ball) -> LocalValue:
     """Values by the integrated mean value form (docs/local-bounds.md): the segment from X0 to
     X spends its first half in the ball of radius eps/2, where the Jacobian is within
@@ -274,8 +298,10 @@ def integrated(v: LocalValue, h: LocalValue | np.ndarray | None, ball: Ball) -> 
     rad = widen_up(ball.eps * rows, 2) + center_margin(v.center)
     lo = np.minimum(np.maximum(v.lo, v.center - rad), v.center)
     hi = np.maximum(np.minimum(v.hi, v.center + rad), v.center)
-    return LocalValue(v.center, lo, hi, v.jc, v.jr, v.term, v.parts, v.opnorm, v.jnorm,
-                      v.tok_rad)
+    out = LocalValue(v.center, lo, hi, v.jc, v.jr, v.term, v.parts, v.opnorm, v.jnorm,
+                     v.tok_rad, v.tok_jn, v.tok_true)
+    _integrated_tokens(out, h, ball)
+    return out
 
 
 def _walk(model: OnnxModel, module: torch.nn.Module, env: dict[str, torch.Tensor], ball: Ball,
@@ -588,12 +614,8 @@ class _Telescope:
             return
         tok = np.array([add_up(spectral_norm_upper(jc[i:i + d]), float(rem[1 + t]))
                         for t, i in enumerate(range(0, k, d))])
-        mg = center_margin(v.center).reshape(-1, d)
-        mn = np.sqrt(widen_up(np.square(mg).sum(axis=1), d)) * (1 + 4 * U)
-        v.tok_rad = widen_up(ball.eps * tok + mn, 4).reshape(*v.shape[:-1], 1)
-        # every entry of a token moves at most the token's 2-norm radius
-        v.lo = np.minimum(np.maximum(v.lo, v.center - v.tok_rad), v.center)
-        v.hi = np.maximum(np.minimum(v.hi, v.center + v.tok_rad), v.center)
+        v.tok_jn = tok.reshape(*v.shape[:-1], 1)
+        set_token_radius(v, widen_up(ball.eps * v.tok_jn, 2))
 
 
 _ACT = {"Relu": "relu", "Gelu": "gelu", "Erf": "erf", "Tanh": "tanh", "Sigmoid": "sigmoid"}

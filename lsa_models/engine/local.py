@@ -194,7 +194,7 @@ def _constants_at(om: OnnxModel, x: np.ndarray, r: float, norm: str, label: int
 
 
 # radii of the sweep, as fractions of the first-order radius: geometric from 1/64 by 1.25
-SWEEP_START, SWEEP_RATIO = 1.0 / 64, 1.25
+SWEEP_START, SWEEP_RATIO = 1.0 / 16, 1.12
 
 
 def _tick(progress: Callable[[str, float], None] | None, runs: int, steps: int,

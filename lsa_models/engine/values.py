@@ -75,6 +75,10 @@ class LocalValue:
     # per token t (the last axis) over the ball, c the computed centre
     jnorm: float | None = field(default=None, repr=False)
     tok_rad: np.ndarray | None = field(default=None, repr=False)
+    # per token: tok_jn >= sup ||dT_t/dX||_2 over the ball, tok_true >= ||T_t(X) - T_t(X0)||_2
+    # (the true centre: tok_rad less the centre's margin), both (*S[:-1], 1)
+    tok_jn: np.ndarray | None = field(default=None, repr=False)
+    tok_true: np.ndarray | None = field(default=None, repr=False)
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -419,6 +419,21 @@ def _fused(chain: fused.Chain, x: LocalValue, env: dict[str, torch.Tensor],
 ADJOINT_MARGIN = 1e-9
 
 
+def _adjoint_rows(target: torch.Tensor, ts: list[torch.Tensor]) -> list:
+    """d target[i] / d t for every entry i and tensor t (None where t does not reach it):
+    one batched backward pass (vmap over the rows of the identity), or row by row where an
+    op has no batching rule."""
+    k = target.numel()
+    try:
+        eye = torch.eye(k, dtype=target.dtype)
+        grads = torch.autograd.grad(target, ts, grad_outputs=eye, retain_graph=True,
+                                    allow_unused=True, is_grads_batched=True)
+        return [tuple(None if gr is None else gr[i] for gr in grads) for i in range(k)]
+    except RuntimeError:
+        return [torch.autograd.grad(target[i], ts, retain_graph=True, allow_unused=True)
+                for i in range(k)]
+
+
 def _op_term(u: LocalValue, ga: np.ndarray, g: np.ndarray) -> float:
     """One op's operator-norm term for the signed adjoint rows g (|g| with its margin: ga):
     the smaller of the 2-norm of its entrywise term and its opnorm rule plus the adjoint's
@@ -434,7 +449,7 @@ def _op_term(u: LocalValue, ga: np.ndarray, g: np.ndarray) -> float:
         return plain
     err = ADJOINT_MARGIN * (np.abs(g) + float(np.abs(g).max()))
     try:
-        return min(plain, add_up(op[1](g), spectral_norm_upper(term(err))))
+        return min(plain, add_up(op[1](g), frobenius_upper(term(err))))
     except (ValueError, np.linalg.LinAlgError):
         return plain
 
@@ -469,9 +484,7 @@ class _Telescope:
         if key not in self.cache:
             target = self.env[name].reshape(-1)
             ts = [self.env[t] for t in names]
-            self.cache = {key: [torch.autograd.grad(target[i], ts, retain_graph=True,
-                                                    allow_unused=True)
-                                for i in range(target.numel())]}
+            self.cache = {key: _adjoint_rows(target, ts)}
         rows = self.cache[key]
         ts = [self.env[t] for t in names]
         out = []

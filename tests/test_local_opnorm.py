@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 
 from bench.local_models import build, center, export
 from lsa_models.empirical.local import local_lower_bound
-from lsa_models.engine import LocalValue, local_jacobian
+from lsa_models.engine import LocalValue, fused, local_jacobian
 from lsa_models.engine import opnorm as op
-from lsa_models.engine.driver import _adjoint_rows
+from lsa_models.engine.driver import _adjoint_rows, _chain_consts, _chains
 from lsa_models.engine.layernorm import token_radius
 from lsa_models.engine.rules import ln_block_norms
 from lsa_models.engine.values import Ball, LocalNotCertified, enclose
@@ -168,3 +168,89 @@ def test_adjoint_rows_batched_equal_the_row_by_row_backward(transformers: dict) 
             if a is not None and b is not None:
                 scale = float(b.abs().max()) + 1e-300
                 assert float((a - b).abs().max()) <= 1e-12 * scale
+
+
+@pytest.fixture(scope="module")
+def gelu_chain(tmp_path_factory: pytest.TempPathFactory) -> tuple:
+    """The tanh-GELU chain exactly as torch exports it (the MLP classifier's first one)."""
+    tmp = tmp_path_factory.mktemp("chain")
+    om = load_onnx(export(build("mlp", seed=1), Path(tmp) / "mlp.onnx").read_bytes())
+    x0 = center(0).numpy().astype(np.float64)
+    module = om.module.with_dtype(torch.float64)
+    with torch.no_grad():
+        env = module.run_env(torch.from_numpy(x0))
+    chains, _ = _chains(om, module, env)
+    chain = next(iter(chains.values()))
+    return chain, _chain_consts(chain, env)
+
+
+def _chain_second(chain: fused.Chain, consts: dict, x: np.ndarray) -> np.ndarray:
+    """f'' of the chain at the points x: its nodes run in float64 torch (the graph's own,
+    float32-rounded constants), differentiated twice by autograd."""
+    t = torch.from_numpy(x).requires_grad_(True)
+    val = {chain.root: t}
+
+    def arg(name: str) -> torch.Tensor:
+        return val[name] if name in val else torch.tensor(consts[name], dtype=torch.float64)
+    ops = {"Add": torch.add, "Sub": torch.sub, "Mul": torch.mul, "Div": torch.div,
+           "Pow": torch.pow}
+    for nd in chain.nodes:
+        if nd.op_type == "Neg":
+            out = -arg(nd.inputs[0])
+        elif nd.op_type == "Tanh":
+            out = torch.tanh(arg(nd.inputs[0]))
+        else:
+            out = ops[nd.op_type](arg(nd.inputs[0]), arg(nd.inputs[1]))
+        val[nd.outputs[0]] = out
+    y = val[chain.sink]
+    (g,) = torch.autograd.grad(y.sum(), t, create_graph=True)
+    (h,) = torch.autograd.grad(g.sum(), t)
+    return h.detach().numpy()
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10**6), width=st.sampled_from([1e-6, 0.1, 1.0, 5.0]),
+       shift=st.floats(-6.0, 6.0))
+def test_fused_second_derivative_encloses_the_exact_one(gelu_chain: tuple, seed: int,
+                                                        width: float, shift: float) -> None:
+    chain, consts = gelu_chain
+    rng = np.random.default_rng(seed)
+    lo = shift + rng.uniform(-1, 1, size=16)
+    hi = lo + width * rng.uniform(0, 1, size=16)
+    r = fused.second(chain, consts, lo, hi)
+    assert r is not None
+    for t in (0.0, 0.3, 0.5, 1.0):
+        x = lo + t * (hi - lo)
+        h = _chain_second(chain, consts, x)
+        assert np.all(h >= r[0] - 1e-12) and np.all(h <= r[1] + 1e-12)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10**6), eps=st.sampled_from([1e-2, 0.3, 1.0]), k=st.sampled_from([1, 4]))
+def test_opnorm_elementwise_curvature_form_bounds_tanh_changes(seed: int, eps: float,
+                                                              k: int) -> None:
+    """y = tanh(A X): the relational form max_b ||G_:b|| kappa_b eps sup||J_x||^2 against
+    ||G diag(tanh'(x(X)) - tanh'(x(X0))) A||_2 at the 2-ball's worst directions (the top
+    singular vectors of A, their negatives, random points)."""
+    rng = np.random.default_rng(seed)
+    n, p = 5, 4
+    a = rng.standard_normal((n, p))
+    x0 = rng.standard_normal(p)
+    g = rng.standard_normal((k, n))
+    c = a @ x0
+    rad = eps * np.linalg.norm(a, axis=1) * 1.001
+    lo, hi = c - rad, c + rad
+
+    def tanh2(x: np.ndarray) -> np.ndarray:
+        t = np.tanh(x)
+        return -2 * t * (1 - t * t)
+    grid = np.linspace(0, 1, 2001)[:, None]
+    kap = np.abs(tanh2(lo[None] + grid * (hi - lo)[None])).max(axis=0) * 1.01 + 1e-3
+    fn = op.elementwise(np.full(n, np.inf), a, np.zeros_like(a), curv=kap, eps=eps)
+    bound = fn(g)
+    dirs = [np.linalg.svd(a)[2][0], -np.linalg.svd(a)[2][0]] + \
+        [rng.standard_normal(p) for _ in range(6)]
+    for d in dirs:
+        x = x0 + eps * d / np.linalg.norm(d)
+        delta = (1 - np.tanh(a @ x) ** 2) - (1 - np.tanh(c) ** 2)
+        assert np.linalg.norm(g @ np.diag(delta) @ a, 2) <= bound * (1 + 1e-9)

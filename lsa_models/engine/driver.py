@@ -409,9 +409,13 @@ def _fused(chain: fused.Chain, x: LocalValue, env: dict[str, torch.Tensor],
     def rng(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return fused.ranges(chain, consts, lo, hi)[1]
 
+    def curv(lo: np.ndarray, hi: np.ndarray) -> np.ndarray | None:
+        r = fused.second(chain, consts, lo, hi)
+        return None if r is None else np.maximum(np.abs(r[0]), np.abs(r[1]))
+
     vals = fused.ranges(chain, consts, x.lo, x.hi)[0]
     out = env[chain.sink].detach().numpy()
-    return elementwise(x, "fused", out, ball, deriv=(d, rng), values=vals)
+    return elementwise(x, "fused", out, ball, deriv=(d, rng), values=vals, curv=curv)
 
 
 # Relative allowance on the adjoints G computed by autograd in float64 at the centre (they

@@ -120,6 +120,90 @@ def evaluate(chain: Chain, consts: dict[str, float], lo: np.ndarray, hi: np.ndar
     return val[chain.sink], der[chain.sink]
 
 
+# tanh'' = -2 t (1 - t^2), t = tanh(x): extremes where t^2 = 1/3
+_TANH2_CRIT = math.atanh(1.0 / math.sqrt(3.0))
+
+
+def _tanh2(a: Iv) -> Iv:
+    """Range of tanh''(x) = -2 tanh(x) (1 - tanh(x)^2) over [a0, a1]: the ends and the
+    critical points x = +-atanh(1/sqrt 3) inside."""
+    def h(x: np.ndarray) -> np.ndarray:
+        t = np.tanh(x)
+        return -2.0 * t * (1.0 - t * t)
+    cands = [h(a[0]), h(a[1])]
+    for c in (-_TANH2_CRIT, _TANH2_CRIT):
+        inside = (a[0] <= c) & (a[1] >= c)
+        hc = np.full_like(a[0], h(np.array(c)))
+        cands.append(np.where(inside, hc, h(a[0])))
+    st = np.stack(cands)
+    return _out(st.min(axis=0), st.max(axis=0))
+
+
+def second(chain: Chain, consts: dict[str, float], lo: np.ndarray, hi: np.ndarray
+           ) -> Iv | None:
+    """Interval forward-mode differentiation to second order over x in [lo, hi] (SPLITS
+    pieces, hulled): an enclosure of f''(x) for every x in the interval; None for chains with
+    Erf or Sigmoid (no second-order rule). Rules: (a b)'' = a'' b + 2 a' b' + a b'',
+    (a^2)'' = 2 (a'^2 + a a''), (a^3)'' = 3 (2 a a'^2 + a^2 a''), g(u)'' = g''(u) u'^2 +
+    g'(u) u''."""
+    if any(nd.op_type in ("Erf", "Sigmoid") for nd in chain.nodes):
+        return None
+    t = np.linspace(0.0, 1.0, SPLITS + 1)
+    w = hi - lo
+    edges = lo[None] + t.reshape(-1, *([1] * lo.ndim)) * w[None]
+    edges[0], edges[-1] = lo, hi
+    lo_, hi_ = edges[:-1], edges[1:]
+    one, zero = np.ones_like(lo_), np.zeros_like(lo_)
+    val: dict[str, Iv] = {chain.root: (lo_, hi_)}
+    d1: dict[str, Iv] = {chain.root: (one, one)}
+    d2: dict[str, Iv] = {chain.root: (zero, zero)}
+
+    def arg(name: str) -> tuple[Iv, Iv, Iv]:
+        if name in val:
+            return val[name], d1[name], d2[name]
+        c = consts[name] * one
+        return (c, c), (zero, zero), (zero, zero)
+
+    def k(x: float) -> Iv:
+        return x * one, x * one
+
+    for nd in chain.nodes:
+        a, da, dda = arg(nd.inputs[0])
+        op = nd.op_type
+        if op in ("Add", "Sub"):
+            b, db, ddb = arg(nd.inputs[1])
+            if op == "Sub":
+                b, db, ddb = _neg(b), _neg(db), _neg(ddb)
+            v, d, dd = _add(a, b), _add(da, db), _add(dda, ddb)
+        elif op == "Mul":
+            b, db, ddb = arg(nd.inputs[1])
+            v, d = _mul(a, b), _add(_mul(da, b), _mul(a, db))
+            dd = _add(_add(_mul(dda, b), _mul(k(2.0), _mul(da, db))), _mul(a, ddb))
+        elif op == "Div":
+            inv = k(1.0 / consts[nd.inputs[1]])
+            v, d, dd = _mul(a, inv), _mul(da, inv), _mul(dda, inv)
+        elif op == "Neg":
+            v, d, dd = _neg(a), _neg(da), _neg(dda)
+        elif op == "Pow":
+            p = consts[nd.inputs[1]]
+            if p == 2.0:
+                v, d = _square(a), _mul(_mul(a, da), k(2.0))
+                dd = _mul(_add(_square(da), _mul(a, dda)), k(2.0))
+            else:  # p == 3
+                v = _out(a[0] ** 3, a[1] ** 3)
+                d = _mul(_mul(_square(a), da), k(3.0))
+                dd = _mul(_add(_mul(k(2.0), _mul(a, _square(da))), _mul(_square(a), dda)),
+                          k(3.0))
+        else:  # Tanh
+            v = _out(np.tanh(a[0]), np.tanh(a[1]))
+            g1 = _bell(_DF["Tanh"], a)
+            d = _mul(g1, da)
+            dd = _add(_mul(_tanh2(a), _square(da)), _mul(g1, dda))
+        val[nd.outputs[0]], d1[nd.outputs[0]], d2[nd.outputs[0]] = v, d, dd
+    r = d2[chain.sink]
+    return r[0].min(axis=0), r[1].max(axis=0)
+
+
 def ranges(chain: Chain, consts: dict[str, float], lo: np.ndarray, hi: np.ndarray
            ) -> tuple[Iv, Iv]:
     """`evaluate` on SPLITS equal pieces of [lo, hi], hulled: (f range, f' range)."""

@@ -16,6 +16,7 @@ J_in(X)||_2 over the ball for the signed adjoint G (K, *S). The driver uses it o
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -89,16 +90,29 @@ def group_radius(v: LocalValue, ball: Ball, axes: int) -> np.ndarray:
 
 
 def elementwise(g_scale: np.ndarray, jc_in: np.ndarray, jr_in: np.ndarray,
-                known: float | None = None) -> OpNorm:
+                known: float | None = None, curv: np.ndarray | None = None,
+                eps: float = 0.0) -> OpNorm:
     """y = f(x) entrywise with |f'(x(X)) - f'(x(X0))| <= s (g_scale, x's shape):
     G diag(delta) = G diag(s) diag(delta / s) and ||diag(delta / s)||_2 <= 1, so
-    ||G diag(delta) J_x(X)||_2 <= ||G diag(s)||_2 sup ||J_x||_2."""
+    ||G diag(delta) J_x(X)||_2 <= ||G diag(s)||_2 sup ||J_x||_2.
+    With `curv` (kappa >= |f''| between x(X0) and x(X), entrywise) on a 2-ball of radius eps:
+    |delta_b| <= kappa_b |x_b(X) - x_b(X0)| and ||x(X) - x(X0)||_2 <= eps sup ||J_x||_2, so
+    ||G diag(delta)||_2 <= ||G diag(delta)||_F <= max_b (||G_:b||_2 kappa_b) eps sup ||J_x||
+    (the relational form: the entries of x cannot all reach their box ends at once)."""
     ln = jacobian_norm(jc_in, jr_in, known)
     s = g_scale.reshape(-1)
+    kap = None if curv is None else curv.reshape(-1)
 
     def fn(g: np.ndarray) -> float:
-        gs = g.reshape(g.shape[0], -1) * s
-        return mul_up(spectral_norm_upper(gs) * (1 + 4 * U), ln())
+        g2 = g.reshape(g.shape[0], -1)
+        gs = g2 * s
+        box = mul_up(spectral_norm_upper(gs) * (1 + 4 * U), ln()) \
+            if np.all(np.isfinite(gs)) else math.inf
+        if kap is None or not np.all(np.isfinite(kap)):
+            return box
+        cols = np.sqrt(widen_up(np.square(g2).sum(axis=0), g2.shape[0])) * (1 + 4 * U)
+        peak = float(np.max(cols * kap)) * (1 + 4 * U)
+        return min(box, mul_up(peak, eps, ln(), ln()))
     return fn
 
 

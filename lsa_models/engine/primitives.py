@@ -201,9 +201,12 @@ def value_range(kind: str, lo: np.ndarray, hi: np.ndarray, exponent: float = 2.0
 
 def elementwise(v: LocalValue, kind: str, out_center: np.ndarray, ball: Ball,
                 exponent: float = 2.0, deriv: Deriv | None = None,
-                values: tuple[np.ndarray, np.ndarray] | None = None) -> LocalValue:
+                values: tuple[np.ndarray, np.ndarray] | None = None,
+                curv: Callable[[np.ndarray, np.ndarray], np.ndarray | None] | None = None
+                ) -> LocalValue:
     """y = f(x) entrywise: dy = f'(x) dx with f'(x) in [dlo, dhi] over the input's range.
-    `deriv` and `values` (f's range) override the built-in ones (fused chains)."""
+    `deriv` and `values` (f's range) override the built-in ones (fused chains); `curv(lo, hi)`
+    bounds |f''| on [lo, hi] entrywise (the 2-ball's relational operator-norm form)."""
     d, rng = deriv if deriv is not None else derivative(kind, v.lo, v.hi, exponent)
     dc = d(v.center)  # (*S,)
     dlo, dhi = rng(v.lo, v.hi)
@@ -232,7 +235,10 @@ def elementwise(v: LocalValue, kind: str, out_center: np.ndarray, ball: Ball,
                  v.jr.reshape(-1, p))]
     out.term, out.parts = term, parts
     if ball.norm == "2":
-        out.opnorm = (term, opnorm.elementwise(dr + dr0, v.jc, v.jr, v.jnorm))
+        kap = None
+        if curv is not None:  # |f''| over both x(X) and x(X0): the range and the centre's
+            kap = curv(np.minimum(v.lo, v.center - mc), np.maximum(v.hi, v.center + mc))
+        out.opnorm = (term, opnorm.elementwise(dr + dr0, v.jc, v.jr, v.jnorm, kap, ball.eps))
     return out
 
 

@@ -29,6 +29,7 @@ from ..bounds.numerics import (
 from ..onnx.loading import OnnxModel
 from ..onnx.ops import Node, decimal_attr
 from . import forward_error, fused
+from .opnorm import integrated_tokens, rows_bound, set_token_radius
 from .primitives import LIBM_REL, derivative, elementwise
 from .rules import LOCAL_RULES, exact
 from .structured import Structured, row_two_bounds, structured_bounds
@@ -261,30 +262,6 @@ CHECKPOINTS = ("LayerNormalization", "Softmax", "Erf", "Gelu", "Tanh", "Sigmoid"
 Values = dict[str, LocalValue | np.ndarray]
 
 
-def set_token_radius(v: LocalValue, true: np.ndarray) -> None:
-    """v.tok_true = `true` (>= ||T_t(X) - T_t(X0)||_2 per token, (*S[:-1], 1)), v.tok_rad
-    the same around the computed centre (plus the centre's margin), and every entry of a
-    token within its token's radius of the centre."""
-    d = v.shape[-1]
-    mg = center_margin(v.center).reshape(-1, d)
-    mn = (np.sqrt(widen_up(np.square(mg).sum(axis=1), d)) * (1 + 4 * U)).reshape(true.shape)
-    v.tok_true = true
-    v.tok_rad = widen_up(true + mn, 2)
-    v.lo = np.minimum(np.maximum(v.lo, v.center - v.tok_rad), v.center)
-    v.hi = np.maximum(np.minimum(v.hi, v.center + v.tok_rad), v.center)
-
-
-def _integrated_tokens(v: LocalValue, h: LocalValue, ball: Ball) -> None:
-    """Token radii by the integrated form: for X in the ball, X0 + d/2 lies in the half
-    ball, so ||T_t(X) - T_t(X0)|| <= h.tok_true + ||T_t(X) - T_t(X0 + d/2)||
-    <= h.tok_true + (eps/2) sup ||J_t||."""
-    if v.tok_jn is None or v.tok_true is None or h.tok_true is None \
-            or h.tok_true.shape != v.tok_true.shape:
-        return
-    cand = widen_up(h.tok_true + 0.5 * ball.eps * v.tok_jn, 2)
-    set_token_radius(v, np.minimum(v.tok_true, cand))
-
-
 def integrated(v: LocalValue, h: LocalValue | np.ndarray | None, ball: Ball) -> LocalValue:
     """Values by the integrated mean value form (docs/local-bounds.md): the segment from X0 to
     X spends its first half in the ball of radius eps/2, where the Jacobian is within
@@ -300,7 +277,7 @@ def integrated(v: LocalValue, h: LocalValue | np.ndarray | None, ball: Ball) -> 
     hi = np.maximum(np.minimum(v.hi, v.center + rad), v.center)
     out = LocalValue(v.center, lo, hi, v.jc, v.jr, v.term, v.parts, v.opnorm, v.jnorm,
                      v.tok_rad, v.tok_jn, v.tok_true)
-    _integrated_tokens(out, h, ball)
+    integrated_tokens(out, h, ball)
     return out
 
 
@@ -438,26 +415,6 @@ def _adjoint_rows(target: torch.Tensor, ts: list[torch.Tensor]) -> list:
                 for i in range(k)]
 
 
-def _op_term(u: LocalValue, ga: np.ndarray, g: np.ndarray) -> float:
-    """One op's operator-norm term for the signed adjoint rows g (|g| with its margin: ga):
-    the smaller of the 2-norm of its entrywise term and its opnorm rule plus the adjoint's
-    rounding margin through the entrywise term; inf where a term overflowed (the certified
-    norms refuse non-finite input)."""
-    term, op = u.term, u.opnorm
-    assert term is not None
-    try:
-        plain = spectral_norm_upper(term(ga))
-    except (ValueError, np.linalg.LinAlgError):
-        plain = math.inf
-    if op is None or op[0] is not term:
-        return plain
-    err = ADJOINT_MARGIN * (np.abs(g) + float(np.abs(g).max()))
-    try:
-        return min(plain, add_up(op[1](g), frobenius_upper(term(err))))
-    except (ValueError, np.linalg.LinAlgError):
-        return plain
-
-
 class _Telescope:
     """The remainder of a tensor's Jacobian by telescoping over the ops before it:
     J_t(X) - J_t(X0) = sum_ops G_op (D_op(X) - D_op(X0)) J_in(X), G_op = d t / d (op output)
@@ -523,7 +480,7 @@ class _Telescope:
             groups = [np.arange(rnd.shape[0])] if combos is None else \
                 [np.array([r]) for r in range(combos.shape[0])]
         try:
-            return self._opnorm_rows(terms, rnd, groups)
+            return rows_bound(terms, rnd, groups, ADJOINT_MARGIN)
         except (ValueError, np.linalg.LinAlgError):  # a term overflowed: not finite
             return None
 
@@ -533,19 +490,6 @@ class _Telescope:
             return None
         rem = self.opnorm(name, values)
         return None if rem is None else float(rem[0])
-
-    @staticmethod
-    def _opnorm_rows(terms: list, rnd: np.ndarray, groups: list[np.ndarray]
-                     ) -> np.ndarray | None:
-        out = np.zeros(len(groups))
-        for r, sl in enumerate(groups):
-            total = spectral_norm_upper(rnd[sl])
-            for ga, u, g in terms:
-                total = add_up(total, _op_term(u, ga[sl], g[sl]))
-            out[r] = total
-        if not np.all(np.isfinite(out)):
-            return None
-        return out
 
     def _rounding(self, name: str, combos: np.ndarray | None) -> np.ndarray:
         """|J(X0) - jc| for the rows: the enclosure's radius at eps = 0."""

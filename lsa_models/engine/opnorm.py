@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..bounds.numerics import U, add_up, mul_up, spectral_norm_upper
+from ..bounds.numerics import U, add_up, frobenius_upper, mul_up, spectral_norm_upper
 from .values import Ball, LocalValue, center_margin, gamma, widen_up
 
 OpNorm = Callable[[np.ndarray], float]
@@ -161,3 +161,62 @@ def matmul(a: LocalValue | np.ndarray, b: LocalValue | np.ndarray, out_shape: tu
             total = add_up(total, mul_up(ng, d_other, ln()))
         return total
     return fn
+
+
+def set_token_radius(v: LocalValue, true: np.ndarray) -> None:
+    """v.tok_true = `true` (>= ||T_t(X) - T_t(X0)||_2 per token, (*S[:-1], 1)), v.tok_rad
+    the same around the computed centre (plus the centre's margin), and every entry of a
+    token within its token's radius of the centre."""
+    d = v.shape[-1]
+    mg = center_margin(v.center).reshape(-1, d)
+    mn = (np.sqrt(widen_up(np.square(mg).sum(axis=1), d)) * (1 + 4 * U)).reshape(true.shape)
+    v.tok_true = true
+    v.tok_rad = widen_up(true + mn, 2)
+    v.lo = np.minimum(np.maximum(v.lo, v.center - v.tok_rad), v.center)
+    v.hi = np.maximum(np.minimum(v.hi, v.center + v.tok_rad), v.center)
+
+
+def integrated_tokens(v: LocalValue, h: LocalValue, ball: Ball) -> None:
+    """Token radii by the integrated form: for X in the ball, X0 + d/2 lies in the half
+    ball, so ||T_t(X) - T_t(X0)|| <= h.tok_true + ||T_t(X) - T_t(X0 + d/2)||
+    <= h.tok_true + (eps/2) sup ||J_t||."""
+    if v.tok_jn is None or v.tok_true is None or h.tok_true is None \
+            or h.tok_true.shape != v.tok_true.shape:
+        return
+    cand = widen_up(h.tok_true + 0.5 * ball.eps * v.tok_jn, 2)
+    set_token_radius(v, np.minimum(v.tok_true, cand))
+
+
+def op_term(u: LocalValue, ga: np.ndarray, g: np.ndarray, margin: float) -> float:
+    """One op's operator-norm term for the signed adjoint rows g (|g| with its margin: ga):
+    the smaller of the 2-norm of its entrywise term and its opnorm rule plus the adjoint's
+    rounding margin (`margin` (|g| + max|g|)) through the entrywise term; inf where a term
+    overflowed (the certified norms refuse non-finite input)."""
+    term, op = u.term, u.opnorm
+    assert term is not None
+    try:
+        plain = spectral_norm_upper(term(ga))
+    except (ValueError, np.linalg.LinAlgError):
+        plain = math.inf
+    if op is None or op[0] is not term:
+        return plain
+    err = margin * (np.abs(g) + float(np.abs(g).max()))
+    try:
+        return min(plain, add_up(op[1](g), frobenius_upper(term(err))))
+    except (ValueError, np.linalg.LinAlgError):
+        return plain
+
+
+def rows_bound(terms: list, rnd: np.ndarray, groups: list[np.ndarray], margin: float
+               ) -> np.ndarray | None:
+    """Per group of rows (index arrays): ||rounding rows||_2 + the sum of the ops' terms
+    (`op_term`); None where one is not finite."""
+    out = np.zeros(len(groups))
+    for r, sl in enumerate(groups):
+        total = spectral_norm_upper(rnd[sl])
+        for ga, u, g in terms:
+            total = add_up(total, op_term(u, ga[sl], g[sl], margin))
+        out[r] = total
+    if not np.all(np.isfinite(out)):
+        return None
+    return out

@@ -193,8 +193,10 @@ def _constants_at(om: OnnxModel, x: np.ndarray, r: float, norm: str, label: int
     return {j: v * (1 + 1e-12) for j, v in consts.items()}
 
 
-# radii of the sweep, as fractions of the first-order radius: geometric from 1/64 by 1.25
-SWEEP_START, SWEEP_RATIO = 1.0 / 16, 1.12
+# the sweep's pieces: the first 1/16 of the first-order radius wide, then as wide as the last
+# one (while that is more than SWEEP_RATIO - 1 of the radius reached) or SWEEP_RATIO - 1 of the
+# radius reached; a piece that fails is retried a quarter as wide (SWEEP_SHRINK)
+SWEEP_START, SWEEP_RATIO, SWEEP_SHRINK, SWEEP_MIN_GAIN = 1.0 / 16, 1.12, 0.25, 0.01
 
 
 def _tick(progress: Callable[[str, float], None] | None, runs: int, steps: int,
@@ -210,34 +212,36 @@ def _sweep(om: OnnxModel, x: np.ndarray, norm: str, label: int, margins: dict[in
     "Certified robustness radius"): for radii 0 = rho_0 < rho_1 < ... and X with
     ||X - X0|| <= rho_n, every point of the segment at distance in (rho_{i-1}, rho_i] lies in
     the ball of radius rho_i, so
-        m_j(X) >= m_j(X0) - sum_{i <= n} (rho_i - rho_{i-1}) L_j(rho_i);
-    the first radius where that fails gives a last partial piece of width
-    min_j (m_j(X0) - S_j) / L_j(rho_{n+1}). Returns (radius, engine runs, L at the last
-    certified radius)."""
+        m_j(X) >= m_j(X0) - sum_{i <= n} (rho_i - rho_{i-1}) L_j(rho_i).
+    A piece (rho_n, rho_n + w] whose sum would reach a margin still certifies the partial
+    width min_j (m_j(X0) - S_j) / L_j(rho_n + w) (the ball contains it), and is retried
+    SWEEP_SHRINK as wide. Returns (radius, engine runs, L at the last certified piece)."""
     c0 = _constants_at(om, x, 0.0, norm, label)
     _tick(progress, 1, steps, 0.0)
     if c0 is None:
         return 0.0, 1, {}
     first = min(margins[j] / max(c0[j], 1e-300) for j in c0)
     spent = dict.fromkeys(c0, 0.0)  # S_j: the sum over the pieces so far
-    prev, rho, runs, consts = 0.0, first * SWEEP_START, 1, {}
-    while runs < steps:
+    prev, best, width, runs, consts = 0.0, 0.0, first * SWEEP_START, 1, dict[int, float]()
+    # stop when a piece would add less than SWEEP_MIN_GAIN of the radius reached
+    while runs < steps and width > max(first * 1e-6, best * SWEEP_MIN_GAIN):
         runs += 1
+        rho = prev + width
         c = _constants_at(om, x, rho, norm, label)
-        if c is None:
-            _tick(progress, runs, steps, prev)
-            break
-        width = rho - prev
-        after = {j: spent[j] + width * c[j] for j in c}
-        if not all(margins[j] - after[j] > 0 for j in c):
-            # the partial piece: X at distance prev + delta, delta < width, stays certified
-            delta = min((margins[j] - spent[j]) / c[j] for j in c)
-            radius = prev + max(0.0, min(delta, width)) * (1 - 1e-9)
-            _tick(progress, runs, steps, radius)
-            return radius, runs, c
-        spent, prev, consts, rho = after, rho, c, rho * SWEEP_RATIO
-        _tick(progress, runs, steps, prev)
-    return prev, runs, consts
+        after = None if c is None else {j: spent[j] + width * c[j] for j in c}
+        if c is not None and after is not None and all(margins[j] - after[j] > 0 for j in c):
+            spent, prev, consts = after, rho, c
+            best = max(best, prev)
+            width = max(width, prev * (SWEEP_RATIO - 1))
+        else:
+            if c is not None:  # the partial piece: X at distance prev + delta, delta < width
+                delta = min((margins[j] - spent[j]) / c[j] for j in c)
+                part = prev + max(0.0, min(delta, width)) * (1 - 1e-9)
+                if part > best:
+                    best, consts = part, c
+            width *= SWEEP_SHRINK
+        _tick(progress, runs, steps, best)
+    return best, runs, consts
 
 
 def robustness(model: Any, at: np.ndarray, label: int, norm: NormName,

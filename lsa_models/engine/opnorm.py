@@ -16,6 +16,7 @@ J_in(X)||_2 over the ball for the signed adjoint G (K, *S). The driver uses it o
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 
@@ -187,36 +188,41 @@ def integrated_tokens(v: LocalValue, h: LocalValue, ball: Ball) -> None:
     set_token_radius(v, np.minimum(v.tok_true, cand))
 
 
-def op_term(u: LocalValue, ga: np.ndarray, g: np.ndarray, margin: float) -> float:
-    """One op's operator-norm term for the signed adjoint rows g (|g| with its margin: ga):
-    the smaller of the 2-norm of its entrywise term and its opnorm rule plus the adjoint's
-    rounding margin (`margin` (|g| + max|g|)) through the entrywise term; inf where a term
-    overflowed (the certified norms refuse non-finite input)."""
-    term, op = u.term, u.opnorm
-    assert term is not None
-    try:
-        plain = spectral_norm_upper(term(ga))
-    except (ValueError, np.linalg.LinAlgError):
-        plain = math.inf
-    if op is None or op[0] is not term:
-        return plain
-    err = margin * (np.abs(g) + float(np.abs(g).max()))
-    try:
-        return min(plain, add_up(op[1](g), frobenius_upper(term(err))))
-    except (ValueError, np.linalg.LinAlgError):
-        return plain
-
-
 def rows_bound(terms: list, rnd: np.ndarray, groups: list[np.ndarray], margin: float
                ) -> np.ndarray | None:
-    """Per group of rows (index arrays): ||rounding rows||_2 + the sum of the ops' terms
-    (`op_term`); None where one is not finite."""
-    out = np.zeros(len(groups))
-    for r, sl in enumerate(groups):
-        total = spectral_norm_upper(rnd[sl])
-        for ga, u, g in terms:
-            total = add_up(total, op_term(u, ga[sl], g[sl], margin))
-        out[r] = total
+    """Per group of rows (index arrays) of the telescoped tensor: ||rounding rows||_2 plus,
+    per op, the smaller of the 2-norm of its entrywise term (the terms are row by row, so
+    one evaluation serves every group) and its opnorm rule on the group's signed adjoint
+    rows plus the adjoint's rounding margin (`margin` (|g| + max|g|)) through the entrywise
+    term (Frobenius). A term that overflowed counts as inf; None where a group's total is
+    not finite."""
+    out = np.array([spectral_norm_upper(rnd[sl]) for sl in groups])
+    for ga, u, g in terms:
+        term, op = u.term, u.opnorm
+        assert term is not None
+        plain = _finite(lambda: term(ga))  # noqa: B023 (called at once)
+        live = op is not None and op[0] is term
+        err = _finite(lambda: term(margin * (np.abs(g) + float(np.abs(g).max())))) \
+            if live else None  # noqa: B023
+        for r, sl in enumerate(groups):
+            best = _norm_or_inf(plain, sl)
+            if live and op is not None and err is not None and np.all(np.isfinite(err[sl])):
+                with contextlib.suppress(ValueError, np.linalg.LinAlgError):
+                    best = min(best, add_up(op[1](g[sl]), frobenius_upper(err[sl])))
+            out[r] = add_up(float(out[r]), best)
     if not np.all(np.isfinite(out)):
         return None
     return out
+
+
+def _finite(f: Callable[[], np.ndarray]) -> np.ndarray | None:
+    try:
+        return f()
+    except (ValueError, np.linalg.LinAlgError, FloatingPointError):
+        return None
+
+
+def _norm_or_inf(m: np.ndarray | None, sl: np.ndarray) -> float:
+    if m is None or not np.all(np.isfinite(m[sl])):
+        return math.inf
+    return spectral_norm_upper(m[sl])

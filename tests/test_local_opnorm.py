@@ -254,3 +254,50 @@ def test_opnorm_elementwise_curvature_form_bounds_tanh_changes(seed: int, eps: f
         x = x0 + eps * d / np.linalg.norm(d)
         delta = (1 - np.tanh(a @ x) ** 2) - (1 - np.tanh(c) ** 2)
         assert np.linalg.norm(g @ np.diag(delta) @ a, 2) <= bound * (1 + 1e-9)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10**6), eps=st.sampled_from([1e-2, 0.3, 1.0]),
+       heads=st.sampled_from([1, 2]))
+def test_opnorm_matmul_bounds_the_bilinear_jacobian_change(seed: int, eps: float,
+                                                          heads: int) -> None:
+    """Y = A(X) B(X) with A = X Wa, B = (X Wb)^T per head (linear, so J_in is constant and
+    G (D(X) - D(X0)) J_in = G (J_Y(X) - J_Y(X0)) exactly): the matmul rule's bound against
+    that change at the top singular direction of the map, its negative and random points of
+    the 2-ball."""
+    rng = np.random.default_rng(seed)
+    n, d, k = 3, 4, 2
+    wa = rng.standard_normal((heads, d, k))
+    wb = rng.standard_normal((heads, d, k))
+    x0 = rng.standard_normal((n, d))
+    p = n * d
+    ball = Ball(x0, eps, "2")
+
+    def a_of(x: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("nd,hdk->hnk", x, torch.from_numpy(wa))  # (H, n, k)
+
+    def b_of(x: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("nd,hdk->hkn", x, torch.from_numpy(wb))  # (H, k, n)
+
+    def value(f: object, x0_: np.ndarray) -> LocalValue:
+        xt = torch.from_numpy(x0_)
+        c = f(xt).numpy()  # type: ignore[operator]
+        jac = torch.autograd.functional.jacobian(f, xt).reshape(*c.shape, p).numpy()  # type: ignore[arg-type]
+        return enclose(c, jac, np.zeros_like(jac), ball)
+
+    a, b = value(a_of, x0), value(b_of, x0)
+    fn = op.matmul(a, b, (heads, n, n), ball)
+    assert fn is not None
+    g = rng.standard_normal((2, heads, n, n))
+    bound = fn(g)
+
+    def jy(x: np.ndarray) -> np.ndarray:
+        f = lambda t: a_of(t) @ b_of(t)  # noqa: E731
+        return torch.autograd.functional.jacobian(f, torch.from_numpy(x)).reshape(-1, p).numpy()
+    j0 = jy(x0)
+    g2 = g.reshape(2, -1)
+    dirs = [rng.standard_normal((n, d)) for _ in range(6)]
+    top = np.linalg.svd(j0)[2][0].reshape(n, d)
+    for dvec in dirs + [top, -top]:
+        x = x0 + eps * dvec / np.linalg.norm(dvec)
+        assert np.linalg.norm(g2 @ (jy(x) - j0), 2) <= bound * (1 + 1e-9)

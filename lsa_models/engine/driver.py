@@ -27,7 +27,7 @@ from ..bounds.numerics import (
 )
 from ..onnx.loading import OnnxModel
 from ..onnx.ops import Node, decimal_attr
-from . import forward_error, fused
+from . import forward_error, fused, signed
 from .primitives import LIBM_REL, derivative, elementwise
 from .rules import LOCAL_RULES, exact
 from .structured import Structured, row_two_bounds, structured_bounds
@@ -416,7 +416,7 @@ class _Telescope:
             ga = np.abs(g) * (1 + ADJOINT_MARGIN) + ADJOINT_MARGIN * float(np.abs(g).max())
             u = values[t]
             assert isinstance(u, LocalValue) and u.term is not None
-            out.append((ga, u))
+            out.append((ga, signed.bind(u, g, ga)))  # the signed form where a rule has one
         return out
 
     def _rounding(self, name: str, combos: np.ndarray | None) -> np.ndarray:

@@ -1,0 +1,114 @@
+"""The signed telescoped terms (lsa_models/engine/signed.py, docs/local-bounds.md "Signed
+adjoints"): the bound on G (D(x) - D(x0)) for LayerNorm against exact float64 gradients of
+G . LayerNorm(x) at points of the input box (corners included), with the adjoint known only
+to within its margin; and whole graphs against exact Jacobians at the corners of the ball."""
+
+from __future__ import annotations
+
+import tempfile
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from lsa_models.empirical.local import local_lower_bound
+from lsa_models.engine import local_jacobian
+from lsa_models.engine.signed import layernorm_signed
+from lsa_models.engine.values import LocalValue
+from lsa_models.onnx import load_onnx
+from lsa_models.onnx.loading import OnnxModel
+
+
+def _phi(x: np.ndarray, a: np.ndarray, ln_eps: float) -> np.ndarray:
+    """grad_x of sum(a * LayerNorm(x)) (no affine: a holds G * gamma), exactly in float64."""
+    xt = torch.from_numpy(x).requires_grad_(True)
+    y = torch.nn.functional.layer_norm(xt, (x.shape[-1],), eps=ln_eps)
+    (gx,) = torch.autograd.grad((torch.from_numpy(a) * y).sum(), xt)
+    return gx.numpy()
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10**6), d=st.integers(2, 8), t=st.integers(1, 3),
+       scale=st.sampled_from([0.05, 1.0, 4.0]), width=st.sampled_from([1e-3, 0.05, 0.5, 3.0]),
+       ln_eps=st.sampled_from([1e-5, 1e-2, 1.0]), adj=st.sampled_from([0.0, 1e-3, 0.3]),
+       const=st.booleans())
+def test_layernorm_signed_bounds_the_adjoint_row_change(
+        seed: int, d: int, t: int, scale: float, width: float, ln_eps: float, adj: float,
+        const: bool) -> None:
+    rng = np.random.default_rng(seed)
+    x0 = rng.standard_normal((t, d)) * scale
+    if const:  # a token near the constant line: sigma small, the Hessian large
+        x0[0] = 0.3 + 1e-3 * rng.standard_normal(d)
+    lo = x0 - width * rng.uniform(0.0, 1.0, (t, d))
+    hi = x0 + width * rng.uniform(0.0, 1.0, (t, d))
+    margin = np.zeros((t, d))
+    v = LocalValue(x0, lo, hi, np.zeros((t, d, 1)), np.zeros((t, d, 1)))
+    gam = rng.standard_normal(d) * 2
+    k = 2
+    g = rng.standard_normal((k, t, d))
+    ga = np.abs(g) * (1 + adj) + adj * np.abs(g).max()
+    c = layernorm_signed(v, gam, ln_eps, margin)(g, ga).reshape(k, t, d)
+    assert np.all(c >= 0)
+    for _ in range(12):
+        if rng.random() < 0.5:  # corners of the box
+            x = np.where(rng.random((t, d)) < 0.5, lo, hi)
+        else:
+            x = rng.uniform(lo, hi)
+        gt = g + (ga - np.abs(g)) * rng.uniform(-1.0, 1.0, g.shape)  # the true adjoint
+        for i in range(k):
+            a = gt[i] * gam
+            diff = np.abs(_phi(x, a, ln_eps) - _phi(x0, a, ln_eps))
+            assert np.all(diff <= c[i] * (1 + 1e-9) + 1e-12), float(np.max(diff - c[i]))
+
+
+class TwoNorms(nn.Module):
+    """LN -> Linear -> tanh -> LN -> Linear on tokens (N = 2, D = 3): every LayerNorm's
+    adjoint has mixed signs, so its signed term meets the cancellations it relies on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(3, eps=1e-3), nn.LayerNorm(3, eps=1e-3)
+        self.lin, self.out = nn.Linear(3, 3), nn.Linear(3, 2)
+        with torch.no_grad():
+            self.ln1.weight.uniform_(-2, 2)
+            self.ln2.weight.uniform_(-2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x + torch.tanh(self.lin(self.ln1(x)))
+        return self.out(self.ln2(y))
+
+
+@pytest.fixture(scope="module")
+def two_norms() -> OnnxModel:
+    torch.manual_seed(1)
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        path = Path(tmp) / "ln2.onnx"
+        torch.onnx.export(TwoNorms().eval(), (torch.randn(1, 2, 3),), str(path), dynamo=False,
+                          opset_version=18, input_names=["x"], output_names=["y"])
+        return load_onnx(path.read_bytes())
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 10**6), eps=st.sampled_from([1e-2, 0.1, 0.3]),
+       scale=st.sampled_from([0.1, 1.0]))
+def test_signed_layernorm_terms_hold_at_every_corner(two_norms: OnnxModel, seed: int,
+                                                     eps: float, scale: float) -> None:
+    x0 = np.random.default_rng(seed).standard_normal((1, 2, 3)) * scale
+    lj = local_jacobian(two_norms, x0, eps, "inf")
+    f = two_norms.module.with_dtype(torch.float64)
+    upper = lj.upper()
+    for k in range(2 ** x0.size):  # every corner of the inf-ball
+        d = np.array([1.0 if k >> i & 1 else -1.0 for i in range(x0.size)]).reshape(x0.shape)
+        jac = torch.autograd.functional.jacobian(f, torch.from_numpy(x0 + eps * d)) \
+            .reshape(-1, x0.size).numpy()
+        assert np.all(np.abs(jac - lj.jc) <= lj.jr + 1e-12), \
+            float(np.max(np.abs(jac - lj.jc) - lj.jr))
+        assert float(np.abs(jac).sum(axis=1).max()) <= upper
+    lb = local_lower_bound(f, x0, eps, "inf", restarts=1, steps=6, seed=seed)
+    assert lb.lower <= upper

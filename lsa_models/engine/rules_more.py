@@ -449,5 +449,6 @@ class SignedLayerNormRule(LocalRule):
             gam = np.broadcast_to(np.asarray(g, dtype=np.float64), (d,))
             eps = decimal_attr(float(node.attrs.get("epsilon", 1e-5)))
             y.term = SignedTerm(y.term, y.parts,
-                                layernorm_signed(x, gam, eps, center_margin(x.center)))
+                                layernorm_signed(x, gam, eps, center_margin(x.center),
+                                                 ball))
         return outs

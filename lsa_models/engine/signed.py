@@ -22,7 +22,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from .values import LocalValue, Parts, widen_up
+from .values import Ball, LocalValue, Parts, dual_row_norms, widen_up
 
 Term = Callable[[np.ndarray], np.ndarray]
 PartsFn = Callable[[np.ndarray], list[Parts]]
@@ -70,52 +70,144 @@ def bind(u: LocalValue, g: np.ndarray, ga: np.ndarray) -> LocalValue:
     return replace(u, term=term, parts=parts)
 
 
-def layernorm_signed(x: LocalValue, gamma: np.ndarray, ln_eps: float, margin: np.ndarray
-                     ) -> SignedFn:
+def layernorm_signed(x: LocalValue, gamma: np.ndarray, ln_eps: float, margin: np.ndarray,
+                     ball: Ball | None = None) -> SignedFn:
     """The signed bound for y = LayerNorm(x) (last axis, D), y = gamma z + beta.
 
     Per output row i and token t: a = G_i,t * gamma, b = P a, h(x) = a . z(x) = (b . u)/sigma,
-    hess h = (1/(D sigma^3)) (-(b u^T + u b^T) - s P) + 3 s u u^T / (D^2 sigma^5), s = b . u.
-    Over the box: |u_j| <= U_j = |(P m)_j| + (|P| r)_j (m, r the box's midpoint and radius),
-    |s| <= |b . m| + |b| . r, sigma >= sqrt((||P m|| - ||r||)_+^2 / D + eps); so with
-    R = rad + margin (|x - x0| for the true centre x0):
-      c_k = (1/(D sigma_lo^3)) (|b_k| U.R + U_k |b|.R + |s| (|P| R)_k)
-            + 3 |s| U_k U.R / (D^2 sigma_lo^5)."""
+    hess h = (1/(D sigma^3)) (-(b u^T + u b^T) - s P) + 3 s u u^T / (D^2 sigma^5), s = b . u,
+    and phi = grad h moves by at most sum_j sup_box |hess_kj| R_j (R = rad + margin: |x - x0|
+    for the true centre x0). Two bounds of that sup (docs/local-bounds.md, "Signed adjoints"):
+    the box form (every factor at its largest magnitude over the box) and, with a ball, the
+    relational form: hess(xi) = L + (hess(xi) - L), L = hess at the computed centre c, so
+    |phi_k(x) - phi_k(x0)| <= |L_k . (x - x0)| + sum_j |hess(xi) - L|_kj R_j, the first by the
+    mean value form of the linear functional L_k . x(X) (Jacobian L_k (jc +- jr)), the second
+    by the products' deviations over the box."""
     d = x.shape[-1]
-    lo, hi = x.lo, x.hi
-    mid = 0.5 * (lo + hi)
-    r = widen_up(np.maximum(hi - mid, mid - lo), 2)  # (..., D)
+    c = x.center
     rad = widen_up(x.rad + margin, 2)  # |x - x0| for the true x0
+    rb = widen_up(x.rad, 2)  # |xi - c| for xi in the box
 
     def absp(v: np.ndarray) -> np.ndarray:  # |P| v for v >= 0, rounded up
         return widen_up(v * (1.0 - 2.0 / d) + v.sum(axis=-1, keepdims=True) / d, d + 2)
 
-    pm = mid - mid.mean(axis=-1, keepdims=True)
-    uabs = widen_up(np.abs(pm) * (1 + _REL) + absp(r), 4)  # (..., D) >= |u_j| on the box
-    nc = np.sqrt(np.square(pm).sum(axis=-1, keepdims=True)) * (1 - _REL)
-    rho = np.sqrt(widen_up(np.square(r).sum(axis=-1, keepdims=True), d)) * (1 + _REL)
-    s2lo = (np.square(np.maximum(nc - rho, 0.0)) / d + ln_eps) * (1 - _REL)
+    def dot(u: np.ndarray, v: np.ndarray) -> np.ndarray:  # nonnegative sums over the axis
+        return widen_up((u * v).sum(axis=-1, keepdims=True), d)
+
+    uc = c - c.mean(axis=-1, keepdims=True)  # P c (computed)
+    ru = widen_up(absp(rb) + _REL * (np.abs(c) + np.abs(c).mean(axis=-1, keepdims=True)), 2)
+    uabs = widen_up(np.abs(uc) + ru, 2)  # (..., D) >= |u_j| on the box
+    nc = np.sqrt(np.square(uc).sum(axis=-1, keepdims=True))
+    # ||P xi - uc|| <= ||xi - c|| (P an orthogonal projection) + the rounding of uc
+    rho = widen_up(np.sqrt(widen_up(np.square(rb).sum(axis=-1, keepdims=True), d))
+                   + _REL * np.sqrt(np.square(np.abs(c) + np.abs(c).mean(
+                       axis=-1, keepdims=True)).sum(axis=-1, keepdims=True)), 2)
+    s2lo = (np.square(np.maximum(nc * (1 - _REL) - rho, 0.0)) / d + ln_eps) * (1 - _REL)
+    s2hi = (np.square(nc * (1 + _REL) + rho) / d + ln_eps) * (1 + _REL)
     w3 = np.power(s2lo, -1.5) * (1 + _REL)  # >= 1/sigma^3 on the box
     w5 = np.power(s2lo, -2.5) * (1 + _REL)
-    ur = widen_up((uabs * rad).sum(axis=-1, keepdims=True), d)  # U . R
+    s2c = np.square(uc).sum(axis=-1, keepdims=True) / d + ln_eps
+    w3c, w5c = np.power(s2c, -1.5), np.power(s2c, -2.5)
+    rw3 = np.maximum(w3 - w3c, w3c - np.power(s2hi, -1.5) * (1 - _REL)) + _REL * w3
+    rw5 = np.maximum(w5 - w5c, w5c - np.power(s2hi, -2.5) * (1 - _REL)) + _REL * w5
+    ur = dot(uabs, rad)  # U . R
     pr = absp(rad)  # |P| R
-    xabs = np.maximum(np.abs(lo), np.abs(hi))
+    cabs = np.abs(c) + rb  # >= |x| on the box
     gam = np.asarray(gamma, dtype=np.float64)
+    pmat = np.eye(d) - 1.0 / d
+    rel = ball is not None and x.jc.shape[-1] > 0
+    if rel:
+        pdim = x.jc.shape[-1]
+        jcx = x.jc  # (..., D, P)
+        ju = np.einsum("...j,...jp->...p", uc, jcx)  # uc^T J per token (..., P)
+        pj = jcx - jcx.mean(axis=-2, keepdims=True)  # P J
+        jrow = widen_up(np.abs(jcx).sum(axis=-1), pdim)  # (..., D): row sums of |J|
+
+    # the box form about the box's midpoint m (radius r), tighter than about c where the box
+    # is lopsided: |u_j| <= |(P m)_j| + (|P| r)_j, sigma from ||P m|| -+ ||r||
+    mid = 0.5 * (x.lo + x.hi)
+    rm = widen_up(np.maximum(x.hi - mid, mid - x.lo), 2)
+    um = mid - mid.mean(axis=-1, keepdims=True)
+    uabs_m = widen_up(np.abs(um) + absp(rm) + _REL * (np.abs(mid) + np.abs(mid).mean(
+        axis=-1, keepdims=True)), 2)
+    rho_m = widen_up(np.sqrt(widen_up(np.square(rm).sum(axis=-1, keepdims=True), d))
+                     + _REL * np.sqrt(np.square(np.abs(mid) + np.abs(mid).mean(
+                         axis=-1, keepdims=True)).sum(axis=-1, keepdims=True)), 2)
+    ncm = np.sqrt(np.square(um).sum(axis=-1, keepdims=True))
+    s2m = (np.square(np.maximum(ncm * (1 - _REL) - rho_m, 0.0)) / d + ln_eps) * (1 - _REL)
+    w3m, w5m = np.power(s2m, -1.5) * (1 + _REL), np.power(s2m, -2.5) * (1 + _REL)
+    w3, w5 = np.minimum(w3, w3m), np.minimum(w5, w5m)  # both bound 1/sigma on the box
+    uabs = np.minimum(uabs, uabs_m)
+    ur = dot(uabs, rad)
+
+    def box(babs: np.ndarray, sabs: np.ndarray) -> np.ndarray:
+        br = dot(babs, rad)
+        return w3 / d * (babs * ur + uabs * br + sabs * pr) + 3.0 * w5 / (d * d) * sabs * uabs * ur
+
+    def relational(b: np.ndarray) -> np.ndarray:
+        """|L_k . dx| + sum_j |hess(xi) - L|_kj R_j for the computed b (K, ..., D)."""
+        ab = np.abs(b)
+        sc = (b * uc).sum(axis=-1, keepdims=True)
+        asc = np.abs(sc)
+        rs = widen_up(dot(ab, ru) + _REL * dot(ab, np.abs(uc)), 2)
+        # L = (w3c/D)(-(b uc^T + uc b^T) - sc P) + 3 sc w5c uc uc^T / D^2; |L| R:
+        lmag = (w3c / d) * (ab * dot(np.abs(uc), rad) + np.abs(uc) * dot(ab, rad)
+                            + asc * pr) + 3.0 * w5c / (d * d) * asc * np.abs(uc) \
+            * dot(np.abs(uc), rad)  # >= sum_j |L_kj| R_j up to rounding
+        lmag = widen_up(lmag, 8)
+        first = lmag
+        if rel:
+            jb = np.einsum("...j,...jp->...p", b, jcx)  # b^T J (K, ..., P)
+            lj = (w3c / d)[..., None] * (-(b[..., :, None] * ju[..., None, :]
+                                           + uc[..., :, None] * jb[..., None, :])
+                                         - sc[..., None] * pj) \
+                + (3.0 * w5c / (d * d) * sc)[..., None] * uc[..., :, None] * ju[..., None, :]
+            # rounding of L J: 1e-12 of the magnitudes of its terms
+            ljmag = (w3c / d) * (ab * dot(np.abs(uc), jrow) + np.abs(uc) * dot(ab, jrow)
+                                 + asc * absp(jrow)) + 3.0 * w5c / (d * d) * asc \
+                * np.abs(uc) * dot(np.abs(uc), jrow)
+            labs = (w3c / d)[..., None] * (ab[..., :, None] * np.abs(uc)[..., None, :]
+                                           + np.abs(uc)[..., :, None] * ab[..., None, :]
+                                           + asc[..., None] * np.abs(pmat)) \
+                + (3.0 * w5c / (d * d))[..., None] * asc[..., None] \
+                * np.abs(uc)[..., :, None] * np.abs(uc)[..., None, :]  # >= |L| entrywise
+            ljr = np.einsum("...kj,...jp->...kp", labs, x.jr)  # |L| jr
+            assert ball is not None
+            mv = widen_up(ball.eps * (dual_row_norms(np.abs(lj), ball.norm)
+                                      + dual_row_norms(ljr, ball.norm))
+                          + _REL * ljmag * ball.eps * (1 + np.sqrt(pdim))
+                          + dot(labs, widen_up(margin, 2)[..., None, :])[..., 0], 8)
+            first = np.minimum(first, mv)
+        # deviations over the box: |prod f - prod f0| <= prod(|f0| + r) - prod |f0|
+        auc = np.abs(uc)
+        d3u = (w3c + rw3) * (auc + ru) * (1 + _REL) - w3c * auc * (1 - _REL)  # w3 u_j
+        d3s = (w3c + rw3) * (asc + rs) * (1 + _REL) - w3c * asc * (1 - _REL)  # w3 s
+        a5 = (w5c + rw5) * (asc + rs) * (auc + ru)  # w5 s u_k times (|u_j| + ru_j)
+        b5 = w5c * asc * auc
+        dev = (ab * dot(d3u, rad) + d3u * dot(ab, rad) + d3s * pr) / d \
+            + 3.0 / (d * d) * (a5 * dot(auc + ru, rad) * (1 + _REL)
+                               - b5 * dot(auc, rad) * (1 - _REL))
+        dev = dev + _REL * lmag  # the rounding of L
+        return widen_up(first + np.maximum(dev, 0.0), 8)
 
     def signed(g: np.ndarray, ga: np.ndarray) -> np.ndarray:
         k = g.shape[0]
         a = g * gam
         b = a - a.mean(axis=-1, keepdims=True)  # (K, ..., D)
-        # |G - g| <= ga - |g|: b moves by at most |P| (|gamma| (ga - |g|)), s by that . |x|
+        # |G - g| <= ga - |g|: b moves by at most |P| (|gamma| (ga - |g|)), s by that . |x|;
+        # plus the rounding of b
         e = absp(np.abs(gam) * np.maximum(ga - np.abs(g), 0.0))
         e = widen_up(e + _REL * (np.abs(b) + np.abs(a).mean(axis=-1, keepdims=True)), 4)
+        se = dot(e, cabs)
         babs = np.abs(b) + e
-        sabs = widen_up(np.abs((b * mid).sum(axis=-1, keepdims=True))
-                        + (np.abs(b) * r).sum(axis=-1, keepdims=True)
-                        + (e * xabs).sum(axis=-1, keepdims=True)
-                        + _REL * (np.abs(b) * np.abs(mid)).sum(axis=-1, keepdims=True), d + 4)
-        br = widen_up((babs * rad).sum(axis=-1, keepdims=True), d)
-        c = w3 / d * (babs * ur + uabs * br + sabs * pr) + 3.0 * w5 / (d * d) * sabs * uabs * ur
-        return widen_up(c, 8).reshape(k, -1)
+        sabs = widen_up(np.minimum(
+            np.abs((b * c).sum(axis=-1, keepdims=True)) + dot(np.abs(b), rb)
+            + _REL * dot(np.abs(b), np.abs(c)),
+            np.abs((b * mid).sum(axis=-1, keepdims=True)) + dot(np.abs(b), rm)
+            + _REL * dot(np.abs(b), np.abs(mid))) + se, 4)
+        out = box(babs, sabs)
+        if rel:
+            out = np.minimum(out, relational(b) + box(e, se))
+        return widen_up(out, 8).reshape(k, -1)
 
     return signed

@@ -106,14 +106,15 @@ def two_norms() -> OnnxModel:
 
 
 @settings(max_examples=12, deadline=None)
-@given(seed=st.integers(0, 10**6), eps=st.sampled_from([1e-2, 0.1, 0.3]),
+@given(seed=st.integers(0, 10**6), eps=st.sampled_from([1e-3, 1e-2, 0.1, 0.3]),
        scale=st.sampled_from([0.1, 1.0]))
 def test_signed_layernorm_terms_hold_at_every_corner(two_norms: OnnxModel, seed: int,
                                                      eps: float, scale: float) -> None:
     x0 = np.random.default_rng(seed).standard_normal((1, 2, 3)) * scale
-    lj = local_jacobian(two_norms, x0, eps, "inf")
+    lj = local_jacobian(two_norms, x0, eps, "inf", margins_of=0)
     f = two_norms.module.with_dtype(torch.float64)
     upper = lj.upper()
+    assert lj.structured is not None and lj.structured.rows_abs is not None
     for k in range(2 ** x0.size):  # every corner of the inf-ball
         d = np.array([1.0 if k >> i & 1 else -1.0 for i in range(x0.size)]).reshape(x0.shape)
         jac = torch.autograd.functional.jacobian(f, torch.from_numpy(x0 + eps * d)) \
@@ -121,5 +122,35 @@ def test_signed_layernorm_terms_hold_at_every_corner(two_norms: OnnxModel, seed:
         assert np.all(np.abs(jac - lj.jc) <= lj.jr + 1e-12), \
             float(np.max(np.abs(jac - lj.jc) - lj.jr))
         assert float(np.abs(jac).sum(axis=1).max()) <= upper
+        assert np.all(np.abs(jac).sum(axis=1) <= lj.structured.rows_abs)
+        assert float(np.abs(jac[0] - jac[1]).sum()) <= lj.margin_dual[1]
     lb = local_lower_bound(f, x0, eps, "inf", restarts=1, steps=6, seed=seed)
     assert lb.lower <= upper
+
+
+@pytest.fixture(scope="module")
+def tf1() -> OnnxModel:
+    from bench.local_models import build, export
+    with tempfile.TemporaryDirectory() as tmp:
+        return load_onnx(export(build("tf1", seed=5), Path(tmp) / "tf1.onnx").read_bytes())
+
+
+@settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 10**6), eps=st.sampled_from([1e-3, 1e-2, 3e-2]))
+def test_signed_rows_hold_on_a_transformer(tf1: OnnxModel, seed: int, eps: float) -> None:
+    """The signed output rows (`rows_abs`) and margin constants of the pre-norm Transformer
+    against exact Jacobians at corners of the inf-ball and at the projected-ascent witness."""
+    from bench.local_models import center
+    x0 = center(seed % 1000).numpy().astype(np.float64)
+    lj = local_jacobian(tf1, x0, eps, "inf", margins_of=0)
+    assert lj.structured is not None and lj.structured.rows_abs is not None
+    f = tf1.module.with_dtype(torch.float64)
+    rng = np.random.default_rng(seed)
+    pts = [x0 + rng.choice([-1.0, 1.0], size=x0.shape) * eps for _ in range(4)]
+    pts.append(local_lower_bound(f, x0, eps, "inf", restarts=1, steps=6, seed=seed).witness)
+    for x in pts:
+        jac = torch.autograd.functional.jacobian(
+            lambda z: f(z).reshape(-1), torch.from_numpy(x)).reshape(lj.jc.shape[0], -1).numpy()
+        assert np.all(np.abs(jac).sum(axis=1) <= lj.structured.rows_abs)
+        for j, bound in lj.margin_dual.items():
+            assert float(np.abs(jac[0] - jac[j]).sum()) <= bound

@@ -88,6 +88,8 @@ class LocalJacobian:
         if st is not None:
             rows = widen_up(np.abs(self.jc).sum(axis=1), self.jc.shape[1]) + st.rows_inf
             plain = min(plain, float(rows.max()) * (1.0 + 2.0**-50))
+            if st.rows_abs is not None:  # the signed rows (signed.py)
+                plain = min(plain, float(st.rows_abs.max()) * (1.0 + 2.0**-50))
         return plain
 
     def center_norm(self) -> float:
@@ -216,6 +218,8 @@ def _enclose_all(model: OnnxModel, module: torch.nn.Module, env: dict[str, torch
                     if norm == "inf":
                         base = float(widen_up(np.abs(jcm[r]).sum(), jcm.shape[1] + 2))
                         margin_dual[j] = add_up(base, float(mst.rows_inf[r]))
+                        if mst.rows_abs is not None:
+                            margin_dual[j] = min(margin_dual[j], float(mst.rows_abs[r]))
                     else:
                         base = frobenius_upper(jcm[r]) * (1 + 4 * U)
                         margin_dual[j] = add_up(base, float(mst.rows_two[r]))
@@ -447,12 +451,15 @@ class _Telescope:
         terms = self._terms(name, values, combos)
         if terms is None:
             return None
+        tl = [(u.term(ga), None if u.parts is None else u.parts(ga))
+              for ga, u in terms if u.term is not None]
         try:
-            return structured_bounds([(u.term(ga), None if u.parts is None else u.parts(ga))
-                                      for ga, u in terms if u.term is not None],
-                                     self._rounding(name, combos), ball.norm)
+            st = structured_bounds(tl, self._rounding(name, combos), ball.norm)
         except ValueError:  # a term overflowed (not finite): the entrywise bound stands
             return None
+        # inf-ball rows with the signs of the rows' own Jacobians kept (signed.py)
+        return signed.signed_rows(st, tl, self._rounding(name, combos), values.get(name),
+                                  combos, self.remainder(name, values, ball, combos), ball.norm)
 
     def tighten(self, name: str, v: LocalValue, values: Values, ball: Ball) -> LocalValue:
         total = self.remainder(name, values, ball)

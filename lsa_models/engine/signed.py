@@ -22,7 +22,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from .values import Ball, LocalValue, Parts, dual_row_norms, widen_up
+from .structured import Structured
+from .values import Ball, LocalValue, Parts, dual_row_norms, gamma, widen_up
 
 Term = Callable[[np.ndarray], np.ndarray]
 PartsFn = Callable[[np.ndarray], list[Parts]]
@@ -211,3 +212,54 @@ def layernorm_signed(x: LocalValue, gamma: np.ndarray, ln_eps: float, margin: np
         return widen_up(out, 8).reshape(k, -1)
 
     return signed
+
+
+def signed_rows(st: Structured, terms: list[tuple[np.ndarray, list[Parts] | None]],
+                zr: np.ndarray, v: object, combos: np.ndarray | None,
+                rem: np.ndarray | None, norm: str) -> Structured:
+    """Inf-ball output rows with the signs of the row's own Jacobian kept, in `rows_abs`
+    (docs/local-bounds.md, "Signed output rows"). With jc +- jr the rows' enclosure (jr the
+    smaller of the forward and the telescoped one), D the entries whose sign the enclosure
+    fixes (jr < |jc|), s their signs and U the others:
+      sum_p |J_ip(X)| <= ||jc_i||_1 + sum_p zr_ip + sum_k [sum_D s_p T_k,ip + sum_U |T_k,ip|],
+    and for a factored term T_k,i = sum_b beta_b J_in,b(X) (|beta_b| <= c_ib)
+      sum_D s_p T_k,ip + sum_U |T_k,ip| <= sum_b c_ib (|jc_in,b,D . s| + |jc_in,b,U|_1
+                                                        + ||jr_in,b||_1),
+    or its plain row sum."""
+    if norm != "inf" or not isinstance(v, LocalValue) or not terms:
+        return st
+    m = v.center.size
+    jc = v.jc.reshape(m, -1)
+    jr = v.jr.reshape(m, -1)
+    p = jc.shape[1]
+    if combos is None:
+        jcm, jrr, err = jc, jr, np.zeros_like(jc)
+    else:
+        jcm = combos @ jc
+        err = gamma(m) * (np.abs(combos) @ np.abs(jc))  # the rounding of combos @ jc
+        jrr = np.abs(combos) @ jr
+    if rem is not None and rem.shape == jrr.shape:
+        jrr = np.minimum(jrr, rem)
+    jrr = widen_up(jrr + err, m + 2)  # |J(X) - jcm| <= jrr
+    det = jrr < np.abs(jcm)
+    s = np.where(det, np.sign(jcm), 0.0)  # (M, P)
+    und = (~det).astype(np.float64)
+    total = widen_up(zr.sum(axis=1) + err.sum(axis=1), p)
+    for mk, parts in terms:
+        plain = widen_up(mk.sum(axis=1), p)
+        if parts is None:
+            total = total + plain
+            continue
+        sg = np.zeros(total.shape)
+        for c, jci, jri in parts:
+            ajc = np.abs(jci)
+            a = np.abs(jci @ s.T) + gamma(p) * (ajc @ np.abs(s).T)  # (n, M)
+            b = ajc @ und.T
+            rr = widen_up(jri.sum(axis=1), p)
+            sg = sg + widen_up((c * (a + b).T).sum(axis=1) + c @ rr, c.shape[1] + 2)
+        total = total + np.minimum(plain, widen_up(sg, 4 * len(parts)))
+    total = widen_up(total, 2 * len(terms) + 2)
+    full = widen_up(widen_up(np.abs(jcm).sum(axis=1), p) + total, 2)
+    if not np.all(np.isfinite(full)):
+        return st
+    return replace(st, rows_abs=full)

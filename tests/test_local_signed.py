@@ -154,3 +154,47 @@ def test_signed_rows_hold_on_a_transformer(tf1: OnnxModel, seed: int, eps: float
         assert np.all(np.abs(jac).sum(axis=1) <= lj.structured.rows_abs)
         for j, bound in lj.margin_dual.items():
             assert float(np.abs(jac[0] - jac[j]).sum()) <= bound
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10**6), n=st.integers(2, 6), t=st.integers(1, 3),
+       scale=st.sampled_from([0.1, 1.0, 5.0]), eps=st.sampled_from([1e-3, 0.05, 0.5]),
+       adj=st.sampled_from([0.0, 1e-3, 0.3]), norm=st.sampled_from(["inf", "2"]))
+def test_softmax_signed_bounds_the_adjoint_row_change(
+        seed: int, n: int, t: int, scale: float, eps: float, adj: float, norm: str) -> None:
+    """l(e) = l0 + A e + B (e * e) / 2 on the ball (P = 4), p = softmax(l) over the last axis:
+    the signed bound on |G (S(p(e)) - S(p(0)))| against the exact float64 values."""
+    from lsa_models.engine import primitives as pr
+    from lsa_models.engine.signed import SignedTerm
+    rng = np.random.default_rng(seed)
+    p = 4
+    l0 = rng.standard_normal((t, n)) * scale
+    amat = rng.standard_normal((t, n, p)) * rng.uniform(0.1, 2.0)
+    bmat = rng.standard_normal((t, n, p)) * rng.choice([0.0, 0.5])
+    ball = Ball(np.zeros(p), eps, norm)
+    v = enclose(l0, amat, np.abs(bmat) * eps, ball)
+    pc = torch.softmax(torch.from_numpy(l0), -1).numpy()
+    out = pr.softmax(v, -1, pc, ball)
+    assert isinstance(out.term, SignedTerm)
+    k = 2
+    g = rng.standard_normal((k, t, n))
+    ga = np.abs(g) * (1 + adj) + adj * np.abs(g).max()
+    c = out.term.signed(g, ga).reshape(k, t, n)
+
+    def phi(lv: np.ndarray, gv: np.ndarray) -> np.ndarray:  # G S(p) per row
+        q = torch.softmax(torch.from_numpy(lv), -1).numpy()
+        return q * (gv - (gv * q).sum(axis=-1, keepdims=True))
+
+    for _ in range(12):
+        if norm == "inf":
+            e = rng.choice([-1.0, 1.0], size=p) if rng.random() < 0.5 else \
+                rng.uniform(-1.0, 1.0, size=p)
+        else:
+            e = rng.standard_normal(p)
+            e /= np.linalg.norm(e)
+        e = e * eps
+        lx = l0 + amat @ e + 0.5 * bmat @ (e * e)
+        gt = g + (ga - np.abs(g)) * rng.uniform(-1.0, 1.0, g.shape)
+        for i in range(k):
+            diff = np.abs(phi(lx, gt[i]) - phi(l0, gt[i]))
+            assert np.all(diff <= c[i] * (1 + 1e-9) + 1e-12), float(np.max(diff - c[i]))

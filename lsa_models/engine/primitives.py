@@ -11,6 +11,7 @@ from collections.abc import Callable
 import numpy as np
 from scipy import special
 
+from .signed import SignedFn, SignedTerm
 from .values import (
     Ball,
     LocalNotCertified,
@@ -416,4 +417,48 @@ def softmax(v: LocalValue, axis: int, out_center: np.ndarray, ball: Ball) -> Loc
         h = (np.moveaxis(np.abs(g), ax + 1, -1)[..., None, :] @ (sr + sr0))[..., 0, :]
         return [(h.reshape(k, -1), jc_in.reshape(-1, p), jr_in.reshape(-1, p))]
     out.term, out.parts = term, parts
+    out.term = SignedTerm(term, parts, _softmax_signed(out, ax, pc, sr + sr0, ball))
     return out
+
+
+def _softmax_signed(out: LocalValue, ax: int, pc: np.ndarray, srs: np.ndarray, ball: Ball
+                    ) -> SignedFn:
+    """The signed bound for softmax's term (docs/local-bounds.md, "Signed adjoints"): for an
+    adjoint row G (on one softmax row), phi_j = sum_i G_i S_ij = p_j (G_j - G . p), so with
+    dp = p(X) - p(X0) (sum 0), |phi_j(p) - phi_j(p0)| = |dp_j (G_j - G . p) - p0_j G . dp|
+    <= |dp_j| (|G_j - G . p0| + B) + p0_j B, B >= |G . dp| = |(G - G . p0) . dp|: the box
+    sum_i |G_i - G . p0| |dp_i| or the mean value form with p's Jacobian enclosure."""
+    n = pc.shape[-1]
+    mc = np.moveaxis(center_margin(out.center), ax, -1)
+    prad = widen_up(np.moveaxis(out.rad, ax, -1) + mc, 2)  # |p - p0| for the true p0 (..., n)
+    p0 = pc + mc  # >= p0
+    jcp = np.moveaxis(out.jc, ax, -2)  # (..., n, P)
+    jrp = np.moveaxis(out.jr, ax, -2)
+    pdim = jcp.shape[-1]
+    jrow = widen_up(np.abs(jcp).sum(axis=-1), pdim)  # (..., n)
+    jrrow = widen_up(jrp.sum(axis=-1), pdim)
+
+    def signed(g: np.ndarray, ga: np.ndarray) -> np.ndarray:
+        k = g.shape[0]
+        gm = np.moveaxis(g, ax + 1, -1)  # (K, ..., n)
+        em = np.moveaxis(np.maximum(ga - np.abs(g), 0.0), ax + 1, -1)
+        kap = (gm * pc).sum(axis=-1, keepdims=True)  # G . p0 (computed; any constant works)
+        gk = gm - kap
+        agk = widen_up(np.abs(gk) + 1e-12 * (np.abs(gm) + np.abs(kap)), 2)  # >= |G_j - kap|
+        box = widen_up((agk * prad).sum(axis=-1, keepdims=True), n)
+        if ball.norm in ("inf", "2"):
+            lin = np.einsum("...i,...ip->...p", gk, jcp)  # (K, ..., P)
+            err = 1e-12 * ((np.abs(gm) + np.abs(kap)) * jrow).sum(axis=-1, keepdims=True)
+            mv = widen_up(ball.eps * (dual_row_norms(np.abs(lin)[..., None, :], ball.norm)
+                                      + (agk * jrrow).sum(axis=-1, keepdims=True))
+                          + ball.eps * err * (1 + math.sqrt(pdim))
+                          + (agk * mc).sum(axis=-1, keepdims=True), n + 4)
+            bnd = np.minimum(box, mv)
+        else:
+            bnd = box
+        # |G_j - G . p| <= |G_j - kap| + |G . dp| (sum dp = 0)
+        c = widen_up(prad * (agk + bnd) + p0 * bnd, 4)
+        c = c + (em[..., None, :] @ srs)[..., 0, :] * (1 + 1e-12)  # the adjoint's error
+        return c.reshape(k, -1)
+
+    return signed

@@ -198,3 +198,53 @@ def test_softmax_signed_bounds_the_adjoint_row_change(
         for i in range(k):
             diff = np.abs(phi(lx, gt[i]) - phi(l0, gt[i]))
             assert np.all(diff <= c[i] * (1 + 1e-9) + 1e-12), float(np.max(diff - c[i]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10**6), n=st.integers(1, 4), kk=st.integers(1, 4),
+       m=st.integers(1, 4), h=st.integers(1, 2), eps=st.sampled_from([1e-3, 0.05, 0.5]),
+       adj=st.sampled_from([0.0, 1e-3, 0.3]), norm=st.sampled_from(["inf", "2"]))
+def test_matmul_signed_bounds_the_adjoint_weights(
+        seed: int, n: int, kk: int, m: int, h: int, eps: float, adj: float,
+        norm: str) -> None:
+    """A(e), B(e) = c + M e + Q (e * e) / 2 (P = 4), y = A @ B: the signed weights of the
+    term on J_A (sum_m G_nm dB_km) and on J_B (sum_n G_nm dA_nk) against exact values."""
+    from lsa_models.engine import primitives as pr
+    from lsa_models.engine.signed import SignedTerm
+    rng = np.random.default_rng(seed)
+    p = 4
+    ball = Ball(np.zeros(p), eps, norm)
+
+    def operand(shape: tuple[int, ...]) -> tuple[LocalValue, np.ndarray, np.ndarray,
+                                                 np.ndarray]:
+        c = rng.standard_normal(shape)
+        mm = rng.standard_normal((*shape, p)) * rng.uniform(0.1, 2.0)
+        qq = rng.standard_normal((*shape, p)) * rng.choice([0.0, 0.5])
+        return enclose(c, mm, np.abs(qq) * eps, ball), c, mm, qq
+
+    a, ac, am, aq = operand((h, n, kk))
+    b, bc, bm, bq = operand((h, kk, m))
+    y = pr.product(a, b, ac @ bc, ball, matmul=True)
+    assert isinstance(y.term, SignedTerm)
+    z = 2
+    g = rng.standard_normal((z, h, n, m))
+    ga = np.abs(g) * (1 + adj) + adj * np.abs(g).max()
+    got = y.term.signed(g, ga)
+    assert isinstance(got, list)
+    c_a, c_b = got[0].reshape(z, h, n, kk), got[1].reshape(z, h, kk, m)
+    for _ in range(12):
+        if norm == "inf":
+            e = rng.choice([-1.0, 1.0], size=p) if rng.random() < 0.5 else \
+                rng.uniform(-1.0, 1.0, size=p)
+        else:
+            e = rng.standard_normal(p)
+            e /= np.linalg.norm(e)
+        e = e * eps
+        da = am @ e + 0.5 * aq @ (e * e)
+        db = bm @ e + 0.5 * bq @ (e * e)
+        gt = g + (ga - np.abs(g)) * rng.uniform(-1.0, 1.0, g.shape)
+        for i in range(z):
+            wa = np.abs(gt[i] @ np.swapaxes(db, -1, -2))  # (h, n, k)
+            wb = np.abs(np.swapaxes(da, -1, -2) @ gt[i])  # (h, k, m)
+            assert np.all(wa <= c_a[i] * (1 + 1e-9) + 1e-12), float(np.max(wa - c_a[i]))
+            assert np.all(wb <= c_b[i] * (1 + 1e-9) + 1e-12), float(np.max(wb - c_b[i]))

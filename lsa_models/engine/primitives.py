@@ -317,7 +317,48 @@ def product(a: LocalValue | np.ndarray, b: LocalValue | np.ndarray, out_center: 
         return [(h1.reshape(k, -1), flat(ajc, s1), flat(ajr, s1)),
                 (h2.reshape(k, -1), flat(bjc, s2), flat(bjr, s2))]
     out.term, out.parts = term, parts
+    if matmul and isinstance(a, LocalValue) and isinstance(b, LocalValue) \
+            and a.center.ndim == b.center.ndim == len(shape) >= 2 \
+            and a.shape[:-2] == b.shape[:-2] == shape[:-2]:
+        out.term = SignedTerm(term, parts, _matmul_signed(a, b, br + bm, ar + am, ball))
     return out
+
+
+def _matmul_signed(a: LocalValue, b: LocalValue, br2: np.ndarray, ar2: np.ndarray,
+                   ball: Ball) -> SignedFn:
+    """The signed bound for a product y = A B of two input-dependent tensors
+    (docs/local-bounds.md, "Signed adjoints"): the term's weight on J_A,nk is
+    sum_m G_nm (B(X) - B(X0))_km, a linear functional of B's row k, bounded by the box
+    sum_m |G_nm| (br + bm)_km or by its mean value form with B's Jacobian enclosure
+    eps ||sum_m G_nm jc_B,km||_q + eps sum_m |G_nm| ||jr_B,km||_1; likewise on J_B,km."""
+    pdim = a.jc.shape[-1]
+    eps = ball.eps
+    bjrow = np.swapaxes(widen_up(b.jr.sum(axis=-1), pdim), -1, -2)  # (..., m, k)
+    ajrow = np.swapaxes(widen_up(a.jr.sum(axis=-1), pdim), -1, -2)  # (..., k, n)
+    bjabs = np.swapaxes(widen_up(np.abs(b.jc).sum(axis=-1), pdim), -1, -2)
+    ajabs = np.swapaxes(widen_up(np.abs(a.jc).sum(axis=-1), pdim), -1, -2)
+    brt, art = np.swapaxes(br2, -1, -2), np.swapaxes(ar2, -1, -2)
+    rnd = 1e-12 * (1.0 + math.sqrt(pdim))
+
+    def signed(g: np.ndarray, ga: np.ndarray) -> list[np.ndarray]:
+        k = g.shape[0]
+        ag = np.abs(g)
+        e = np.maximum(ga - ag, 0.0)
+        m_a = g.shape[-1]
+        n_b = g.shape[-2]
+        # on A's entries (n, k): sum_m G_nm dB_km
+        lin_a = np.einsum("z...nm,...kmp->z...nkp", g, b.jc)
+        mv_a = eps * (dual_row_norms(np.abs(lin_a), ball.norm) + ag @ bjrow
+                      + rnd * (ag @ bjabs))
+        c_a = widen_up(np.minimum(ag @ brt, widen_up(mv_a, m_a + 4)) + e @ brt, m_a + 4)
+        # on B's entries (k, m): sum_n G_nm dA_nk
+        lin_b = np.einsum("z...nm,...nkp->z...kmp", g, a.jc)
+        mv_b = eps * (dual_row_norms(np.abs(lin_b), ball.norm) + ajrow @ ag
+                      + rnd * (ajabs @ ag))
+        c_b = widen_up(np.minimum(art @ ag, widen_up(mv_b, n_b + 4)) + art @ e, n_b + 4)
+        return [c_a.reshape(k, -1), c_b.reshape(k, -1)]
+
+    return signed
 
 
 def _product_values(ac: np.ndarray, ar: np.ndarray, ajr: np.ndarray, am: np.ndarray,

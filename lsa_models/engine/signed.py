@@ -27,7 +27,7 @@ from .values import Ball, LocalValue, Parts, dual_row_norms, gamma, widen_up
 
 Term = Callable[[np.ndarray], np.ndarray]
 PartsFn = Callable[[np.ndarray], list[Parts]]
-SignedFn = Callable[[np.ndarray, np.ndarray], np.ndarray]
+SignedFn = Callable[[np.ndarray, np.ndarray], np.ndarray | list[np.ndarray]]
 
 # relative allowance per interval end formed with a few round-to-nearest float64 operations
 _REL = 1e-12
@@ -52,21 +52,25 @@ def bind(u: LocalValue, g: np.ndarray, ga: np.ndarray) -> LocalValue:
     if not isinstance(st, SignedTerm):
         return u
     ps = st.parts(ga)
-    if len(ps) != 1:
+    got = st.signed(g, ga)
+    news = got if isinstance(got, list) else [got]
+    if len(news) != len(ps):
         return u
-    c_old, jc_in, jr_in = ps[0]
-    c_new = st.signed(g, ga)
-    if c_new.shape != c_old.shape or not np.all(np.isfinite(c_new)):
-        return u
-    c = np.minimum(c_old, c_new)
-    base = st.term(ga)
-    fixed = np.minimum(base, widen_up(c @ (np.abs(jc_in) + jr_in), c.shape[1] + 2))
+    combined: list[Parts] = []
+    fixed = np.zeros(())
+    for (c_old, jc_in, jr_in), c_new in zip(ps, news, strict=True):
+        if c_new.shape != c_old.shape or not np.all(np.isfinite(c_new)):
+            return u
+        c = np.minimum(c_old, c_new)
+        combined.append((c, jc_in, jr_in))
+        fixed = fixed + widen_up(c @ (np.abs(jc_in) + jr_in), c.shape[1] + 2)
+    fixed = np.minimum(st.term(ga), widen_up(fixed, 2 * len(ps)))
 
     def term(ga2: np.ndarray) -> np.ndarray:
         return fixed if ga2 is ga else st.term(ga2)
 
     def parts(ga2: np.ndarray) -> list[Parts]:
-        return [(c, jc_in, jr_in)] if ga2 is ga else st.parts(ga2)
+        return combined if ga2 is ga else st.parts(ga2)
 
     return replace(u, term=term, parts=parts)
 

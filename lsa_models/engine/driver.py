@@ -28,7 +28,7 @@ from ..bounds.numerics import (
 )
 from ..onnx.loading import OnnxModel
 from ..onnx.ops import Node, decimal_attr
-from . import forward_error, fused
+from . import forward_error, fused, signed
 from .opnorm import integrated_tokens, rows_bound, set_token_radius
 from .primitives import LIBM_REL, derivative, elementwise
 from .rules import LOCAL_RULES, exact
@@ -94,6 +94,8 @@ class LocalJacobian:
         if st is not None:
             rows = widen_up(np.abs(self.jc).sum(axis=1), self.jc.shape[1]) + st.rows_inf
             plain = min(plain, float(rows.max()) * (1.0 + 2.0**-50))
+            if st.rows_abs is not None:  # the signed rows (signed.py)
+                plain = min(plain, float(st.rows_abs.max()) * (1.0 + 2.0**-50))
         return plain
 
     def center_norm(self) -> float:
@@ -186,6 +188,9 @@ def _enclose_all(model: OnnxModel, module: torch.nn.Module, env: dict[str, torch
     if telescope and eps > 0:
         zero, _ = _walk(model, module, env, Ball(x, 0.0, norm), None)
         tight = _Telescope(model, x, zero)
+        # the signed terms (signed.py) pay off on the inf-ball; on the 2-ball the operator-norm
+        # terms (opnorm.py) do the same job at a fraction of the cost
+        tight.signed_terms = norm == "inf"
     half: Values | None = None
     if tight is not None:
         # the balls of radius eps 2^-L, ..., eps/2 first: each one's remainders bound the next
@@ -223,6 +228,8 @@ def _enclose_all(model: OnnxModel, module: torch.nn.Module, env: dict[str, torch
                     if norm == "inf":
                         base = float(widen_up(np.abs(jcm[r]).sum(), jcm.shape[1] + 2))
                         margin_dual[j] = add_up(base, float(mst.rows_inf[r]))
+                        if mst.rows_abs is not None:
+                            margin_dual[j] = min(margin_dual[j], float(mst.rows_abs[r]))
                     else:
                         base = frobenius_upper(jcm[r]) * (1 + 4 * U)
                         margin_dual[j] = add_up(base, float(mst.rows_two[r]))
@@ -429,9 +436,10 @@ class _Telescope:
         # the adjoint rows of the last (tensor, ops) asked for: the output is asked several
         # times (entrywise, margins, structured)
         self.cache: dict[tuple[str, tuple[str, ...]], list] = {}
+        self.signed_terms = True
 
     def _terms(self, name: str, values: Values, combos: np.ndarray | None,
-               signed: bool = False) -> list | None:
+               with_sign: bool = False) -> list | None:
         """(|G| with its margin, the op's value) per op with a remainder term, G the adjoint
         of `name` (or of combos @ name) w.r.t. the op's output at X0."""
         z = self.zero.get(name)
@@ -460,7 +468,9 @@ class _Telescope:
             ga = np.abs(g) * (1 + ADJOINT_MARGIN) + ADJOINT_MARGIN * float(np.abs(g).max())
             u = values[t]
             assert isinstance(u, LocalValue) and u.term is not None
-            out.append((ga, u, g) if signed else (ga, u))
+            # the signed form where a rule has one
+            b = signed.bind(u, g, ga) if self.signed_terms else u
+            out.append((ga, b, g) if with_sign else (ga, b))
         return out
 
     def opnorm(self, name: str, values: Values, combos: np.ndarray | None = None,
@@ -472,7 +482,7 @@ class _Telescope:
         its entrywise term; plus the rounding of jc. Returns (1,) for the whole matrix, or
         (M,) per combination, or per group of rows (index arrays) when `groups` is given.
         None: nothing to telescope."""
-        terms = self._terms(name, values, combos, signed=True)
+        terms = self._terms(name, values, combos, with_sign=True)
         if terms is None:
             return None
         rnd = self._rounding(name, combos)
@@ -519,12 +529,15 @@ class _Telescope:
         terms = self._terms(name, values, combos)
         if terms is None:
             return None
+        tl = [(u.term(ga), None if u.parts is None else u.parts(ga))
+              for ga, u in terms if u.term is not None]
         try:
-            return structured_bounds([(u.term(ga), None if u.parts is None else u.parts(ga))
-                                      for ga, u in terms if u.term is not None],
-                                     self._rounding(name, combos), ball.norm)
+            st = structured_bounds(tl, self._rounding(name, combos), ball.norm)
         except ValueError:  # a term overflowed (not finite): the entrywise bound stands
             return None
+        # inf-ball rows with the signs of the rows' own Jacobians kept (signed.py)
+        return signed.signed_rows(st, tl, self._rounding(name, combos), values.get(name),
+                                  combos, self.remainder(name, values, ball, combos), ball.norm)
 
     def tighten(self, name: str, v: LocalValue, values: Values, ball: Ball,
                 tokens: bool = False) -> LocalValue:

@@ -13,6 +13,7 @@ from scipy import special
 
 from ..bounds.numerics import U, add_up
 from . import opnorm
+from .signed import SignedFn, SignedTerm
 from .values import (
     Ball,
     LocalNotCertified,
@@ -326,10 +327,14 @@ def product(a: LocalValue | np.ndarray, b: LocalValue | np.ndarray, out_center: 
         return [(h1.reshape(k, -1), flat(ajc, s1), flat(ajr, s1)),
                 (h2.reshape(k, -1), flat(bjc, s2), flat(bjr, s2))]
     out.term, out.parts = term, parts
+    if matmul and isinstance(a, LocalValue) and isinstance(b, LocalValue) \
+            and a.center.ndim == b.center.ndim == len(shape) >= 2 \
+            and a.shape[:-2] == b.shape[:-2] == shape[:-2]:
+        out.term = SignedTerm(term, parts, _matmul_signed(a, b, br + bm, ar + am, ball))
     if ball.norm == "2":
         fn = opnorm.matmul(a, b, shape, ball) if matmul else _mul_opnorm(a, b, shape)
         if fn is not None:
-            out.opnorm = (term, fn)
+            out.opnorm = (out.term, fn)
     return out
 
 
@@ -355,6 +360,43 @@ def _mul_opnorm(a: LocalValue | np.ndarray, b: LocalValue | np.ndarray,
             total = add_up(total, f(g))
         return total
     return fn
+
+
+def _matmul_signed(a: LocalValue, b: LocalValue, br2: np.ndarray, ar2: np.ndarray,
+                   ball: Ball) -> SignedFn:
+    """The signed bound for a product y = A B of two input-dependent tensors
+    (docs/local-bounds.md, "Signed adjoints"): the term's weight on J_A,nk is
+    sum_m G_nm (B(X) - B(X0))_km, a linear functional of B's row k, bounded by the box
+    sum_m |G_nm| (br + bm)_km or by its mean value form with B's Jacobian enclosure
+    eps ||sum_m G_nm jc_B,km||_q + eps sum_m |G_nm| ||jr_B,km||_1; likewise on J_B,km."""
+    pdim = a.jc.shape[-1]
+    eps = ball.eps
+    bjrow = np.swapaxes(widen_up(b.jr.sum(axis=-1), pdim), -1, -2)  # (..., m, k)
+    ajrow = np.swapaxes(widen_up(a.jr.sum(axis=-1), pdim), -1, -2)  # (..., k, n)
+    bjabs = np.swapaxes(widen_up(np.abs(b.jc).sum(axis=-1), pdim), -1, -2)
+    ajabs = np.swapaxes(widen_up(np.abs(a.jc).sum(axis=-1), pdim), -1, -2)
+    brt, art = np.swapaxes(br2, -1, -2), np.swapaxes(ar2, -1, -2)
+    rnd = 1e-12 * (1.0 + math.sqrt(pdim))
+
+    def signed(g: np.ndarray, ga: np.ndarray) -> list[np.ndarray]:
+        k = g.shape[0]
+        ag = np.abs(g)
+        e = np.maximum(ga - ag, 0.0)
+        m_a = g.shape[-1]
+        n_b = g.shape[-2]
+        # on A's entries (n, k): sum_m G_nm dB_km
+        lin_a = np.einsum("z...nm,...kmp->z...nkp", g, b.jc)
+        mv_a = eps * (dual_row_norms(np.abs(lin_a), ball.norm) + ag @ bjrow
+                      + rnd * (ag @ bjabs))
+        c_a = widen_up(np.minimum(ag @ brt, widen_up(mv_a, m_a + 4)) + e @ brt, m_a + 4)
+        # on B's entries (k, m): sum_n G_nm dA_nk
+        lin_b = np.einsum("z...nm,...nkp->z...kmp", g, a.jc)
+        mv_b = eps * (dual_row_norms(np.abs(lin_b), ball.norm) + ajrow @ ag
+                      + rnd * (ajabs @ ag))
+        c_b = widen_up(np.minimum(art @ ag, widen_up(mv_b, n_b + 4)) + art @ e, n_b + 4)
+        return [c_a.reshape(k, -1), c_b.reshape(k, -1)]
+
+    return signed
 
 
 def _product_values(ac: np.ndarray, ar: np.ndarray, ajr: np.ndarray, am: np.ndarray,
@@ -454,8 +496,9 @@ def softmax(v: LocalValue, axis: int, out_center: np.ndarray, ball: Ball) -> Loc
         h = (np.moveaxis(np.abs(g), ax + 1, -1)[..., None, :] @ (sr + sr0))[..., 0, :]
         return [(h.reshape(k, -1), jc_in.reshape(-1, p), jr_in.reshape(-1, p))]
     out.term, out.parts = term, parts
+    out.term = SignedTerm(term, parts, _softmax_signed(out, ax, pc, sr + sr0, ball))
     if ball.norm == "2":
-        out.opnorm = (term, opnorm.blockwise(_softmax_block(plo, phi, sr + sr0), v.jc, v.jr,
+        out.opnorm = (out.term, opnorm.blockwise(_softmax_block(plo, phi, sr + sr0), v.jc, v.jr,
                                              known=v.jnorm))
     return out
 
@@ -470,3 +513,46 @@ def _softmax_block(plo: np.ndarray, phi: np.ndarray, srs: np.ndarray) -> float:
     analytic = widen_up(dp.max(axis=-1) + 2 * np.sqrt(widen_up(np.square(dp).sum(axis=-1), n))
                         * (1 + 4 * U), 2)
     return float(np.minimum(analytic, opnorm.nonneg_block_norms(srs)).max()) * (1 + 4 * U)
+
+
+def _softmax_signed(out: LocalValue, ax: int, pc: np.ndarray, srs: np.ndarray, ball: Ball
+                    ) -> SignedFn:
+    """The signed bound for softmax's term (docs/local-bounds.md, "Signed adjoints"): for an
+    adjoint row G (on one softmax row), phi_j = sum_i G_i S_ij = p_j (G_j - G . p), so with
+    dp = p(X) - p(X0) (sum 0), |phi_j(p) - phi_j(p0)| = |dp_j (G_j - G . p) - p0_j G . dp|
+    <= |dp_j| (|G_j - G . p0| + B) + p0_j B, B >= |G . dp| = |(G - G . p0) . dp|: the box
+    sum_i |G_i - G . p0| |dp_i| or the mean value form with p's Jacobian enclosure."""
+    n = pc.shape[-1]
+    mc = np.moveaxis(center_margin(out.center), ax, -1)
+    prad = widen_up(np.moveaxis(out.rad, ax, -1) + mc, 2)  # |p - p0| for the true p0 (..., n)
+    p0 = pc + mc  # >= p0
+    jcp = np.moveaxis(out.jc, ax, -2)  # (..., n, P)
+    jrp = np.moveaxis(out.jr, ax, -2)
+    pdim = jcp.shape[-1]
+    jrow = widen_up(np.abs(jcp).sum(axis=-1), pdim)  # (..., n)
+    jrrow = widen_up(jrp.sum(axis=-1), pdim)
+
+    def signed(g: np.ndarray, ga: np.ndarray) -> np.ndarray:
+        k = g.shape[0]
+        gm = np.moveaxis(g, ax + 1, -1)  # (K, ..., n)
+        em = np.moveaxis(np.maximum(ga - np.abs(g), 0.0), ax + 1, -1)
+        kap = (gm * pc).sum(axis=-1, keepdims=True)  # G . p0 (computed; any constant works)
+        gk = gm - kap
+        agk = widen_up(np.abs(gk) + 1e-12 * (np.abs(gm) + np.abs(kap)), 2)  # >= |G_j - kap|
+        box = widen_up((agk * prad).sum(axis=-1, keepdims=True), n)
+        if ball.norm in ("inf", "2"):
+            lin = np.einsum("...i,...ip->...p", gk, jcp)  # (K, ..., P)
+            err = 1e-12 * ((np.abs(gm) + np.abs(kap)) * jrow).sum(axis=-1, keepdims=True)
+            mv = widen_up(ball.eps * (dual_row_norms(np.abs(lin)[..., None, :], ball.norm)
+                                      + (agk * jrrow).sum(axis=-1, keepdims=True))
+                          + ball.eps * err * (1 + math.sqrt(pdim))
+                          + (agk * mc).sum(axis=-1, keepdims=True), n + 4)
+            bnd = np.minimum(box, mv)
+        else:
+            bnd = box
+        # |G_j - G . p| <= |G_j - kap| + |G . dp| (sum dp = 0)
+        c = widen_up(prad * (agk + bnd) + p0 * bnd, 4)
+        c = c + (em[..., None, :] @ srs)[..., 0, :] * (1 + 1e-12)  # the adjoint's error
+        return c.reshape(k, -1)
+
+    return signed

@@ -25,9 +25,10 @@ from typing import ClassVar
 
 import numpy as np
 
-from ..onnx.ops import Node
+from ..onnx.ops import Node, decimal_attr
 from . import primitives as pr
 from .rules import LOCAL_RULES, Arg, LocalRule, register_local
+from .signed import SignedTerm, layernorm_signed
 from .values import (
     FORWARD_FLOOR,
     FORWARD_MARGIN,
@@ -426,3 +427,31 @@ class GeluRule(LocalRule):
         if not isinstance(x, LocalValue) or c is None:
             raise LocalNotCertified(f"Gelu node {node.name}: no input range")
         return [gelu_tanh(x, np.asarray(c, dtype=np.float64), ball)]
+
+
+@register_local
+class SignedLayerNormRule(LocalRule):
+    """LayerNormalization by the rule of rules.py, its telescoped term also in the signed
+    form (signed.py, docs/local-bounds.md "Signed adjoints")."""
+
+    types: ClassVar[tuple[str, ...]] = ("LayerNormalization",)
+
+    def __init__(self) -> None:
+        self.base = _base("LayerNormalization")
+
+    def apply(self, node: Node, args: list[Arg], centers: list[np.ndarray | None],
+              ball: Ball) -> Out:
+        outs = self.base.apply(node, args, centers, ball)
+        y, x, g = outs[0], args[0], args[1]
+        if isinstance(y, LocalValue) and isinstance(x, LocalValue) and \
+                isinstance(g, np.ndarray) and y.term is not None and y.parts is not None:
+            d = x.shape[-1]
+            gam = np.broadcast_to(np.asarray(g, dtype=np.float64), (d,))
+            eps = decimal_attr(float(node.attrs.get("epsilon", 1e-5)))
+            old = y.term
+            y.term = SignedTerm(y.term, y.parts,
+                                layernorm_signed(x, gam, eps, center_margin(x.center),
+                                                 ball))
+            if y.opnorm is not None and y.opnorm[0] is old:  # the same op's term
+                y.opnorm = (y.term, y.opnorm[1])
+        return outs

@@ -29,6 +29,8 @@ class Structured:
     rows_inf: np.ndarray  # (m,) bound on sum_p |J_ip(X) - jc_ip|
     rows_two: np.ndarray  # (m,) bound on ||J_i(X) - jc_i||_2
     mat_two: float  # bound on ||J(X) - jc||_2
+    # (m,) bound on sup ||J_i(X)||_1 itself (inf-ball, the signs of J_i kept: signed.py)
+    rows_abs: np.ndarray | None = None
 
 
 def _inf_to_one(c: np.ndarray, jc: np.ndarray, plain: float) -> float:

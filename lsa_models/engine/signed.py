@@ -1,0 +1,271 @@
+"""Telescoped terms with the adjoint's signs kept (docs/local-bounds.md, "Signed adjoints").
+
+The driver's remainder term of an op k is `G_k (D_k(X) - D_k(X0)) J_in(X)`; the rules bound it
+from `|G_k|`, so the signs of the adjoint are lost before the op's Jacobian change is bounded.
+For an op whose local Jacobian acts on one token at a time (LayerNorm), the row vector
+`phi_i(x) = G_k,i D_k(x)` is the gradient of the scalar `h_i(x) = G_k,i . op(x)`, and
+  |phi_i(x) - phi_i(x0)| <= sup_box |hess h_i| |x - x0|                  (entrywise)
+by the mean value theorem on the segment (inside the input's value box, which is convex and
+holds x0 and x). The Hessian of one scalar keeps the cancellations of the sum over the op's
+outputs that `sum_j |G_ij| |dD_jk|` loses.
+
+A rule attaches `signed(g, ga) -> c` to its output: `g` the signed adjoint at X0 (K, *S),
+`ga >= |G|` its bound with the adjoint margin (so `|G - g| <= ga - |g|`), `c` (K, n) >= 0 with
+`|G (D(X) - D(X0))|_kb <= c_kb` on the op's input entries b, the same layout as the first of
+its `parts` (whose c bounds the same quantity: the two are combined by an entrywise min).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+import numpy as np
+
+from .structured import Structured
+from .values import Ball, LocalValue, Parts, dual_row_norms, gamma, widen_up
+
+Term = Callable[[np.ndarray], np.ndarray]
+PartsFn = Callable[[np.ndarray], list[Parts]]
+SignedFn = Callable[[np.ndarray, np.ndarray], np.ndarray | list[np.ndarray]]
+
+# relative allowance per interval end formed with a few round-to-nearest float64 operations
+_REL = 1e-12
+
+
+class SignedTerm:
+    """An op's remainder term (called with the |G| bound, as any term) that also carries the
+    signed form: `bind` gives the value whose term and parts use both for one adjoint."""
+
+    def __init__(self, term: Term, parts: PartsFn, signed: SignedFn) -> None:
+        self.term, self.parts, self.signed = term, parts, signed
+
+    def __call__(self, ga: np.ndarray) -> np.ndarray:
+        return self.term(ga)
+
+
+def bind(u: LocalValue, g: np.ndarray, ga: np.ndarray) -> LocalValue:
+    """u with its term and parts tightened by the signed bound for the adjoint g (ga: the
+    |G| bound the driver passes to the term). Both bounds hold, so their entrywise minimum
+    does."""
+    st = u.term
+    if not isinstance(st, SignedTerm):
+        return u
+    ps = st.parts(ga)
+    got = st.signed(g, ga)
+    news = got if isinstance(got, list) else [got]
+    if len(news) != len(ps):
+        return u
+    combined: list[Parts] = []
+    fixed = np.zeros(())
+    for (c_old, jc_in, jr_in), c_new in zip(ps, news, strict=True):
+        if c_new.shape != c_old.shape or not np.all(np.isfinite(c_new)):
+            return u
+        c = np.minimum(c_old, c_new)
+        combined.append((c, jc_in, jr_in))
+        fixed = fixed + widen_up(c @ (np.abs(jc_in) + jr_in), c.shape[1] + 2)
+    fixed = np.minimum(st.term(ga), widen_up(fixed, 2 * len(ps)))
+
+    def term(ga2: np.ndarray) -> np.ndarray:
+        return fixed if ga2 is ga else st.term(ga2)
+
+    def parts(ga2: np.ndarray) -> list[Parts]:
+        return combined if ga2 is ga else st.parts(ga2)
+
+    # the operator-norm rule (opnorm.py) bounds the same op's term: it stays attached
+    op = (term, u.opnorm[1]) if u.opnorm is not None and u.opnorm[0] is st else None
+    return replace(u, term=term, parts=parts, opnorm=op)
+
+
+def layernorm_signed(x: LocalValue, gamma: np.ndarray, ln_eps: float, margin: np.ndarray,
+                     ball: Ball | None = None) -> SignedFn:
+    """The signed bound for y = LayerNorm(x) (last axis, D), y = gamma z + beta.
+
+    Per output row i and token t: a = G_i,t * gamma, b = P a, h(x) = a . z(x) = (b . u)/sigma,
+    hess h = (1/(D sigma^3)) (-(b u^T + u b^T) - s P) + 3 s u u^T / (D^2 sigma^5), s = b . u,
+    and phi = grad h moves by at most sum_j sup_box |hess_kj| R_j (R = rad + margin: |x - x0|
+    for the true centre x0). Two bounds of that sup (docs/local-bounds.md, "Signed adjoints"):
+    the box form (every factor at its largest magnitude over the box) and, with a ball, the
+    relational form: hess(xi) = L + (hess(xi) - L), L = hess at the computed centre c, so
+    |phi_k(x) - phi_k(x0)| <= |L_k . (x - x0)| + sum_j |hess(xi) - L|_kj R_j, the first by the
+    mean value form of the linear functional L_k . x(X) (Jacobian L_k (jc +- jr)), the second
+    by the products' deviations over the box."""
+    d = x.shape[-1]
+    c = x.center
+    rad = widen_up(x.rad + margin, 2)  # |x - x0| for the true x0
+    rb = widen_up(x.rad, 2)  # |xi - c| for xi in the box
+
+    def absp(v: np.ndarray) -> np.ndarray:  # |P| v for v >= 0, rounded up
+        return widen_up(v * (1.0 - 2.0 / d) + v.sum(axis=-1, keepdims=True) / d, d + 2)
+
+    def dot(u: np.ndarray, v: np.ndarray) -> np.ndarray:  # nonnegative sums over the axis
+        return widen_up((u * v).sum(axis=-1, keepdims=True), d)
+
+    uc = c - c.mean(axis=-1, keepdims=True)  # P c (computed)
+    ru = widen_up(absp(rb) + _REL * (np.abs(c) + np.abs(c).mean(axis=-1, keepdims=True)), 2)
+    uabs = widen_up(np.abs(uc) + ru, 2)  # (..., D) >= |u_j| on the box
+    nc = np.sqrt(np.square(uc).sum(axis=-1, keepdims=True))
+    # ||P xi - uc|| <= ||xi - c|| (P an orthogonal projection) + the rounding of uc
+    rho = widen_up(np.sqrt(widen_up(np.square(rb).sum(axis=-1, keepdims=True), d))
+                   + _REL * np.sqrt(np.square(np.abs(c) + np.abs(c).mean(
+                       axis=-1, keepdims=True)).sum(axis=-1, keepdims=True)), 2)
+    s2lo = (np.square(np.maximum(nc * (1 - _REL) - rho, 0.0)) / d + ln_eps) * (1 - _REL)
+    s2hi = (np.square(nc * (1 + _REL) + rho) / d + ln_eps) * (1 + _REL)
+    w3 = np.power(s2lo, -1.5) * (1 + _REL)  # >= 1/sigma^3 on the box
+    w5 = np.power(s2lo, -2.5) * (1 + _REL)
+    s2c = np.square(uc).sum(axis=-1, keepdims=True) / d + ln_eps
+    w3c, w5c = np.power(s2c, -1.5), np.power(s2c, -2.5)
+    rw3 = np.maximum(w3 - w3c, w3c - np.power(s2hi, -1.5) * (1 - _REL)) + _REL * w3
+    rw5 = np.maximum(w5 - w5c, w5c - np.power(s2hi, -2.5) * (1 - _REL)) + _REL * w5
+    ur = dot(uabs, rad)  # U . R
+    pr = absp(rad)  # |P| R
+    cabs = np.abs(c) + rb  # >= |x| on the box
+    gam = np.asarray(gamma, dtype=np.float64)
+    pmat = np.eye(d) - 1.0 / d
+    rel = ball is not None and x.jc.shape[-1] > 0
+    if rel:
+        pdim = x.jc.shape[-1]
+        jcx = x.jc  # (..., D, P)
+        ju = np.einsum("...j,...jp->...p", uc, jcx)  # uc^T J per token (..., P)
+        pj = jcx - jcx.mean(axis=-2, keepdims=True)  # P J
+        jrow = widen_up(np.abs(jcx).sum(axis=-1), pdim)  # (..., D): row sums of |J|
+
+    # the box form about the box's midpoint m (radius r), tighter than about c where the box
+    # is lopsided: |u_j| <= |(P m)_j| + (|P| r)_j, sigma from ||P m|| -+ ||r||
+    mid = 0.5 * (x.lo + x.hi)
+    rm = widen_up(np.maximum(x.hi - mid, mid - x.lo), 2)
+    um = mid - mid.mean(axis=-1, keepdims=True)
+    uabs_m = widen_up(np.abs(um) + absp(rm) + _REL * (np.abs(mid) + np.abs(mid).mean(
+        axis=-1, keepdims=True)), 2)
+    rho_m = widen_up(np.sqrt(widen_up(np.square(rm).sum(axis=-1, keepdims=True), d))
+                     + _REL * np.sqrt(np.square(np.abs(mid) + np.abs(mid).mean(
+                         axis=-1, keepdims=True)).sum(axis=-1, keepdims=True)), 2)
+    ncm = np.sqrt(np.square(um).sum(axis=-1, keepdims=True))
+    s2m = (np.square(np.maximum(ncm * (1 - _REL) - rho_m, 0.0)) / d + ln_eps) * (1 - _REL)
+    w3m, w5m = np.power(s2m, -1.5) * (1 + _REL), np.power(s2m, -2.5) * (1 + _REL)
+    w3, w5 = np.minimum(w3, w3m), np.minimum(w5, w5m)  # both bound 1/sigma on the box
+    uabs = np.minimum(uabs, uabs_m)
+    ur = dot(uabs, rad)
+
+    def box(babs: np.ndarray, sabs: np.ndarray) -> np.ndarray:
+        br = dot(babs, rad)
+        return w3 / d * (babs * ur + uabs * br + sabs * pr) + 3.0 * w5 / (d * d) * sabs * uabs * ur
+
+    def relational(b: np.ndarray) -> np.ndarray:
+        """|L_k . dx| + sum_j |hess(xi) - L|_kj R_j for the computed b (K, ..., D)."""
+        ab = np.abs(b)
+        sc = (b * uc).sum(axis=-1, keepdims=True)
+        asc = np.abs(sc)
+        rs = widen_up(dot(ab, ru) + _REL * dot(ab, np.abs(uc)), 2)
+        # L = (w3c/D)(-(b uc^T + uc b^T) - sc P) + 3 sc w5c uc uc^T / D^2; |L| R:
+        lmag = (w3c / d) * (ab * dot(np.abs(uc), rad) + np.abs(uc) * dot(ab, rad)
+                            + asc * pr) + 3.0 * w5c / (d * d) * asc * np.abs(uc) \
+            * dot(np.abs(uc), rad)  # >= sum_j |L_kj| R_j up to rounding
+        lmag = widen_up(lmag, 8)
+        first = lmag
+        if rel:
+            jb = np.einsum("...j,...jp->...p", b, jcx)  # b^T J (K, ..., P)
+            lj = (w3c / d)[..., None] * (-(b[..., :, None] * ju[..., None, :]
+                                           + uc[..., :, None] * jb[..., None, :])
+                                         - sc[..., None] * pj) \
+                + (3.0 * w5c / (d * d) * sc)[..., None] * uc[..., :, None] * ju[..., None, :]
+            # rounding of L J: 1e-12 of the magnitudes of its terms
+            ljmag = (w3c / d) * (ab * dot(np.abs(uc), jrow) + np.abs(uc) * dot(ab, jrow)
+                                 + asc * absp(jrow)) + 3.0 * w5c / (d * d) * asc \
+                * np.abs(uc) * dot(np.abs(uc), jrow)
+            labs = (w3c / d)[..., None] * (ab[..., :, None] * np.abs(uc)[..., None, :]
+                                           + np.abs(uc)[..., :, None] * ab[..., None, :]
+                                           + asc[..., None] * np.abs(pmat)) \
+                + (3.0 * w5c / (d * d))[..., None] * asc[..., None] \
+                * np.abs(uc)[..., :, None] * np.abs(uc)[..., None, :]  # >= |L| entrywise
+            ljr = np.einsum("...kj,...jp->...kp", labs, x.jr)  # |L| jr
+            assert ball is not None
+            mv = widen_up(ball.eps * (dual_row_norms(np.abs(lj), ball.norm)
+                                      + dual_row_norms(ljr, ball.norm))
+                          + _REL * ljmag * ball.eps * (1 + np.sqrt(pdim))
+                          + dot(labs, widen_up(margin, 2)[..., None, :])[..., 0], 8)
+            first = np.minimum(first, mv)
+        # deviations over the box: |prod f - prod f0| <= prod(|f0| + r) - prod |f0|
+        auc = np.abs(uc)
+        d3u = (w3c + rw3) * (auc + ru) * (1 + _REL) - w3c * auc * (1 - _REL)  # w3 u_j
+        d3s = (w3c + rw3) * (asc + rs) * (1 + _REL) - w3c * asc * (1 - _REL)  # w3 s
+        a5 = (w5c + rw5) * (asc + rs) * (auc + ru)  # w5 s u_k times (|u_j| + ru_j)
+        b5 = w5c * asc * auc
+        dev = (ab * dot(d3u, rad) + d3u * dot(ab, rad) + d3s * pr) / d \
+            + 3.0 / (d * d) * (a5 * dot(auc + ru, rad) * (1 + _REL)
+                               - b5 * dot(auc, rad) * (1 - _REL))
+        dev = dev + _REL * lmag  # the rounding of L
+        return widen_up(first + np.maximum(dev, 0.0), 8)
+
+    def signed(g: np.ndarray, ga: np.ndarray) -> np.ndarray:
+        k = g.shape[0]
+        a = g * gam
+        b = a - a.mean(axis=-1, keepdims=True)  # (K, ..., D)
+        # |G - g| <= ga - |g|: b moves by at most |P| (|gamma| (ga - |g|)), s by that . |x|;
+        # plus the rounding of b
+        e = absp(np.abs(gam) * np.maximum(ga - np.abs(g), 0.0))
+        e = widen_up(e + _REL * (np.abs(b) + np.abs(a).mean(axis=-1, keepdims=True)), 4)
+        se = dot(e, cabs)
+        babs = np.abs(b) + e
+        sabs = widen_up(np.minimum(
+            np.abs((b * c).sum(axis=-1, keepdims=True)) + dot(np.abs(b), rb)
+            + _REL * dot(np.abs(b), np.abs(c)),
+            np.abs((b * mid).sum(axis=-1, keepdims=True)) + dot(np.abs(b), rm)
+            + _REL * dot(np.abs(b), np.abs(mid))) + se, 4)
+        out = box(babs, sabs)
+        if rel:
+            out = np.minimum(out, relational(b) + box(e, se))
+        return widen_up(out, 8).reshape(k, -1)
+
+    return signed
+
+
+def signed_rows(st: Structured, terms: list[tuple[np.ndarray, list[Parts] | None]],
+                zr: np.ndarray, v: object, combos: np.ndarray | None,
+                rem: np.ndarray | None, norm: str) -> Structured:
+    """Inf-ball output rows with the signs of the row's own Jacobian kept, in `rows_abs`
+    (docs/local-bounds.md, "Signed output rows"). With jc +- jr the rows' enclosure (jr the
+    smaller of the forward and the telescoped one), D the entries whose sign the enclosure
+    fixes (jr < |jc|), s their signs and U the others:
+      sum_p |J_ip(X)| <= ||jc_i||_1 + sum_p zr_ip + sum_k [sum_D s_p T_k,ip + sum_U |T_k,ip|],
+    and for a factored term T_k,i = sum_b beta_b J_in,b(X) (|beta_b| <= c_ib)
+      sum_D s_p T_k,ip + sum_U |T_k,ip| <= sum_b c_ib (|jc_in,b,D . s| + |jc_in,b,U|_1
+                                                        + ||jr_in,b||_1),
+    or its plain row sum."""
+    if norm != "inf" or not isinstance(v, LocalValue) or not terms:
+        return st
+    m = v.center.size
+    jc = v.jc.reshape(m, -1)
+    jr = v.jr.reshape(m, -1)
+    p = jc.shape[1]
+    if combos is None:
+        jcm, jrr, err = jc, jr, np.zeros_like(jc)
+    else:
+        jcm = combos @ jc
+        err = gamma(m) * (np.abs(combos) @ np.abs(jc))  # the rounding of combos @ jc
+        jrr = np.abs(combos) @ jr
+    if rem is not None and rem.shape == jrr.shape:
+        jrr = np.minimum(jrr, rem)
+    jrr = widen_up(jrr + err, m + 2)  # |J(X) - jcm| <= jrr
+    det = jrr < np.abs(jcm)
+    s = np.where(det, np.sign(jcm), 0.0)  # (M, P)
+    und = (~det).astype(np.float64)
+    total = widen_up(zr.sum(axis=1) + err.sum(axis=1), p)
+    for mk, parts in terms:
+        plain = widen_up(mk.sum(axis=1), p)
+        if parts is None:
+            total = total + plain
+            continue
+        sg = np.zeros(total.shape)
+        for c, jci, jri in parts:
+            ajc = np.abs(jci)
+            a = np.abs(jci @ s.T) + gamma(p) * (ajc @ np.abs(s).T)  # (n, M)
+            b = ajc @ und.T
+            rr = widen_up(jri.sum(axis=1), p)
+            sg = sg + widen_up((c * (a + b).T).sum(axis=1) + c @ rr, c.shape[1] + 2)
+        total = total + np.minimum(plain, widen_up(sg, 4 * len(parts)))
+    total = widen_up(total, 2 * len(terms) + 2)
+    full = widen_up(widen_up(np.abs(jcm).sum(axis=1), p) + total, 2)
+    if not np.all(np.isfinite(full)):
+        return st
+    return replace(st, rows_abs=full)

@@ -24,6 +24,18 @@ from lsa_models.onnx import load_onnx
 from lsa_models.onnx.loading import OnnxModel
 
 
+def _ball_point(rng: np.random.Generator, norm: str, p: int, eps: float) -> np.ndarray:
+    """A point of the ball's boundary or inside it (inf: a corner or a uniform point; 2: the
+    sphere)."""
+    if norm == "inf":
+        e = rng.choice([-1.0, 1.0], size=p) if rng.random() < 0.5 else \
+            rng.uniform(-1.0, 1.0, size=p)
+    else:
+        e = rng.standard_normal(p)
+        e /= np.linalg.norm(e)
+    return e * eps
+
+
 def _phi(x: np.ndarray, a: np.ndarray, ln_eps: float) -> np.ndarray:
     """grad_x of sum(a * LayerNorm(x)) (no affine: a holds G * gamma), exactly in float64."""
     xt = torch.from_numpy(x).requires_grad_(True)
@@ -61,13 +73,7 @@ def test_layernorm_signed_bounds_the_adjoint_row_change(
     c = layernorm_signed(v, gam, ln_eps, np.zeros((t, d)), ball)(g, ga).reshape(k, t, d)
     assert np.all(c >= 0)
     for _ in range(12):
-        if norm == "inf":
-            e = rng.choice([-1.0, 1.0], size=p) if rng.random() < 0.5 else \
-                rng.uniform(-1.0, 1.0, size=p)
-        else:
-            e = rng.standard_normal(p)
-            e /= np.linalg.norm(e)
-        e = e * eps
+        e = _ball_point(rng, norm, p, eps)
         x = x0 + amat @ e + 0.5 * bmat @ (e * e)
         assert np.all((v.lo <= x) & (x <= v.hi))
         gt = g + (ga - np.abs(g)) * rng.uniform(-1.0, 1.0, g.shape)  # the true adjoint
@@ -186,13 +192,7 @@ def test_softmax_signed_bounds_the_adjoint_row_change(
         return q * (gv - (gv * q).sum(axis=-1, keepdims=True))
 
     for _ in range(12):
-        if norm == "inf":
-            e = rng.choice([-1.0, 1.0], size=p) if rng.random() < 0.5 else \
-                rng.uniform(-1.0, 1.0, size=p)
-        else:
-            e = rng.standard_normal(p)
-            e /= np.linalg.norm(e)
-        e = e * eps
+        e = _ball_point(rng, norm, p, eps)
         lx = l0 + amat @ e + 0.5 * bmat @ (e * e)
         gt = g + (ga - np.abs(g)) * rng.uniform(-1.0, 1.0, g.shape)
         for i in range(k):
@@ -233,13 +233,7 @@ def test_matmul_signed_bounds_the_adjoint_weights(
     assert isinstance(got, list)
     c_a, c_b = got[0].reshape(z, h, n, kk), got[1].reshape(z, h, kk, m)
     for _ in range(12):
-        if norm == "inf":
-            e = rng.choice([-1.0, 1.0], size=p) if rng.random() < 0.5 else \
-                rng.uniform(-1.0, 1.0, size=p)
-        else:
-            e = rng.standard_normal(p)
-            e /= np.linalg.norm(e)
-        e = e * eps
+        e = _ball_point(rng, norm, p, eps)
         da = am @ e + 0.5 * aq @ (e * e)
         db = bm @ e + 0.5 * bq @ (e * e)
         gt = g + (ga - np.abs(g)) * rng.uniform(-1.0, 1.0, g.shape)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .opnorm import sigma_max_upper
 from .values import PROVEN, Ball, LocalValue, U, array_key, center_margin, gamma, widen_up
 
 # relative allowance for the round-to-nearest float64 operations forming one interval end
@@ -36,12 +37,7 @@ def token_radius(v: LocalValue, ball: Ball) -> np.ndarray:
         return np.full((*v.shape[:-1], 1), np.inf)
     jc = v.jc.reshape(-1, d, p)
     jr = v.jr.reshape(-1, d, p)
-    fro = widen_up(np.square(jc).sum(axis=(1, 2)), d * p)  # (T,)
-    lam = np.linalg.eigvalsh(jc @ jc.transpose(0, 2, 1))[:, -1]  # (T,): of fl(jc jc^T)
-    # Weyl: the Gram's forming error is at most gamma_P ||jc||_F^2 in the 2-norm, LAPACK's
-    # backward error 64 D u |lam| (as numerics._eigvalsh_upper)
-    lam_up = widen_up(np.maximum(lam, 0.0) + 64 * d * U * np.abs(lam) + gamma(p) * fro, 4)
-    sig = np.minimum(np.sqrt(lam_up), np.sqrt(fro)) * (1 + 4 * U)
+    sig = sigma_max_upper(jc)  # (T,)
     if ball.norm == "2":
         a = sig
         b = np.sqrt(widen_up(np.square(jr).sum(axis=(1, 2)), d * p)) * (1 + 4 * U)

@@ -60,6 +60,21 @@ def nonneg_block_norms(blocks: np.ndarray) -> np.ndarray:
     return np.minimum(fro, np.sqrt(widen_up(one * inf, 1))) * (1 + 4 * U)
 
 
+def sigma_max_upper(jc: np.ndarray) -> np.ndarray:
+    """Certified upper bounds on the largest singular value of each matrix of a batch
+    (T, m, p), from the smaller Gram matrix: LAPACK's top eigenvalue plus its backward error
+    64 k u |lam| and the Gram's forming error gamma_inner ||jc||_F^2 (Weyl, as
+    numerics._eigvalsh_upper), capped by the Frobenius norm."""
+    _, m, p = jc.shape
+    fro = widen_up(np.square(jc).sum(axis=(1, 2)), m * p)
+    k = min(m, p)
+    gram = jc @ jc.transpose(0, 2, 1) if m <= p else jc.transpose(0, 2, 1) @ jc
+    lam = np.linalg.eigvalsh(gram)[:, -1]
+    lam_up = widen_up(np.maximum(lam, 0.0) + 64 * k * U * np.abs(lam)
+                      + gamma(max(m, p)) * fro, 4)
+    return np.minimum(np.sqrt(lam_up), np.sqrt(fro)) * (1 + 4 * U)
+
+
 def group_radius(v: LocalValue, ball: Ball, axes: int) -> np.ndarray:
     """For the groups formed by the last `axes` axes of v (a token: 1; a matrix: 2): an upper
     bound on the Frobenius norm ||v_S(X) - v_S(X0)||_F of each group over the 2-ball, for the
@@ -74,14 +89,7 @@ def group_radius(v: LocalValue, ball: Ball, axes: int) -> np.ndarray:
         return np.full(lead, np.inf)
     jc = v.jc.reshape(-1, m, p)
     jr = v.jr.reshape(-1, m, p)
-    fro = widen_up(np.square(jc).sum(axis=(1, 2)), m * p)
-    k = min(m, p)
-    gram = jc @ jc.transpose(0, 2, 1) if m <= p else jc.transpose(0, 2, 1) @ jc
-    lam = np.linalg.eigvalsh(gram)[:, -1]
-    # Weyl: forming error gamma_inner ||jc||_F^2, LAPACK's backward error 64 k u |lam|
-    lam_up = widen_up(np.maximum(lam, 0.0) + 64 * k * U * np.abs(lam)
-                      + gamma(max(m, p)) * fro, 4)
-    sig = np.minimum(np.sqrt(lam_up), np.sqrt(fro)) * (1 + 4 * U)
+    sig = sigma_max_upper(jc)
     jrf = np.sqrt(widen_up(np.square(jr).sum(axis=(1, 2)), m * p)) * (1 + 4 * U)
     form = widen_up(ball.eps * (sig + jrf), 4)
     box = np.sqrt(widen_up(np.square(v.rad.reshape(-1, m)).sum(axis=1), m)) * (1 + 4 * U)

@@ -18,6 +18,7 @@ from torch.func import vmap
 from ..bounds.numerics import U
 from ..onnx.ops import FLOAT_TYPES, OPS, Node, RunContext, decimal_attr
 from . import primitives as pr
+from .layernorm import _bounds_of_s as bounds_of_s
 from .layernorm import chain_errors, token_radius
 from .layernorm import direct as ln_direct
 from .opnorm import blockwise as op_blockwise
@@ -352,17 +353,13 @@ def ln_block_norms(u: LocalValue, norm0: np.ndarray, rho: np.ndarray, d: int, ep
     mu = center_margin(u.center)
     rho0 = np.sqrt(widen_up(np.square(mu).sum(axis=-1, keepdims=True), d)) * (1 + 4 * U)
     r = widen_up(rho + rho0, 2)
-    slack = 1e-12 * (np.square(norm0 + r) / d + eps)
-    s_lo = np.maximum(np.square(np.maximum(norm0 - r, 0.0)) / d + eps - slack, eps * (1 - 1e-12))
-    s_hi = np.square(norm0 + r) / d + eps + slack
+    s_lo, s_hi = bounds_of_s(norm0, r, d, eps)
     w_lo = 1.0 / np.sqrt(s_hi) * (1 - 1e-12)
     w_hi = 1.0 / np.sqrt(s_lo) * (1 + 1e-12)
     dw = (w_hi - w_lo) * (1 + 1e-12)
     dz = widen_up(r * w_hi, 2)
-    if z_radius:
-        return dz[..., 0]
-    out = widen_up(dw + 2 * w_hi * dz / np.sqrt(d), 4) * (1 + 1e-12)
-    return out[..., 0]
+    block = widen_up(dw + 2 * w_hi * dz / np.sqrt(d), 4) * (1 + 1e-12)
+    return (dz if z_radius else block)[..., 0]
 
 
 @register_local

@@ -28,7 +28,7 @@ from ..bounds.numerics import (
 )
 from ..onnx.loading import OnnxModel
 from ..onnx.ops import Node, decimal_attr
-from . import forward_error, fused, signed
+from . import forward_error, fused, second, signed
 from .opnorm import integrated_tokens, rows_bound, set_token_radius
 from .primitives import LIBM_REL, derivative, elementwise
 from .rules import LOCAL_RULES, exact
@@ -283,7 +283,7 @@ def integrated(v: LocalValue, h: LocalValue | np.ndarray | None, ball: Ball) -> 
     lo = np.minimum(np.maximum(v.lo, v.center - rad), v.center)
     hi = np.maximum(np.minimum(v.hi, v.center + rad), v.center)
     out = LocalValue(v.center, lo, hi, v.jc, v.jr, v.term, v.parts, v.opnorm, v.jnorm,
-                     v.tok_rad, v.tok_jn, v.tok_true)
+                     v.tok_rad, v.tok_jn, v.tok_true, v.second)
     integrated_tokens(out, h, ball)
     return out
 
@@ -397,9 +397,13 @@ def _fused(chain: fused.Chain, x: LocalValue, env: dict[str, torch.Tensor],
         r = fused.second(chain, consts, lo, hi)
         return None if r is None else np.maximum(np.abs(r[0]), np.abs(r[1]))
 
+    def curv2(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        return fused.second(chain, consts, lo, hi)
+
     vals = fused.ranges(chain, consts, x.lo, x.hi)[0]
     out = env[chain.sink].detach().numpy()
-    return elementwise(x, "fused", out, ball, deriv=(d, rng), values=vals, curv=curv)
+    return elementwise(x, "fused", out, ball, deriv=(d, rng), values=vals, curv=curv,
+                       curv2=curv2)
 
 
 # Relative allowance on the adjoints G computed by autograd in float64 at the centre (they
@@ -526,18 +530,27 @@ class _Telescope:
     def structured(self, name: str, values: Values, ball: Ball,
                    combos: np.ndarray | None = None) -> Structured | None:
         """Norm bounds on J_t(X) - jc_t from the factored terms (structured.py)."""
-        terms = self._terms(name, values, combos)
+        terms = self._terms(name, values, combos, with_sign=True)
         if terms is None:
             return None
-        tl = [(u.term(ga), None if u.parts is None else u.parts(ga))
-              for ga, u in terms if u.term is not None]
+        kept = [(ga, u, g) for ga, u, g in terms if u.term is not None]
+        tl = [(u.term(ga), None if u.parts is None else u.parts(ga)) for ga, u, _ in kept]
+        zr = self._rounding(name, combos)
         try:
-            st = structured_bounds(tl, self._rounding(name, combos), ball.norm)
+            st = structured_bounds(tl, zr, ball.norm)
         except ValueError:  # a term overflowed (not finite): the entrywise bound stands
             return None
         # inf-ball rows with the signs of the rows' own Jacobians kept (signed.py)
-        return signed.signed_rows(st, tl, self._rounding(name, combos), values.get(name),
-                                  combos, self.remainder(name, values, ball, combos), ball.norm)
+        rem = self.remainder(name, values, ball, combos)
+        v = values.get(name)
+        st = signed.signed_rows(st, tl, zr, v, combos, rem, ball.norm)
+        if ball.norm != "inf" or not isinstance(v, LocalValue) or not kept:
+            return st
+        # and the rows' Hessians at X0 from the ops' second-order rules (second.py)
+        jcm, jrr, err = signed.row_enclosure(v, combos, rem)
+        return second.second_rows(st, [(g, ga, u, b) for (ga, u, g), (b, _) in
+                                       zip(kept, tl, strict=True)],
+                                  widen_up(zr + err, 2), jcm, jrr, ball.eps)
 
     def tighten(self, name: str, v: LocalValue, values: Values, ball: Ball,
                 tokens: bool = False) -> LocalValue:
@@ -545,6 +558,10 @@ class _Telescope:
         if total is None:
             return v
         jr = np.minimum(v.jr, total.reshape(v.jr.shape))
+        if ball.norm == "inf":  # the entries' second-order enclosure (second.py)
+            h = self._second_entries(name, values, ball)
+            if h is not None:
+                jr = np.minimum(jr, h.reshape(v.jr.shape))
         lo, hi = v.lo, v.hi
         if ball.norm == "2":
             # values from the structured row bounds: |T_i(X) - T_i(X0) - jc_i d| <=
@@ -565,10 +582,28 @@ class _Telescope:
                     + center_margin(v.center)
                 lo, hi = np.maximum(lo, v.center - rad), np.minimum(hi, v.center + rad)
         out = enclose(v.center, v.jc, jr, ball, lo, hi)
-        out.term, out.opnorm = v.term, v.opnorm
+        out.term, out.opnorm, out.second = v.term, v.opnorm, v.second
         if ball.norm == "2" and tokens:
             self._norms(name, out, values, ball)
         return out
+
+    def _second_entries(self, name: str, values: Values, ball: Ball) -> np.ndarray | None:
+        """inf-ball: |J_t(X) - jc_t| <= eps ||H[p]||_1 + r entrywise, from the ops'
+        second-order rules (second.py); None where no op has one."""
+        z = self.zero.get(name)
+        if not isinstance(z, LocalValue) or \
+                z.center.size * z.jc.shape[-1] ** 2 > second.MAX_TENSOR_HESSIAN_ENTRIES:
+            return None
+        terms = self._terms(name, values, None, with_sign=True)
+        if terms is None:
+            return None
+        kept = [(g, ga, u, u.term(ga)) for ga, u, g in terms if u.term is not None]
+        got = second.hessian_rest(kept, self._rounding(name, None), ball.eps,
+                                  second.MAX_TENSOR_HESSIAN_ENTRIES)
+        if got is None:
+            return None
+        h = second.entry_bounds(*got, ball.eps)
+        return h if np.all(np.isfinite(h)) else None
 
     def _norms(self, name: str, v: LocalValue, values: Values, ball: Ball) -> None:
         """2-ball: v.jnorm = ||jc||_2 + the operator-norm remainder of the whole tensor, and

@@ -13,6 +13,7 @@ from scipy import special
 
 from ..bounds.numerics import U, add_up
 from . import opnorm
+from .second import Curv2, elementwise_second
 from .signed import SignedFn, SignedTerm
 from .values import (
     Ball,
@@ -203,11 +204,12 @@ def value_range(kind: str, lo: np.ndarray, hi: np.ndarray, exponent: float = 2.0
 def elementwise(v: LocalValue, kind: str, out_center: np.ndarray, ball: Ball,
                 exponent: float = 2.0, deriv: Deriv | None = None,
                 values: tuple[np.ndarray, np.ndarray] | None = None,
-                curv: Callable[[np.ndarray, np.ndarray], np.ndarray | None] | None = None
-                ) -> LocalValue:
+                curv: Callable[[np.ndarray, np.ndarray], np.ndarray | None] | None = None,
+                curv2: Curv2 | None = None) -> LocalValue:
     """y = f(x) entrywise: dy = f'(x) dx with f'(x) in [dlo, dhi] over the input's range.
     `deriv` and `values` (f's range) override the built-in ones (fused chains); `curv(lo, hi)`
-    bounds |f''| on [lo, hi] entrywise (the 2-ball's relational operator-norm form)."""
+    bounds |f''| on [lo, hi] entrywise (the 2-ball's relational operator-norm form), `curv2`
+    encloses f'' with its sign (the inf-ball's second-order rows, second.py)."""
     d, rng = deriv if deriv is not None else derivative(kind, v.lo, v.hi, exponent)
     dc = d(v.center)  # (*S,)
     dlo, dhi = rng(v.lo, v.hi)
@@ -235,6 +237,8 @@ def elementwise(v: LocalValue, kind: str, out_center: np.ndarray, ball: Ball,
         return [(np.abs(g).reshape(k, -1) * (dr + dr0).reshape(-1), v.jc.reshape(-1, p),
                  v.jr.reshape(-1, p))]
     out.term, out.parts = term, parts
+    if ball.norm == "inf":
+        out.second = (term, elementwise_second(v, dr + dr0, mc, curv2))
     if ball.norm == "2":
         kap = None
         if curv is not None:  # |f''| over both x(X) and x(X0): the range and the centre's

@@ -74,7 +74,8 @@ def bind(u: LocalValue, g: np.ndarray, ga: np.ndarray) -> LocalValue:
 
     # the operator-norm rule (opnorm.py) bounds the same op's term: it stays attached
     op = (term, u.opnorm[1]) if u.opnorm is not None and u.opnorm[0] is st else None
-    return replace(u, term=term, parts=parts, opnorm=op)
+    sec = (term, u.second[1]) if u.second is not None and u.second[0] is st else None
+    return replace(u, term=term, parts=parts, opnorm=op, second=sec)
 
 
 def layernorm_signed(x: LocalValue, gamma: np.ndarray, ln_eps: float, margin: np.ndarray,
@@ -234,10 +235,23 @@ def signed_rows(st: Structured, terms: list[tuple[np.ndarray, list[Parts] | None
     or its plain row sum."""
     if norm != "inf" or not isinstance(v, LocalValue) or not terms:
         return st
+    jcm, base, s, und = row_signs(v, zr, combos, rem)
+    p = jcm.shape[1]
+    total = base + sum(op_row_bounds(terms, s, und))
+    total = widen_up(total, 2 * len(terms) + 2)
+    full = widen_up(widen_up(np.abs(jcm).sum(axis=1), p) + total, 2)
+    if not np.all(np.isfinite(full)):
+        return st
+    return replace(st, rows_abs=full)
+
+
+def row_enclosure(v: LocalValue, combos: np.ndarray | None, rem: np.ndarray | None
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The rows of v (or combos @ v): their centre jcm (M, P), jrr >= |J(X) - jcm| over the
+    ball, and the rounding of combos @ jc (zero without combos)."""
     m = v.center.size
     jc = v.jc.reshape(m, -1)
     jr = v.jr.reshape(m, -1)
-    p = jc.shape[1]
     if combos is None:
         jcm, jrr, err = jc, jr, np.zeros_like(jc)
     else:
@@ -246,26 +260,38 @@ def signed_rows(st: Structured, terms: list[tuple[np.ndarray, list[Parts] | None
         jrr = np.abs(combos) @ jr
     if rem is not None and rem.shape == jrr.shape:
         jrr = np.minimum(jrr, rem)
-    jrr = widen_up(jrr + err, m + 2)  # |J(X) - jcm| <= jrr
+    return jcm, widen_up(jrr + err, m + 2), err
+
+
+def row_signs(v: LocalValue, zr: np.ndarray, combos: np.ndarray | None, rem: np.ndarray | None
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """For the rows of v (or combos @ v): their centre jcm (M, P), the rounding terms of
+    their row sums (M,), the signs s of the entries D the enclosure fixes (jr < |jc|) and
+    the mask of the others U, both (M, P)."""
+    jcm, jrr, err = row_enclosure(v, combos, rem)
+    p = jcm.shape[1]
     det = jrr < np.abs(jcm)
     s = np.where(det, np.sign(jcm), 0.0)  # (M, P)
     und = (~det).astype(np.float64)
-    total = widen_up(zr.sum(axis=1) + err.sum(axis=1), p)
+    return jcm, widen_up(zr.sum(axis=1) + err.sum(axis=1), p), s, und
+
+
+def op_row_bounds(terms: list[tuple[np.ndarray, list[Parts] | None]], s: np.ndarray,
+                  und: np.ndarray) -> list[np.ndarray]:
+    """Per op: (M,) bounds on sum_D s_p T_k,ip + sum_U |T_k,ip| from its term and parts."""
+    out = []
     for mk, parts in terms:
+        p = mk.shape[1]
         plain = widen_up(mk.sum(axis=1), p)
         if parts is None:
-            total = total + plain
+            out.append(plain)
             continue
-        sg = np.zeros(total.shape)
+        sg = np.zeros(plain.shape)
         for c, jci, jri in parts:
             ajc = np.abs(jci)
             a = np.abs(jci @ s.T) + gamma(p) * (ajc @ np.abs(s).T)  # (n, M)
             b = ajc @ und.T
             rr = widen_up(jri.sum(axis=1), p)
             sg = sg + widen_up((c * (a + b).T).sum(axis=1) + c @ rr, c.shape[1] + 2)
-        total = total + np.minimum(plain, widen_up(sg, 4 * len(parts)))
-    total = widen_up(total, 2 * len(terms) + 2)
-    full = widen_up(widen_up(np.abs(jcm).sum(axis=1), p) + total, 2)
-    if not np.all(np.isfinite(full)):
-        return st
-    return replace(st, rows_abs=full)
+        out.append(np.minimum(plain, widen_up(sg, 4 * len(parts))))
+    return out

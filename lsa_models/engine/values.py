@@ -79,6 +79,11 @@ class LocalValue:
     # (the true centre: tok_rad less the centre's margin), both (*S[:-1], 1)
     tok_jn: np.ndarray | None = field(default=None, repr=False)
     tok_true: np.ndarray | None = field(default=None, repr=False)
+    # (term, fn): the op's second-order rule for the inf-ball's signed rows (second.py);
+    # valid only while `term` is this value's term
+    second: tuple[Callable[[np.ndarray], np.ndarray], Callable[..., tuple[np.ndarray,
+                                                                      np.ndarray]]] | None = \
+        field(default=None, repr=False)
 
     @property
     def shape(self) -> tuple[int, ...]:

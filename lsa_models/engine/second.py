@@ -1,0 +1,163 @@
+"""Second-order signed output rows on the inf-ball (docs/local-bounds.md, "Second-order
+signed rows").
+
+The signed rows (signed.py) bound `sum_p |J_ip(X)|` with, per telescoped op k, an O(eps) bound
+on its term `T_k(X) = G_k (D_k(X) - D_k(X0)) J_in(X)` taken in absolute value: the first-order
+changes of different ops (and of one op's entries) cannot cancel, and an entry's sign is only
+known where the first-order enclosure is narrower than the entry. The true first-order change
+of row i is `H_i d` (H_i the Hessian of output i at X0, d = X - X0): signed, and summed over
+all ops before any norm is taken.
+
+An op with a second-order rule (`LocalValue.second`) returns its share of the rows' Hessians
+and an entrywise O(eps^2) rest:
+    |T_k,ip(X) - H_k,i[p] . d| <= r_k,ip                      (every X in the ball),
+an op without one puts its entrywise term bound into the rest. With H = sum_k H_k and
+r = sum_k r_k + the centre's rounding, every entry of the row moves by at most
+h_ip = min(eps ||H_i[p]||_1 + r_ip, jrr_ip); where h_ip < |jc_ip| its sign is fixed (F), so
+    sum_p |J_ip(X)| <= sum_F (|jc_ip| + r_ip) + eps ||sum_F sign(jc_ip) H_i[p]||_1
+                       + sum_not F (|jc_ip| + h_ip).
+
+Elementwise y = f(u), with dD_b = f'(u_b(X)) - f'(u_b(X0)), du_b = u_b(X) - u_b(X0):
+    dD_b = m_b du_b + e_b,      |e_b| <= sup |f'' - m_b| |du_b|  (mean value, any m_b)
+    du_b = jc_u,b . d + eps_b,  |eps_b| <= eps ||jr_u,b||_1       (mean value, inf-ball)
+    J_u,b(X) = jc_u,b + R_b,    |R_b| <= jr_u,b
+so  T_ip = sum_b G_ib dD_b J_u,bp(X) = sum_b G_ib m_b jc_u,bp (jc_u,b . d) + rest, the rest
+bounded by sum_b |G_ib| ((|m_b| |eps_b| + |e_b|) |jc_u,bp| + |dD_b| jr_u,bp), plus the
+adjoint's error (ga - |g|) |dD_b| |J_u,bp(X)|. Without an f'' enclosure (ReLU, erf, sigmoid)
+m_b = 0 and |e_b| <= sup |dD_b|: first order, still sound.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+import numpy as np
+
+from .structured import Structured
+from .values import LocalValue, gamma, widen_up
+
+# (g signed adjoint (M, *S), ga >= |G| (M, *S), eps) -> (H_k (M, P, P), r_k (M, P)) with
+# |T_k,ip(X) - H_k,i[p] . (X - X0)| <= r_k,ip on the inf-ball (T_k the op's term)
+SecondFn = Callable[[np.ndarray, np.ndarray, float], tuple[np.ndarray, np.ndarray]]
+# the rows' Hessians held at once (M P^2 float64 entries): beyond, the signed rows stand
+MAX_HESSIAN_ENTRIES = 4_000_000
+# the same for the entrywise enclosures of intermediate tensors (driver.tighten): each
+# checkpoint pays it again (tf1's ran 5x slower with every checkpoint's rows at 4e6)
+MAX_TENSOR_HESSIAN_ENTRIES = 1_000_000
+# signed f'' enclosure over [lo, hi] entrywise, or None where unknown
+Curv2 = Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray] | None]
+
+
+def elementwise_second(v: LocalValue, dm: np.ndarray, mc: np.ndarray,
+                       curv2: Curv2 | None) -> SecondFn:
+    """The second-order rule of y = f(u) entrywise. `v` is u's value, `dm` (*S) bounds
+    |f'(u(X)) - f'(u(X0))| over the ball, `mc` the centre's margin, `curv2(lo, hi)` a signed
+    enclosure of f'' on [lo, hi] (None: m_b = 0 and |e_b| <= dm_b, first order only)."""
+    p = v.jc.shape[-1]
+    jc = v.jc.reshape(-1, p)  # (B, P)
+    jr = v.jr.reshape(-1, p)
+    ajc = np.abs(jc)
+    dmf = dm.reshape(-1)
+    du = widen_up(v.rad + mc, 2).reshape(-1)  # |u_b(X) - u_b(X0)| over the ball
+    jr1 = widen_up(jr.sum(axis=1), p)  # ||jr_u,b||_1
+    jc1 = widen_up(ajc.sum(axis=1), p)  # ||jc_u,b||_1
+    m = np.zeros_like(dmf)
+    e = dmf.copy()  # |dD_b - m_b du_b| <= e_b
+    got = None if curv2 is None else curv2(np.minimum(v.lo, v.center - mc),
+                                           np.maximum(v.hi, v.center + mc))
+    at = None if curv2 is None else curv2(v.center, v.center)
+    if got is not None and at is not None:
+        clo, chi = (np.asarray(a, dtype=np.float64).reshape(-1) for a in got)
+        alo, ahi = (np.asarray(a, dtype=np.float64).reshape(-1) for a in at)
+        if np.all(np.isfinite(clo)) and np.all(np.isfinite(chi)) and \
+                np.all(np.isfinite(alo)) and np.all(np.isfinite(ahi)):
+            m = 0.5 * (alo + ahi)  # f''(u0) estimated; any m_b is sound (kappa bounds it)
+            pad = 4e-12 * np.maximum(np.abs(clo), np.abs(chi)) + 1e-300
+            kap = np.maximum(np.maximum(chi - m, m - clo), 0.0) + pad
+            # |dD_b - m_b du_b| <= kappa_b |du_b|, and <= |dD_b| + |m_b| |du_b|
+            e = np.minimum(widen_up(kap * du, 2), widen_up(dmf + np.abs(m) * du, 3))
+
+    def fn(g: np.ndarray, ga: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
+        k = g.shape[0]
+        gs = g.reshape(k, -1)  # (M, B)
+        gab = ga.reshape(k, -1)
+        gerr = np.maximum(gab - np.abs(gs), 0.0)  # |G - g|
+        gm = gs * m  # (M, B)
+        # H_k,i = sum_b G_ib m_b jc_u,b (x) jc_u,b: the op's share of the Hessian of row i
+        hess = np.einsum("mb,bp,bq->mpq", gm, jc, jc)  # (M, P, P)
+        agm = np.abs(gm)
+        # per entry p, |T_k,ip(X) - H_k,i[p] . d| <= r_ip:
+        #   G_ib (m_b eps_b + e_b) jc_u,bp + G_ib dD_b R_bp, |R_bp| <= jr_u,bp, and the
+        #   adjoint's error (ga - |g|) dm_b |J_u,bp(X)|
+        r = (agm * (eps * jr1)) @ ajc + (np.abs(gs) * e) @ ajc \
+            + (np.abs(gs) * dmf) @ jr + (gerr * dmf) @ (ajc + jr)
+        # the rounding of hess: each entry a B-term sum of |G m| |jc| |jc|, times |d| <= eps
+        r = r + gamma(jc.shape[0] + 4) * eps * ((agm @ ajc) * jc1.max())
+        return hess, widen_up(r, jc.shape[0] + 8)
+
+    return fn
+
+
+def second_rows(st: Structured, terms: list, zr: np.ndarray, jcm: np.ndarray,
+                jrr: np.ndarray, eps: float) -> Structured:
+    """rows_abs from the second-order rules: `terms` is a list of (g, ga, value, bound) per
+    telescoped op, `bound` (M, P) its entrywise term bound (used for ops without a
+    second-order rule), `zr` (M, P) bounds |J(X0) - jcm| (rounding), jcm the centre
+    rows, `jrr` the entrywise enclosure |J(X) - jcm| <= jrr. Keeps the smaller of this and
+    st.rows_abs. Per row i, with H = sum_k H_k (the rows' Hessians at X0, from the ops'
+    shares) and r (M, P) the entrywise rest (|Delta_ip - H_i[p] . d| <= r_ip):
+      |Delta_ip| <= h_ip = min(eps ||H_i[p]||_1 + r_ip, jrr_ip); F = {p : h_ip < |jcm_ip|};
+      sum_p |J_ip| <= sum_F (|jcm_ip| + r_ip) + eps ||sum_F s_p H_i[p]||_1
+                      + sum_not F (|jcm_ip| + h_ip)."""
+    p = jcm.shape[1]
+    got = hessian_rest(terms, zr, eps)
+    if got is None:
+        return st
+    hess, rest = got
+    ah = np.abs(hess)
+    h = np.minimum(entry_bounds(hess, rest, eps), jrr)
+    ajc = np.abs(jcm)
+    fixed = h < ajc
+    s = np.where(fixed, np.sign(jcm), 0.0)  # (M, P)
+    lin = np.einsum("mp,mpq->mq", s, hess)  # (M, P)
+    lin_err = gamma(p) * np.einsum("mp,mpq->mq", np.abs(s), ah)
+    lin1 = widen_up(eps * widen_up((np.abs(lin) + lin_err).sum(axis=1), p), 2)
+    inside = np.where(fixed, ajc + rest, ajc + h)
+    full = widen_up(widen_up(inside.sum(axis=1), p) + lin1, 2)
+    if not np.all(np.isfinite(full)):
+        return st
+    best = full if st.rows_abs is None else np.minimum(st.rows_abs, full)
+    return replace(st, rows_abs=best)
+
+
+def hessian_rest(terms: list, zr: np.ndarray, eps: float, cap: int = MAX_HESSIAN_ENTRIES
+                 ) -> tuple[np.ndarray, np.ndarray] | None:
+    """(H, r): the rows' Hessians at X0 (M, P, P) summed over the ops with a second-order rule
+    and the entrywise rest (M, P): |J_ip(X) - jc_ip - H_i[p] . d| <= r_ip over the ball.
+    `terms` as in second_rows; `zr` bounds |J(X0) - jc|. None: no op has a rule, or the
+    Hessians would exceed `cap` entries."""
+    m, p = zr.shape
+    if not terms or m * p * p > cap:
+        return None
+    hess = np.zeros((m, p, p))
+    rest = zr.copy()
+    used = 0
+    for g, ga, u, bound in terms:
+        sec = u.second
+        if sec is not None and sec[0] is u.term:
+            hk, rk = sec[1](g, ga, eps)
+            hess += hk
+            rest = rest + rk
+            used += 1
+        else:
+            rest = rest + bound
+    if used == 0:
+        return None
+    return hess, widen_up(rest, len(terms) + 2)
+
+
+def entry_bounds(hess: np.ndarray, rest: np.ndarray, eps: float) -> np.ndarray:
+    """|J_ip(X) - jc_ip| <= eps ||H_i[p]||_1 + r_ip on the inf-ball (M, P)."""
+    p = hess.shape[-1]
+    return widen_up(eps * widen_up(np.abs(hess).sum(axis=2), p) + rest, 2)

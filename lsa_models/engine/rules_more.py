@@ -449,9 +449,11 @@ class SignedLayerNormRule(LocalRule):
             gam = np.broadcast_to(np.asarray(g, dtype=np.float64), (d,))
             eps = decimal_attr(float(node.attrs.get("epsilon", 1e-5)))
             old = y.term
-            y.term = SignedTerm(y.term, y.parts,
-                                layernorm_signed(x, gam, eps, center_margin(x.center),
-                                                 ball))
+            fn = layernorm_signed(x, gam, eps, center_margin(x.center), ball)
+            y.term = SignedTerm(y.term, y.parts, fn)
             if y.opnorm is not None and y.opnorm[0] is old:  # the same op's term
                 y.opnorm = (y.term, y.opnorm[1])
+            sec = getattr(fn, "second", None)
+            if ball.norm == "inf" and sec is not None:  # second.py
+                y.second = (y.term, sec)
         return outs

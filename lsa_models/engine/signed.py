@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 
@@ -28,6 +29,9 @@ from .values import Ball, LocalValue, Parts, dual_row_norms, gamma, widen_up
 Term = Callable[[np.ndarray], np.ndarray]
 PartsFn = Callable[[np.ndarray], list[Parts]]
 SignedFn = Callable[[np.ndarray, np.ndarray], np.ndarray | list[np.ndarray]]
+
+# `gamma` is LayerNorm's scale inside layernorm_signed
+_gamma_k = gamma
 
 # relative allowance per interval end formed with a few round-to-nearest float64 operations
 _REL = 1e-12
@@ -152,8 +156,10 @@ def layernorm_signed(x: LocalValue, gamma: np.ndarray, ln_eps: float, margin: np
         br = dot(babs, rad)
         return w3 / d * (babs * ur + uabs * br + sabs * pr) + 3.0 * w5 / (d * d) * sabs * uabs * ur
 
-    def relational(b: np.ndarray) -> np.ndarray:
-        """|L_k . dx| + sum_j |hess(xi) - L|_kj R_j for the computed b (K, ..., D)."""
+    def relational(b: np.ndarray, split: bool = False) -> Any:
+        """|L_k . dx| + sum_j |hess(xi) - L|_kj R_j for the computed b (K, ..., D); with
+        `split`, (dev, labs, lmat): the second sum alone (rounding of L included), a bound on
+        |L| entrywise and L itself (K, ..., D, D)."""
         ab = np.abs(b)
         sc = (b * uc).sum(axis=-1, keepdims=True)
         asc = np.abs(sc)
@@ -196,6 +202,12 @@ def layernorm_signed(x: LocalValue, gamma: np.ndarray, ln_eps: float, margin: np
             + 3.0 / (d * d) * (a5 * dot(auc + ru, rad) * (1 + _REL)
                                - b5 * dot(auc, rad) * (1 - _REL))
         dev = dev + _REL * lmag  # the rounding of L
+        if split:
+            lmat = (w3c / d)[..., None] * (-(b[..., :, None] * uc[..., None, :]
+                                             + uc[..., :, None] * b[..., None, :])
+                                           - sc[..., None] * pmat) \
+                + (3.0 * w5c / (d * d) * sc)[..., None] * uc[..., :, None] * uc[..., None, :]
+            return widen_up(np.maximum(dev, 0.0), 8), labs, lmat
         return widen_up(first + np.maximum(dev, 0.0), 8)
 
     def signed(g: np.ndarray, ga: np.ndarray) -> np.ndarray:
@@ -218,6 +230,38 @@ def layernorm_signed(x: LocalValue, gamma: np.ndarray, ln_eps: float, margin: np
             out = np.minimum(out, relational(b) + box(e, se))
         return widen_up(out, 8).reshape(k, -1)
 
+    def second(g: np.ndarray, ga: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
+        """The second-order rule (second.py) on the inf-ball: grad h(x) - grad h(x0) =
+        L dx + rho, |rho| <= dev (the relational form's deviation), dx = jc d + eps_x with
+        |eps_x| <= eps ||jr_x||_1, J_x(X) = jc + R: H_i = jc^T L_i jc per token, and the rest
+        (|L| eps ||jr_x||_1 + dev) |jc| + c jr_x (c = the signed bound, the true adjoint's)
+        + the adjoint's error part (|jc| + jr_x) + L's rounding times eps |jc| rows."""
+        k = g.shape[0]
+        pdim = x.jc.shape[-1]
+        c_all = signed(g, ga)  # (K, n): |grad h_k(x) - grad h_k(x0)| for the true adjoint
+        a = g * gam
+        b = a - a.mean(axis=-1, keepdims=True)
+        e = absp(np.abs(gam) * np.maximum(ga - np.abs(g), 0.0))
+        e = widen_up(e + _REL * (np.abs(b) + np.abs(a).mean(axis=-1, keepdims=True)), 4)
+        dev, labs, lmat = relational(b, split=True)
+        tok = int(np.prod(x.shape[:-1], dtype=np.int64))
+        jt = x.jc.reshape(tok, d, pdim)  # (T, D, P)
+        ajt = np.abs(jt)
+        jrt = x.jr.reshape(tok, d, pdim)
+        lm = lmat.reshape(k, tok, d, d)
+        la = labs.reshape(k, tok, d, d)
+        lj = np.einsum("itkj,tjq->itkq", lm, jt)  # (K, T, D, P)
+        hess = np.einsum("tkp,itkq->ipq", jt, lj)  # (K, P, P)
+        jr1 = widen_up(jrt.sum(axis=-1), pdim)  # (T, D)
+        jc1 = widen_up(ajt.sum(axis=-1), pdim)
+        v1 = np.einsum("itkj,tj->itk", la, eps * jr1) + dev.reshape(k, tok, d)
+        v1 = v1 + (_REL + _gamma_k(2 * d + 4)) * eps * np.einsum("itkj,tj->itk", la, jc1)
+        rest = np.einsum("itk,tkp->ip", v1, ajt) \
+            + c_all.reshape(k, tok * d) @ jrt.reshape(tok * d, pdim) \
+            + box(e, dot(e, cabs)).reshape(k, tok * d) @ (ajt + jrt).reshape(tok * d, pdim)
+        return hess, widen_up(rest, tok * d + 8)
+
+    signed.second = second if rel else None  # type: ignore[attr-defined]
     return signed
 
 

@@ -222,3 +222,71 @@ def test_second_rule_bounds_the_layernorm_term_at_points_of_the_ball(
         term = gs @ (d_ln(x) - d0) @ jx  # (M, P)
         lin = hess @ (eps * e).reshape(-1)
         assert np.all(np.abs(term - lin) <= rest), float(np.max(np.abs(term - lin) - rest))
+
+
+class _Bilinear(nn.Module):
+    """tanh(x Wa) @ tanh(x Wb)^T (a MatMul of two input-dependent tensors, as attention's
+    q k^T), then a head on the flattened (N, N) scores."""
+
+    def __init__(self, seed: int, scale: float) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.qa, self.kb, self.head = nn.Linear(D, D), nn.Linear(D, D), nn.Linear(N * N, 3)
+        with torch.no_grad():
+            self.qa.weight.mul_(scale)
+            self.kb.weight.mul_(scale)
+
+    def ops(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.tanh(self.qa(x)), torch.tanh(self.kb(x)).transpose(-1, -2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.ops(x)
+        return self.head((a @ b).reshape(1, -1))
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 10**6), eps=st.sampled_from([1e-3, 1e-2, 0.05, 0.2]),
+       scale=st.sampled_from([0.3, 1.0, 3.0]))
+def test_second_rule_bounds_the_matmul_term_at_points_of_the_ball(
+        seed: int, eps: float, scale: float) -> None:
+    """The MatMul rule (second.matmul_second): |T(X) - H . d| <= r with T(X) = g (J_y(X) -
+    (J_A(X) B0 + A0 J_B(X))), exact in float64, at corners and inside points."""
+    model = _Bilinear(seed % 83, scale).double()
+    om = _export(_Bilinear(seed % 83, scale))
+    rng = np.random.default_rng(seed)
+    x0 = rng.standard_normal((1, N, D))
+    with pytest.MonkeyPatch.context() as mp:
+        calls = _capture(mp)
+        local_jacobian(om, x0, eps, "inf")
+    assert calls
+    terms, _ = calls[-1]
+    c = torch.from_numpy(x0)
+    a0, b0 = (t.detach() for t in model.ops(c))
+    y0 = (a0 @ b0).numpy().reshape(-1)
+    hits = [(g, ga, u) for g, ga, u, _ in terms if u.second is not None
+            and u.second[0] is u.term and u.center.size == y0.size
+            and np.allclose(u.center.reshape(-1), y0, rtol=1e-6, atol=1e-9)]
+    assert len(hits) == 1
+    g, ga, u = hits[0]
+    hess, rest = u.second[1](g, ga, eps)
+    gs = g.reshape(g.shape[0], -1)
+
+    def jac(f: Any, x: torch.Tensor) -> np.ndarray:
+        return torch.autograd.functional.jacobian(lambda z: f(z).reshape(-1), x).reshape(
+            -1, x0.size).numpy()
+
+    def prod(z: torch.Tensor) -> torch.Tensor:
+        a, b = model.ops(z)
+        return a @ b
+
+    def frozen(z: torch.Tensor) -> torch.Tensor:  # D(X0) applied to the operands' moves
+        a, b = model.ops(z)
+        return a @ b0 + a0 @ b
+
+    for t in range(6):
+        e = rng.choice([-1.0, 1.0], size=x0.shape) if t % 2 == 0 else \
+            rng.uniform(-1.0, 1.0, size=x0.shape)
+        x = torch.from_numpy(x0 + eps * e)
+        term = gs @ (jac(prod, x) - jac(frozen, x))  # (M, P)
+        lin = hess @ (eps * e).reshape(-1)
+        assert np.all(np.abs(term - lin) <= rest), float(np.max(np.abs(term - lin) - rest))

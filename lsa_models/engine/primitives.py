@@ -13,7 +13,7 @@ from scipy import special
 
 from ..bounds.numerics import U, add_up
 from . import opnorm
-from .second import Curv2, elementwise_second
+from .second import Curv2, elementwise_second, matmul_second
 from .signed import SignedFn, SignedTerm
 from .values import (
     Ball,
@@ -335,6 +335,8 @@ def product(a: LocalValue | np.ndarray, b: LocalValue | np.ndarray, out_center: 
             and a.center.ndim == b.center.ndim == len(shape) >= 2 \
             and a.shape[:-2] == b.shape[:-2] == shape[:-2]:
         out.term = SignedTerm(term, parts, _matmul_signed(a, b, br + bm, ar + am, ball))
+        if ball.norm == "inf":
+            out.second = (out.term, matmul_second(a, b, ar + am, br + bm, term))
     if ball.norm == "2":
         fn = opnorm.matmul(a, b, shape, ball) if matmul else _mul_opnorm(a, b, shape)
         if fn is not None:

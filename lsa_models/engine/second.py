@@ -163,3 +163,48 @@ def entry_bounds(hess: np.ndarray, rest: np.ndarray, eps: float) -> np.ndarray:
     """|J_ip(X) - jc_ip| <= eps ||H_i[p]||_1 + r_ip on the inf-ball (M, P)."""
     p = hess.shape[-1]
     return widen_up(eps * widen_up(np.abs(hess).sum(axis=2), p) + rest, 2)
+
+
+def matmul_second(a: LocalValue, b: LocalValue, ar2: np.ndarray, br2: np.ndarray,
+                  term: Callable[[np.ndarray], np.ndarray]) -> SecondFn:
+    """The second-order rule of y = A @ B, both input-dependent, same batch shape: the op's
+    Jacobian is bilinear, (D(X) - D(X0))[J_A, J_B] = J_A dB + dA J_B, so with
+    dA = jc_A . d + eps_A (|eps_A| <= eps ||jr_A||_1), J_A(X) = jc_A + R_A (|R_A| <= jr_A):
+      J_A dB = jc_A (jc_B . d) + jc_A eps_B + R_A dB, and the same for dA J_B;
+    H_i = M_i + M_i^T, M_i[p, q] = sum_{x,y,z} G_i,xz jc_A,xy,p jc_B,yz,q; the rest
+    sum_xz |G_xz| sum_y (|jc_A,xy,p| eps ||jr_B,yz||_1 + jr_A,xy,p |dB_yz| + ...), plus the
+    entrywise term with the adjoint's error |G - g|. `ar2`, `br2` bound |A(X) - A(X0)| and
+    |B(X) - B(X0)|; `term` is the op's entrywise term bound."""
+    p = a.jc.shape[-1]
+    ja, jb = a.jc, b.jc  # (..., X, Y, P), (..., Y, Z, P)
+    aja, ajb = np.abs(ja), np.abs(jb)
+    jr1a = widen_up(a.jr.sum(axis=-1), p)  # (..., X, Y)
+    jr1b = widen_up(b.jr.sum(axis=-1), p)  # (..., Y, Z)
+    y, z = b.shape[-2], b.shape[-1]
+    # jc_B as (..., Z, Y * P) for one BLAS product with G
+    jbz = np.swapaxes(jb, -3, -2).reshape(*b.shape[:-2], z, y * p)
+    ajbz = np.abs(jbz)
+    jaf = ja.reshape(-1, p)  # (batch X Y, P)
+
+    def sw(m: np.ndarray) -> np.ndarray:
+        return np.swapaxes(m, -1, -2)
+
+    def fn(g: np.ndarray, ga: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
+        k = g.shape[0]
+        ag = np.abs(g)  # (K, ..., X, Z)
+        t1 = (g @ jbz).reshape(k, -1, p)  # (K, batch X Y, P): sum_z G_xz jc_B,yz,q
+        m1 = np.swapaxes(jaf, 0, 1)[None] @ t1  # (K, P, P)
+        hess = m1 + np.swapaxes(m1, 1, 2)
+        m1abs = np.abs(np.swapaxes(jaf, 0, 1))[None] @ (ag @ ajbz).reshape(k, -1, p)
+        rest = (
+            (ag @ sw(eps * jr1b)).reshape(k, -1) @ aja.reshape(-1, p)
+            + (ag @ sw(br2)).reshape(k, -1) @ a.jr.reshape(-1, p)
+            + (sw(eps * jr1a) @ ag).reshape(k, -1) @ ajb.reshape(-1, p)
+            + (sw(ar2) @ ag).reshape(k, -1) @ b.jr.reshape(-1, p)
+            + term(np.maximum(ga - ag, 0.0))
+            # the rounding of the sums forming hess, times |d| <= eps
+            + gamma(a.shape[-2] * y * z + 4) * eps * (m1abs.sum(axis=2) + m1abs.sum(axis=1))
+        )
+        return hess, widen_up(rest, a.shape[-2] * y * z + p + 8)
+
+    return fn

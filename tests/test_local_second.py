@@ -161,13 +161,14 @@ def test_second_rows_tighten_the_gelu_mlp_at_small_eps() -> None:
     assert lj.upper() <= 1.25 * lj.center_norm()
 
 
-class _NormNet(nn.Module):
-    """tanh(x W) per token, then torch's nn.LayerNorm, then a head on the flattened tokens:
-    the LayerNorm's input Jacobian moves over the ball."""
+class _RowNet(nn.Module):
+    """tanh(x W) per token, then torch's nn.LayerNorm or a softmax over the last axis, then a
+    head on the flattened tokens: the row op's input Jacobian moves over the ball."""
 
-    def __init__(self, seed: int, scale: float) -> None:
+    def __init__(self, kind: str, seed: int, scale: float) -> None:
         super().__init__()
         torch.manual_seed(seed)
+        self.kind = kind
         self.lin, self.ln, self.head = nn.Linear(D, D), nn.LayerNorm(D), nn.Linear(N * D, 3)
         with torch.no_grad():
             self.lin.weight.mul_(scale)
@@ -175,21 +176,25 @@ class _NormNet(nn.Module):
             self.ln.bias.normal_()
 
     def pre(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.lin(x))  # (1, N, D)
+        return torch.tanh(self.lin(x)) * (3.0 if self.kind == "softmax" else 1.0)  # (1, N, D)
+
+    def op(self, u: torch.Tensor) -> torch.Tensor:
+        return self.ln(u) if self.kind == "layernorm" else torch.softmax(u, dim=-1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.ln(self.pre(x)).reshape(1, -1))
+        return self.head(self.op(self.pre(x)).reshape(1, -1))
 
 
 @settings(max_examples=10, deadline=None)
 @given(seed=st.integers(0, 10**6), eps=st.sampled_from([1e-3, 1e-2, 0.05, 0.2]),
-       scale=st.sampled_from([0.3, 1.0, 3.0]))
-def test_second_rule_bounds_the_layernorm_term_at_points_of_the_ball(
-        seed: int, eps: float, scale: float) -> None:
-    """The LayerNorm's rule (signed.layernorm_signed's `second`): |T(X) - H . d| <= r with
-    T(X) = g (D_LN(x(X)) - D_LN(x(X0))) J_x(X), exact in float64, at corners and inside."""
-    model = _NormNet(seed % 89, scale).double()
-    om = _export(_NormNet(seed % 89, scale))
+       scale=st.sampled_from([0.3, 1.0, 3.0]), kind=st.sampled_from(["layernorm", "softmax"]))
+def test_second_rule_bounds_the_row_op_term_at_points_of_the_ball(
+        seed: int, eps: float, scale: float, kind: str) -> None:
+    """The LayerNorm rule (signed.layernorm_signed's `second`) and the softmax rule
+    (second.softmax_second): |T(X) - H . d| <= r with T(X) = g (D_op(x(X)) - D_op(x(X0)))
+    J_x(X), exact in float64, at corners and inside points."""
+    model = _RowNet(kind, seed % 89, scale).double()
+    om = _export(_RowNet(kind, seed % 89, scale))
     rng = np.random.default_rng(seed)
     x0 = rng.standard_normal((1, N, D))
     with pytest.MonkeyPatch.context() as mp:
@@ -198,7 +203,7 @@ def test_second_rule_bounds_the_layernorm_term_at_points_of_the_ball(
     assert calls
     terms, _ = calls[-1]
     c = torch.from_numpy(x0)
-    y0 = model.ln(model.pre(c)).detach().numpy().reshape(-1)
+    y0 = model.op(model.pre(c)).detach().numpy().reshape(-1)
     hits = [(g, ga, u) for g, ga, u, _ in terms if u.second is not None
             and u.second[0] is u.term and u.center.size == y0.size
             and np.allclose(u.center.reshape(-1), y0, rtol=1e-6, atol=1e-9)]
@@ -207,19 +212,19 @@ def test_second_rule_bounds_the_layernorm_term_at_points_of_the_ball(
     hess, rest = u.second[1](g, ga, eps)
     gs = g.reshape(g.shape[0], -1)
 
-    def d_ln(x: torch.Tensor) -> np.ndarray:
+    def d_op(x: torch.Tensor) -> np.ndarray:
         return torch.autograd.functional.jacobian(
-            lambda z: model.ln(z).reshape(-1), model.pre(x).detach()).reshape(
+            lambda z: model.op(z).reshape(-1), model.pre(x).detach()).reshape(
                 x0.size, x0.size).numpy()
 
-    d0 = d_ln(c)
+    d0 = d_op(c)
     for t in range(6):
         e = rng.choice([-1.0, 1.0], size=x0.shape) if t % 2 == 0 else \
             rng.uniform(-1.0, 1.0, size=x0.shape)
         x = torch.from_numpy(x0 + eps * e)
         jx = torch.autograd.functional.jacobian(lambda z: model.pre(z).reshape(-1),
                                                 x).reshape(-1, x0.size).numpy()
-        term = gs @ (d_ln(x) - d0) @ jx  # (M, P)
+        term = gs @ (d_op(x) - d0) @ jx  # (M, P)
         lin = hess @ (eps * e).reshape(-1)
         assert np.all(np.abs(term - lin) <= rest), float(np.max(np.abs(term - lin) - rest))
 

@@ -13,7 +13,7 @@ from scipy import special
 
 from ..bounds.numerics import U, add_up
 from . import opnorm
-from .second import Curv2, elementwise_second, matmul_second
+from .second import Curv2, elementwise_second, matmul_second, softmax_second
 from .signed import SignedFn, SignedTerm
 from .values import (
     Ball,
@@ -502,7 +502,11 @@ def softmax(v: LocalValue, axis: int, out_center: np.ndarray, ball: Ball) -> Loc
         h = (np.moveaxis(np.abs(g), ax + 1, -1)[..., None, :] @ (sr + sr0))[..., 0, :]
         return [(h.reshape(k, -1), jc_in.reshape(-1, p), jr_in.reshape(-1, p))]
     out.term, out.parts = term, parts
-    out.term = SignedTerm(term, parts, _softmax_signed(out, ax, pc, sr + sr0, ball))
+    sfn = _softmax_signed(out, ax, pc, sr + sr0, ball)
+    out.term = SignedTerm(term, parts, sfn)
+    if ball.norm == "inf" and ax == len(v.shape) - 1:
+        out.second = (out.term, softmax_second(v, plo, phi, pc, center_margin(v.center), term,
+                                               sfn))
     if ball.norm == "2":
         out.opnorm = (out.term, opnorm.blockwise(_softmax_block(plo, phi, sr + sr0), v.jc, v.jr,
                                              known=v.jnorm))

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 
@@ -206,5 +207,83 @@ def matmul_second(a: LocalValue, b: LocalValue, ar2: np.ndarray, br2: np.ndarray
             + gamma(a.shape[-2] * y * z + 4) * eps * (m1abs.sum(axis=2) + m1abs.sum(axis=1))
         )
         return hess, widen_up(rest, a.shape[-2] * y * z + p + 8)
+
+    return fn
+
+
+def gradient_second(jc: np.ndarray, jr: np.ndarray, lmat: np.ndarray, labs: np.ndarray,
+                    dev: np.ndarray, c_all: np.ndarray, extra: np.ndarray, eps: float
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """The second-order rule of an op acting on rows of its input x (LayerNorm per token,
+    Softmax per row) through h_i(x) = G_i . op(x): its term is T_i = sum_k (grad h_k(x(X)) -
+    grad h_k(x0)) J_x,k(X), and grad h(x) - grad h(x0) = L dx + rho with L (K, T, n, n) a
+    fixed matrix per row (the Hessian at the centre), |rho_k| <= dev_k (K, T, n), |L| <= labs.
+    With dx = jc d + eps_x (|eps_x| <= eps ||jr||_1) and J_x(X) = jc + R (|R| <= jr), jc and jr
+    (T, n, P): H_i = sum_T jc^T L jc, rest (|L| eps ||jr||_1 + dev + L's rounding) |jc| +
+    c_all jr (c_all (K, T n) >= |grad h(x) - grad h(x0)|) + extra (K, P) (the adjoint's
+    error, bounded by the caller)."""
+    k, tok, n, _ = lmat.shape
+    p = jc.shape[-1]
+    ajc = np.abs(jc)
+    jr1 = widen_up(jr.sum(axis=-1), p)  # (T, n)
+    jc1 = widen_up(ajc.sum(axis=-1), p)
+    lj = lmat @ jc[None]  # (K, T, n, P)
+    hess = np.swapaxes(jc.reshape(tok * n, p), 0, 1)[None] @ lj.reshape(k, tok * n, p)
+    v1 = np.einsum("itkj,tj->itk", labs, eps * jr1) + dev
+    v1 = v1 + (1e-12 + gamma(2 * n + 4)) * eps * np.einsum("itkj,tj->itk", labs, jc1)
+    rest = v1.reshape(k, tok * n) @ ajc.reshape(tok * n, p) \
+        + c_all.reshape(k, tok * n) @ jr.reshape(tok * n, p) + extra
+    return hess, widen_up(rest, tok * n + 8)
+
+
+def softmax_second(v: LocalValue, plo: np.ndarray, phi: np.ndarray, pc: np.ndarray,
+                   margin: np.ndarray, term: Callable[[np.ndarray], np.ndarray],
+                   signed_fn: Callable[[np.ndarray, np.ndarray], Any]) -> SecondFn:
+    """The second-order rule of s = softmax(z) over the last axis. Per row, h(z) = a . s(z)
+    has grad h_k = s_k u_k, u = a - a.s, and Hessian hess_kj = delta_kj s_k u_k -
+    s_k s_j (u_k + u_j). L is it at the computed centre; over the logit box s lies in
+    [plo, phi] (the rule's probability ranges) and a.s in [sum min(a plo, a phi), sum max]
+    (within [min a, max a]), so interval products bound |hess(xi) - L| entrywise, times
+    R = |z - z0| (rad + margin) for dev. c_all is the signed rule's bound (signed_fn), the
+    adjoint's error goes through the entrywise term with |G - g|."""
+    p = v.jc.shape[-1]
+    n = v.shape[-1]
+    tok = v.center.size // n
+    jc = v.jc.reshape(tok, n, p)
+    jr = v.jr.reshape(tok, n, p)
+    r = widen_up(v.rad + margin, 2).reshape(tok, n)
+    slo, shi, s0 = (np.asarray(t, dtype=np.float64).reshape(tok, n) for t in (plo, phi, pc))
+    eye = np.eye(n)
+
+    def iv_mul(alo: np.ndarray, ahi: np.ndarray, blo: np.ndarray, bhi: np.ndarray
+               ) -> tuple[np.ndarray, np.ndarray]:
+        c = np.stack([alo * blo, alo * bhi, ahi * blo, ahi * bhi])
+        return c.min(axis=0), c.max(axis=0)
+
+    def fn(g: np.ndarray, ga: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
+        k = g.shape[0]
+        a = g.reshape(k, tok, n)
+        u0 = a - (a * s0).sum(axis=-1, keepdims=True)
+        lmat = s0[..., :, None] * (eye * u0[..., :, None]
+                                   - s0[..., None, :] * (u0[..., :, None] + u0[..., None, :]))
+        ab_lo = np.maximum(np.minimum(a * slo, a * shi).sum(axis=-1, keepdims=True),
+                           a.min(axis=-1, keepdims=True))
+        ab_hi = np.minimum(np.maximum(a * slo, a * shi).sum(axis=-1, keepdims=True),
+                           a.max(axis=-1, keepdims=True))
+        ulo, uhi = a - ab_hi, a - ab_lo  # (K, T, n)
+        dlo, dhi = iv_mul(slo, shi, ulo, uhi)  # s_k u_k
+        sslo = slo[..., :, None] * slo[..., None, :]  # s_k s_j >= 0
+        sshi = shi[..., :, None] * shi[..., None, :]
+        olo, ohi = iv_mul(sslo, sshi, ulo[..., :, None] + ulo[..., None, :],
+                          uhi[..., :, None] + uhi[..., None, :])
+        hlo = eye * dlo[..., :, None] - ohi
+        hhi = eye * dhi[..., :, None] - olo
+        pad = 1e-12 * (np.abs(hlo) + np.abs(hhi) + np.abs(lmat)) + 1e-300
+        wide = np.maximum(hhi - lmat, lmat - hlo) + pad
+        dev = widen_up((wide * r[None, :, None, :]).sum(axis=-1), n + 2)  # (K, T, n)
+        labs = np.abs(lmat) * (1 + 1e-12)
+        c_all = np.asarray(signed_fn(g, ga), dtype=np.float64)
+        extra = term(np.maximum(np.asarray(ga) - np.abs(g), 0.0))
+        return gradient_second(jc, jr, lmat, labs, dev, c_all, extra, eps)
 
     return fn

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from .second import gradient_second
 from .structured import Structured
 from .values import Ball, LocalValue, Parts, dual_row_norms, gamma, widen_up
 
@@ -255,22 +256,11 @@ def layernorm_signed(x: LocalValue, gamma: np.ndarray, ln_eps: float, margin: np
                                                              "se"))
         tok = int(np.prod(x.shape[:-1], dtype=np.int64))
         jt = x.jc.reshape(tok, d, pdim)  # (T, D, P)
-        ajt = np.abs(jt)
         jrt = x.jr.reshape(tok, d, pdim)
-        lm = lmat.reshape(k, tok, d, d)
-        la = labs.reshape(k, tok, d, d)
-        lj = lm @ jt[None]  # (K, T, D, P)
-        # (K, P, P): sum over tokens and D of jt^T L jt, one BLAS product per row
-        hess = np.swapaxes(jt.reshape(tok * d, pdim), 0, 1)[None] @ lj.reshape(k, tok * d,
-                                                                              pdim)
-        jr1 = widen_up(jrt.sum(axis=-1), pdim)  # (T, D)
-        jc1 = widen_up(ajt.sum(axis=-1), pdim)
-        v1 = np.einsum("itkj,tj->itk", la, eps * jr1) + dev.reshape(k, tok, d)
-        v1 = v1 + (_REL + _gamma_k(2 * d + 4)) * eps * np.einsum("itkj,tj->itk", la, jc1)
-        rest = np.einsum("itk,tkp->ip", v1, ajt) \
-            + c_all.reshape(k, tok * d) @ jrt.reshape(tok * d, pdim) \
-            + box(e, se).reshape(k, tok * d) @ (ajt + jrt).reshape(tok * d, pdim)
-        return hess, widen_up(rest, tok * d + 8)
+        extra = box(e, se).reshape(k, tok * d) @ (np.abs(jt) + jrt).reshape(tok * d, pdim)
+        return gradient_second(jt, jrt, lmat.reshape(k, tok, d, d),
+                               labs.reshape(k, tok, d, d), dev.reshape(k, tok, d), c_all,
+                               extra, eps)
 
     signed.second = second if rel else None  # type: ignore[attr-defined]
     return signed

@@ -229,8 +229,9 @@ def gradient_second(jc: np.ndarray, jr: np.ndarray, lmat: np.ndarray, labs: np.n
     jc1 = widen_up(ajc.sum(axis=-1), p)
     lj = lmat @ jc[None]  # (K, T, n, P)
     hess = np.swapaxes(jc.reshape(tok * n, p), 0, 1)[None] @ lj.reshape(k, tok * n, p)
-    v1 = np.einsum("itkj,tj->itk", labs, eps * jr1) + dev
-    v1 = v1 + (1e-12 + gamma(2 * n + 4)) * eps * np.einsum("itkj,tj->itk", labs, jc1)
+    # |L| (eps ||jr||_1 + (1e-12 + gamma) eps ||jc||_1) per row entry, one batched product
+    w = eps * (jr1 + (1e-12 + gamma(2 * n + 4)) * jc1)  # (T, n)
+    v1 = (labs @ w[None, :, :, None])[..., 0] + dev
     rest = v1.reshape(k, tok * n) @ ajc.reshape(tok * n, p) \
         + c_all.reshape(k, tok * n) @ jr.reshape(tok * n, p) + extra
     return hess, widen_up(rest, tok * n + 8)

@@ -79,6 +79,35 @@ def _slope(act: str, u: torch.Tensor) -> torch.Tensor:
     return g
 
 
+def _rule_of(om: OnnxModel, x0: np.ndarray, eps: float, y0: np.ndarray
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Runs the engine on the inf-ball and returns (H, r, g as (M, n)) of the op whose output
+    centre is y0 (exactly one must match), from the output rows' second-order pass."""
+    with pytest.MonkeyPatch.context() as mp:
+        calls = _capture(mp)
+        local_jacobian(om, x0, eps, "inf")
+    assert calls, "the second-order rows were not run"
+    terms, _ = calls[-1]
+    hits = [(g, ga, u) for g, ga, u, _ in terms if u.second is not None
+            and u.second[0] is u.term and u.center.size == y0.size
+            and np.allclose(u.center.reshape(-1), y0, rtol=1e-6, atol=1e-9)]
+    assert len(hits) == 1
+    g, ga, u = hits[0]
+    hess, rest = u.second[1](g, ga, eps)
+    return hess, rest, g.reshape(g.shape[0], -1)
+
+
+def _holds_at_points(rng: np.random.Generator, x0: np.ndarray, eps: float, hess: np.ndarray,
+                     rest: np.ndarray, term_at: Any) -> None:
+    """|T(X) - H . d| <= r at 3 corners and 3 inside points; term_at(X) -> T(X) (M, P)."""
+    for t in range(6):
+        e = rng.choice([-1.0, 1.0], size=x0.shape) if t % 2 == 0 else \
+            rng.uniform(-1.0, 1.0, size=x0.shape)
+        term = term_at(torch.from_numpy(x0 + eps * e))
+        lin = hess @ (eps * e).reshape(-1)
+        assert np.all(np.abs(term - lin) <= rest), float(np.max(np.abs(term - lin) - rest))
+
+
 @settings(max_examples=12, deadline=None)
 @given(seed=st.integers(0, 10**6), eps=st.sampled_from([1e-3, 1e-2, 0.05, 0.2]),
        act=st.sampled_from(["gelu_tanh", "tanh", "relu"]))
@@ -197,20 +226,9 @@ def test_second_rule_bounds_the_row_op_term_at_points_of_the_ball(
     om = _export(_RowNet(kind, seed % 89, scale))
     rng = np.random.default_rng(seed)
     x0 = rng.standard_normal((1, N, D))
-    with pytest.MonkeyPatch.context() as mp:
-        calls = _capture(mp)
-        local_jacobian(om, x0, eps, "inf")
-    assert calls
-    terms, _ = calls[-1]
     c = torch.from_numpy(x0)
     y0 = model.op(model.pre(c)).detach().numpy().reshape(-1)
-    hits = [(g, ga, u) for g, ga, u, _ in terms if u.second is not None
-            and u.second[0] is u.term and u.center.size == y0.size
-            and np.allclose(u.center.reshape(-1), y0, rtol=1e-6, atol=1e-9)]
-    assert len(hits) == 1
-    g, ga, u = hits[0]
-    hess, rest = u.second[1](g, ga, eps)
-    gs = g.reshape(g.shape[0], -1)
+    hess, rest, gs = _rule_of(om, x0, eps, y0)
 
     def d_op(x: torch.Tensor) -> np.ndarray:
         return torch.autograd.functional.jacobian(
@@ -218,15 +236,13 @@ def test_second_rule_bounds_the_row_op_term_at_points_of_the_ball(
                 x0.size, x0.size).numpy()
 
     d0 = d_op(c)
-    for t in range(6):
-        e = rng.choice([-1.0, 1.0], size=x0.shape) if t % 2 == 0 else \
-            rng.uniform(-1.0, 1.0, size=x0.shape)
-        x = torch.from_numpy(x0 + eps * e)
+
+    def term_at(x: torch.Tensor) -> np.ndarray:
         jx = torch.autograd.functional.jacobian(lambda z: model.pre(z).reshape(-1),
                                                 x).reshape(-1, x0.size).numpy()
-        term = gs @ (d_op(x) - d0) @ jx  # (M, P)
-        lin = hess @ (eps * e).reshape(-1)
-        assert np.all(np.abs(term - lin) <= rest), float(np.max(np.abs(term - lin) - rest))
+        return gs @ (d_op(x) - d0) @ jx  # (M, P)
+
+    _holds_at_points(rng, x0, eps, hess, rest, term_at)
 
 
 class _Bilinear(nn.Module):
@@ -260,21 +276,8 @@ def test_second_rule_bounds_the_matmul_term_at_points_of_the_ball(
     om = _export(_Bilinear(seed % 83, scale))
     rng = np.random.default_rng(seed)
     x0 = rng.standard_normal((1, N, D))
-    with pytest.MonkeyPatch.context() as mp:
-        calls = _capture(mp)
-        local_jacobian(om, x0, eps, "inf")
-    assert calls
-    terms, _ = calls[-1]
-    c = torch.from_numpy(x0)
-    a0, b0 = (t.detach() for t in model.ops(c))
-    y0 = (a0 @ b0).numpy().reshape(-1)
-    hits = [(g, ga, u) for g, ga, u, _ in terms if u.second is not None
-            and u.second[0] is u.term and u.center.size == y0.size
-            and np.allclose(u.center.reshape(-1), y0, rtol=1e-6, atol=1e-9)]
-    assert len(hits) == 1
-    g, ga, u = hits[0]
-    hess, rest = u.second[1](g, ga, eps)
-    gs = g.reshape(g.shape[0], -1)
+    a0, b0 = (t.detach() for t in model.ops(torch.from_numpy(x0)))
+    hess, rest, gs = _rule_of(om, x0, eps, (a0 @ b0).numpy().reshape(-1))
 
     def jac(f: Any, x: torch.Tensor) -> np.ndarray:
         return torch.autograd.functional.jacobian(lambda z: f(z).reshape(-1), x).reshape(
@@ -288,10 +291,4 @@ def test_second_rule_bounds_the_matmul_term_at_points_of_the_ball(
         a, b = model.ops(z)
         return a @ b0 + a0 @ b
 
-    for t in range(6):
-        e = rng.choice([-1.0, 1.0], size=x0.shape) if t % 2 == 0 else \
-            rng.uniform(-1.0, 1.0, size=x0.shape)
-        x = torch.from_numpy(x0 + eps * e)
-        term = gs @ (jac(prod, x) - jac(frozen, x))  # (M, P)
-        lin = hess @ (eps * e).reshape(-1)
-        assert np.all(np.abs(term - lin) <= rest), float(np.max(np.abs(term - lin) - rest))
+    _holds_at_points(rng, x0, eps, hess, rest, lambda x: gs @ (jac(prod, x) - jac(frozen, x)))

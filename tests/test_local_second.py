@@ -292,3 +292,26 @@ def test_second_rule_bounds_the_matmul_term_at_points_of_the_ball(
         return a @ b0 + a0 @ b
 
     _holds_at_points(rng, x0, eps, hess, rest, lambda x: gs @ (jac(prod, x) - jac(frozen, x)))
+
+
+@pytest.mark.parametrize("act", ["gelu_tanh", "tanh"])
+@pytest.mark.parametrize("eps", [0.05, 0.2, 0.5])
+def test_second_rule_holds_where_one_neuron_moves_most(act: str, eps: float) -> None:
+    """One hidden neuron: the first activation's rest is |g| e |jc| alone (its input is
+    linear), and the corners d = +-eps sign(w) move that neuron by its whole range, where
+    the curvature part e (the nested-interval integral) is nearly reached."""
+    model = _MLP(act, 5, width=1).double()
+    om = _export(_MLP(act, 5, width=1))
+    x0 = np.random.default_rng(7).standard_normal((1, N, D)) * 0.3
+    c = torch.from_numpy(x0)
+    u1 = model.pre(c)[0]
+    hess, rest, gs = _rule_of(om, x0, eps, model.a1(u1).detach().numpy().reshape(-1))
+    w = model.l1.weight.detach().numpy().reshape(-1)  # (P,): u1 = w . x + b
+    s0 = _slope(act, u1)
+    for sign in (-1.0, 1.0):
+        d = sign * eps * np.sign(w).reshape(x0.shape)
+        x = torch.from_numpy(x0 + d)
+        ds = float((_slope(act, model.pre(x)[0]) - s0).reshape(-1)[0])
+        term = gs * ds @ w[None, :]  # (M, P): g dD J_u
+        gap = np.abs(term - hess @ d.reshape(-1))
+        assert np.all(gap <= rest), float((gap / rest).max())

@@ -70,7 +70,7 @@ def elementwise_second(v: LocalValue, dm: np.ndarray, mc: np.ndarray,
     got = None if curv2 is None else curv2(np.minimum(v.lo, v.center - mc),
                                            np.maximum(v.hi, v.center + mc))
     at = None if curv2 is None else curv2(v.center, v.center)
-    if got is not None and at is not None:
+    if curv2 is not None and got is not None and at is not None:
         clo, chi = (np.asarray(a, dtype=np.float64).reshape(-1) for a in got)
         alo, ahi = (np.asarray(a, dtype=np.float64).reshape(-1) for a in at)
         if np.all(np.isfinite(clo)) and np.all(np.isfinite(chi)) and \
@@ -80,6 +80,9 @@ def elementwise_second(v: LocalValue, dm: np.ndarray, mc: np.ndarray,
             kap = np.maximum(np.maximum(chi - m, m - clo), 0.0) + pad
             # |dD_b - m_b du_b| <= kappa_b |du_b|, and <= |dD_b| + |m_b| |du_b|
             e = np.minimum(widen_up(kap * du, 2), widen_up(dmf + np.abs(m) * du, 3))
+            nested = _nested_kappa(v, mc, du, m, curv2)
+            if nested is not None:
+                e = np.minimum(e, widen_up(nested * du, 2))
 
     def fn(g: np.ndarray, ga: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
         k = g.shape[0]
@@ -100,6 +103,32 @@ def elementwise_second(v: LocalValue, dm: np.ndarray, mc: np.ndarray,
         return hess, widen_up(r, jc.shape[0] + 8)
 
     return fn
+
+
+# pieces of the segment for the integral form of the elementwise rest (_nested_kappa)
+KAPPA_PIECES = 4
+
+
+def _nested_kappa(v: LocalValue, mc: np.ndarray, du: np.ndarray, m: np.ndarray,
+                  curv2: Curv2) -> np.ndarray | None:
+    """(1/n) sum_j sup |f'' - m| over the points within (j/n) |du| of the true centre (and in
+    the box): dD_b - m du_b = int_0^1 (f''(u0 + t du_b) - m) du_b dt, and the sup over the
+    nested intervals grows with t, so the right Riemann sum bounds the integral."""
+    lo = np.minimum(v.lo, v.center - mc).reshape(-1)
+    hi = np.maximum(v.hi, v.center + mc).reshape(-1)
+    c, mcf = v.center.reshape(-1), mc.reshape(-1)
+    total = np.zeros_like(du)
+    for j in range(1, KAPPA_PIECES + 1):
+        r = du * (j / KAPPA_PIECES) * (1 + 1e-15)
+        got = curv2(np.maximum(c - mcf - r, lo), np.minimum(c + mcf + r, hi))
+        if got is None:
+            return None
+        clo, chi = (np.asarray(a, dtype=np.float64).reshape(-1) for a in got)
+        if not (np.all(np.isfinite(clo)) and np.all(np.isfinite(chi))):
+            return None
+        pad = 4e-12 * np.maximum(np.abs(clo), np.abs(chi)) + 1e-300
+        total = total + np.maximum(np.maximum(chi - m, m - clo), 0.0) + pad
+    return widen_up(total / KAPPA_PIECES, KAPPA_PIECES + 2)
 
 
 def second_rows(st: Structured, terms: list, zr: np.ndarray, jcm: np.ndarray,

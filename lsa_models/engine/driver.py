@@ -441,11 +441,13 @@ class _Telescope:
         # times (entrywise, margins, structured)
         self.cache: dict[tuple[str, tuple[str, ...]], list] = {}
         self.signed_terms = True
+        self.terms_memo: list[tuple[tuple, list]] = []
 
-    def _terms(self, name: str, values: Values, combos: np.ndarray | None,
-               with_sign: bool = False) -> list | None:
-        """(|G| with its margin, the op's value) per op with a remainder term, G the adjoint
-        of `name` (or of combos @ name) w.r.t. the op's output at X0."""
+    def _terms(self, name: str, values: Values, combos: np.ndarray | None) -> list | None:
+        """(|G| with its margin, the op's value, G) per op with a remainder term, G the
+        adjoint of `name` (or of combos @ name) w.r.t. the op's output at X0. The last two
+        answers are kept: tighten, the margins and structured ask for the same terms, and the
+        signed forms (signed.bind) are the hot path."""
         z = self.zero.get(name)
         if not isinstance(z, LocalValue) or name not in self.env:
             return None
@@ -453,6 +455,13 @@ class _Telescope:
                  if isinstance(u, LocalValue) and u.term is not None and t in self.env]
         if not names:
             return None
+        # the values' identities: a tensor tightened since is a new LocalValue
+        memo_key = (name, tuple((t, id(values[t])) for t in names),
+                    None if combos is None else (combos.shape, combos.tobytes()),
+                    self.signed_terms)
+        for k, got in self.terms_memo:
+            if k == memo_key:
+                return got
         key = (name, tuple(names))
         if key not in self.cache:
             target = self.env[name].reshape(-1)
@@ -474,7 +483,8 @@ class _Telescope:
             assert isinstance(u, LocalValue) and u.term is not None
             # the signed form where a rule has one
             b = signed.bind(u, g, ga) if self.signed_terms else u
-            out.append((ga, b, g) if with_sign else (ga, b))
+            out.append((ga, b, g))
+        self.terms_memo = [(memo_key, out), *self.terms_memo[:1]]
         return out
 
     def opnorm(self, name: str, values: Values, combos: np.ndarray | None = None,
@@ -486,7 +496,7 @@ class _Telescope:
         its entrywise term; plus the rounding of jc. Returns (1,) for the whole matrix, or
         (M,) per combination, or per group of rows (index arrays) when `groups` is given.
         None: nothing to telescope."""
-        terms = self._terms(name, values, combos, with_sign=True)
+        terms = self._terms(name, values, combos)
         if terms is None:
             return None
         rnd = self._rounding(name, combos)
@@ -522,7 +532,7 @@ class _Telescope:
         if terms is None:
             return None
         total = self._rounding(name, combos).copy()
-        for ga, u in terms:
+        for ga, u, _ in terms:
             assert u.term is not None
             total += u.term(ga)
         return total * (1 + 1e-12)
@@ -530,7 +540,7 @@ class _Telescope:
     def structured(self, name: str, values: Values, ball: Ball,
                    combos: np.ndarray | None = None) -> Structured | None:
         """Norm bounds on J_t(X) - jc_t from the factored terms (structured.py)."""
-        terms = self._terms(name, values, combos, with_sign=True)
+        terms = self._terms(name, values, combos)
         if terms is None:
             return None
         kept = [(ga, u, g) for ga, u, g in terms if u.term is not None]
@@ -570,7 +580,7 @@ class _Telescope:
             assert terms is not None
             try:
                 rows = row_two_bounds([(u.term(ga), None if u.parts is None else u.parts(ga))
-                                       for ga, u in terms if u.term is not None],
+                                       for ga, u, _ in terms if u.term is not None],
                                       self._rounding(name, None))
             except ValueError:  # not finite
                 rows = None
@@ -594,7 +604,7 @@ class _Telescope:
         if not isinstance(z, LocalValue) or \
                 z.center.size * z.jc.shape[-1] ** 2 > second.MAX_TENSOR_HESSIAN_ENTRIES:
             return None
-        terms = self._terms(name, values, None, with_sign=True)
+        terms = self._terms(name, values, None)
         if terms is None:
             return None
         kept = [(g, ga, u, u.term(ga)) for ga, u, g in terms if u.term is not None]

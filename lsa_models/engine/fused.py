@@ -40,7 +40,8 @@ def _out(lo: np.ndarray, hi: np.ndarray) -> Iv:
     return lo - pad, hi + pad
 
 
-def _mul(a: Iv, b: Iv) -> Iv:
+def iv_mul(a: Iv, b: Iv) -> Iv:
+    """The product of two intervals, padded outward for its rounding."""
     c = np.stack([a[0] * b[0], a[0] * b[1], a[1] * b[0], a[1] * b[1]])
     return _out(c.min(axis=0), c.max(axis=0))
 
@@ -99,23 +100,23 @@ def evaluate(chain: Chain, consts: dict[str, float], lo: np.ndarray, hi: np.ndar
             elif t == "Sub":
                 v, d = _add(a, _neg(b)), _add(da, _neg(db))
             elif t == "Mul":
-                v, d = _mul(a, b), _add(_mul(da, b), _mul(a, db))
+                v, d = iv_mul(a, b), _add(iv_mul(da, b), iv_mul(a, db))
             else:  # by a nonzero constant (checked by `find_chains`)
                 inv = 1.0 / consts[nd.inputs[1]]
-                v, d = _mul(a, (inv * one, inv * one)), _mul(da, (inv * one, inv * one))
+                v, d = iv_mul(a, (inv * one, inv * one)), iv_mul(da, (inv * one, inv * one))
         elif t == "Neg":
             v, d = _neg(a), _neg(da)
         elif t == "Pow":
             p = consts[nd.inputs[1]]
             if p == 2.0:
-                v, d = _square(a), _mul(_mul(a, da), (2 * one, 2 * one))
+                v, d = _square(a), iv_mul(iv_mul(a, da), (2 * one, 2 * one))
             else:  # p == 3: increasing
                 v = _out(a[0] ** 3, a[1] ** 3)
-                d = _mul(_mul(_square(a), da), (3 * one, 3 * one))
+                d = iv_mul(iv_mul(_square(a), da), (3 * one, 3 * one))
         else:
             f = _F[t]
             v = _out(f(a[0]), f(a[1]))  # increasing
-            d = _mul(_bell(_DF[t], a), da)
+            d = iv_mul(_bell(_DF[t], a), da)
         val[nd.outputs[0]], der[nd.outputs[0]] = v, d
     return val[chain.sink], der[chain.sink]
 
@@ -177,28 +178,28 @@ def second(chain: Chain, consts: dict[str, float], lo: np.ndarray, hi: np.ndarra
             v, d, dd = _add(a, b), _add(da, db), _add(dda, ddb)
         elif op == "Mul":
             b, db, ddb = arg(nd.inputs[1])
-            v, d = _mul(a, b), _add(_mul(da, b), _mul(a, db))
-            dd = _add(_add(_mul(dda, b), _mul(k(2.0), _mul(da, db))), _mul(a, ddb))
+            v, d = iv_mul(a, b), _add(iv_mul(da, b), iv_mul(a, db))
+            dd = _add(_add(iv_mul(dda, b), iv_mul(k(2.0), iv_mul(da, db))), iv_mul(a, ddb))
         elif op == "Div":
             inv = k(1.0 / consts[nd.inputs[1]])
-            v, d, dd = _mul(a, inv), _mul(da, inv), _mul(dda, inv)
+            v, d, dd = iv_mul(a, inv), iv_mul(da, inv), iv_mul(dda, inv)
         elif op == "Neg":
             v, d, dd = _neg(a), _neg(da), _neg(dda)
         elif op == "Pow":
             p = consts[nd.inputs[1]]
             if p == 2.0:
-                v, d = _square(a), _mul(_mul(a, da), k(2.0))
-                dd = _mul(_add(_square(da), _mul(a, dda)), k(2.0))
+                v, d = _square(a), iv_mul(iv_mul(a, da), k(2.0))
+                dd = iv_mul(_add(_square(da), iv_mul(a, dda)), k(2.0))
             else:  # p == 3
                 v = _out(a[0] ** 3, a[1] ** 3)
-                d = _mul(_mul(_square(a), da), k(3.0))
-                dd = _mul(_add(_mul(k(2.0), _mul(a, _square(da))), _mul(_square(a), dda)),
+                d = iv_mul(iv_mul(_square(a), da), k(3.0))
+                dd = iv_mul(_add(iv_mul(k(2.0), iv_mul(a, _square(da))), iv_mul(_square(a), dda)),
                           k(3.0))
         else:  # Tanh
             v = _out(np.tanh(a[0]), np.tanh(a[1]))
             g1 = _bell(_DF["Tanh"], a)
-            d = _mul(g1, da)
-            dd = _add(_mul(_tanh2(a), _square(da)), _mul(g1, dda))
+            d = iv_mul(g1, da)
+            dd = _add(iv_mul(_tanh2(a), _square(da)), iv_mul(g1, dda))
         val[nd.outputs[0]], d1[nd.outputs[0]], d2[nd.outputs[0]] = v, d, dd
     r = d2[chain.sink]
     return r[0].min(axis=0), r[1].max(axis=0)

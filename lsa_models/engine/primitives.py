@@ -505,8 +505,7 @@ def softmax(v: LocalValue, axis: int, out_center: np.ndarray, ball: Ball) -> Loc
     sfn = _softmax_signed(out, ax, pc, sr + sr0, ball)
     out.term = SignedTerm(term, parts, sfn)
     if ball.norm == "inf" and ax == len(v.shape) - 1:
-        out.second = (out.term, softmax_second(v, plo, phi, pc, center_margin(v.center), term,
-                                               sfn))
+        out.second = (out.term, softmax_second(v, plo, phi, pc, mc, term, sfn))
     if ball.norm == "2":
         out.opnorm = (out.term, opnorm.blockwise(_softmax_block(plo, phi, sr + sr0), v.jc, v.jr,
                                              known=v.jnorm))

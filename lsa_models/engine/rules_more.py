@@ -28,7 +28,7 @@ import numpy as np
 from ..onnx.ops import Node, decimal_attr
 from . import primitives as pr
 from .rules import LOCAL_RULES, Arg, LocalRule, register_local
-from .signed import SignedTerm, layernorm_signed
+from .signed import SignedTerm, layernorm_rules
 from .values import (
     FORWARD_FLOOR,
     FORWARD_MARGIN,
@@ -449,11 +449,10 @@ class SignedLayerNormRule(LocalRule):
             gam = np.broadcast_to(np.asarray(g, dtype=np.float64), (d,))
             eps = decimal_attr(float(node.attrs.get("epsilon", 1e-5)))
             old = y.term
-            fn = layernorm_signed(x, gam, eps, center_margin(x.center), ball)
+            fn, sec = layernorm_rules(x, gam, eps, center_margin(x.center), ball)
             y.term = SignedTerm(y.term, y.parts, fn)
             if y.opnorm is not None and y.opnorm[0] is old:  # the same op's term
                 y.opnorm = (y.term, y.opnorm[1])
-            sec = getattr(fn, "second", None)
             if ball.norm == "inf" and sec is not None:  # second.py
                 y.second = (y.term, sec)
         return outs

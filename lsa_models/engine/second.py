@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from .fused import iv_mul
 from .structured import Structured
 from .values import LocalValue, gamma, widen_up
 
@@ -67,22 +68,17 @@ def elementwise_second(v: LocalValue, dm: np.ndarray, mc: np.ndarray,
     jc1 = widen_up(ajc.sum(axis=1), p)  # ||jc_u,b||_1
     m = np.zeros_like(dmf)
     e = dmf.copy()  # |dD_b - m_b du_b| <= e_b
-    got = None if curv2 is None else curv2(np.minimum(v.lo, v.center - mc),
-                                           np.maximum(v.hi, v.center + mc))
     at = None if curv2 is None else curv2(v.center, v.center)
-    if curv2 is not None and got is not None and at is not None:
-        clo, chi = (np.asarray(a, dtype=np.float64).reshape(-1) for a in got)
+    if curv2 is not None and at is not None:
         alo, ahi = (np.asarray(a, dtype=np.float64).reshape(-1) for a in at)
-        if np.all(np.isfinite(clo)) and np.all(np.isfinite(chi)) and \
-                np.all(np.isfinite(alo)) and np.all(np.isfinite(ahi)):
-            m = 0.5 * (alo + ahi)  # f''(u0) estimated; any m_b is sound (kappa bounds it)
-            pad = 4e-12 * np.maximum(np.abs(clo), np.abs(chi)) + 1e-300
-            kap = np.maximum(np.maximum(chi - m, m - clo), 0.0) + pad
-            # |dD_b - m_b du_b| <= kappa_b |du_b|, and <= |dD_b| + |m_b| |du_b|
-            e = np.minimum(widen_up(kap * du, 2), widen_up(dmf + np.abs(m) * du, 3))
-            nested = _nested_kappa(v, mc, du, m, curv2)
+        if np.all(np.isfinite(alo)) and np.all(np.isfinite(ahi)):
+            mid = 0.5 * (alo + ahi)  # f''(u0) estimated; any m_b is sound (kappa bounds it)
+            # |dD_b - m_b du_b| <= kappa_b |du_b| (the integral form; its last piece is the
+            # whole range's kappa), and <= |dD_b| + |m_b| |du_b|
+            nested = _nested_kappa(v, mc, du, mid, curv2)
             if nested is not None:
-                e = np.minimum(e, widen_up(nested * du, 2))
+                m = mid
+                e = np.minimum(widen_up(nested * du, 2), widen_up(dmf + np.abs(m) * du, 3))
 
     def fn(g: np.ndarray, ga: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
         k = g.shape[0]
@@ -285,11 +281,6 @@ def softmax_second(v: LocalValue, plo: np.ndarray, phi: np.ndarray, pc: np.ndarr
     slo, shi, s0 = (np.asarray(t, dtype=np.float64).reshape(tok, n) for t in (plo, phi, pc))
     eye = np.eye(n)
 
-    def iv_mul(alo: np.ndarray, ahi: np.ndarray, blo: np.ndarray, bhi: np.ndarray
-               ) -> tuple[np.ndarray, np.ndarray]:
-        c = np.stack([alo * blo, alo * bhi, ahi * blo, ahi * bhi])
-        return c.min(axis=0), c.max(axis=0)
-
     def fn(g: np.ndarray, ga: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
         k = g.shape[0]
         a = g.reshape(k, tok, n)
@@ -301,11 +292,11 @@ def softmax_second(v: LocalValue, plo: np.ndarray, phi: np.ndarray, pc: np.ndarr
         ab_hi = np.minimum(np.maximum(a * slo, a * shi).sum(axis=-1, keepdims=True),
                            a.max(axis=-1, keepdims=True))
         ulo, uhi = a - ab_hi, a - ab_lo  # (K, T, n)
-        dlo, dhi = iv_mul(slo, shi, ulo, uhi)  # s_k u_k
+        dlo, dhi = iv_mul((slo, shi), (ulo, uhi))  # s_k u_k
         sslo = slo[..., :, None] * slo[..., None, :]  # s_k s_j >= 0
         sshi = shi[..., :, None] * shi[..., None, :]
-        olo, ohi = iv_mul(sslo, sshi, ulo[..., :, None] + ulo[..., None, :],
-                          uhi[..., :, None] + uhi[..., None, :])
+        olo, ohi = iv_mul((sslo, sshi), (ulo[..., :, None] + ulo[..., None, :],
+                                         uhi[..., :, None] + uhi[..., None, :]))
         hlo = eye * dlo[..., :, None] - ohi
         hhi = eye * dhi[..., :, None] - olo
         pad = 1e-12 * (np.abs(hlo) + np.abs(hhi) + np.abs(lmat)) + 1e-300

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from .second import gradient_second
+from .second import SecondFn, gradient_second
 from .structured import Structured
 from .values import Ball, LocalValue, Parts, dual_row_norms, gamma, widen_up
 
@@ -85,7 +85,14 @@ def bind(u: LocalValue, g: np.ndarray, ga: np.ndarray) -> LocalValue:
 
 def layernorm_signed(x: LocalValue, gamma: np.ndarray, ln_eps: float, margin: np.ndarray,
                      ball: Ball | None = None) -> SignedFn:
-    """The signed bound for y = LayerNorm(x) (last axis, D), y = gamma z + beta.
+    """The signed bound for y = LayerNorm(x) (layernorm_rules' first rule)."""
+    return layernorm_rules(x, gamma, ln_eps, margin, ball)[0]
+
+
+def layernorm_rules(x: LocalValue, gamma: np.ndarray, ln_eps: float, margin: np.ndarray,
+                    ball: Ball | None = None) -> tuple[SignedFn, SecondFn | None]:
+    """The signed bound for y = LayerNorm(x) (last axis, D), y = gamma z + beta, and with a
+    ball its second-order rule (second.py; None without one: it needs the relational form).
 
     Per output row i and token t: a = G_i,t * gamma, b = P a, h(x) = a . z(x) = (b . u)/sigma,
     hess h = (1/(D sigma^3)) (-(b u^T + u b^T) - s P) + 3 s u u^T / (D^2 sigma^5), s = b . u,
@@ -157,10 +164,11 @@ def layernorm_signed(x: LocalValue, gamma: np.ndarray, ln_eps: float, margin: np
         br = dot(babs, rad)
         return w3 / d * (babs * ur + uabs * br + sabs * pr) + 3.0 * w5 / (d * d) * sabs * uabs * ur
 
-    def relational(b: np.ndarray, split: bool = False) -> Any:
-        """|L_k . dx| + sum_j |hess(xi) - L|_kj R_j for the computed b (K, ..., D); with
-        `split`, (dev, labs, lmat): the second sum alone (rounding of L included), a bound on
-        |L| entrywise and L itself (K, ..., D, D)."""
+    def relational(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(full, dev, labs, lmat) for the computed b (K, ..., D): full = |L_k . dx| +
+        sum_j |hess(xi) - L|_kj R_j, dev the second sum alone (rounding of L included), labs
+        a bound on |L| entrywise and lmat L itself (K, ..., D, D). Needs the ball (`rel`)."""
+        assert rel and ball is not None
         ab = np.abs(b)
         sc = (b * uc).sum(axis=-1, keepdims=True)
         asc = np.abs(sc)
@@ -170,29 +178,26 @@ def layernorm_signed(x: LocalValue, gamma: np.ndarray, ln_eps: float, margin: np
                             + asc * pr) + 3.0 * w5c / (d * d) * asc * np.abs(uc) \
             * dot(np.abs(uc), rad)  # >= sum_j |L_kj| R_j up to rounding
         lmag = widen_up(lmag, 8)
-        first = lmag
-        if rel:
-            jb = np.einsum("...j,...jp->...p", b, jcx)  # b^T J (K, ..., P)
-            lj = (w3c / d)[..., None] * (-(b[..., :, None] * ju[..., None, :]
-                                           + uc[..., :, None] * jb[..., None, :])
-                                         - sc[..., None] * pj) \
-                + (3.0 * w5c / (d * d) * sc)[..., None] * uc[..., :, None] * ju[..., None, :]
-            # rounding of L J: 1e-12 of the magnitudes of its terms
-            ljmag = (w3c / d) * (ab * dot(np.abs(uc), jrow) + np.abs(uc) * dot(ab, jrow)
-                                 + asc * absp(jrow)) + 3.0 * w5c / (d * d) * asc \
-                * np.abs(uc) * dot(np.abs(uc), jrow)
-            labs = (w3c / d)[..., None] * (ab[..., :, None] * np.abs(uc)[..., None, :]
-                                           + np.abs(uc)[..., :, None] * ab[..., None, :]
-                                           + asc[..., None] * np.abs(pmat)) \
-                + (3.0 * w5c / (d * d))[..., None] * asc[..., None] \
-                * np.abs(uc)[..., :, None] * np.abs(uc)[..., None, :]  # >= |L| entrywise
-            ljr = np.einsum("...kj,...jp->...kp", labs, x.jr)  # |L| jr
-            assert ball is not None
-            mv = widen_up(ball.eps * (dual_row_norms(np.abs(lj), ball.norm)
-                                      + dual_row_norms(ljr, ball.norm))
-                          + _REL * ljmag * ball.eps * (1 + np.sqrt(pdim))
-                          + dot(labs, widen_up(margin, 2)[..., None, :])[..., 0], 8)
-            first = np.minimum(first, mv)
+        jb = np.einsum("...j,...jp->...p", b, jcx)  # b^T J (K, ..., P)
+        lj = (w3c / d)[..., None] * (-(b[..., :, None] * ju[..., None, :]
+                                       + uc[..., :, None] * jb[..., None, :])
+                                     - sc[..., None] * pj) \
+            + (3.0 * w5c / (d * d) * sc)[..., None] * uc[..., :, None] * ju[..., None, :]
+        # rounding of L J: 1e-12 of the magnitudes of its terms
+        ljmag = (w3c / d) * (ab * dot(np.abs(uc), jrow) + np.abs(uc) * dot(ab, jrow)
+                             + asc * absp(jrow)) + 3.0 * w5c / (d * d) * asc \
+            * np.abs(uc) * dot(np.abs(uc), jrow)
+        labs = (w3c / d)[..., None] * (ab[..., :, None] * np.abs(uc)[..., None, :]
+                                       + np.abs(uc)[..., :, None] * ab[..., None, :]
+                                       + asc[..., None] * np.abs(pmat)) \
+            + (3.0 * w5c / (d * d))[..., None] * asc[..., None] \
+            * np.abs(uc)[..., :, None] * np.abs(uc)[..., None, :]  # >= |L| entrywise
+        ljr = np.einsum("...kj,...jp->...kp", labs, x.jr)  # |L| jr
+        mv = widen_up(ball.eps * (dual_row_norms(np.abs(lj), ball.norm)
+                                  + dual_row_norms(ljr, ball.norm))
+                      + _REL * ljmag * ball.eps * (1 + np.sqrt(pdim))
+                      + dot(labs, widen_up(margin, 2)[..., None, :])[..., 0], 8)
+        first = np.minimum(lmag, mv)
         # deviations over the box: |prod f - prod f0| <= prod(|f0| + r) - prod |f0|
         auc = np.abs(uc)
         d3u = (w3c + rw3) * (auc + ru) * (1 + _REL) - w3c * auc * (1 - _REL)  # w3 u_j
@@ -203,14 +208,12 @@ def layernorm_signed(x: LocalValue, gamma: np.ndarray, ln_eps: float, margin: np
             + 3.0 / (d * d) * (a5 * dot(auc + ru, rad) * (1 + _REL)
                                - b5 * dot(auc, rad) * (1 - _REL))
         dev = dev + _REL * lmag  # the rounding of L
-        if split and rel:
-            lmat = (w3c / d)[..., None] * (-(b[..., :, None] * uc[..., None, :]
-                                             + uc[..., :, None] * b[..., None, :])
-                                           - sc[..., None] * pmat) \
-                + (3.0 * w5c / (d * d) * sc)[..., None] * uc[..., :, None] * uc[..., None, :]
-            return widen_up(first + np.maximum(dev, 0.0), 8), widen_up(np.maximum(dev, 0.0), 8), \
-                labs, lmat
-        return widen_up(first + np.maximum(dev, 0.0), 8)
+        lmat = (w3c / d)[..., None] * (-(b[..., :, None] * uc[..., None, :]
+                                         + uc[..., :, None] * b[..., None, :])
+                                       - sc[..., None] * pmat) \
+            + (3.0 * w5c / (d * d) * sc)[..., None] * uc[..., :, None] * uc[..., None, :]
+        return widen_up(first + np.maximum(dev, 0.0), 8), widen_up(np.maximum(dev, 0.0), 8), \
+            labs, lmat
 
     # the last adjoint's pieces, for `second` (called with the same g after `signed`)
     memo: dict[str, Any] = {}
@@ -232,7 +235,7 @@ def layernorm_signed(x: LocalValue, gamma: np.ndarray, ln_eps: float, margin: np
             + _REL * dot(np.abs(b), np.abs(mid))) + se, 4)
         out = box(babs, sabs)
         if rel:
-            full, dev, labs, lmat = relational(b, split=True)
+            full, dev, labs, lmat = relational(b)
             out = np.minimum(out, full + box(e, se))
             memo.clear()
             memo.update(g=g, ga=ga, dev=dev, labs=labs, lmat=lmat, e=e, se=se)
@@ -262,8 +265,7 @@ def layernorm_signed(x: LocalValue, gamma: np.ndarray, ln_eps: float, margin: np
                                labs.reshape(k, tok, d, d), dev.reshape(k, tok, d), c_all,
                                extra, eps)
 
-    signed.second = second if rel else None  # type: ignore[attr-defined]
-    return signed
+    return signed, (second if rel else None)
 
 
 def signed_rows(st: Structured, terms: list[tuple[np.ndarray, list[Parts] | None]],

@@ -568,11 +568,18 @@ class _Telescope:
         if total is None:
             return v
         jr = np.minimum(v.jr, total.reshape(v.jr.shape))
-        if ball.norm == "inf":  # the entries' second-order enclosure (second.py)
-            h = self._second_entries(name, values, ball)
-            if h is not None:
-                jr = np.minimum(jr, h.reshape(v.jr.shape))
         lo, hi = v.lo, v.hi
+        if ball.norm == "inf":  # the entries' second-order enclosure (second.py)
+            got = self._second_entries(name, values, ball)
+            if got is not None:
+                h = second.entry_bounds(*got, ball.eps)
+                if np.all(np.isfinite(h)):
+                    jr = np.minimum(jr, h.reshape(v.jr.shape))
+                # and the values' (second.value_radius)
+                rad = second.value_radius(*got, v.jc, ball.eps)
+                if np.all(np.isfinite(rad)):
+                    rad = widen_up(rad.reshape(v.center.shape) + center_margin(v.center), 2)
+                    lo, hi = np.maximum(lo, v.center - rad), np.minimum(hi, v.center + rad)
         if ball.norm == "2":
             # values from the structured row bounds: |T_i(X) - T_i(X0) - jc_i d| <=
             # eps sup ||J_i(xi) - jc_i||_2 (mean value theorem; structured.py)
@@ -597,9 +604,11 @@ class _Telescope:
             self._norms(name, out, values, ball)
         return out
 
-    def _second_entries(self, name: str, values: Values, ball: Ball) -> np.ndarray | None:
-        """inf-ball: |J_t(X) - jc_t| <= eps ||H[p]||_1 + r entrywise, from the ops'
-        second-order rules (second.py); None where no op has one."""
+    def _second_entries(self, name: str, values: Values, ball: Ball
+                        ) -> tuple[np.ndarray, np.ndarray] | None:
+        """inf-ball: the entries' Hessians at X0 and rest (second.hessian_rest), from the ops'
+        second-order rules (second.py): |J_t(X) - jc_t - H[p] . d| <= r entrywise; None
+        where no op has one or they would not fit."""
         z = self.zero.get(name)
         if not isinstance(z, LocalValue) or \
                 z.center.size * z.jc.shape[-1] ** 2 > second.MAX_TENSOR_HESSIAN_ENTRIES:
@@ -608,12 +617,8 @@ class _Telescope:
         if terms is None:
             return None
         kept = [(g, ga, u, u.term(ga)) for ga, u, g in terms if u.term is not None]
-        got = second.hessian_rest(kept, self._rounding(name, None), ball.eps,
-                                  second.MAX_TENSOR_HESSIAN_ENTRIES)
-        if got is None:
-            return None
-        h = second.entry_bounds(*got, ball.eps)
-        return h if np.all(np.isfinite(h)) else None
+        return second.hessian_rest(kept, self._rounding(name, None), ball.eps,
+                                   second.MAX_TENSOR_HESSIAN_ENTRIES)
 
     def _norms(self, name: str, v: LocalValue, values: Values, ball: Ball) -> None:
         """2-ball: v.jnorm = ||jc||_2 + the operator-norm remainder of the whole tensor, and

@@ -191,6 +191,20 @@ def entry_bounds(hess: np.ndarray, rest: np.ndarray, eps: float) -> np.ndarray:
     return widen_up(eps * widen_up(np.abs(hess).sum(axis=2), p) + rest, 2)
 
 
+def value_radius(hess: np.ndarray, rest: np.ndarray, jc: np.ndarray, eps: float
+                 ) -> np.ndarray:
+    """|T_i(X) - T_i(X0)| on the inf-ball from the second-order form (M,), the centre's
+    forward margin not included: with d = X - X0 and J_ip(X0 + t d) = jc_ip + t H_i[p] . d
+    + rho_ip(t), |rho_ip| <= r_ip, T_i(X) - T_i(X0) = int_0^1 J_i(X0 + t d) . d dt
+    = jc_i . d + d^T H_i d / 2 + int rho(t) . d dt, so
+    |T_i(X) - T_i(X0)| <= eps ||jc_i||_1 + eps^2 sum |H_i| / 2 + eps ||r_i||_1."""
+    m, p = rest.shape
+    lin = widen_up(np.abs(jc.reshape(m, p)).sum(axis=1), p)
+    quad = widen_up(np.abs(hess).reshape(m, -1).sum(axis=1), p * p)
+    r1 = widen_up(rest.sum(axis=1), p)
+    return widen_up(eps * lin + (0.5 * eps * eps) * quad + eps * r1, 6)
+
+
 def matmul_second(a: LocalValue, b: LocalValue, ar2: np.ndarray, br2: np.ndarray,
                   term: Callable[[np.ndarray], np.ndarray]) -> SecondFn:
     """The second-order rule of y = A @ B, both input-dependent, same batch shape: the op's

@@ -185,9 +185,10 @@ def test_second_rows_hold_on_torch_mlps(mlp: tuple[nn.Module, OnnxModel], seed: 
        act=st.sampled_from(["gelu_tanh", "tanh", "relu"]))
 def test_value_radius_bounds_the_checkpoint_values(seed: int, eps: float, act: str) -> None:
     """second.value_radius at the second activation's input u2 (a checkpoint): |u2(X) -
-    u2(X0)| <= rad + the centre's margin at corners, inside points and the corners that
-    follow each entry's centre gradient; at eps 1e-3 those corners reach 0.9 rad (the
-    eps^2 and rest parts are small there), so a radius off by a factor would be caught."""
+    u2(X0)| <= rad and |u2(X) - u2(X0) - jc . d| <= nonlin (+ the centre's margin) at
+    corners, inside points and the corners that follow each entry's centre gradient; at
+    eps 1e-3 those corners reach 0.9 rad (the eps^2 and rest parts are small there), so a
+    radius off by a factor would be caught."""
     model = _MLP(act, seed % 97).double()
     om = _export(_MLP(act, seed % 97))
     rng = np.random.default_rng(seed)
@@ -195,7 +196,8 @@ def test_value_radius_bounds_the_checkpoint_values(seed: int, eps: float, act: s
     got: list[tuple[np.ndarray, np.ndarray]] = []
     orig = second_mod.value_radius
 
-    def spy(hess: np.ndarray, rest: np.ndarray, jc: np.ndarray, e: float) -> np.ndarray:
+    def spy(hess: np.ndarray, rest: np.ndarray, jc: np.ndarray, e: float
+            ) -> tuple[np.ndarray, np.ndarray]:
         out = orig(hess, rest, jc, e)
         got.append((jc.reshape(rest.shape), out))
         return out
@@ -207,20 +209,25 @@ def test_value_radius_bounds_the_checkpoint_values(seed: int, eps: float, act: s
     u20 = model.pre(c)[1].detach().numpy().reshape(-1)
     ju = torch.autograd.functional.jacobian(lambda z: model.pre(z)[1].reshape(-1),
                                             c).reshape(-1, x0.size).numpy()
-    hits = [rad for jc, rad in got if jc.shape == ju.shape and np.allclose(jc, ju, atol=1e-9)]
+    hits = [(jc, out) for jc, out in got if jc.shape == ju.shape
+            and np.allclose(jc, ju, atol=1e-9)]
     assert hits, "no value radius at u2"
-    rad = hits[-1] + 1e-12 * (1 + np.abs(u20))  # the centre's forward margin (float64)
+    jc, (rad0, nonlin) = hits[-1]
+    slack = 1e-12 * (1 + np.abs(u20))  # the centre's forward margin (float64)
+    rad = rad0 + slack
     pts = [rng.choice([-1.0, 1.0], size=x0.shape) for _ in range(3)] + \
         [rng.uniform(-1.0, 1.0, size=x0.shape) for _ in range(3)] + \
         [s * np.sign(ju[i]).reshape(x0.shape) for i in range(ju.shape[0]) for s in (1, -1)]
     reach = np.zeros_like(u20)
     for e in pts:
-        du = np.abs(model.pre(torch.from_numpy(x0 + eps * e))[1].detach().numpy().reshape(-1)
-                    - u20)
+        dv = model.pre(torch.from_numpy(x0 + eps * e))[1].detach().numpy().reshape(-1) - u20
+        du = np.abs(dv)
         assert np.all(du <= rad), float(np.max(du - rad))
+        lin = jc @ (eps * e).reshape(-1)
+        assert np.all(np.abs(dv - lin) <= nonlin + slack + 1e-13 * np.abs(jc).sum(axis=1) * eps)
         reach = np.maximum(reach, du)
     if eps == 1e-3 and act != "relu":
-        assert np.all(reach >= 0.9 * hits[-1])
+        assert np.all(reach >= 0.9 * rad0)
 
 
 def test_second_rows_tighten_the_gelu_mlp_at_small_eps() -> None:

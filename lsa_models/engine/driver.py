@@ -569,6 +569,7 @@ class _Telescope:
             return v
         jr = np.minimum(v.jr, total.reshape(v.jr.shape))
         lo, hi = v.lo, v.hi
+        nonlin = v.nonlin
         if ball.norm == "inf":  # the entries' second-order enclosure (second.py)
             got = self._second_entries(name, values, ball)
             if got is not None:
@@ -576,10 +577,11 @@ class _Telescope:
                 if np.all(np.isfinite(h)):
                     jr = np.minimum(jr, h.reshape(v.jr.shape))
                 # and the values' (second.value_radius)
-                rad = second.value_radius(*got, v.jc, ball.eps)
+                rad, nl = second.value_radius(*got, v.jc, ball.eps)
                 if np.all(np.isfinite(rad)):
                     rad = widen_up(rad.reshape(v.center.shape) + center_margin(v.center), 2)
                     lo, hi = np.maximum(lo, v.center - rad), np.minimum(hi, v.center + rad)
+                    nonlin = (ball.eps, nl.reshape(v.center.shape))
         if ball.norm == "2":
             # values from the structured row bounds: |T_i(X) - T_i(X0) - jc_i d| <=
             # eps sup ||J_i(xi) - jc_i||_2 (mean value theorem; structured.py)
@@ -600,6 +602,7 @@ class _Telescope:
                 lo, hi = np.maximum(lo, v.center - rad), np.minimum(hi, v.center + rad)
         out = enclose(v.center, v.jc, jr, ball, lo, hi)
         out.term, out.opnorm, out.second = v.term, v.opnorm, v.second
+        out.nonlin = nonlin
         if ball.norm == "2" and tokens:
             self._norms(name, out, values, ball)
         return out

@@ -45,10 +45,10 @@ SecondFn = Callable[[np.ndarray, np.ndarray, float], tuple[np.ndarray, np.ndarra
 # the rows' Hessians held at once (M P^2 float64 entries): beyond, the signed rows stand
 MAX_HESSIAN_ENTRIES = 4_000_000
 # the same for the entrywise enclosures of intermediate tensors (driver.tighten): each
-# checkpoint pays it again. 2.1e6 reaches the issue-15 Transformers' residual stream (N D = 128
-# rows, P = 128), not their FFN hidden layer: inf-ball eps 1e-2 tf1 2.99 -> 2.92 and tf2
-# 6.76 -> 5.70 for 1.45x / 1.8x the time (4e6: 5x)
-MAX_TENSOR_HESSIAN_ENTRIES = 2_100_000
+# checkpoint pays it again. 4.3e6 reaches the issue-15 Transformers' FFN hidden layer (N D_FF
+# = 256 rows, P = 128), 2.1e6 only their residual stream: inf-ball eps 1e-2 tf2 3.835 ->
+# 3.671 (upper / lower 1.509 -> 1.445) for 10.7 -> 13.7 s, peak RSS 0.8 GB (session 8)
+MAX_TENSOR_HESSIAN_ENTRIES = 4_300_000
 # signed f'' enclosure over [lo, hi] entrywise, or None where unknown
 Curv2 = Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray] | None]
 
@@ -64,7 +64,9 @@ def elementwise_second(v: LocalValue, dm: np.ndarray, mc: np.ndarray,
     ajc = np.abs(jc)
     dmf = dm.reshape(-1)
     du = widen_up(v.rad + mc, 2).reshape(-1)  # |u_b(X) - u_b(X0)| over the ball
-    jr1 = widen_up(jr.sum(axis=1), p)  # ||jr_u,b||_1
+    # |eps_b| = |du_b - jc_u,b . d| <= eps ||jr_u,b||_1 (mean value), or the checkpoint's
+    # second-order bound on it (second.value_radius) where the driver set one
+    epsb = eps_part(v)
     jc1 = widen_up(ajc.sum(axis=1), p)  # ||jc_u,b||_1
     m = np.zeros_like(dmf)
     e = dmf.copy()  # |dD_b - m_b du_b| <= e_b
@@ -92,7 +94,7 @@ def elementwise_second(v: LocalValue, dm: np.ndarray, mc: np.ndarray,
         # per entry p, |T_k,ip(X) - H_k,i[p] . d| <= r_ip:
         #   G_ib (m_b eps_b + e_b) jc_u,bp + G_ib dD_b R_bp, |R_bp| <= jr_u,bp, and the
         #   adjoint's error (ga - |g|) dm_b |J_u,bp(X)|
-        r = (agm * (eps * jr1)) @ ajc + (np.abs(gs) * e) @ ajc \
+        r = (agm * epsb(eps)) @ ajc + (np.abs(gs) * e) @ ajc \
             + (np.abs(gs) * dmf) @ jr + (gerr * dmf) @ (ajc + jr)
         # the rounding of hess: each entry a B-term sum of |G m| |jc| |jc|, times |d| <= eps
         r = r + gamma(jc.shape[0] + 4) * eps * ((agm @ ajc) * jc1.max())
@@ -101,8 +103,25 @@ def elementwise_second(v: LocalValue, dm: np.ndarray, mc: np.ndarray,
     return fn
 
 
-# pieces of the segment for the integral form of the elementwise rest (_nested_kappa)
-KAPPA_PIECES = 4
+def eps_part(v: LocalValue) -> Callable[[float], np.ndarray]:
+    """eps -> a bound on |u_b(X) - u_b(X0) - jc_b . d| per entry b (B,): eps ||jr_b||_1, or
+    smaller where the driver's checkpoint set `nonlin` (second.value_radius)."""
+    p = v.jc.shape[-1]
+    jr1 = widen_up(v.jr.reshape(-1, p).sum(axis=1), p)
+    nl = v.nonlin
+
+    def at(eps: float) -> np.ndarray:
+        out = widen_up(eps * jr1, 1)
+        if nl is not None and nl[1].size == out.size and eps == nl[0]:
+            out = np.minimum(out, nl[1].reshape(-1))
+        return out
+
+    return at
+
+
+# pieces of the segment for the integral form of the elementwise rest (_nested_kappa):
+# MLP inf-ball eps 0.1 9.29 (4) -> 8.41 (8) -> 8.00 (16), at no measurable cost
+KAPPA_PIECES = 16
 
 
 def _nested_kappa(v: LocalValue, mc: np.ndarray, du: np.ndarray, m: np.ndarray,
@@ -192,17 +211,19 @@ def entry_bounds(hess: np.ndarray, rest: np.ndarray, eps: float) -> np.ndarray:
 
 
 def value_radius(hess: np.ndarray, rest: np.ndarray, jc: np.ndarray, eps: float
-                 ) -> np.ndarray:
-    """|T_i(X) - T_i(X0)| on the inf-ball from the second-order form (M,), the centre's
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """(radius, nonlin) (M,) on the inf-ball from the second-order form, the centre's
     forward margin not included: with d = X - X0 and J_ip(X0 + t d) = jc_ip + t H_i[p] . d
     + rho_ip(t), |rho_ip| <= r_ip, T_i(X) - T_i(X0) = int_0^1 J_i(X0 + t d) . d dt
     = jc_i . d + d^T H_i d / 2 + int rho(t) . d dt, so
-    |T_i(X) - T_i(X0)| <= eps ||jc_i||_1 + eps^2 sum |H_i| / 2 + eps ||r_i||_1."""
+    |T_i(X) - T_i(X0) - jc_i . d| <= nonlin_i = eps^2 sum |H_i| / 2 + eps ||r_i||_1 and
+    |T_i(X) - T_i(X0)| <= eps ||jc_i||_1 + nonlin_i."""
     m, p = rest.shape
     lin = widen_up(np.abs(jc.reshape(m, p)).sum(axis=1), p)
     quad = widen_up(np.abs(hess).reshape(m, -1).sum(axis=1), p * p)
     r1 = widen_up(rest.sum(axis=1), p)
-    return widen_up(eps * lin + (0.5 * eps * eps) * quad + eps * r1, 6)
+    nonlin = widen_up((0.5 * eps * eps) * quad + eps * r1, 4)
+    return widen_up(eps * lin + nonlin, 2), nonlin
 
 
 def matmul_second(a: LocalValue, b: LocalValue, ar2: np.ndarray, br2: np.ndarray,
@@ -218,8 +239,8 @@ def matmul_second(a: LocalValue, b: LocalValue, ar2: np.ndarray, br2: np.ndarray
     p = a.jc.shape[-1]
     ja, jb = a.jc, b.jc  # (..., X, Y, P), (..., Y, Z, P)
     aja, ajb = np.abs(ja), np.abs(jb)
-    jr1a = widen_up(a.jr.sum(axis=-1), p)  # (..., X, Y)
-    jr1b = widen_up(b.jr.sum(axis=-1), p)  # (..., Y, Z)
+    # |eps_A| <= eps ||jr_A||_1 or the checkpoint's bound (eps_part), (..., X, Y)
+    epsa, epsb = eps_part(a), eps_part(b)
     y, z = b.shape[-2], b.shape[-1]
     # jc_B as (..., Z, Y * P) for one BLAS product with G
     jbz = np.swapaxes(jb, -3, -2).reshape(*b.shape[:-2], z, y * p)
@@ -237,9 +258,9 @@ def matmul_second(a: LocalValue, b: LocalValue, ar2: np.ndarray, br2: np.ndarray
         hess = m1 + np.swapaxes(m1, 1, 2)
         m1abs = np.abs(np.swapaxes(jaf, 0, 1))[None] @ (ag @ ajbz).reshape(k, -1, p)
         rest = (
-            (ag @ sw(eps * jr1b)).reshape(k, -1) @ aja.reshape(-1, p)
+            (ag @ sw(epsb(eps).reshape(b.shape))).reshape(k, -1) @ aja.reshape(-1, p)
             + (ag @ sw(br2)).reshape(k, -1) @ a.jr.reshape(-1, p)
-            + (sw(eps * jr1a) @ ag).reshape(k, -1) @ ajb.reshape(-1, p)
+            + (sw(epsa(eps).reshape(a.shape)) @ ag).reshape(k, -1) @ ajb.reshape(-1, p)
             + (sw(ar2) @ ag).reshape(k, -1) @ b.jr.reshape(-1, p)
             + term(np.maximum(ga - ag, 0.0))
             # the rounding of the sums forming hess, times |d| <= eps
@@ -251,25 +272,25 @@ def matmul_second(a: LocalValue, b: LocalValue, ar2: np.ndarray, br2: np.ndarray
 
 
 def gradient_second(jc: np.ndarray, jr: np.ndarray, lmat: np.ndarray, labs: np.ndarray,
-                    dev: np.ndarray, c_all: np.ndarray, extra: np.ndarray, eps: float
-                    ) -> tuple[np.ndarray, np.ndarray]:
+                    dev: np.ndarray, c_all: np.ndarray, extra: np.ndarray, eps: float,
+                    epsx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The second-order rule of an op acting on rows of its input x (LayerNorm per token,
     Softmax per row) through h_i(x) = G_i . op(x): its term is T_i = sum_k (grad h_k(x(X)) -
     grad h_k(x0)) J_x,k(X), and grad h(x) - grad h(x0) = L dx + rho with L (K, T, n, n) a
     fixed matrix per row (the Hessian at the centre), |rho_k| <= dev_k (K, T, n), |L| <= labs.
-    With dx = jc d + eps_x (|eps_x| <= eps ||jr||_1) and J_x(X) = jc + R (|R| <= jr), jc and jr
-    (T, n, P): H_i = sum_T jc^T L jc, rest (|L| eps ||jr||_1 + dev + L's rounding) |jc| +
+    With dx = jc d + eps_x (|eps_x| <= epsx (T, n): eps ||jr||_1 or the checkpoint's bound,
+    eps_part) and J_x(X) = jc + R (|R| <= jr), jc and jr (T, n, P): H_i = sum_T jc^T L jc,
+    rest (|L| epsx + dev + L's rounding) |jc| +
     c_all jr (c_all (K, T n) >= |grad h(x) - grad h(x0)|) + extra (K, P) (the adjoint's
     error, bounded by the caller)."""
     k, tok, n, _ = lmat.shape
     p = jc.shape[-1]
     ajc = np.abs(jc)
-    jr1 = widen_up(jr.sum(axis=-1), p)  # (T, n)
-    jc1 = widen_up(ajc.sum(axis=-1), p)
+    jc1 = widen_up(ajc.sum(axis=-1), p)  # (T, n)
     lj = lmat @ jc[None]  # (K, T, n, P)
     hess = np.swapaxes(jc.reshape(tok * n, p), 0, 1)[None] @ lj.reshape(k, tok * n, p)
-    # |L| (eps ||jr||_1 + (1e-12 + gamma) eps ||jc||_1) per row entry, one batched product
-    w = eps * (jr1 + (1e-12 + gamma(2 * n + 4)) * jc1)  # (T, n)
+    # |L| (epsx + (1e-12 + gamma) eps ||jc||_1) per row entry, one batched product
+    w = epsx + eps * (1e-12 + gamma(2 * n + 4)) * jc1  # (T, n)
     v1 = (labs @ w[None, :, :, None])[..., 0] + dev
     rest = v1.reshape(k, tok * n) @ ajc.reshape(tok * n, p) \
         + c_all.reshape(k, tok * n) @ jr.reshape(tok * n, p) + extra
@@ -292,6 +313,7 @@ def softmax_second(v: LocalValue, plo: np.ndarray, phi: np.ndarray, pc: np.ndarr
     jc = v.jc.reshape(tok, n, p)
     jr = v.jr.reshape(tok, n, p)
     r = widen_up(v.rad + margin, 2).reshape(tok, n)
+    epsx = eps_part(v)
     slo, shi, s0 = (np.asarray(t, dtype=np.float64).reshape(tok, n) for t in (plo, phi, pc))
     eye = np.eye(n)
 
@@ -319,6 +341,7 @@ def softmax_second(v: LocalValue, plo: np.ndarray, phi: np.ndarray, pc: np.ndarr
         labs = np.abs(lmat) * (1 + 1e-12)
         c_all = np.asarray(signed_fn(g, ga), dtype=np.float64)
         extra = term(np.maximum(np.asarray(ga) - np.abs(g), 0.0))
-        return gradient_second(jc, jr, lmat, labs, dev, c_all, extra, eps)
+        return gradient_second(jc, jr, lmat, labs, dev, c_all, extra, eps,
+                               epsx(eps).reshape(tok, n))
 
     return fn

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from .second import SecondFn, gradient_second
+from .second import SecondFn, eps_part, gradient_second
 from .structured import Structured
 from .values import Ball, LocalValue, Parts, dual_row_norms, gamma, widen_up
 
@@ -217,6 +217,7 @@ def layernorm_rules(x: LocalValue, gamma: np.ndarray, ln_eps: float, margin: np.
 
     # the last adjoint's pieces, for `second` (called with the same g after `signed`)
     memo: dict[str, Any] = {}
+    epsx = eps_part(x)
 
     def signed(g: np.ndarray, ga: np.ndarray) -> np.ndarray:
         k = g.shape[0]
@@ -263,7 +264,7 @@ def layernorm_rules(x: LocalValue, gamma: np.ndarray, ln_eps: float, margin: np.
         extra = box(e, se).reshape(k, tok * d) @ (np.abs(jt) + jrt).reshape(tok * d, pdim)
         return gradient_second(jt, jrt, lmat.reshape(k, tok, d, d),
                                labs.reshape(k, tok, d, d), dev.reshape(k, tok, d), c_all,
-                               extra, eps)
+                               extra, eps, epsx(eps).reshape(tok, d))
 
     return signed, (second if rel else None)
 

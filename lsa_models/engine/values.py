@@ -84,6 +84,10 @@ class LocalValue:
     second: tuple[Callable[[np.ndarray], np.ndarray], Callable[..., tuple[np.ndarray,
                                                                       np.ndarray]]] | None = \
         field(default=None, repr=False)
+    # inf-ball, set where the driver tightens a value with second-order rules (driver.tighten,
+    # second.value_radius): (eps, b) with b (*S,) >= |T(X) - T(X0) - jc . (X - X0)| over the
+    # ball of radius eps, the change's part beyond the centre's linear map (jc as it is here)
+    nonlin: tuple[float, np.ndarray] | None = field(default=None, repr=False)
 
     @property
     def shape(self) -> tuple[int, ...]:

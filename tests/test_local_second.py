@@ -344,6 +344,57 @@ def test_second_rule_bounds_the_matmul_term_at_points_of_the_ball(
     _holds_at_points(rng, x0, eps, hess, rest, lambda x: gs @ (jac(prod, x) - jac(frozen, x)))
 
 
+class _Gate(nn.Module):
+    """tanh(x Wa) * sigmoid(x Wb) entrywise, or broadcast against one gate per token
+    (N, 1) as RMSNorm's x * rsqrt(mean(x^2)) is, then a head on the flattened product."""
+
+    def __init__(self, seed: int, scale: float, per_token: bool) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.qa, self.kb = nn.Linear(D, D), nn.Linear(D, 1 if per_token else D)
+        self.head = nn.Linear(N * D, 3)
+        with torch.no_grad():
+            self.qa.weight.mul_(scale)
+            self.kb.weight.mul_(scale)
+
+    def ops(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.tanh(self.qa(x)), torch.sigmoid(self.kb(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.ops(x)
+        return self.head((a * b).reshape(1, -1))
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 10**6), eps=st.sampled_from([1e-3, 1e-2, 0.05, 0.2]),
+       scale=st.sampled_from([0.3, 1.0, 3.0]), per_token=st.booleans())
+def test_second_rule_bounds_the_mul_term_at_points_of_the_ball(
+        seed: int, eps: float, scale: float, per_token: bool) -> None:
+    """The elementwise product rule (second.mul_second), broadcast or not: |T(X) - H . d|
+    <= r with T(X) = g (J_y(X) - (J_A(X) B0 + A0 J_B(X))), exact in float64, at corners and
+    inside points."""
+    model = _Gate(seed % 79, scale, per_token).double()
+    om = _export(_Gate(seed % 79, scale, per_token))
+    rng = np.random.default_rng(seed)
+    x0 = rng.standard_normal((1, N, D))
+    a0, b0 = (t.detach() for t in model.ops(torch.from_numpy(x0)))
+    hess, rest, gs = _rule_of(om, x0, eps, (a0 * b0).numpy().reshape(-1))
+
+    def jac(f: Any, x: torch.Tensor) -> np.ndarray:
+        return torch.autograd.functional.jacobian(lambda z: f(z).reshape(-1), x).reshape(
+            -1, x0.size).numpy()
+
+    def prod(z: torch.Tensor) -> torch.Tensor:
+        a, b = model.ops(z)
+        return a * b
+
+    def frozen(z: torch.Tensor) -> torch.Tensor:  # D(X0) applied to the operands' moves
+        a, b = model.ops(z)
+        return a * b0 + a0 * b
+
+    _holds_at_points(rng, x0, eps, hess, rest, lambda x: gs @ (jac(prod, x) - jac(frozen, x)))
+
+
 @pytest.mark.parametrize("act", ["gelu_tanh", "tanh"])
 @pytest.mark.parametrize("eps", [0.05, 0.2, 0.5])
 def test_second_rule_holds_where_one_neuron_moves_most(act: str, eps: float) -> None:

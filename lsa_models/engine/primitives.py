@@ -13,7 +13,7 @@ from scipy import special
 
 from ..bounds.numerics import U, add_up
 from . import opnorm
-from .second import Curv2, elementwise_second, matmul_second, softmax_second
+from .second import Curv2, elementwise_second, matmul_second, mul_second, softmax_second
 from .signed import SignedFn, SignedTerm
 from .values import (
     Ball,
@@ -331,17 +331,30 @@ def product(a: LocalValue | np.ndarray, b: LocalValue | np.ndarray, out_center: 
         return [(h1.reshape(k, -1), flat(ajc, s1), flat(ajr, s1)),
                 (h2.reshape(k, -1), flat(bjc, s2), flat(bjr, s2))]
     out.term, out.parts = term, parts
+    _product_rules(out, a, b, ball, matmul, ar + am, br + bm)
+    return out
+
+
+def _product_rules(out: LocalValue, a: LocalValue | np.ndarray, b: LocalValue | np.ndarray,
+                   ball: Ball, matmul: bool, ar2: np.ndarray, br2: np.ndarray) -> None:
+    """Attach the signed, second-order (inf-ball) and operator-norm (2-ball) forms of a
+    product's term; `ar2`, `br2` bound the operands' moves."""
+    term, parts, shape = out.term, out.parts, out.shape
+    assert term is not None and parts is not None
+    both = isinstance(a, LocalValue) and isinstance(b, LocalValue)
     if matmul and isinstance(a, LocalValue) and isinstance(b, LocalValue) \
             and a.center.ndim == b.center.ndim == len(shape) >= 2 \
             and a.shape[:-2] == b.shape[:-2] == shape[:-2]:
-        out.term = SignedTerm(term, parts, _matmul_signed(a, b, br + bm, ar + am, ball))
+        out.term = SignedTerm(term, parts, _matmul_signed(a, b, br2, ar2, ball))
         if ball.norm == "inf":
-            out.second = (out.term, matmul_second(a, b, ar + am, br + bm, term))
+            out.second = (out.term, matmul_second(a, b, ar2, br2, term))
+    elif not matmul and both and ball.norm == "inf":
+        assert isinstance(a, LocalValue) and isinstance(b, LocalValue)
+        out.second = (term, mul_second(a, b, shape, ar2, br2, term))
     if ball.norm == "2":
         fn = opnorm.matmul(a, b, shape, ball) if matmul else _mul_opnorm(a, b, shape)
-        if fn is not None:
+        if fn is not None and out.term is not None:
             out.opnorm = (out.term, fn)
-    return out
 
 
 def _mul_opnorm(a: LocalValue | np.ndarray, b: LocalValue | np.ndarray,
@@ -383,6 +396,13 @@ def _matmul_signed(a: LocalValue, b: LocalValue, br2: np.ndarray, ar2: np.ndarra
     ajabs = np.swapaxes(widen_up(np.abs(a.jc).sum(axis=-1), pdim), -1, -2)
     brt, art = np.swapaxes(br2, -1, -2), np.swapaxes(ar2, -1, -2)
     rnd = 1e-12 * (1.0 + math.sqrt(pdim))
+    # the operands' Jacobians laid out for batched BLAS products with G (einsum's loops were
+    # the bound's hot path on GPT-2): jc_B as (..., m, k P), jc_A as (..., n, k P)
+    kb = b.shape[-2]
+    bjm = np.ascontiguousarray(np.swapaxes(b.jc, -3, -2)).reshape(*b.shape[:-2], b.shape[-1],
+                                                                  kb * pdim)
+    ka = a.shape[-1]
+    ajn = a.jc.reshape(*a.shape[:-1], ka * pdim)
 
     def signed(g: np.ndarray, ga: np.ndarray) -> list[np.ndarray]:
         k = g.shape[0]
@@ -391,13 +411,14 @@ def _matmul_signed(a: LocalValue, b: LocalValue, br2: np.ndarray, ar2: np.ndarra
         m_a = g.shape[-1]
         n_b = g.shape[-2]
         # on A's entries (n, k): sum_m G_nm dB_km
-        lin_a = np.einsum("z...nm,...kmp->z...nkp", g, b.jc)
+        lin_a = (g @ bjm).reshape(*g.shape[:-1], kb, pdim)  # (Z, ..., n, k, P)
         mv_a = eps * (dual_row_norms(np.abs(lin_a), ball.norm) + ag @ bjrow
                       + rnd * (ag @ bjabs))
         c_a = widen_up(np.minimum(ag @ brt, widen_up(mv_a, m_a + 4)) + e @ brt, m_a + 4)
         # on B's entries (k, m): sum_n G_nm dA_nk
-        lin_b = np.einsum("z...nm,...nkp->z...kmp", g, a.jc)
-        mv_b = eps * (dual_row_norms(np.abs(lin_b), ball.norm) + ajrow @ ag
+        lin_b = (np.swapaxes(g, -1, -2) @ ajn).reshape(*g.shape[:-2], m_a, ka, pdim)
+        mv_b = eps * (np.swapaxes(dual_row_norms(np.abs(lin_b), ball.norm), -1, -2)
+                      + ajrow @ ag
                       + rnd * (ajabs @ ag))
         c_b = widen_up(np.minimum(art @ ag, widen_up(mv_b, n_b + 4)) + art @ e, n_b + 4)
         return [c_a.reshape(k, -1), c_b.reshape(k, -1)]

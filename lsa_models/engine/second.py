@@ -271,6 +271,50 @@ def matmul_second(a: LocalValue, b: LocalValue, ar2: np.ndarray, br2: np.ndarray
     return fn
 
 
+def mul_second(a: LocalValue, b: LocalValue, shape: tuple[int, ...], ar2: np.ndarray,
+               br2: np.ndarray, term: Callable[[np.ndarray], np.ndarray]) -> SecondFn:
+    """The second-order rule of y = A * B entrywise (numpy broadcasting to `shape`), both
+    input-dependent: as for MatMul, (D(X) - D(X0))[J_A, J_B] = dB J_A + dA J_B entry by entry,
+    so with dA = jc_A . d + eps_A (|eps_A| <= eps_part), J_A(X) = jc_A + R_A (|R_A| <= jr_A),
+    per output entry y (A and B read at y's broadcast entry):
+      dB_y J_A,y = jc_A,y (jc_B,y . d) + jc_A,y eps_B,y + R_A,y dB_y;
+    H_i = M_i + M_i^T, M_i = sum_y G_iy jc_A,y (x) jc_B,y; the rest sum_y |G_iy| (|jc_A,yp|
+    |eps_B,y| + jr_A,yp |dB_y| + |eps_A,y| |jc_B,yp| + |dA_y| jr_B,yp), plus the entrywise term
+    with the adjoint's error |G - g| and the rounding of the Y-term sums forming M. `ar2`,
+    `br2` bound |A(X) - A(X0)| and |B(X) - B(X0)|; `term` is the op's entrywise term bound."""
+    p = a.jc.shape[-1]
+
+    def wide(x: np.ndarray) -> np.ndarray:  # an operand's (*S_x, P) array at y's entries
+        return np.broadcast_to(x, (*shape, p)).reshape(-1, p)
+
+    def at_y(x: np.ndarray) -> np.ndarray:  # an operand's (*S_x,) array at y's entries
+        return np.broadcast_to(x, shape).reshape(-1)
+
+    ja, jb = wide(a.jc), wide(b.jc)  # (Y, P)
+    aja, ajb = np.abs(ja), np.abs(jb)
+    jra, jrb = wide(a.jr), wide(b.jr)
+    da, db = at_y(ar2), at_y(br2)  # (Y,)
+    epsa, epsb = eps_part(a), eps_part(b)
+    ny = ja.shape[0]
+
+    def fn(g: np.ndarray, ga: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
+        k = g.shape[0]
+        gs = g.reshape(k, ny)
+        ag = np.abs(gs)
+        m1 = np.swapaxes(gs[:, :, None] * ja[None], 1, 2) @ jb  # (K, P, P)
+        hess = m1 + np.swapaxes(m1, 1, 2)
+        m1abs = np.swapaxes(ag[:, :, None] * aja[None], 1, 2) @ ajb
+        ea = at_y(epsa(eps).reshape(a.shape))
+        eb = at_y(epsb(eps).reshape(b.shape))
+        rest = ((ag * eb) @ aja + (ag * db) @ jra + (ag * ea) @ ajb + (ag * da) @ jrb
+                + term(np.maximum(ga - np.abs(g), 0.0))
+                # the rounding of the sums forming hess, times |d| <= eps
+                + gamma(ny + 4) * eps * (m1abs.sum(axis=2) + m1abs.sum(axis=1)))
+        return hess, widen_up(rest, ny + p + 8)
+
+    return fn
+
+
 def gradient_second(jc: np.ndarray, jr: np.ndarray, lmat: np.ndarray, labs: np.ndarray,
                     dev: np.ndarray, c_all: np.ndarray, extra: np.ndarray, eps: float,
                     epsx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

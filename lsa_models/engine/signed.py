@@ -83,6 +83,15 @@ def bind(u: LocalValue, g: np.ndarray, ga: np.ndarray) -> LocalValue:
     return replace(u, term=term, parts=parts, opnorm=op, second=sec)
 
 
+# the relational form's arrays hold K * numel(jc_x) entries each (K adjoint rows; its |L| jr
+# product K T D^2 P flops): beyond this it is skipped and the box form stands. HF GPT-2 (D 32,
+# N 8, P 256) on the inf-ball at eps 1e-2, session 8: without a cap > 25 min (5.7 s per
+# LayerNorm at its FFN checkpoints, K = 1024); 2e7 (K <= 256) 205 s, upper / lower 1.038;
+# 1e7 (K <= 128) about 110 s, 1.069. The issue-15 Transformers stay under it (K <= 256,
+# numel(jc_x) = 16384)
+RELATIONAL_MAX_ENTRIES = 10_000_000
+
+
 def layernorm_signed(x: LocalValue, gamma: np.ndarray, ln_eps: float, margin: np.ndarray,
                      ball: Ball | None = None) -> SignedFn:
     """The signed bound for y = LayerNorm(x) (layernorm_rules' first rule)."""
@@ -192,7 +201,7 @@ def layernorm_rules(x: LocalValue, gamma: np.ndarray, ln_eps: float, margin: np.
                                        + asc[..., None] * np.abs(pmat)) \
             + (3.0 * w5c / (d * d))[..., None] * asc[..., None] \
             * np.abs(uc)[..., :, None] * np.abs(uc)[..., None, :]  # >= |L| entrywise
-        ljr = np.einsum("...kj,...jp->...kp", labs, x.jr)  # |L| jr
+        ljr = labs @ x.jr  # |L| jr (K, ..., D, P), batched BLAS
         mv = widen_up(ball.eps * (dual_row_norms(np.abs(lj), ball.norm)
                                   + dual_row_norms(ljr, ball.norm))
                       + _REL * ljmag * ball.eps * (1 + np.sqrt(pdim))
@@ -219,8 +228,11 @@ def layernorm_rules(x: LocalValue, gamma: np.ndarray, ln_eps: float, margin: np.
     memo: dict[str, Any] = {}
     epsx = eps_part(x)
 
-    def signed(g: np.ndarray, ga: np.ndarray) -> np.ndarray:
+    def signed(g: np.ndarray, ga: np.ndarray, force: bool = False) -> np.ndarray:
+        """The signed bound; the relational form where it fits RELATIONAL_MAX_ENTRIES (or
+        `force`: the second-order rule needs its pieces)."""
         k = g.shape[0]
+        use_rel = rel and (force or k * x.jc.size <= RELATIONAL_MAX_ENTRIES)
         a = g * gam
         b = a - a.mean(axis=-1, keepdims=True)  # (K, ..., D)
         # |G - g| <= ga - |g|: b moves by at most |P| (|gamma| (ga - |g|)), s by that . |x|;
@@ -235,13 +247,13 @@ def layernorm_rules(x: LocalValue, gamma: np.ndarray, ln_eps: float, margin: np.
             np.abs((b * mid).sum(axis=-1, keepdims=True)) + dot(np.abs(b), rm)
             + _REL * dot(np.abs(b), np.abs(mid))) + se, 4)
         out = box(babs, sabs)
-        if rel:
+        if use_rel:
             full, dev, labs, lmat = relational(b)
             out = np.minimum(out, full + box(e, se))
             memo.clear()
             memo.update(g=g, ga=ga, dev=dev, labs=labs, lmat=lmat, e=e, se=se)
         out = widen_up(out, 8).reshape(k, -1)
-        if rel:
+        if use_rel:
             memo["out"] = out
         return out
 
@@ -253,8 +265,8 @@ def layernorm_rules(x: LocalValue, gamma: np.ndarray, ln_eps: float, margin: np.
         + the adjoint's error part (|jc| + jr_x) + L's rounding times eps |jc| rows."""
         k = g.shape[0]
         pdim = x.jc.shape[-1]
-        if memo.get("g") is not g or memo.get("ga") is not ga:
-            signed(g, ga)
+        if memo.get("g") is not g or memo.get("ga") is not ga or "out" not in memo:
+            signed(g, ga, force=True)
         # c_all (K, n) bounds |grad h_k(x) - grad h_k(x0)| for the true adjoint
         c_all, dev, labs, lmat, e, se = (memo[n] for n in ("out", "dev", "labs", "lmat", "e",
                                                              "se"))

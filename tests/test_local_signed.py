@@ -134,6 +134,30 @@ def test_signed_layernorm_terms_hold_at_every_corner(two_norms: OnnxModel, seed:
     assert lb.lower <= upper
 
 
+@pytest.mark.parametrize("eps", [1e-2, 0.1])
+def test_signed_layernorm_past_the_relational_cap_holds_at_every_corner(
+        two_norms: OnnxModel, eps: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With RELATIONAL_MAX_ENTRIES at 0 the LayerNorms' signed bounds are the box form alone
+    and their second-order rule computes the relational pieces itself (signed(force=True)):
+    the enclosure, rows and margins still hold at every corner, and are no tighter than with
+    the relational form."""
+    from lsa_models.engine import signed as signed_mod
+    x0 = np.random.default_rng(3).standard_normal((1, 2, 3))
+    full = local_jacobian(two_norms, x0, eps, "inf", margins_of=0)
+    monkeypatch.setattr(signed_mod, "RELATIONAL_MAX_ENTRIES", 0)
+    lj = local_jacobian(two_norms, x0, eps, "inf", margins_of=0)
+    assert lj.structured is not None and lj.structured.rows_abs is not None
+    f = two_norms.module.with_dtype(torch.float64)
+    for k in range(2 ** x0.size):
+        d = np.array([1.0 if k >> i & 1 else -1.0 for i in range(x0.size)]).reshape(x0.shape)
+        jac = torch.autograd.functional.jacobian(f, torch.from_numpy(x0 + eps * d)) \
+            .reshape(-1, x0.size).numpy()
+        assert np.all(np.abs(jac - lj.jc) <= lj.jr + 1e-12)
+        assert np.all(np.abs(jac).sum(axis=1) <= lj.structured.rows_abs)
+        assert float(np.abs(jac[0] - jac[1]).sum()) <= lj.margin_dual[1]
+    assert lj.upper() >= full.upper() * (1 - 1e-12)
+
+
 @pytest.fixture(scope="module")
 def tf1() -> OnnxModel:
     from bench.local_models import build, export

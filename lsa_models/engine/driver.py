@@ -283,7 +283,7 @@ def integrated(v: LocalValue, h: LocalValue | np.ndarray | None, ball: Ball) -> 
     lo = np.minimum(np.maximum(v.lo, v.center - rad), v.center)
     hi = np.maximum(np.minimum(v.hi, v.center + rad), v.center)
     out = LocalValue(v.center, lo, hi, v.jc, v.jr, v.term, v.parts, v.opnorm, v.jnorm,
-                     v.tok_rad, v.tok_jn, v.tok_true, v.second)
+                     v.tok_rad, v.tok_jn, v.tok_true, v.second, nonlin=v.nonlin)
     integrated_tokens(out, h, ball)
     return out
 

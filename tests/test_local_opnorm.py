@@ -199,6 +199,10 @@ def _chain_second(chain: fused.Chain, consts: dict, x: np.ndarray) -> np.ndarray
             out = -arg(nd.inputs[0])
         elif nd.op_type == "Tanh":
             out = torch.tanh(arg(nd.inputs[0]))
+        elif nd.op_type == "Erf":
+            out = torch.erf(arg(nd.inputs[0]))
+        elif nd.op_type == "Sigmoid":
+            out = torch.sigmoid(arg(nd.inputs[0]))
         else:
             out = ops[nd.op_type](arg(nd.inputs[0]), arg(nd.inputs[1]))
         val[nd.outputs[0]] = out
@@ -223,6 +227,59 @@ def test_fused_second_derivative_encloses_the_exact_one(gelu_chain: tuple, seed:
         x = lo + t * (hi - lo)
         h = _chain_second(chain, consts, x)
         assert np.all(h >= r[0] - 1e-12) and np.all(h <= r[1] + 1e-12)
+
+
+@pytest.fixture(scope="module", params=["gelu_erf", "silu", "gelu_tanh_torch"])
+def torch_act_chain(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+                    ) -> tuple:
+    """The activation chain of torch's own nn.GELU() (exact: Div, Erf, Add, Mul, Mul),
+    nn.SiLU (x * Sigmoid(x)) and nn.GELU(approximate="tanh"), as torch exports them."""
+    import warnings
+
+    from torch import nn
+    act = {"gelu_erf": nn.GELU(), "silu": nn.SiLU(),
+           "gelu_tanh_torch": nn.GELU(approximate="tanh")}[request.param]
+    model = nn.Sequential(nn.Linear(4, 6), act, nn.Linear(6, 2)).eval()
+    path = Path(tmp_path_factory.mktemp("act")) / "act.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (torch.randn(1, 4),), str(path), dynamo=False,
+                          opset_version=18, input_names=["x"], output_names=["y"])
+    om = load_onnx(path.read_bytes())
+    module = om.module.with_dtype(torch.float64)
+    with torch.no_grad():
+        env = module.run_env(torch.zeros(1, 4, dtype=torch.float64))
+    chains, _ = _chains(om, module, env)
+    assert chains, f"{request.param}: no fused chain"
+    chain = next(iter(chains.values()))
+    return chain, _chain_consts(chain, env)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10**6), width=st.sampled_from([1e-6, 0.1, 1.0, 5.0]),
+       shift=st.floats(-6.0, 6.0))
+def test_fused_second_derivative_of_torch_activations_encloses_the_exact_one(
+        torch_act_chain: tuple, seed: int, width: float, shift: float) -> None:
+    """Erf and Sigmoid chains have f'' enclosures too (fused._second_range: ends and the
+    critical points of f''), checked against autograd's second derivative of the same nodes
+    at points of the interval, the critical points included when inside."""
+    chain, consts = torch_act_chain
+    rng = np.random.default_rng(seed)
+    lo = shift + rng.uniform(-1, 1, size=16)
+    hi = lo + width * rng.uniform(0, 1, size=16)
+    r = fused.second(chain, consts, lo, hi)
+    assert r is not None
+    for t in (0.0, 0.3, 0.5, 0.71, 1.0):
+        x = lo + t * (hi - lo)
+        h = _chain_second(chain, consts, x)
+        assert np.all(h >= r[0] - 1e-12) and np.all(h <= r[1] + 1e-12)
+    # and it is not vacuous: within 5% + 1e-9 of the sampled range on narrow intervals
+    if width <= 0.1:
+        pts = np.stack([_chain_second(chain, consts, lo + t * (hi - lo))
+                        for t in np.linspace(0, 1, 9)])
+        span = np.abs(pts).max(axis=0)
+        assert np.all(r[1] - r[0] <= (pts.max(axis=0) - pts.min(axis=0)) + 0.05 * span + 1e-9 +
+                      width * 4.0)
 
 
 @settings(max_examples=30, deadline=None)

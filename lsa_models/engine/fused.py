@@ -121,18 +121,38 @@ def evaluate(chain: Chain, consts: dict[str, float], lo: np.ndarray, hi: np.ndar
     return val[chain.sink], der[chain.sink]
 
 
-# tanh'' = -2 t (1 - t^2), t = tanh(x): extremes where t^2 = 1/3
-_TANH2_CRIT = math.atanh(1.0 / math.sqrt(3.0))
+def _tanh2(x: np.ndarray) -> np.ndarray:
+    t = np.tanh(x)
+    return -2.0 * t * (1.0 - t * t)
 
 
-def _tanh2(a: Iv) -> Iv:
-    """Range of tanh''(x) = -2 tanh(x) (1 - tanh(x)^2) over [a0, a1]: the ends and the
-    critical points x = +-atanh(1/sqrt 3) inside."""
-    def h(x: np.ndarray) -> np.ndarray:
-        t = np.tanh(x)
-        return -2.0 * t * (1.0 - t * t)
+def _erf2(x: np.ndarray) -> np.ndarray:
+    return (-4.0 / math.sqrt(math.pi)) * x * np.exp(-x * x)
+
+
+def _sigmoid2(x: np.ndarray) -> np.ndarray:
+    s = special.expit(x)
+    return s * (1.0 - s) * (1.0 - 2.0 * s)
+
+
+_SIG_CRIT = math.log((3.0 + math.sqrt(3.0)) / (3.0 - math.sqrt(3.0)))
+# f'' and the points where f''' = 0 (its only critical points): tanh''' = -2 (1 - t^2)
+# (1 - 3 t^2), t = tanh x; erf''' = (4/sqrt pi) e^(-x^2) (2 x^2 - 1); sigmoid''' = s (1 - s)
+# (1 - 6 s + 6 s^2), zero at s = (3 -+ sqrt 3)/6, x = -+log((3 + sqrt 3)/(3 - sqrt 3))
+_F2: dict[str, tuple[Callable[[np.ndarray], np.ndarray], tuple[float, ...]]] = {
+    "Tanh": (_tanh2, (-math.atanh(1.0 / math.sqrt(3.0)), math.atanh(1.0 / math.sqrt(3.0)))),
+    "Erf": (_erf2, (-1.0 / math.sqrt(2.0), 1.0 / math.sqrt(2.0))),
+    "Sigmoid": (_sigmoid2, (-_SIG_CRIT, _SIG_CRIT)),
+}
+
+
+def _second_range(op: str, a: Iv) -> Iv:
+    """Range of f''(x) over [a0, a1] for f = tanh, erf, sigmoid: the ends and the critical
+    points of f'' inside (f'' is smooth, so its extremes over an interval are there), padded
+    for the library functions' rounding (`_out`)."""
+    h, crits = _F2[op]
     cands = [h(a[0]), h(a[1])]
-    for c in (-_TANH2_CRIT, _TANH2_CRIT):
+    for c in crits:
         inside = (a[0] <= c) & (a[1] >= c)
         hc = np.full_like(a[0], h(np.array(c)))
         cands.append(np.where(inside, hc, h(a[0])))
@@ -143,12 +163,9 @@ def _tanh2(a: Iv) -> Iv:
 def second(chain: Chain, consts: dict[str, float], lo: np.ndarray, hi: np.ndarray
            ) -> Iv | None:
     """Interval forward-mode differentiation to second order over x in [lo, hi] (SPLITS
-    pieces, hulled): an enclosure of f''(x) for every x in the interval; None for chains with
-    Erf or Sigmoid (no second-order rule). Rules: (a b)'' = a'' b + 2 a' b' + a b'',
-    (a^2)'' = 2 (a'^2 + a a''), (a^3)'' = 3 (2 a a'^2 + a^2 a''), g(u)'' = g''(u) u'^2 +
-    g'(u) u''."""
-    if any(nd.op_type in ("Erf", "Sigmoid") for nd in chain.nodes):
-        return None
+    pieces, hulled): an enclosure of f''(x) for every x in the interval. Rules: (a b)'' =
+    a'' b + 2 a' b' + a b'', (a^2)'' = 2 (a'^2 + a a''), (a^3)'' = 3 (2 a a'^2 + a^2 a''),
+    g(u)'' = g''(u) u'^2 + g'(u) u'' for g = tanh, erf, sigmoid (`_second_range`)."""
     t = np.linspace(0.0, 1.0, SPLITS + 1)
     w = hi - lo
     edges = lo[None] + t.reshape(-1, *([1] * lo.ndim)) * w[None]
@@ -195,11 +212,11 @@ def second(chain: Chain, consts: dict[str, float], lo: np.ndarray, hi: np.ndarra
                 d = iv_mul(iv_mul(_square(a), da), k(3.0))
                 dd = iv_mul(_add(iv_mul(k(2.0), iv_mul(a, _square(da))), iv_mul(_square(a), dda)),
                           k(3.0))
-        else:  # Tanh
-            v = _out(np.tanh(a[0]), np.tanh(a[1]))
-            g1 = _bell(_DF["Tanh"], a)
+        else:  # Tanh, Erf, Sigmoid: increasing, f' even and decreasing in |x|
+            v = _out(_F[op](a[0]), _F[op](a[1]))
+            g1 = _bell(_DF[op], a)
             d = iv_mul(g1, da)
-            dd = _add(iv_mul(_tanh2(a), _square(da)), iv_mul(g1, dda))
+            dd = _add(iv_mul(_second_range(op, a), _square(da)), iv_mul(g1, dda))
         val[nd.outputs[0]], d1[nd.outputs[0]], d2[nd.outputs[0]] = v, d, dd
     r = d2[chain.sink]
     return r[0].min(axis=0), r[1].max(axis=0)

@@ -193,7 +193,7 @@ def test_value_radius_bounds_the_checkpoint_values(seed: int, eps: float, act: s
     om = _export(_MLP(act, seed % 97))
     rng = np.random.default_rng(seed)
     x0 = rng.standard_normal((1, N, D))
-    got: list[tuple[np.ndarray, np.ndarray]] = []
+    got: list[tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]] = []
     orig = second_mod.value_radius
 
     def spy(hess: np.ndarray, rest: np.ndarray, jc: np.ndarray, e: float
@@ -416,3 +416,33 @@ def test_second_rule_holds_where_one_neuron_moves_most(act: str, eps: float) -> 
         term = gs * ds @ w[None, :]  # (M, P): g dD J_u
         gap = np.abs(term - hess @ d.reshape(-1))
         assert np.all(gap <= rest), float((gap / rest).max())
+
+
+def test_telescope_terms_memo_is_keyed_by_the_value_objects() -> None:
+    """The telescoped terms are computed once per (tensor, value objects, combos): asked
+    again with the same values they are reused, and a value replaced by another object (a
+    tightened tensor, or the same tensor walked on another ball) recomputes them."""
+    from dataclasses import replace
+
+    from lsa_models.engine.driver import _Telescope, _walk
+    from lsa_models.engine.values import Ball, LocalValue
+    om = _export(_MLP("tanh", 2))
+    x0 = np.random.default_rng(2).standard_normal((1, N, D))
+    module = om.module.with_dtype(torch.float64)
+    with torch.no_grad():
+        env = module.run_env(torch.from_numpy(x0))
+    zero, _ = _walk(om, module, env, Ball(x0, 0.0, "inf"), None)
+    tight = _Telescope(om, x0, zero)
+    values, _ = _walk(om, module, env, Ball(x0, 0.05, "inf"), None)
+    out = om.spec.output_name
+    first = tight._terms(out, values, None)
+    assert first is not None and tight._terms(out, values, None) is first
+    other, _ = _walk(om, module, env, Ball(x0, 0.1, "inf"), None)  # another ball
+    again = tight._terms(out, other, None)
+    assert again is not first and again is not None
+    name = next(t for t, u in values.items() if getattr(u, "term", None) is not None)
+    swapped = dict(values)
+    v = values[name]
+    assert isinstance(v, LocalValue)
+    swapped[name] = replace(v)  # equal fields, another object
+    assert tight._terms(out, swapped, None) is not first

@@ -441,7 +441,7 @@ class _Telescope:
         # times (entrywise, margins, structured)
         self.cache: dict[tuple[str, tuple[str, ...]], list] = {}
         self.signed_terms = True
-        self.terms_memo: list[tuple[tuple, list]] = []
+        self.terms_memo: list[tuple[tuple, tuple, list]] = []
 
     def _terms(self, name: str, values: Values, combos: np.ndarray | None) -> list | None:
         """(|G| with its margin, the op's value, G) per op with a remainder term, G the
@@ -455,12 +455,15 @@ class _Telescope:
                  if isinstance(u, LocalValue) and u.term is not None and t in self.env]
         if not names:
             return None
-        # the values' identities: a tensor tightened since is a new LocalValue
-        memo_key = (name, tuple((t, id(values[t])) for t in names),
+        # keyed by the value objects themselves (held by the memo, so compared by identity
+        # without an id being reused): a tensor tightened since, or walked on another ball
+        # (the halvings), is a new LocalValue
+        vals = tuple(values[t] for t in names)
+        memo_key = (name, tuple(names),
                     None if combos is None else (combos.shape, combos.tobytes()),
                     self.signed_terms)
-        for k, got in self.terms_memo:
-            if k == memo_key:
+        for k, held, got in self.terms_memo:
+            if k == memo_key and all(a is b for a, b in zip(held, vals, strict=True)):
                 return got
         key = (name, tuple(names))
         if key not in self.cache:
@@ -484,7 +487,7 @@ class _Telescope:
             # the signed form where a rule has one
             b = signed.bind(u, g, ga) if self.signed_terms else u
             out.append((ga, b, g))
-        self.terms_memo = [(memo_key, out), *self.terms_memo[:1]]
+        self.terms_memo = [(memo_key, vals, out), *self.terms_memo[:1]]
         return out
 
     def opnorm(self, name: str, values: Values, combos: np.ndarray | None = None,

@@ -137,15 +137,20 @@ def test_signed_layernorm_terms_hold_at_every_corner(two_norms: OnnxModel, seed:
 @pytest.mark.parametrize("eps", [1e-2, 0.1])
 def test_signed_layernorm_past_the_relational_cap_holds_at_every_corner(
         two_norms: OnnxModel, eps: float, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With RELATIONAL_MAX_ENTRIES at 0 the LayerNorms' signed bounds are the box form alone
-    and their second-order rule computes the relational pieces itself (signed(force=True)):
-    the enclosure, rows and margins still hold at every corner, and are no tighter than with
-    the relational form."""
+    """With RELATIONAL_MAX_ENTRIES (and the output's own cap) at 0 the LayerNorms' signed
+    bounds are the box form alone and their second-order rule computes the relational pieces
+    itself (signed(force=True)): the enclosure, rows and margins still hold at every corner,
+    and are no tighter than with the relational form at the output only, which is no tighter
+    than with it everywhere."""
     from lsa_models.engine import signed as signed_mod
     x0 = np.random.default_rng(3).standard_normal((1, 2, 3))
     full = local_jacobian(two_norms, x0, eps, "inf", margins_of=0)
     monkeypatch.setattr(signed_mod, "RELATIONAL_MAX_ENTRIES", 0)
+    out_only = local_jacobian(two_norms, x0, eps, "inf", margins_of=0)
+    assert out_only.upper() >= full.upper() * (1 - 1e-12)
+    monkeypatch.setattr(signed_mod, "RELATIONAL_OUTPUT_MAX_ENTRIES", 0)
     lj = local_jacobian(two_norms, x0, eps, "inf", margins_of=0)
+    assert lj.upper() >= out_only.upper() * (1 - 1e-12)
     assert lj.structured is not None and lj.structured.rows_abs is not None
     f = two_norms.module.with_dtype(torch.float64)
     for k in range(2 ** x0.size):

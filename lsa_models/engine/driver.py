@@ -441,6 +441,7 @@ class _Telescope:
         # times (entrywise, margins, structured)
         self.cache: dict[tuple[str, tuple[str, ...]], list] = {}
         self.signed_terms = True
+        self.output = model.spec.output_name
         self.terms_memo: list[tuple[tuple, tuple, list]] = []
 
     def _terms(self, name: str, values: Values, combos: np.ndarray | None) -> list | None:
@@ -472,6 +473,20 @@ class _Telescope:
             self.cache = {key: _adjoint_rows(target, ts)}
         rows = self.cache[key]
         ts = [self.env[t] for t in names]
+        # the output's own rows may use the signed forms' larger budget (signed.py)
+        cap = signed.RELATIONAL_CAP.set(
+            signed.RELATIONAL_OUTPUT_MAX_ENTRIES if name == self.output else None)
+        try:
+            out = self._bound_terms(names, ts, rows, values, combos)
+        finally:
+            signed.RELATIONAL_CAP.reset(cap)
+        self.terms_memo = [(memo_key, vals, out), *self.terms_memo[:1]]
+        return out
+
+    def _bound_terms(self, names: list[str], ts: list[torch.Tensor], rows: list,
+                     values: Values, combos: np.ndarray | None) -> list:
+        """The (|G| + margin, signed-bound value, G) triples of `_terms` from the adjoint
+        rows."""
         out = []
         for j, t in enumerate(names):
             if all(r[j] is None for r in rows):
@@ -487,7 +502,6 @@ class _Telescope:
             # the signed form where a rule has one
             b = signed.bind(u, g, ga) if self.signed_terms else u
             out.append((ga, b, g))
-        self.terms_memo = [(memo_key, vals, out), *self.terms_memo[:1]]
         return out
 
     def opnorm(self, name: str, values: Values, combos: np.ndarray | None = None,

@@ -590,11 +590,12 @@ class _Telescope:
         if ball.norm == "inf":  # the entries' second-order enclosure (second.py)
             got = self._second_entries(name, values, ball)
             if got is not None:
-                h = second.entry_bounds(*got, ball.eps)
+                hrow, rest = second.hessian_rows(np.abs(got[0])), got[1]
+                h = second.entry_bounds(hrow, rest, ball.eps)
                 if np.all(np.isfinite(h)):
                     jr = np.minimum(jr, h.reshape(v.jr.shape))
                 # and the values' (second.value_radius)
-                rad, nl = second.value_radius(*got, v.jc, ball.eps)
+                rad, nl = second.value_radius(hrow, rest, v.jc, ball.eps)
                 if np.all(np.isfinite(rad)):
                     rad = widen_up(rad.reshape(v.center.shape) + center_margin(v.center), 2)
                     lo, hi = np.maximum(lo, v.center - rad), np.minimum(hi, v.center + rad)

@@ -341,16 +341,15 @@ def _product_rules(out: LocalValue, a: LocalValue | np.ndarray, b: LocalValue | 
     product's term; `ar2`, `br2` bound the operands' moves."""
     term, parts, shape = out.term, out.parts, out.shape
     assert term is not None and parts is not None
-    both = isinstance(a, LocalValue) and isinstance(b, LocalValue)
-    if matmul and isinstance(a, LocalValue) and isinstance(b, LocalValue) \
-            and a.center.ndim == b.center.ndim == len(shape) >= 2 \
-            and a.shape[:-2] == b.shape[:-2] == shape[:-2]:
-        out.term = SignedTerm(term, parts, _matmul_signed(a, b, br2, ar2, ball))
-        if ball.norm == "inf":
-            out.second = (out.term, matmul_second(a, b, ar2, br2, term))
-    elif not matmul and both and ball.norm == "inf":
-        assert isinstance(a, LocalValue) and isinstance(b, LocalValue)
-        out.second = (term, mul_second(a, b, shape, ar2, br2, term))
+    if isinstance(a, LocalValue) and isinstance(b, LocalValue):
+        if not matmul:
+            if ball.norm == "inf":
+                out.second = (term, mul_second(a, b, shape, ar2, br2, term))
+        elif a.center.ndim == b.center.ndim == len(shape) >= 2 \
+                and a.shape[:-2] == b.shape[:-2] == shape[:-2]:
+            out.term = SignedTerm(term, parts, _matmul_signed(a, b, br2, ar2, ball))
+            if ball.norm == "inf":
+                out.second = (out.term, matmul_second(a, b, ar2, br2, term))
     if ball.norm == "2":
         fn = opnorm.matmul(a, b, shape, ball) if matmul else _mul_opnorm(a, b, shape)
         if fn is not None and out.term is not None:

@@ -163,7 +163,7 @@ def second_rows(st: Structured, terms: list, zr: np.ndarray, jcm: np.ndarray,
         return st
     hess, rest = got
     ah = np.abs(hess)
-    h = np.minimum(entry_bounds(hess, rest, eps), jrr)
+    h = np.minimum(entry_bounds(hessian_rows(ah), rest, eps), jrr)
     ajc = np.abs(jcm)
     fixed = h < ajc
     s = np.where(fixed, np.sign(jcm), 0.0)  # (M, P)
@@ -204,23 +204,30 @@ def hessian_rest(terms: list, zr: np.ndarray, eps: float, cap: int = MAX_HESSIAN
     return hess, widen_up(rest, len(terms) + 2)
 
 
-def entry_bounds(hess: np.ndarray, rest: np.ndarray, eps: float) -> np.ndarray:
-    """|J_ip(X) - jc_ip| <= eps ||H_i[p]||_1 + r_ip on the inf-ball (M, P)."""
-    p = hess.shape[-1]
-    return widen_up(eps * widen_up(np.abs(hess).sum(axis=2), p) + rest, 2)
+def hessian_rows(ah: np.ndarray) -> np.ndarray:
+    """||H_i[p]||_1 rounded up (M, P) from |H| (M, P, P): entry_bounds and value_radius
+    both read it, so |H| is formed once."""
+    return widen_up(ah.sum(axis=2), ah.shape[-1])
 
 
-def value_radius(hess: np.ndarray, rest: np.ndarray, jc: np.ndarray, eps: float
+def entry_bounds(hrow: np.ndarray, rest: np.ndarray, eps: float) -> np.ndarray:
+    """|J_ip(X) - jc_ip| <= eps ||H_i[p]||_1 + r_ip on the inf-ball (M, P); `hrow` from
+    hessian_rows."""
+    return widen_up(eps * hrow + rest, 2)
+
+
+def value_radius(hrow: np.ndarray, rest: np.ndarray, jc: np.ndarray, eps: float
                  ) -> tuple[np.ndarray, np.ndarray]:
     """(radius, nonlin) (M,) on the inf-ball from the second-order form, the centre's
     forward margin not included: with d = X - X0 and J_ip(X0 + t d) = jc_ip + t H_i[p] . d
     + rho_ip(t), |rho_ip| <= r_ip, T_i(X) - T_i(X0) = int_0^1 J_i(X0 + t d) . d dt
     = jc_i . d + d^T H_i d / 2 + int rho(t) . d dt, so
     |T_i(X) - T_i(X0) - jc_i . d| <= nonlin_i = eps^2 sum |H_i| / 2 + eps ||r_i||_1 and
-    |T_i(X) - T_i(X0)| <= eps ||jc_i||_1 + nonlin_i."""
+    |T_i(X) - T_i(X0)| <= eps ||jc_i||_1 + nonlin_i. `hrow` from hessian_rows (sum |H_i| is
+    its row sum: nonnegative terms, rounded up once more)."""
     m, p = rest.shape
     lin = widen_up(np.abs(jc.reshape(m, p)).sum(axis=1), p)
-    quad = widen_up(np.abs(hess).reshape(m, -1).sum(axis=1), p * p)
+    quad = widen_up(hrow.sum(axis=1), p)
     r1 = widen_up(rest.sum(axis=1), p)
     nonlin = widen_up((0.5 * eps * eps) * quad + eps * r1, 4)
     return widen_up(eps * lin + nonlin, 2), nonlin

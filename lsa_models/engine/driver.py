@@ -10,6 +10,7 @@ both computed with upward rounding (docs/local-bounds.md).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from dataclasses import dataclass, field
@@ -28,10 +29,10 @@ from ..bounds.numerics import (
 )
 from ..onnx.loading import OnnxModel
 from ..onnx.ops import Node, decimal_attr
-from . import forward_error, fused, second, signed
+from . import affine, forward_error, fused, second, signed
 from .opnorm import integrated_tokens, rows_bound, set_token_radius
 from .primitives import LIBM_REL, derivative, elementwise
-from .rules import LOCAL_RULES, exact
+from .rules import LOCAL_RULES, LocalRule, exact
 from .structured import Structured, row_two_bounds, structured_bounds
 from .values import (
     FORWARD_MARGIN,
@@ -180,6 +181,50 @@ def local_jacobian(model: OnnxModel, x0: np.ndarray, eps: float, norm: str,
         MARGIN.reset(token)
 
 
+class Centre:
+    """The float64 forward pass at X0 with its proven forward margin set (MARGIN, PROVEN) for
+    the duration of a `with` block."""
+
+    def __init__(self, model: OnnxModel, x: np.ndarray) -> None:
+        self.module = model.module.with_dtype(torch.float64)
+        with torch.no_grad():
+            self.env = self.module.run_env(torch.from_numpy(x))
+        errors: dict[str, np.ndarray] = {}
+        self.proven, self.detail = forward_error.check(
+            list(self.module.runtime_nodes), model.spec.input_name, x,  # type: ignore[arg-type]
+            self.env, errors)
+        self.known: dict = {} if self.proven is None else {
+            array_key(self.env[n].detach().numpy()): (None, e)
+            for n, e in errors.items() if n in self.env}
+
+    def __enter__(self) -> Centre:
+        self._tokens = (MARGIN.set(FORWARD_MARGIN if self.proven is None else self.proven),
+                        PROVEN.set(self.known))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        PROVEN.reset(self._tokens[1])
+        MARGIN.reset(self._tokens[0])
+
+
+def margin_lower_bounds(model: OnnxModel, x0: np.ndarray, eps: float, norm: str, label: int,
+                        centre: Centre | None = None) -> dict[int, float] | None:
+    """Lower bounds of the margins f_label - f_j over the ball, from the affine forms alone
+    (affine.py: no Jacobian enclosure); None when the forms do not reach the output."""
+    _check_eps(eps)
+    x = check_center(model, x0)
+    ctr = centre if centre is not None else Centre(model, x)
+    with ctr:
+        ball = Ball(x, float(eps), norm)
+        chains, inside = _chains(model, ctr.module, ctr.env)
+        forms = affine.walk(list(ctr.module.runtime_nodes),  # type: ignore[arg-type]
+                            model.spec.input_name, ctr.env, ball, chains, inside)
+        out = forms.get(model.spec.output_name)
+        if out is None:
+            return None
+        return affine.margins(out, label, ball)
+
+
 def _enclose_all(model: OnnxModel, module: torch.nn.Module, env: dict[str, torch.Tensor],
                  x: np.ndarray, eps: float, norm: str, telescope: bool,
                  margins_of: int | None, checked: bool, detail: str) -> LocalJacobian:
@@ -296,11 +341,28 @@ def _walk(model: OnnxModel, module: torch.nn.Module, env: dict[str, torch.Tensor
     values: Values = {model.spec.input_name: input_value(ball)}
     layers: list[tuple[str, str, float, str]] = []
     chains, inside = _chains(model, module, env)
+    forms = _Forms(ball, values, env) if ball.eps > 0 and AFFINE else None
+    if forms is not None:
+        forms.forms[model.spec.input_name] = affine.input_form(ball)
+    token = affine.SPACE.set([ball.size, 0])
+    try:
+        _walk_nodes(model, module, env, ball, tight, half, values, layers, chains, inside, forms)
+    finally:
+        affine.SPACE.reset(token)
+    return values, layers
+
+
+def _walk_nodes(model: OnnxModel, module: torch.nn.Module, env: dict[str, torch.Tensor],
+                ball: Ball, tight: _Telescope | None, half: Values | None, values: Values,
+                layers: list[tuple[str, str, float, str]], chains: dict[str, fused.Chain],
+                inside: set[str], forms: _Forms | None) -> None:
     for node in module.runtime_nodes:  # type: ignore[union-attr]
         if node.name in inside:
             chain = chains.get(node.name)
             if chain is not None:  # inner links are bounded at their chain's sink
                 layers.append(_walk_chain(node, chain, values, env, ball, tight))
+                if forms is not None:
+                    forms.step(node, [chain.root], [chain.sink], chain)
             continue
         if tight is not None:
             _checkpoint(node, values, ball, tight, half)
@@ -314,23 +376,83 @@ def _walk(model: OnnxModel, module: torch.nn.Module, env: dict[str, torch.Tensor
                 if o and c is not None:
                     values[o] = c  # shape arithmetic and constants
             continue
-        rule = LOCAL_RULES.get(node.op_type)
-        if rule is None:
-            raise LocalNotCertified(f"{node.op_type} node {node.name}: no local rule")
-        for c in centers:
-            if c is not None and c.size * ball.size > MAX_JACOBIAN_ENTRIES:
-                raise LocalNotCertified(f"node {node.name}: the Jacobian enclosure would hold "
-                                        f"{c.size * ball.size} entries (limit "
-                                        f"{MAX_JACOBIAN_ENTRIES})")
-        outs = rule.apply(node, args, centers, ball)
+        outs = _rule(node, centers, ball).apply(node, args, centers, ball)
         for o, v in zip(node.outputs, outs, strict=False):
             if o and v is not None:
                 values[o] = v if half is None or not isinstance(v, LocalValue) else \
                     integrated(v, half.get(o), ball)
+        if forms is not None:
+            forms.step(node, node.inputs, node.outputs)
         factor = _layer_factor(node, args, ball.norm)
         if factor is not None:
             layers.append((node.name, *factor))
-    return values, layers
+
+
+def _rule(node: Node, centers: list[np.ndarray | None], ball: Ball) -> LocalRule:
+    rule = LOCAL_RULES.get(node.op_type)
+    if rule is None:
+        raise LocalNotCertified(f"{node.op_type} node {node.name}: no local rule")
+    for c in centers:
+        if c is not None and c.size * ball.size > MAX_JACOBIAN_ENTRIES:
+            raise LocalNotCertified(f"node {node.name}: the Jacobian enclosure would hold "
+                                    f"{c.size * ball.size} entries (limit "
+                                    f"{MAX_JACOBIAN_ENTRIES})")
+    return rule
+
+
+# Relational value ranges (affine.py) in lockstep with the enclosure: measured on the issue-15
+# Transformers (see docs/local-bounds.md, "Affine value ranges").
+AFFINE = True
+
+
+class _Forms:
+    """The affine forms of the walk's tensors (affine.py): each op's inputs are narrowed to
+    the enclosure's ranges, its outputs' enclosures intersected with the forms' ranges."""
+
+    def __init__(self, ball: Ball, values: Values, env: dict[str, torch.Tensor]) -> None:
+        self.ball, self.values, self.env = ball, values, env
+        self.forms: dict[str, affine.Aff] = {}
+
+    def _form(self, name: str) -> affine.Aff | None:
+        v = self.values.get(name)
+        if not isinstance(v, LocalValue):
+            return None
+        f = self.forms.get(name)
+        if f is None:
+            return affine.interval(v.center, center_margin(v.center), v.lo, v.hi,
+                                   self.ball.size)
+        return affine.narrow(f, v.lo, v.hi, self.ball)
+
+    def step(self, node: Node, ins: list[str], outs: list[str],
+             chain: fused.Chain | None = None) -> None:
+        args: list = []
+        for i in ins:
+            f = self._form(i) if i else None
+            args.append(f if f is not None else None if not i else
+                        self.values[i] if i in self.values else
+                        (self.env[i].detach().numpy() if i in self.env else None))
+        centers = [None if not o or o not in self.env else self.env[o].detach().numpy()
+                   for o in outs]
+
+        def ranges_of(k: int) -> tuple[np.ndarray, np.ndarray] | None:
+            v = self.values.get(ins[k])
+            return (v.lo, v.hi) if isinstance(v, LocalValue) else None
+        try:
+            res = affine.step(node, args, centers, self.ball, ranges_of, chain,
+                              _chain_consts(chain, self.env) if chain is not None else None)
+        except affine.NotAffine:
+            return
+        for o, f in zip(outs, res, strict=False):
+            v = self.values.get(o) if o else None
+            if f is None or not isinstance(v, LocalValue) or f.shape != v.shape:
+                continue
+            lo, hi = affine.ranges(f, self.ball)
+            if not (np.all(np.isfinite(lo)) and np.all(np.isfinite(hi))):
+                continue
+            self.values[o] = dataclasses.replace(
+                v, lo=np.minimum(np.maximum(v.lo, lo), v.center),
+                hi=np.maximum(np.minimum(v.hi, hi), v.center))
+            self.forms[o] = f
 
 
 def _checkpoint(node: Node, values: Values, ball: Ball, tight: _Telescope,

@@ -27,7 +27,14 @@ from ..onnx.analyzer import analyse
 from ..onnx.ball import ball_bound
 from ..onnx.export import export_onnx
 from ..onnx.loading import OnnxModel, load_onnx
-from .driver import LocalJacobian, center_sha256, check_center, local_jacobian
+from .driver import (
+    Centre,
+    LocalJacobian,
+    center_sha256,
+    check_center,
+    local_jacobian,
+    margin_lower_bounds,
+)
 from .values import LocalNotCertified
 
 METHOD = ("local: Jacobian enclosure over the ball {X : ||X - X0|| <= eps}, op by op "
@@ -154,6 +161,11 @@ class RobustnessResult:
     attack_seconds: float
     bisection_steps: int  # engine runs of the radius sweep (the name is kept for callers)
     pair_constants: dict[int, float] = field(default_factory=dict)  # at certified_radius
+    # which route certified the radius: "sweep" (margin constants integrated along the
+    # segment) or "affine" (margin lower bounds from the affine forms, affine.py)
+    certified_by: str = "sweep"
+    affine_radius: float = 0.0  # the affine route's radius (walks: affine_walks)
+    affine_walks: int = 0
 
 
 def _pair_constants(lj: LocalJacobian, label: int) -> dict[int, float]:
@@ -205,9 +217,55 @@ def _tick(progress: Callable[[str, float], None] | None, runs: int, steps: int,
         progress(f"radius sweep {runs}/{steps}, certified {certified:.3g}", runs / steps)
 
 
+# the affine route: the radius grows by AFFINE_GROWTH while certified, then bisection to a
+# relative width of AFFINE_TOL; at most AFFINE_WALKS walks
+AFFINE_GROWTH, AFFINE_TOL, AFFINE_WALKS = 2.0, 1e-3, 48
+
+
+def affine_radius(om: OnnxModel, x: np.ndarray, norm: str, label: int, start: float,
+                  progress: Callable[[str, float], None] | None = None) -> tuple[float, int]:
+    """The largest radius (to AFFINE_TOL) whose margin lower bounds from the affine forms
+    are all positive, searched from `start` > 0; (radius, walks). A radius r certifies the
+    whole ball of radius r, so no integration is needed: this route and the sweep are
+    independent, the larger one stands."""
+    ctr = Centre(om, x)
+    walks = 0
+
+    def ok(r: float) -> bool:
+        nonlocal walks
+        walks += 1
+        try:
+            low = margin_lower_bounds(om, x, r, norm, label, ctr)
+        except (LocalNotCertified, FloatingPointError, ValueError):
+            return False
+        good = low is not None and all(v > 0 for v in low.values())
+        if progress is not None:
+            progress(f"affine radius: tried {r:.3g}, {'certified' if good else 'not'}",
+                     min(1.0, walks / AFFINE_WALKS))
+        return good
+
+    lo, hi = 0.0, start
+    while walks < AFFINE_WALKS and ok(hi):  # grow
+        lo, hi = hi, hi * AFFINE_GROWTH
+    if lo == 0.0:  # shrink until something certifies
+        while walks < AFFINE_WALKS // 2 and not ok(hi / AFFINE_GROWTH**2):
+            hi /= AFFINE_GROWTH**2
+        hi /= AFFINE_GROWTH**2
+        if walks >= AFFINE_WALKS // 2:
+            return 0.0, walks
+        lo, hi = hi, hi * AFFINE_GROWTH**2
+    while walks < AFFINE_WALKS and hi - lo > AFFINE_TOL * lo:
+        mid = 0.5 * (lo + hi)
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo, walks
+
+
 def _sweep(om: OnnxModel, x: np.ndarray, norm: str, label: int, margins: dict[int, float],
-           steps: int, progress: Callable[[str, float], None] | None = None
-           ) -> tuple[float, int, dict[int, float]]:
+           steps: int, progress: Callable[[str, float], None] | None = None,
+           floor: float = 0.0) -> tuple[float, int, dict[int, float]]:
     """The certified radius by the integrated mean value theorem (docs/local-bounds.md,
     "Certified robustness radius"): for radii 0 = rho_0 < rho_1 < ... and X with
     ||X - X0|| <= rho_n, every point of the segment at distance in (rho_{i-1}, rho_i] lies in
@@ -215,9 +273,10 @@ def _sweep(om: OnnxModel, x: np.ndarray, norm: str, label: int, margins: dict[in
         m_j(X) >= m_j(X0) - sum_{i <= n} (rho_i - rho_{i-1}) L_j(rho_i).
     A piece (rho_n, rho_n + w] whose sum would reach a margin still certifies the partial
     width min_j (m_j(X0) - S_j) / L_j(rho_n + w) (the ball contains it), and is retried
-    SWEEP_SHRINK as wide. Returns (radius, engine runs, L at the last certified piece)."""
+    SWEEP_SHRINK as wide. Returns (radius, engine runs, L at the last certified piece).
+    `floor`: a radius certified otherwise (reported in the progress as certified so far)."""
     c0 = _constants_at(om, x, 0.0, norm, label)
-    _tick(progress, 1, steps, 0.0)
+    _tick(progress, 1, steps, floor)
     if c0 is None:
         return 0.0, 1, {}
     first = min(margins[j] / max(c0[j], 1e-300) for j in c0)
@@ -240,7 +299,7 @@ def _sweep(om: OnnxModel, x: np.ndarray, norm: str, label: int, margins: dict[in
                 if part > best:
                     best, consts = part, c
             width *= SWEEP_SHRINK
-        _tick(progress, runs, steps, best)
+        _tick(progress, runs, steps, max(best, floor))
     return best, runs, consts
 
 
@@ -269,10 +328,16 @@ def robustness(model: Any, at: np.ndarray, label: int, norm: NormName,
     predicted = int(np.argmax(logits))
     t0 = time.monotonic()
     lo, n_steps, consts = 0.0, 0, dict[int, float]()
+    aff, walks = 0.0, 0
     if min(margins.values()) > 0:
-        lo, n_steps, consts = _sweep(om, x, norm, label, margins, steps, progress)
+        # the affine route first (cheap: no Jacobians), from the first-order radius guess
+        start = min(margins.values()) / max(float(np.abs(logits).max()), 1e-12) * 1e-2
+        aff, walks = affine_radius(om, x, norm, label, max(start, 1e-12), progress)
+        lo, n_steps, consts = _sweep(om, x, norm, label, margins, steps, progress, aff)
     t1 = time.monotonic()
 
     attack = attack_radius(f64, x, label, norm, restarts=attack_restarts, seed=seed)
-    return RobustnessResult(norm, label, predicted, lo, attack, margins, center_sha256(x),
-                            t1 - t0, time.monotonic() - t1, n_steps, consts)
+    by = "affine" if aff > lo else "sweep"
+    return RobustnessResult(norm, label, predicted, max(lo, aff), attack, margins,
+                            center_sha256(x), t1 - t0, time.monotonic() - t1, n_steps,
+                            {} if by == "affine" else consts, by, aff, walks)

@@ -1,0 +1,308 @@
+"""Property tests of the affine value forms (lsa_models/engine/affine.py): for an input
+X = X0 + d with d in the ball, every linear functional w of an op's exact float64 output must
+lie in the range the form gives it,
+    w . (T(X) - T(X0)) in w . o +- (eps ||w^T a_in||_dual + ||w^T a_sym||_1 + |w| . b),
+which is what the margins' lower bounds use. Points: the corners (or boundary points) that
+maximise and minimise the functional's linear part, random corners and interior points."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lsa_models.engine import affine, fused
+from lsa_models.engine.affine import Aff
+from lsa_models.engine.driver import _chains, margin_lower_bounds
+from lsa_models.engine.values import Ball, dual_row_norms
+from lsa_models.onnx import load_onnx
+from lsa_models.onnx.ops import Node
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from local_models import KINDS, build, center, export  # noqa: E402
+
+P = 5
+
+
+def _functional(f: Aff, w: np.ndarray, ball: Ball) -> tuple[float, float]:
+    """The range of w . (T(X) - T(X0)) the form gives (w in the tensor's shape), plus the
+    allowance for the centre's own margin, |w| . m."""
+    k = f.c.size
+    a = (w.reshape(k, 1) * f.a.reshape(k, -1)).sum(axis=0)
+    p = ball.size
+    lin = ball.eps * float(dual_row_norms(np.abs(a[:p])[None], ball.norm)[0]) + \
+        float(np.abs(a[p:]).sum())
+    o = float((w * f.o).sum())
+    r = lin + float((np.abs(w) * (f.b + f.m)).sum())
+    pad = 1e-11 * (abs(o) + r) + 1e-14
+    return o - r - pad, o + r + pad
+
+
+def _points(rng: np.random.Generator, ball: Ball, dirs: list[np.ndarray]) -> list[np.ndarray]:
+    """The extreme points of the given linear parts, random corners and interior points."""
+    out = []
+    for g in dirs:
+        for s in (1.0, -1.0):
+            if ball.norm == "inf":
+                out.append(s * ball.eps * np.sign(g))
+            else:
+                out.append(s * ball.eps * g / max(np.linalg.norm(g), 1e-300))
+    for _ in range(6):
+        if ball.norm == "inf":
+            d = rng.choice([-1.0, 1.0], size=ball.size) * ball.eps if rng.random() < 0.5 \
+                else rng.uniform(-ball.eps, ball.eps, size=ball.size)
+        else:
+            d = rng.standard_normal(ball.size)
+            d *= ball.eps / np.linalg.norm(d) * (1.0 if rng.random() < 0.5 else rng.random())
+        out.append(d)
+    return out
+
+
+def _check(fn: Callable[[torch.Tensor], torch.Tensor], f: Aff, ball: Ball,
+           rng: np.random.Generator, n_w: int = 4) -> None:
+    """fn maps the ball's d (P,) to the tensor; f is its form."""
+    y0 = fn(torch.zeros(ball.size, dtype=torch.float64)).numpy()
+    ws = [rng.standard_normal(f.shape) for _ in range(n_w)]
+    ws += [np.eye(f.c.size)[i].reshape(f.shape) for i in rng.choice(f.c.size, 3)]
+    for w in ws:
+        k = f.c.size
+        g = (w.reshape(k, 1) * f.a.reshape(k, -1)[:, :ball.size]).sum(axis=0)
+        lo, hi = _functional(f, w, ball)
+        for d in _points(rng, ball, [g]):
+            y = fn(torch.from_numpy(d)).numpy()
+            v = float((w * (y - y0)).sum())
+            assert lo <= v <= hi, (lo, v, hi)
+
+
+def _source(rng: np.random.Generator, shape: tuple[int, ...], ball: Ball, scale: float = 1.0
+            ) -> tuple[Aff, Callable[[torch.Tensor], torch.Tensor]]:
+    """A form with symbols: tanh(c + A d), and its exact function of d."""
+    c = rng.standard_normal(shape) * scale
+    a = rng.standard_normal((*shape, ball.size))
+    x = Aff(c, np.zeros(shape), np.zeros(shape), a, np.zeros(shape))
+    ch = fused.Chain("x", "y", [Node("t", "Tanh", ["x"], ["y"])])
+    f = affine.elementwise(x, affine.chain_fn(ch, {}), ball, out_c=np.tanh(c),
+                           out_m=np.zeros(shape))
+    ct, at = torch.from_numpy(c), torch.from_numpy(a)
+    return f, lambda d: torch.tanh(ct + at @ d)
+
+
+def _space(ball: Ball) -> object:
+    return affine.SPACE.set([ball.size, 0])
+
+
+EPS = st.sampled_from([1e-3, 1e-2, 1e-1, 0.5])
+NORM = st.sampled_from(["2", "inf"])
+
+_FNS: dict[str, tuple[affine.Fn, Callable[[torch.Tensor], torch.Tensor], bool]] = {
+    "exp": (affine.EXP, torch.exp, False), "square": (affine.SQUARE, torch.square, False),
+    "reciprocal": (affine.RECIPROCAL, torch.reciprocal, True),
+    "rsqrt": (affine.RSQRT, torch.rsqrt, True), "sqrt": (affine.SQRT, torch.sqrt, True)}
+
+
+@settings(max_examples=300, deadline=None)
+@given(seed=st.integers(0, 10**6), eps=EPS, norm=NORM, kind=st.sampled_from(sorted(_FNS)))
+def test_affine_elementwise_encloses_every_functional(seed: int, eps: float, norm: str,
+                                                      kind: str) -> None:
+    rng = np.random.default_rng(seed)
+    ball = Ball(np.zeros(P), eps, norm)
+    token = _space(ball)
+    try:
+        src, g = _source(rng, (2, 3), ball)
+        fn, tfn, positive = _FNS[kind]
+        if positive:  # 2 + tanh(...) > 0
+            src = affine._shift(src, np.asarray(2.0))
+            g0 = g
+            g = lambda d: 2.0 + g0(d)  # noqa: E731
+        try:
+            out = affine.elementwise(src, fn, ball)
+        except affine.NotAffine:  # the form's range reaches 0 (refused, not unsound)
+            assert positive and eps >= 0.1
+            return
+        _check(lambda d: tfn(g(d)), out, ball, rng)
+    finally:
+        affine.SPACE.reset(token)  # type: ignore[arg-type]
+
+
+@settings(max_examples=300, deadline=None)
+@given(seed=st.integers(0, 10**6), eps=EPS, norm=NORM,
+       kind=st.sampled_from(["mul", "broadcast", "matmul", "square"]))
+def test_affine_product_encloses_every_functional(seed: int, eps: float, norm: str,
+                                                  kind: str) -> None:
+    rng = np.random.default_rng(seed)
+    ball = Ball(np.zeros(P), eps, norm)
+    token = _space(ball)
+    try:
+        x, fx = _source(rng, (3, 4), ball, 2.0)
+        shape = {"mul": (3, 4), "broadcast": (3, 1), "matmul": (4, 2), "square": (3, 4)}[kind]
+        y, fy = (x, fx) if kind == "square" else _source(rng, shape, ball, 2.0)
+        matmul = kind == "matmul"
+        out = affine.product(x, y, ball, matmul)
+        _check(lambda d: fx(d) @ fy(d) if matmul else fx(d) * fy(d), out, ball, rng)
+    finally:
+        affine.SPACE.reset(token)  # type: ignore[arg-type]
+
+
+@settings(max_examples=300, deadline=None)
+@given(seed=st.integers(0, 10**6), eps=EPS, norm=NORM, scale=st.sampled_from([0.3, 3.0]))
+def test_affine_softmax_then_matmul_encloses_every_functional(seed: int, eps: float,
+                                                              norm: str, scale: float) -> None:
+    """Softmax (through its exp / sum / reciprocal chain, narrowed to the probability
+    ranges) and the product of its rows with a value matrix (the rows' changes sum to 0)."""
+    rng = np.random.default_rng(seed)
+    ball = Ball(np.zeros(P), eps, norm)
+    token = _space(ball)
+    try:
+        z, fz = _source(rng, (2, 4), ball)
+        wz = rng.standard_normal((2, 4)) * scale  # logits = wz * tanh(...) * 3
+        logits = affine._scale_const(z, 3 * wz, 3 * wz * z.c, np.zeros((2, 4)), ball)
+        pc = torch.softmax(torch.from_numpy(logits.c), -1).numpy()
+        p = affine.softmax(logits, -1, pc, ball, None, None)
+        assert p.stochastic
+        tw = torch.from_numpy(3 * wz)
+        _check(lambda d: torch.softmax(tw * fz(d), -1), p, ball, rng)
+        v, fv = _source(rng, (4, 3), ball, 2.0)
+        out = affine.product(p, v, ball, True)
+        _check(lambda d: torch.softmax(tw * fz(d), -1) @ fv(d), out, ball, rng)
+    finally:
+        affine.SPACE.reset(token)  # type: ignore[arg-type]
+
+
+@settings(max_examples=300, deadline=None)
+@given(seed=st.integers(0, 10**6), eps=EPS, norm=NORM,
+       scale=st.sampled_from([0.01, 0.3, 3.0]), ln_eps=st.sampled_from([1e-5, 1e-2]))
+def test_affine_layernorm_encloses_every_functional(seed: int, eps: float, norm: str,
+                                                    scale: float, ln_eps: float) -> None:
+    rng = np.random.default_rng(seed)
+    ball = Ball(np.zeros(P), eps, norm)
+    token = _space(ball)
+    try:
+        x, fx = _source(rng, (2, 6), ball, 1.0)
+        x = affine._scale_const(x, np.asarray(scale), scale * x.c, np.zeros((2, 6)), ball)
+        gam, beta = rng.standard_normal(6), rng.standard_normal(6)
+        tl = torch.nn.functional.layer_norm
+        tg, tb = torch.from_numpy(gam), torch.from_numpy(beta)
+        yc = tl(torch.from_numpy(x.c), (6,), tg, tb, ln_eps).numpy()
+        out = affine.layernorm(x, gam, beta, ln_eps, yc, ball)
+        _check(lambda d: tl(scale * fx(d), (6,), tg, tb, ln_eps), out, ball, rng)
+    finally:
+        affine.SPACE.reset(token)  # type: ignore[arg-type]
+
+
+def test_affine_symbols_past_the_budget_go_to_the_box() -> None:
+    """Past MAX_SYMBOLS a new error is a box term: the range is the same, sound either way."""
+    ball = Ball(np.zeros(P), 0.1, "inf")
+    rng = np.random.default_rng(0)
+    token = affine.SPACE.set([P, affine.MAX_SYMBOLS])
+    try:
+        src, g = _source(rng, (2, 3), ball)
+        assert src.a.shape[-1] == P and np.all(src.b > 0)
+        _check(g, src, ball, rng)
+    finally:
+        affine.SPACE.reset(token)
+
+
+def _model(kind: str, tmp: Path):  # type: ignore[no-untyped-def]
+    return load_onnx(export(build(kind), tmp / f"{kind}.onnx").read_bytes())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("norm", ["inf", "2"])
+def test_affine_walk_encloses_every_tensor_of_the_issue_classifiers(
+        kind: str, norm: str, tmp_path: Path) -> None:
+    """Every tensor's range over the ball holds at the extreme points of its entries' and
+    of random functionals' linear parts (eps where the Transformers' forms are wide)."""
+    om = _model(kind, tmp_path)
+    x0 = center().numpy().astype(np.float64)
+    module = om.module.with_dtype(torch.float64)
+    with torch.no_grad():
+        env = module.run_env(torch.from_numpy(x0))
+    chains, inside = _chains(om, module, env)
+    rng = np.random.default_rng(1)
+    for eps in ((0.03, 0.3) if norm == "inf" else (0.1, 1.0)):
+        ball = Ball(x0, eps, norm)
+        forms = affine.walk(list(module.runtime_nodes), om.spec.input_name, env, ball, chains,
+                            inside)
+        assert om.spec.output_name in forms
+        names = [n for n in forms if n != om.spec.input_name]
+        for name in rng.choice(names, 6, replace=False):
+            f = forms[name]
+
+            def run(d: torch.Tensor, name: str = name) -> torch.Tensor:
+                with torch.no_grad():
+                    return module.run_env(torch.from_numpy(x0) + d.reshape(x0.shape))[name]
+            _check(run, f, ball, rng, n_w=2)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_affine_margin_lower_bounds_hold_against_pgd(kind: str, tmp_path: Path) -> None:
+    """PGD on each margin inside the ball never goes below its lower bound."""
+    om = _model(kind, tmp_path)
+    x0 = center().numpy().astype(np.float64)
+    f = om.module.with_dtype(torch.float64)
+    logits = f(torch.from_numpy(x0)).reshape(-1)
+    label = int(logits.argmax())
+    for norm, eps in (("inf", 0.03), ("2", 0.2)):
+        low = margin_lower_bounds(om, x0, eps, norm, label)
+        assert low is not None and set(low) == set(range(logits.numel())) - {label}
+        gen = torch.Generator().manual_seed(0)
+        for j, bound in low.items():
+            d = (torch.rand(x0.shape, generator=gen, dtype=torch.float64) * 2 - 1) * eps
+            for _ in range(40):
+                d.requires_grad_(True)
+                out = f(torch.from_numpy(x0) + d).reshape(-1)
+                m = out[label] - out[j]
+                (gd,) = torch.autograd.grad(m, d)
+                with torch.no_grad():
+                    if norm == "inf":
+                        d = (d - eps / 10 * gd.sign()).clamp(-eps, eps)
+                    else:
+                        d = d - eps / 10 * gd / gd.norm().clamp_min(1e-300)
+                        d = d * min(1.0, eps / float(d.norm()))
+                assert float(m) >= bound - 1e-12
+            with torch.no_grad():
+                out = f(torch.from_numpy(x0) + d).reshape(-1)
+            assert float(out[label] - out[j]) >= bound - 1e-12
+
+
+@settings(max_examples=300, deadline=None)
+@given(seed=st.integers(0, 10**6), eps=EPS, norm=NORM, matmul=st.booleans())
+def test_affine_product_of_exact_forms_holds_at_every_corner(seed: int, eps: float, norm: str,
+                                                             matmul: bool) -> None:
+    """x = cx + Ax d, y = cy + Ay d exactly (no symbols): the product's change is linear plus
+    the quadratic d^T M d, which attains its extremes at the inf-ball's corners (all 2^P
+    enumerated) or, on the 2-ball, along the extreme eigenvectors (sampled densely)."""
+    rng = np.random.default_rng(seed)
+    ball = Ball(np.zeros(P), eps, norm)
+    token = _space(ball)
+    try:
+        sx, sy = (3, 4), ((4, 2) if matmul else (3, 4))
+        cx, cy = rng.standard_normal(sx), rng.standard_normal(sy)
+        ax, ay = rng.standard_normal((*sx, P)), rng.standard_normal((*sy, P))
+        if rng.random() < 0.5:  # correlated operands: cancellation in sum_j
+            ay = (np.swapaxes(ax, 0, 1)[:, :2] if matmul else ax) + 0.1 * ay
+        x = Aff(cx, np.zeros(sx), np.zeros(sx), ax, np.zeros(sx))
+        y = Aff(cy, np.zeros(sy), np.zeros(sy), ay, np.zeros(sy))
+        out = affine.product(x, y, ball, matmul)
+        op = np.matmul if matmul else np.multiply
+        y0 = op(cx, cy)
+        if norm == "inf":
+            corners = np.array(np.meshgrid(*[[-eps, eps]] * P)).reshape(P, -1).T
+        else:
+            g = rng.standard_normal((400, P))
+            corners = eps * g / np.linalg.norm(g, axis=1, keepdims=True)
+        ws = [rng.standard_normal(out.shape)] + \
+            [np.eye(out.c.size)[i].reshape(out.shape) for i in range(out.c.size)]
+        for w in ws:
+            lo, hi = _functional(out, w, ball)
+            for d in corners:
+                v = float((w * (op(cx + ax @ d, cy + ay @ d) - y0)).sum())
+                assert lo <= v <= hi, (lo, v, hi)
+    finally:
+        affine.SPACE.reset(token)  # type: ignore[arg-type]

@@ -170,10 +170,21 @@ def select(x: Aff, y: Aff, ball: Ball, factor: float = 1.0) -> Aff:
 
 
 def narrow(x: Aff, lo: np.ndarray | None, hi: np.ndarray | None, ball: Ball) -> Aff:
-    """x, with the entries whose interval [lo, hi] is narrower replaced by that interval."""
+    """x, with the entries whose known range [lo, hi] is COLLAPSE times narrower than the
+    form's replaced by that interval (new symbols only for those entries)."""
     if lo is None or hi is None:
         return x
-    return select(x, interval(x.c, x.m, lo, hi, x.a.shape[-1]), ball, COLLAPSE)
+    dlo, dhi = lo - x.c - x.m, hi - x.c + x.m
+    pad = _REL * (np.abs(lo) + np.abs(hi) + np.abs(x.c) + x.m) + TINY
+    mid = 0.5 * (dlo + dhi)
+    hw = _up(0.5 * (dhi - dlo) + pad + _REL * np.abs(mid), 2)
+    take = hw < COLLAPSE * (lin(x, ball) + x.b)
+    if not np.any(take):
+        return x
+    a = np.where(take[..., None], 0.0, x.a)
+    b = np.where(take, 0.0, x.b)
+    a, b = fresh(a, b, np.where(take, hw, 0.0))
+    return Aff(x.c, x.m, np.where(take, mid, x.o), a, b, x.stochastic)
 
 
 # --- elementwise functions: value, f' and f'' ranges over intervals (padded outward) ---
@@ -705,6 +716,17 @@ def _hi(rg: tuple[np.ndarray, np.ndarray] | None) -> np.ndarray | None:
     return None if rg is None else rg[1]
 
 
+def _softmax_or_interval(x: Aff, ax: int, c0: np.ndarray, m0: np.ndarray, ball: Ball,
+                         rg: tuple[np.ndarray, np.ndarray] | None) -> Aff:
+    try:
+        return softmax(x, ax, c0, ball, _lo(rg), _hi(rg))
+    except NotAffine:  # the probabilities of the logits' ranges, as an interval form
+        lo, hi = ranges(x, ball) if rg is None else rg
+        plo, phi = _probabilities(np.moveaxis(lo, ax, -1), np.moveaxis(hi, ax, -1),
+                                  np.moveaxis(c0, ax, -1))
+        return interval(c0, m0, np.moveaxis(plo, -1, ax), np.moveaxis(phi, -1, ax), ball.size)
+
+
 # --- one node ---
 
 LAYOUT = ("Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Slice",
@@ -754,16 +776,8 @@ def step(node: Node, args: list, centers: list[np.ndarray | None], ball: Ball,
         rg = ranges_of(0)
         return [elementwise(args[0], fn, ball, xlo=_lo(rg), xhi=_hi(rg), out_c=c0, out_m=m0)]
     if t == "Softmax" and var == [0]:
-        rg = ranges_of(0)
-        ax = int(node.attrs.get("axis", -1))
-        try:
-            return [softmax(args[0], ax, c0, ball, _lo(rg), _hi(rg))]
-        except NotAffine:  # the probabilities of the logits' ranges, as an interval form
-            lo, hi = ranges(args[0], ball) if rg is None else rg
-            plo, phi = _probabilities(np.moveaxis(lo, ax, -1), np.moveaxis(hi, ax, -1),
-                                      np.moveaxis(c0, ax, -1))
-            return [interval(c0, m0, np.moveaxis(plo, -1, ax), np.moveaxis(phi, -1, ax),
-                             ball.size)]
+        return [_softmax_or_interval(args[0], int(node.attrs.get("axis", -1)), c0, m0, ball,
+                                     ranges_of(0))]
     if t == "LayerNormalization" and var == [0]:
         if int(node.attrs.get("axis", -1)) % c0.ndim != c0.ndim - 1:
             raise NotAffine("LayerNorm over more than the last axis")
@@ -781,22 +795,50 @@ def step(node: Node, args: list, centers: list[np.ndarray | None], ball: Ball,
     raise NotAffine(f"{t} node {node.name}: no affine rule")
 
 
+def uses(nodes: list[Node], chains: dict[str, fused.Chain], inside: set[str]
+         ) -> dict[str, int]:
+    """How many steps read each tensor (a chain's root is read once, at its sink): a form
+    is dropped after its last reader (`release`), so only live forms are held."""
+    out: dict[str, int] = {}
+    for node in nodes:
+        if node.name in inside:
+            chain = chains.get(node.name)
+            names = [chain.root] if chain is not None else []
+        else:
+            names = [i for i in node.inputs if i]
+        for i in names:
+            out[i] = out.get(i, 0) + 1
+    return out
+
+
+def release(forms: dict[str, Aff], count: dict[str, int], names: list[str],
+            keep: str) -> None:
+    for i in names:
+        if i and i in count:
+            count[i] -= 1
+            if count[i] <= 0 and i != keep:
+                forms.pop(i, None)
+
+
 def walk(nodes: list[Node], input_name: str, env: dict[str, torch.Tensor], ball: Ball,
-         chains: dict[str, fused.Chain], inside: set[str]) -> dict[str, Aff]:
+         chains: dict[str, fused.Chain], inside: set[str], keep: str | None = None,
+         everything: bool = True) -> dict[str, Aff]:
     """The forms of every input-dependent tensor, alone (no Jacobian enclosure): an op with
     no rule gives its outputs the interval form of... nothing known, so the walk stops there
     and the tensors after it are missing."""
     forms: dict[str, Aff] = {input_name: input_form(ball)}
+    count = None if everything else uses(nodes, chains, inside)
     token = SPACE.set([ball.size, 0])
     try:
-        _walk(nodes, forms, env, ball, chains, inside)
+        _walk(nodes, forms, env, ball, chains, inside, count, keep or "")
     finally:
         SPACE.reset(token)
     return forms
 
 
 def _walk(nodes: list[Node], forms: dict[str, Aff], env: dict[str, torch.Tensor], ball: Ball,
-          chains: dict[str, fused.Chain], inside: set[str]) -> None:
+          chains: dict[str, fused.Chain], inside: set[str], count: dict[str, int] | None,
+          keep: str) -> None:
     for node in nodes:
         if node.name in inside and node.name not in chains:
             continue
@@ -816,6 +858,8 @@ def _walk(nodes: list[Node], forms: dict[str, Aff], env: dict[str, torch.Tensor]
         for o, v in zip(outs, res, strict=False):
             if o and v is not None:
                 forms[o] = v
+        if count is not None:
+            release(forms, count, ins, keep)
 
 
 def fused_consts(chain: fused.Chain, env: dict[str, torch.Tensor]) -> dict[str, float]:

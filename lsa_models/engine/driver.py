@@ -218,7 +218,8 @@ def margin_lower_bounds(model: OnnxModel, x0: np.ndarray, eps: float, norm: str,
         ball = Ball(x, float(eps), norm)
         chains, inside = _chains(model, ctr.module, ctr.env)
         forms = affine.walk(list(ctr.module.runtime_nodes),  # type: ignore[arg-type]
-                            model.spec.input_name, ctr.env, ball, chains, inside)
+                            model.spec.input_name, ctr.env, ball, chains, inside,
+                            model.spec.output_name, everything=False)
         out = forms.get(model.spec.output_name)
         if out is None:
             return None
@@ -341,7 +342,9 @@ def _walk(model: OnnxModel, module: torch.nn.Module, env: dict[str, torch.Tensor
     values: Values = {model.spec.input_name: input_value(ball)}
     layers: list[tuple[str, str, float, str]] = []
     chains, inside = _chains(model, module, env)
-    forms = _Forms(ball, values, env) if ball.eps > 0 and AFFINE else None
+    nodes: list[Node] = list(module.runtime_nodes)  # type: ignore[arg-type]
+    forms = _Forms(ball, values, env, affine.uses(nodes, chains, inside),
+                   model.spec.output_name) if ball.eps > 0 and AFFINE else None
     if forms is not None:
         forms.forms[model.spec.input_name] = affine.input_form(ball)
     token = affine.SPACE.set([ball.size, 0])
@@ -409,9 +412,11 @@ class _Forms:
     """The affine forms of the walk's tensors (affine.py): each op's inputs are narrowed to
     the enclosure's ranges, its outputs' enclosures intersected with the forms' ranges."""
 
-    def __init__(self, ball: Ball, values: Values, env: dict[str, torch.Tensor]) -> None:
+    def __init__(self, ball: Ball, values: Values, env: dict[str, torch.Tensor],
+                 count: dict[str, int], output: str) -> None:
         self.ball, self.values, self.env = ball, values, env
         self.forms: dict[str, affine.Aff] = {}
+        self.count, self.output = count, output  # forms are dropped after their last use
 
     def _form(self, name: str) -> affine.Aff | None:
         v = self.values.get(name)
@@ -442,6 +447,8 @@ class _Forms:
                               _chain_consts(chain, self.env) if chain is not None else None)
         except affine.NotAffine:
             return
+        finally:
+            affine.release(self.forms, self.count, ins, self.output)
         for o, f in zip(outs, res, strict=False):
             v = self.values.get(o) if o else None
             if f is None or not isinstance(v, LocalValue) or f.shape != v.shape:

@@ -407,15 +407,17 @@ def _quadratic(ux: np.ndarray, uy: np.ndarray, ball: Ball, bound: np.ndarray
     return lo - slack - TINY, hi + slack + TINY
 
 
-def _rank_one(ux: np.ndarray, uy: np.ndarray, ball: Ball, lix: np.ndarray, liy: np.ndarray
+def _rank_one(x: Aff, y: Aff, ball: Ball, lx: np.ndarray, ly: np.ndarray
               ) -> tuple[np.ndarray, np.ndarray]:
-    """An enclosure of (ux . d)(uy . d) over the ball, entrywise (broadcast): it is
-    ((ux + uy) . d)^2 / 4 - ((ux - uy) . d)^2 / 4, so within
-    [-eps^2 ||ux - uy||^2 / 4, eps^2 ||ux + uy||^2 / 4] (dual norms), and within +-lix liy."""
-    ux, uy = np.broadcast_arrays(ux, uy)
-    sp = _up(ball.eps * dual_row_norms(np.abs(ux + uy), ball.norm), 4)
-    sm = _up(ball.eps * dual_row_norms(np.abs(ux - uy), ball.norm), 4)
-    ii = np.broadcast_to(lix * liy, sp.shape)
+    """An enclosure of Lx Ly = (ax . z)(ay . z) over the ball and the symbols, entrywise
+    (broadcast; z = (d, e)): it is ((ax + ay) . z)^2 / 4 - ((ax - ay) . z)^2 / 4, so within
+    [-lin(ax - ay)^2 / 4, lin(ax + ay)^2 / 4], and within +-lin(ax) lin(ay)."""
+    n = _width(x, y)
+    ux, uy = np.broadcast_arrays(_cols(x.a, n), _cols(y.a, n))
+    c = np.zeros(ux.shape[:-1])
+    sp = lin(Aff(c, c, c, ux + uy, c), ball)
+    sm = lin(Aff(c, c, c, ux - uy, c), ball)
+    ii = np.broadcast_to(lx * ly, sp.shape)
     lo = np.maximum(-_up(0.25 * sm * sm, 2), -ii)
     hi = np.minimum(_up(0.25 * sp * sp, 2), ii)
     return lo, hi
@@ -462,15 +464,18 @@ def product(x: Aff, y: Aff, ball: Ball, matmul: bool, out_c: np.ndarray | None =
     if matmul:
         pp = ball.size
         quad = _quadratic(x.a[..., :pp], y.a[..., :pp], ball, mul(lix, liy))
-    if quad is None and not matmul:
-        quad = _rank_one(x.a[..., :ball.size], y.a[..., :ball.size], ball, lix, liy)
-    if quad is None:
-        ii = mul(lix, liy)
-        quad = (-ii, ii)
-    qmid = 0.5 * (quad[0] + quad[1])
+    if quad is None and not matmul:  # the whole linear parts, symbols included
+        lo, hi = _rank_one(x, y, ball, lx, ly)
+        qmid = 0.5 * (lo + hi)
+        err = 0.5 * (hi - lo) + _REL * np.abs(qmid)
+    else:
+        if quad is None:
+            ii = mul(lix, liy)
+            quad = (-ii, ii)
+        qmid = 0.5 * (quad[0] + quad[1])
+        err = 0.5 * (quad[1] - quad[0]) + _REL * np.abs(qmid) + \
+            mul(lix, lsy) + mul(lsx, liy) + mul(lsx, lsy)
     o = o + qmid
-    err = 0.5 * (quad[1] - quad[0]) + _REL * np.abs(qmid) + \
-        mul(lix, lsy) + mul(lsx, liy) + mul(lsx, lsy)
     b = mul(acx, y.b) + mul(x.b, acy) + mul(x.m, fy) + mul(fx, y.m) + \
         mul(x.b, aoy + ly + y.b) + mul(aox + lx, y.b)
     # rounding of the products and sums forming o and a (a's change over the ball <= its

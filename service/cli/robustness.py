@@ -95,7 +95,8 @@ def robustness_cmd(
         return
     c = Console()
     c.print(f"label {out['label']} (predicted {out['predicted']}), {norm}-norm")
-    c.print(f"certified_radius: {out['certified_radius']:.6g}")
+    c.print(f"certified_radius: {out['certified_radius']:.6g} (by the {out['certified_by']} "
+            "route)")
     att = out["attack_radius"]
     c.print("attack_radius: " + ("none found" if att is None else f"{att:.6g}"))
     c.print("margins: " + ", ".join(f"{j}: {m:.4g}" for j, m in out["margins"].items()))

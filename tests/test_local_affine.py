@@ -306,3 +306,41 @@ def test_affine_product_of_exact_forms_holds_at_every_corner(seed: int, eps: flo
                 assert lo <= v <= hi, (lo, v, hi)
     finally:
         affine.SPACE.reset(token)  # type: ignore[arg-type]
+
+
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 10**6), d=st.integers(1, 4), q=st.integers(1, 9),
+       spread=st.sampled_from([0.01, 1.0, 100.0]))
+def test_affine_box_to_two_is_above_every_corner(seed: int, d: int, q: int,
+                                                 spread: float) -> None:
+    """sup ||a e||_2 over the box is attained at a corner: every corner stays below the
+    bound (columns of very different sizes included)."""
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((2, d, q)) * spread ** rng.uniform(-1, 1, q)
+    bound = affine._box_to_two(a)
+    corners = np.array(np.meshgrid(*[[-1.0, 1.0]] * q)).reshape(q, -1)  # (Q, 2^Q)
+    best = np.linalg.norm(a @ corners, axis=-2).max(axis=-1)  # (2,)
+    assert np.all(best <= bound * (1 + 1e-12)), (best, bound)
+
+
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 10**6), eps=EPS)
+def test_affine_token_radius_holds_on_the_two_ball(seed: int, eps: float) -> None:
+    """||T_t(X) - T_t(X0)||_2 per token within token_radius at the tokens' worst directions
+    of the linear part and random boundary points."""
+    rng = np.random.default_rng(seed)
+    ball = Ball(np.zeros(P), eps, "2")
+    token = _space(ball)
+    try:
+        x, fx = _source(rng, (3, 4), ball, 2.0)
+        y, fy = _source(rng, (3, 4), ball, 2.0)
+        out = affine.product(x, y, ball, False)
+        rad = affine.token_radius(out, ball)[..., 0]
+        y0 = (fx(torch.zeros(P, dtype=torch.float64)) * fy(torch.zeros(P, dtype=torch.float64)))
+        dirs = [np.linalg.svd(out.a[t, :, :P])[2][0] for t in range(3)]
+        for d in _points(rng, ball, dirs):
+            dt = torch.from_numpy(d)
+            dev = np.linalg.norm((fx(dt) * fy(dt) - y0).numpy(), axis=-1)
+            assert np.all(dev <= rad), (dev, rad)
+    finally:
+        affine.SPACE.reset(token)  # type: ignore[arg-type]

@@ -891,3 +891,41 @@ def margins(out: Aff, label: int, ball: Ball) -> dict[int, float]:
         # the centre difference c_l - c_j is itself rounded: one more unit roundoff of it
         res[j] = float(lo[0] - 2 * U * abs(c[label] - c[j]) - TINY)
     return res
+
+
+def _box_to_two(a: np.ndarray) -> np.ndarray:
+    """sup ||a e||_2 over e in [-1, 1]^Q for every (..., D, Q) block: the smallest of the sum of
+    its columns' norms, the norm of its rows' l1 sums and the weighted spectral bound: with
+    c_q = ||a_q||_2 > 0, ||a e||^2 = ||a C^-1/2 (C^1/2 e)||^2 <= lambda_max(a C^-1 a^T) sum c_q
+    (the D x D Gram matrix's largest eigenvalue; LAPACK's, plus 64 D u trace for its error)."""
+    d, q = a.shape[-2], a.shape[-1]
+    cn = np.sqrt(np.square(a).sum(axis=-2))  # (..., Q)
+    cols = _up(cn.sum(axis=-1), q + d)
+    rows = _up(np.sqrt(np.square(np.abs(a).sum(axis=-1)).sum(axis=-1)), q + d)
+    w = np.where(cn > 0, 1.0 / np.where(cn > 0, cn, 1.0), 0.0)
+    gram = np.einsum("...iq,...q,...jq->...ij", a, w, a)  # a C^-1 a^T
+    lam = np.linalg.eigvalsh(gram)[..., -1]
+    tr = np.trace(gram, axis1=-2, axis2=-1)
+    lam = _up(np.maximum(lam, 0.0) + 64 * (d + q) * U * tr, 4)
+    spec = np.sqrt(_up(lam * cols, 2)) * (1 + 4 * U)
+    return np.minimum(np.minimum(cols, rows), spec)
+
+
+def token_radius(x: Aff, ball: Ball) -> np.ndarray:
+    """2-ball: a bound on ||T_t(X) - T_t(X0)||_2 per token t (the last axis), (*S[:-1], 1):
+    ||o_t|| + eps sigma_max(a_in,t) + ||a_sym,t e|| + ||b_t||, with ||a_sym,t e||_2 at most the
+    sum of its columns' norms and the norm of its rows' l1 sums. sigma_max from LAPACK's SVD
+    (exact for a matrix within c P u ||A||_F: 64 P u ||A||_F added)."""
+    d, p = x.shape[-1], ball.size
+    ain = x.a[..., :p]  # (..., D, P)
+    sig = np.linalg.norm(ain, ord=2, axis=(-2, -1))
+    fro = np.sqrt(np.square(ain).sum(axis=(-2, -1)))
+    lin_in = _up(ball.eps * (sig * (1 + 1e-12) + 64 * (p + d) * U * fro), 4)
+    sym = np.zeros_like(sig)
+    if x.a.shape[-1] > p:
+        sym = _box_to_two(x.a[..., p:])
+
+    def norm2(v: np.ndarray) -> np.ndarray:
+        return np.sqrt(_up(np.square(v).sum(axis=-1), d)) * (1 + 4 * U)
+    out = _up(norm2(x.o) + lin_in + sym + norm2(x.b), 4)
+    return out[..., None]

@@ -368,7 +368,7 @@ def _walk_nodes(model: OnnxModel, module: torch.nn.Module, env: dict[str, torch.
                     forms.step(node, [chain.root], [chain.sink], chain)
             continue
         if tight is not None:
-            _checkpoint(node, values, ball, tight, half)
+            _checkpoint(node, values, ball, tight, half, forms)
         args = [None if not i else values[i] if i in values else
                 (env[i].detach().numpy() if i in env else None) for i in node.inputs]
         centers = [None if not o or o not in env else env[o].detach().numpy()
@@ -428,6 +428,17 @@ class _Forms:
                                    self.ball.size)
         return affine.narrow(f, v.lo, v.hi, self.ball)
 
+    def tokens(self, name: str) -> None:
+        """2-ball: the token radii of a checkpoint's input, intersected with its form's."""
+        v, f = self.values.get(name), self.forms.get(name)
+        if self.ball.norm != "2" or not isinstance(v, LocalValue) or f is None or \
+                f.shape != v.shape or not v.shape:
+            return
+        true = affine.token_radius(f, self.ball)
+        if not np.all(np.isfinite(true)):
+            return
+        set_token_radius(v, true if v.tok_true is None else np.minimum(v.tok_true, true))
+
     def step(self, node: Node, ins: list[str], outs: list[str],
              chain: fused.Chain | None = None) -> None:
         args: list = []
@@ -463,7 +474,7 @@ class _Forms:
 
 
 def _checkpoint(node: Node, values: Values, ball: Ball, tight: _Telescope,
-                half: Values | None = None) -> None:
+                half: Values | None = None, forms: _Forms | None = None) -> None:
     """Tighten the inputs of a range-sensitive op (CHECKPOINTS; products only of two
     input-dependent tensors) by telescoping."""
     if node.op_type not in CHECKPOINTS or (
@@ -475,6 +486,8 @@ def _checkpoint(node: Node, values: Values, ball: Ball, tight: _Telescope,
         if isinstance(v, LocalValue):
             t = tight.tighten(i, v, values, ball, tokens=True)
             values[i] = t if half is None else integrated(t, half.get(i), ball)
+            if forms is not None:
+                forms.tokens(i)
 
 
 def _walk_chain(node: Node, chain: fused.Chain, values: Values, env: dict[str, torch.Tensor],

@@ -163,7 +163,11 @@ def test_affine_softmax_then_matmul_encloses_every_functional(seed: int, eps: fl
         wz = rng.standard_normal((2, 4)) * scale  # logits = wz * tanh(...) * 3
         logits = affine._scale_const(z, 3 * wz, 3 * wz * z.c, np.zeros((2, 4)), ball)
         pc = torch.softmax(torch.from_numpy(logits.c), -1).numpy()
-        p = affine.softmax(logits, -1, pc, ball, None, None)
+        try:
+            p = affine.softmax(logits, -1, pc, ball, None, None)
+        except affine.NotAffine:  # wide logits at eps 0.5: the graph step takes the interval
+            assert eps >= 0.1
+            return
         assert p.stochastic
         tw = torch.from_numpy(3 * wz)
         _check(lambda d: torch.softmax(tw * fz(d), -1), p, ball, rng)

@@ -178,7 +178,10 @@ def narrow(x: Aff, lo: np.ndarray | None, hi: np.ndarray | None, ball: Ball) -> 
     pad = _REL * (np.abs(lo) + np.abs(hi) + np.abs(x.c) + x.m) + TINY
     mid = 0.5 * (dlo + dhi)
     hw = _up(0.5 * (dhi - dlo) + pad + _REL * np.abs(mid), 2)
-    take = hw < COLLAPSE * (lin(x, ball) + x.b)
+    with np.errstate(invalid="ignore", over="ignore"):
+        width = lin(x, ball) + x.b + np.abs(x.o) * 0.0
+    # an entry whose form overflowed (inf, nan) takes the interval whatever its width
+    take = (hw < COLLAPSE * width) | ~np.isfinite(width)
     if not np.any(take):
         return x
     a = np.where(take[..., None], 0.0, x.a)
@@ -306,37 +309,39 @@ def elementwise(x: Aff, fn: Fn, ball: Ball, xlo: np.ndarray | None = None,
     lin_x = lin(x, ball)
     # candidates (lam, shift, err): the change is lam (o + a z + [-b, b]) + shift +- err
     cands: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-    glo, ghi = fn.d1(hlo, hhi)  # first order
-    if np.all(np.isfinite(glo)) and np.all(np.isfinite(ghi)):
+    with np.errstate(over="ignore", invalid="ignore"):
+        glo, ghi = fn.d1(hlo, hhi)  # first order
         lam = 0.5 * (glo + ghi)
         cands.append((lam, np.zeros_like(lam), _up(np.maximum(ghi - lam, lam - glo), 2) * far))
-    if fn.d2 is not None:  # second order
-        g0 = fn.d1(tlo, thi)
-        qlo, qhi = fn.d2(hlo, hhi)
-        if np.all(np.isfinite(qlo)) and np.all(np.isfinite(qhi)) and \
-                np.all(np.isfinite(g0[0])) and np.all(np.isfinite(g0[1])):
+        if fn.d2 is not None:  # second order
+            g0 = fn.d1(tlo, thi)
+            qlo, qhi = fn.d2(hlo, hhi)
             lam = 0.5 * (g0[0] + g0[1])
             r2 = _iv_mul((0.5 * qlo, 0.5 * qhi), _square_value(dlo, dhi))
             mid = 0.5 * (r2[0] + r2[1])
             cands.append((lam, mid, _up(np.maximum(g0[1] - lam, lam - g0[0]), 2) * far
                           + _up(0.5 * (r2[1] - r2[0]), 2) + _REL * np.abs(mid)))
-    if not cands or not all(np.all(np.isfinite(v)) for cand in cands for v in cand):
-        raise NotAffine("a range overflows")
-    lam, shift, err = cands[0]
-    width = np.abs(lam) * (lin_x + x.b) + err
-    for lam2, shift2, err2 in cands[1:]:
-        w2 = np.abs(lam2) * (lin_x + x.b) + err2
+        # an entry whose candidate overflowed gets an infinite width (never taken)
+        widths = [np.where(np.isfinite(la) & np.isfinite(sh) & np.isfinite(er),
+                           np.abs(la) * (lin_x + x.b) + er, np.inf) for la, sh, er in cands]
+    lam, shift, err = (np.where(np.isfinite(widths[0]), v, 0.0) for v in cands[0])
+    width = widths[0]
+    for (lam2, shift2, err2), w2 in zip(cands[1:], widths[1:], strict=True):
         take = w2 < width
         lam, shift, err = (np.where(take, lam2, lam), np.where(take, shift2, shift),
                            np.where(take, err2, err))
         width = np.minimum(w2, width)
-    # the interval: where COLLAPSE times narrower, the entry forgets its linear part
+    # the interval: where COLLAPSE times narrower (or where no linear candidate is finite),
+    # the entry forgets its linear part
     vlo, vhi = fn.value(hlo, hhi)
     ilo, ihi = vlo - out_c - out_m, vhi - out_c + out_m
     imid = 0.5 * (ilo + ihi)
     ihw = _up(0.5 * (ihi - ilo) + _REL * (np.abs(vlo) + np.abs(vhi) + np.abs(out_c) + out_m),
               2) + TINY
-    take = ihw < COLLAPSE * width
+    if not (np.all(np.isfinite(width) | np.isfinite(ihw)) and np.all(np.isfinite(imid)
+                                                                       | np.isfinite(width))):
+        raise NotAffine("a range overflows")
+    take = (ihw < COLLAPSE * width) | ~np.isfinite(width)
     if np.any(take):
         lam = np.where(take, 0.0, lam)
         shift = np.where(take, imid, shift)
@@ -745,7 +750,20 @@ def step(node: Node, args: list, centers: list[np.ndarray | None], ball: Ball,
          chain: fused.Chain | None = None, consts: dict[str, float] | None = None) -> list:
     """The forms of one node's outputs (None where it has no output or no rule).
     `args`: Aff for input-dependent inputs, arrays for constants; `ranges_of(i)`: a known
-    range of input i (the Jacobian enclosure's), or None."""
+    range of input i (the Jacobian enclosure's), or None. NotAffine: no rule, or a form
+    overflowed (the caller falls back to the interval of the enclosure, or stops)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = _step(node, args, centers, ball, ranges_of, chain, consts)
+    for f in out:
+        if f is not None and not (np.all(np.isfinite(f.o)) and np.all(np.isfinite(f.a))
+                                  and np.all(np.isfinite(f.b))):
+            raise NotAffine(f"{node.op_type} node {node.name}: a form overflowed")
+    return out
+
+
+def _step(node: Node, args: list, centers: list[np.ndarray | None], ball: Ball,
+         ranges_of: Callable[[int], tuple[np.ndarray, np.ndarray] | None],
+         chain: fused.Chain | None = None, consts: dict[str, float] | None = None) -> list:
     var = [i for i, v in enumerate(args) if isinstance(v, Aff)]
     t = node.op_type
     c0 = centers[0] if centers else None

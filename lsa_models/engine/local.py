@@ -222,6 +222,17 @@ def _tick(progress: Callable[[str, float], None] | None, runs: int, steps: int,
 AFFINE_GROWTH, AFFINE_TOL, AFFINE_WALKS = 2.0, 1e-3, 48
 
 
+AFFINE_SHARE = 0.2  # of a radius job's progress: the affine walks are cheap
+
+
+def _scaled_progress(progress: Callable[[str, float], None] | None, lo: float, hi: float
+                     ) -> Callable[[str, float], None] | None:
+    if progress is None:
+        return None
+    p = progress
+    return lambda stage, f: p(stage, lo + (hi - lo) * f)
+
+
 def affine_radius(om: OnnxModel, x: np.ndarray, norm: str, label: int, start: float,
                   progress: Callable[[str, float], None] | None = None) -> tuple[float, int]:
     """The largest radius (to AFFINE_TOL) whose margin lower bounds from the affine forms
@@ -332,8 +343,11 @@ def robustness(model: Any, at: np.ndarray, label: int, norm: NormName,
     if min(margins.values()) > 0:
         # the affine route first (cheap: no Jacobians), from the first-order radius guess
         start = min(margins.values()) / max(float(np.abs(logits).max()), 1e-12) * 1e-2
-        aff, walks = affine_radius(om, x, norm, label, max(start, 1e-12), progress)
-        lo, n_steps, consts = _sweep(om, x, norm, label, margins, steps, progress, aff)
+        # progress: the affine route's walks fill the first AFFINE_SHARE, the sweep the rest
+        aff, walks = affine_radius(om, x, norm, label, max(start, 1e-12),
+                                   _scaled_progress(progress, 0.0, AFFINE_SHARE))
+        lo, n_steps, consts = _sweep(om, x, norm, label, margins, steps,
+                                     _scaled_progress(progress, AFFINE_SHARE, 1.0), aff)
     t1 = time.monotonic()
 
     attack = attack_radius(f64, x, label, norm, restarts=attack_restarts, seed=seed)

@@ -17,7 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lsa_models.engine import affine, fused
+from lsa_models.engine import affine, affine_rules, fused
 from lsa_models.engine.affine import Aff
 from lsa_models.engine.driver import _chains, margin_lower_bounds
 from lsa_models.engine.values import Ball, dual_row_norms
@@ -87,7 +87,7 @@ def _source(rng: np.random.Generator, shape: tuple[int, ...], ball: Ball, scale:
     a = rng.standard_normal((*shape, ball.size))
     x = Aff(c, np.zeros(shape), np.zeros(shape), a, np.zeros(shape))
     ch = fused.Chain("x", "y", [Node("t", "Tanh", ["x"], ["y"])])
-    f = affine.elementwise(x, affine.chain_fn(ch, {}), ball, out_c=np.tanh(c),
+    f = affine_rules.elementwise(x, affine_rules.chain_fn(ch, {}), ball, out_c=np.tanh(c),
                            out_m=np.zeros(shape))
     ct, at = torch.from_numpy(c), torch.from_numpy(a)
     return f, lambda d: torch.tanh(ct + at @ d)
@@ -100,10 +100,12 @@ def _space(ball: Ball) -> object:
 EPS = st.sampled_from([1e-3, 1e-2, 1e-1, 0.5])
 NORM = st.sampled_from(["2", "inf"])
 
-_FNS: dict[str, tuple[affine.Fn, Callable[[torch.Tensor], torch.Tensor], bool]] = {
-    "exp": (affine.EXP, torch.exp, False), "square": (affine.SQUARE, torch.square, False),
-    "reciprocal": (affine.RECIPROCAL, torch.reciprocal, True),
-    "rsqrt": (affine.RSQRT, torch.rsqrt, True), "sqrt": (affine.SQRT, torch.sqrt, True)}
+_FNS: dict[str, tuple[affine_rules.Fn, Callable[[torch.Tensor], torch.Tensor], bool]] = {
+    "exp": (affine_rules.EXP, torch.exp, False),
+    "square": (affine_rules.SQUARE, torch.square, False),
+    "reciprocal": (affine_rules.RECIPROCAL, torch.reciprocal, True),
+    "rsqrt": (affine_rules.RSQRT, torch.rsqrt, True),
+    "sqrt": (affine_rules.SQRT, torch.sqrt, True)}
 
 
 @settings(max_examples=300, deadline=None)
@@ -117,11 +119,11 @@ def test_affine_elementwise_encloses_every_functional(seed: int, eps: float, nor
         src, g = _source(rng, (2, 3), ball)
         fn, tfn, positive = _FNS[kind]
         if positive:  # 2 + tanh(...) > 0
-            src = affine._shift(src, np.asarray(2.0))
+            src = affine_rules._shift(src, np.asarray(2.0))
             g0 = g
             g = lambda d: 2.0 + g0(d)  # noqa: E731
         try:
-            out = affine.elementwise(src, fn, ball)
+            out = affine_rules.elementwise(src, fn, ball)
         except affine.NotAffine:  # the form's range reaches 0 (refused, not unsound)
             assert positive and eps >= 0.1
             return
@@ -143,7 +145,7 @@ def test_affine_product_encloses_every_functional(seed: int, eps: float, norm: s
         shape = {"mul": (3, 4), "broadcast": (3, 1), "matmul": (4, 2), "square": (3, 4)}[kind]
         y, fy = (x, fx) if kind == "square" else _source(rng, shape, ball, 2.0)
         matmul = kind == "matmul"
-        out = affine.product(x, y, ball, matmul)
+        out = affine_rules.product(x, y, ball, matmul)
         _check(lambda d: fx(d) @ fy(d) if matmul else fx(d) * fy(d), out, ball, rng)
     finally:
         affine.SPACE.reset(token)  # type: ignore[arg-type]
@@ -161,10 +163,10 @@ def test_affine_softmax_then_matmul_encloses_every_functional(seed: int, eps: fl
     try:
         z, fz = _source(rng, (2, 4), ball)
         wz = rng.standard_normal((2, 4)) * scale  # logits = wz * tanh(...) * 3
-        logits = affine._scale_const(z, 3 * wz, 3 * wz * z.c, np.zeros((2, 4)), ball)
+        logits = affine_rules._scale_const(z, 3 * wz, 3 * wz * z.c, np.zeros((2, 4)), ball)
         pc = torch.softmax(torch.from_numpy(logits.c), -1).numpy()
         try:
-            p = affine.softmax(logits, -1, pc, ball, None, None)
+            p = affine_rules.softmax(logits, -1, pc, ball, None, None)
         except affine.NotAffine:  # wide logits at eps 0.5: the graph step takes the interval
             assert eps >= 0.1
             return
@@ -172,7 +174,7 @@ def test_affine_softmax_then_matmul_encloses_every_functional(seed: int, eps: fl
         tw = torch.from_numpy(3 * wz)
         _check(lambda d: torch.softmax(tw * fz(d), -1), p, ball, rng)
         v, fv = _source(rng, (4, 3), ball, 2.0)
-        out = affine.product(p, v, ball, True)
+        out = affine_rules.product(p, v, ball, True)
         _check(lambda d: torch.softmax(tw * fz(d), -1) @ fv(d), out, ball, rng)
     finally:
         affine.SPACE.reset(token)  # type: ignore[arg-type]
@@ -188,12 +190,12 @@ def test_affine_layernorm_encloses_every_functional(seed: int, eps: float, norm:
     token = _space(ball)
     try:
         x, fx = _source(rng, (2, 6), ball, 1.0)
-        x = affine._scale_const(x, np.asarray(scale), scale * x.c, np.zeros((2, 6)), ball)
+        x = affine_rules._scale_const(x, np.asarray(scale), scale * x.c, np.zeros((2, 6)), ball)
         gam, beta = rng.standard_normal(6), rng.standard_normal(6)
         tl = torch.nn.functional.layer_norm
         tg, tb = torch.from_numpy(gam), torch.from_numpy(beta)
         yc = tl(torch.from_numpy(x.c), (6,), tg, tb, ln_eps).numpy()
-        out = affine.layernorm(x, gam, beta, ln_eps, yc, ball)
+        out = affine_rules.layernorm(x, gam, beta, ln_eps, yc, ball)
         _check(lambda d: tl(scale * fx(d), (6,), tg, tb, ln_eps), out, ball, rng)
     finally:
         affine.SPACE.reset(token)  # type: ignore[arg-type]
@@ -231,7 +233,7 @@ def test_affine_walk_encloses_every_tensor_of_the_issue_classifiers(
     rng = np.random.default_rng(1)
     for eps in ((0.03, 0.3) if norm == "inf" else (0.1, 1.0)):
         ball = Ball(x0, eps, norm)
-        forms = affine.walk(list(module.runtime_nodes), om.spec.input_name, env, ball, chains,
+        forms = affine_rules.walk(list(module.runtime_nodes), om.spec.input_name, env, ball, chains,
                             inside)
         assert om.spec.output_name in forms
         names = [n for n in forms if n != om.spec.input_name]
@@ -293,7 +295,7 @@ def test_affine_product_of_exact_forms_holds_at_every_corner(seed: int, eps: flo
             ay = (np.swapaxes(ax, 0, 1)[:, :2] if matmul else ax) + 0.1 * ay
         x = Aff(cx, np.zeros(sx), np.zeros(sx), ax, np.zeros(sx))
         y = Aff(cy, np.zeros(sy), np.zeros(sy), ay, np.zeros(sy))
-        out = affine.product(x, y, ball, matmul)
+        out = affine_rules.product(x, y, ball, matmul)
         op = np.matmul if matmul else np.multiply
         y0 = op(cx, cy)
         if norm == "inf":
@@ -338,7 +340,7 @@ def test_affine_token_radius_holds_on_the_two_ball(seed: int, eps: float) -> Non
     try:
         x, fx = _source(rng, (3, 4), ball, 2.0)
         y, fy = _source(rng, (3, 4), ball, 2.0)
-        out = affine.product(x, y, ball, False)
+        out = affine_rules.product(x, y, ball, False)
         rad = affine.token_radius(out, ball)[..., 0]
         y0 = (fx(torch.zeros(P, dtype=torch.float64)) * fy(torch.zeros(P, dtype=torch.float64)))
         dirs = [np.linalg.svd(out.a[t, :, :P])[2][0] for t in range(3)]

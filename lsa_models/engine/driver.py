@@ -29,7 +29,7 @@ from ..bounds.numerics import (
 )
 from ..onnx.loading import OnnxModel
 from ..onnx.ops import Node, decimal_attr
-from . import affine, forward_error, fused, second, signed
+from . import affine, affine_rules, forward_error, fused, second, signed
 from .opnorm import integrated_tokens, rows_bound, set_token_radius
 from .primitives import LIBM_REL, derivative, elementwise
 from .rules import LOCAL_RULES, LocalRule, exact
@@ -217,7 +217,7 @@ def margin_lower_bounds(model: OnnxModel, x0: np.ndarray, eps: float, norm: str,
     with ctr:
         ball = Ball(x, float(eps), norm)
         chains, inside = _chains(model, ctr.module, ctr.env)
-        forms = affine.walk(list(ctr.module.runtime_nodes),  # type: ignore[arg-type]
+        forms = affine_rules.walk(list(ctr.module.runtime_nodes),  # type: ignore[arg-type]
                             model.spec.input_name, ctr.env, ball, chains, inside,
                             model.spec.output_name, everything=False)
         out = forms.get(model.spec.output_name)
@@ -343,7 +343,7 @@ def _walk(model: OnnxModel, module: torch.nn.Module, env: dict[str, torch.Tensor
     layers: list[tuple[str, str, float, str]] = []
     chains, inside = _chains(model, module, env)
     nodes: list[Node] = list(module.runtime_nodes)  # type: ignore[arg-type]
-    forms = _Forms(ball, values, env, affine.uses(nodes, chains, inside),
+    forms = _Forms(ball, values, env, affine_rules.uses(nodes, chains, inside),
                    model.spec.output_name) if ball.eps > 0 and AFFINE else None
     if forms is not None:
         forms.forms[model.spec.input_name] = affine.input_form(ball)
@@ -454,12 +454,12 @@ class _Forms:
             v = self.values.get(ins[k])
             return (v.lo, v.hi) if isinstance(v, LocalValue) else None
         try:
-            res = affine.step(node, args, centers, self.ball, ranges_of, chain,
+            res = affine_rules.step(node, args, centers, self.ball, ranges_of, chain,
                               _chain_consts(chain, self.env) if chain is not None else None)
         except affine.NotAffine:
             return
         finally:
-            affine.release(self.forms, self.count, ins, self.output)
+            affine_rules.release(self.forms, self.count, ins, self.output)
         for o, f in zip(outs, res, strict=False):
             v = self.values.get(o) if o else None
             if f is None or not isinstance(v, LocalValue) or f.shape != v.shape:

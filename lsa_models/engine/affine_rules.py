@@ -1,0 +1,740 @@
+"""The affine forms' rules (affine.py has the form and its invariant): elementwise functions,
+products of two forms, linear and layout ops, LayerNorm and softmax as chains, one node at a
+time (`step`) and a standalone walk (`walk`); derivations in docs/local-bounds.md, "Affine value
+forms"."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.func import vmap
+
+from ..bounds.numerics import U
+from ..onnx.ops import FLOAT_TYPES, OPS, Node, RunContext, decimal_attr
+from . import fused
+from .affine import (
+    _REL,
+    COLLAPSE,
+    SPACE,
+    TINY,
+    Aff,
+    NotAffine,
+    _cols,
+    _up,
+    _width,
+    dev,
+    fresh,
+    input_form,
+    interval,
+    lin,
+    narrow,
+    ranges,
+)
+from .values import Ball, center_margin, dual_row_norms, gamma
+
+CTX = RunContext(torch.float64)
+
+
+# --- elementwise functions: value, f' and f'' ranges over intervals (padded outward) ---
+
+Iv = tuple[np.ndarray, np.ndarray]
+
+
+def _pad(lo: np.ndarray, hi: np.ndarray) -> Iv:
+    p = _REL * np.maximum(np.abs(lo), np.abs(hi)) + TINY
+    return lo - p, hi + p
+
+
+def _mono(f: Callable[[np.ndarray], np.ndarray], lo: np.ndarray, hi: np.ndarray) -> Iv:
+    """Range of a function monotone on [lo, hi]: its endpoint values."""
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        u, v = f(lo), f(hi)
+    return _pad(np.minimum(u, v), np.maximum(u, v))
+
+
+@dataclass
+class Fn:
+    """f with enclosures of f, f', f'' over [lo, hi] (f'' may be None: first order only)."""
+
+    value: Callable[[np.ndarray, np.ndarray], Iv]
+    d1: Callable[[np.ndarray, np.ndarray], Iv]
+    d2: Callable[[np.ndarray, np.ndarray], Iv] | None
+    point: Callable[[np.ndarray], np.ndarray]  # f at a point (float64)
+    domain: tuple[float, float] = (-math.inf, math.inf)  # open interval
+
+
+def _near_far(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    near = np.where((lo <= 0) & (hi >= 0), 0.0, np.minimum(np.abs(lo), np.abs(hi)))
+    return near, np.maximum(np.abs(lo), np.abs(hi))
+
+
+def _square_value(lo: np.ndarray, hi: np.ndarray) -> Iv:
+    near, far = _near_far(lo, hi)
+    return _pad(near * near, far * far)
+
+
+EXP = Fn(lambda lo, hi: _mono(np.exp, lo, hi), lambda lo, hi: _mono(np.exp, lo, hi),
+         lambda lo, hi: _mono(np.exp, lo, hi), np.exp)
+SQUARE = Fn(_square_value, lambda lo, hi: _mono(lambda x: 2.0 * x, lo, hi),
+            lambda lo, hi: (np.full_like(lo, 2.0), np.full_like(lo, 2.0)), np.square)
+# on the positive half line: 1/x, x^-1/2, sqrt(x) and their derivatives are monotone
+RECIPROCAL = Fn(lambda lo, hi: _mono(lambda x: 1.0 / x, lo, hi),
+                lambda lo, hi: _mono(lambda x: -1.0 / (x * x), lo, hi),
+                lambda lo, hi: _mono(lambda x: 2.0 / (x * x * x), lo, hi),
+                lambda x: 1.0 / x, (0.0, math.inf))
+RSQRT = Fn(lambda lo, hi: _mono(lambda x: 1.0 / np.sqrt(x), lo, hi),
+           lambda lo, hi: _mono(lambda x: -0.5 / (x * np.sqrt(x)), lo, hi),
+           lambda lo, hi: _mono(lambda x: 0.75 / (x * x * np.sqrt(x)), lo, hi),
+           lambda x: 1.0 / np.sqrt(x), (0.0, math.inf))
+SQRT = Fn(lambda lo, hi: _mono(np.sqrt, lo, hi),
+          lambda lo, hi: _mono(lambda x: 0.5 / np.sqrt(x), lo, hi),
+          lambda lo, hi: _mono(lambda x: -0.25 / (x * np.sqrt(x)), lo, hi),
+          np.sqrt, (0.0, math.inf))
+
+
+def chain_fn(chain: fused.Chain, consts: dict[str, float]) -> Fn:
+    """A fused elementwise chain (fused.py) through its interval differentiation."""
+    def value(lo: np.ndarray, hi: np.ndarray) -> Iv:
+        return fused.ranges(chain, consts, lo, hi)[0]
+
+    def d1(lo: np.ndarray, hi: np.ndarray) -> Iv:
+        return fused.ranges(chain, consts, lo, hi)[1]
+
+    def d2(lo: np.ndarray, hi: np.ndarray) -> Iv:
+        r = fused.second(chain, consts, lo, hi)
+        if r is None:
+            return np.full_like(lo, -np.inf), np.full_like(lo, np.inf)
+        return r
+
+    def point(x: np.ndarray) -> np.ndarray:
+        lo, hi = fused.evaluate(chain, consts, x, x)[0]
+        return 0.5 * (lo + hi)
+
+    return Fn(value, d1, d2, point)
+
+
+def _iv_mul(a: Iv, b: Iv) -> Iv:
+    c = np.stack([a[0] * b[0], a[0] * b[1], a[1] * b[0], a[1] * b[1]])
+    c = np.where(np.isnan(c), np.inf, c)  # 0 * inf: no information
+    return _pad(c.min(axis=0), c.max(axis=0))
+
+
+def elementwise(x: Aff, fn: Fn, ball: Ball, xlo: np.ndarray | None = None,
+                xhi: np.ndarray | None = None, out_c: np.ndarray | None = None,
+                out_m: np.ndarray | None = None) -> Aff:
+    """y = f(x) entrywise. [xlo, xhi]: a known range of x (intersected with the form's);
+    out_c, out_m: y's centre and margin when y is a graph tensor (else f(c), propagated).
+
+    With t0 = x(X0) in c +- m and D = x(X) - t0 in [dlo, dhi]:
+      second order: f(t0 + D) - f(t0) = lam D + (f'(t0) - lam) D + f''(xi) D^2 / 2, lam the
+        middle of f' over [c - m, c + m];
+      first order:  = lam D + (f'(xi) - lam) D, lam the middle of f' over the whole range;
+      interval:     in [f range - f(t0)].
+    Every entry keeps the narrowest."""
+    dlo, dhi = dev(x, ball)
+    if xlo is not None and xhi is not None:
+        dlo = np.maximum(dlo, xlo - x.c - x.m)
+        dhi = np.minimum(dhi, xhi - x.c + x.m)
+        dhi = np.maximum(dhi, dlo)
+    tlo, thi = x.c - x.m, x.c + x.m
+    hlo = np.minimum(tlo + np.minimum(dlo, 0.0), tlo)
+    hhi = np.maximum(thi + np.maximum(dhi, 0.0), thi)
+    hlo, hhi = _pad(hlo, hhi)
+    if xlo is not None and xhi is not None:  # both x(X) and x(X0) lie in [xlo, xhi]
+        hlo, hhi = np.maximum(hlo, xlo), np.minimum(hhi, xhi)
+    lo_d, hi_d = fn.domain
+    if np.any(hlo <= lo_d) or np.any(hhi >= hi_d):
+        raise NotAffine("a range leaves the function's domain")
+    if out_c is None:
+        out_c = fn.point(x.c)
+        vlo, vhi = fn.value(tlo, thi)
+        out_m = _up(np.maximum(vhi - out_c, out_c - vlo), 2) + _REL * np.abs(out_c) + TINY
+    assert out_m is not None
+    near, far = _near_far(dlo, dhi)
+    lin_x = lin(x, ball)
+    # candidates (lam, shift, err): the change is lam (o + a z + [-b, b]) + shift +- err
+    cands: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    with np.errstate(over="ignore", invalid="ignore"):
+        glo, ghi = fn.d1(hlo, hhi)  # first order
+        lam = 0.5 * (glo + ghi)
+        cands.append((lam, np.zeros_like(lam), _up(np.maximum(ghi - lam, lam - glo), 2) * far))
+        if fn.d2 is not None:  # second order
+            g0 = fn.d1(tlo, thi)
+            qlo, qhi = fn.d2(hlo, hhi)
+            lam = 0.5 * (g0[0] + g0[1])
+            r2 = _iv_mul((0.5 * qlo, 0.5 * qhi), _square_value(dlo, dhi))
+            mid = 0.5 * (r2[0] + r2[1])
+            cands.append((lam, mid, _up(np.maximum(g0[1] - lam, lam - g0[0]), 2) * far
+                          + _up(0.5 * (r2[1] - r2[0]), 2) + _REL * np.abs(mid)))
+        # an entry whose candidate overflowed gets an infinite width (never taken)
+        widths = [np.where(np.isfinite(la) & np.isfinite(sh) & np.isfinite(er),
+                           np.abs(la) * (lin_x + x.b) + er, np.inf) for la, sh, er in cands]
+    lam, shift, err = (np.where(np.isfinite(widths[0]), v, 0.0) for v in cands[0])
+    width = widths[0]
+    for (lam2, shift2, err2), w2 in zip(cands[1:], widths[1:], strict=True):
+        take = w2 < width
+        lam, shift, err = (np.where(take, lam2, lam), np.where(take, shift2, shift),
+                           np.where(take, err2, err))
+        width = np.minimum(w2, width)
+    # the interval: where COLLAPSE times narrower (or where no linear candidate is finite),
+    # the entry forgets its linear part
+    vlo, vhi = fn.value(hlo, hhi)
+    ilo, ihi = vlo - out_c - out_m, vhi - out_c + out_m
+    imid = 0.5 * (ilo + ihi)
+    ihw = _up(0.5 * (ihi - ilo) + _REL * (np.abs(vlo) + np.abs(vhi) + np.abs(out_c) + out_m),
+              2) + TINY
+    if not (np.all(np.isfinite(width) | np.isfinite(ihw)) and np.all(np.isfinite(imid)
+                                                                       | np.isfinite(width))):
+        raise NotAffine("a range overflows")
+    take = (ihw < COLLAPSE * width) | ~np.isfinite(width)
+    if np.any(take):
+        lam = np.where(take, 0.0, lam)
+        shift = np.where(take, imid, shift)
+        err = np.where(take, ihw, err)
+    return _scaled(x, lam, err, out_c, out_m, lin_x, shift)
+
+
+def _scaled(x: Aff, lam: np.ndarray, err: np.ndarray, c: np.ndarray, m: np.ndarray,
+            lin_x: np.ndarray, shift: np.ndarray | None = None) -> Aff:
+    """lam * (o + a d + [-b, b]) + shift + [-err, err], its rounding added: fl(lam a) is
+    within U |lam a| of lam a entrywise, so its change over the ball within U |lam| lin(x)."""
+    o = lam * x.o
+    if shift is not None:
+        o = o + shift
+    a = lam[..., None] * x.a
+    al = np.abs(lam)
+    b = _up(al * x.b + 4 * U * (al * (np.abs(x.o) + lin_x) + np.abs(o)), 4)
+    a, b = fresh(a, b, _up(err, 1))
+    return Aff(c, m, o, a, b)
+
+
+# --- products of two forms ---
+
+# the exact quadratic form of a MatMul's two linear parts is formed while it holds at most
+# this many entries (output entries x P^2), else its terms are bounded one by one
+MAX_QUAD_ENTRIES = 8_000_000
+
+
+def _split_lin(x: Aff, ball: Ball) -> tuple[np.ndarray, np.ndarray]:
+    """(input part, symbol part) of lin(x)."""
+    p = ball.size
+    li = _up(ball.eps * dual_row_norms(np.abs(x.a[..., :p]), ball.norm), 2)
+    if x.a.shape[-1] > p:
+        return li, _up(np.abs(x.a[..., p:]).sum(axis=-1), x.a.shape[-1] - p + 2)
+    return li, np.zeros_like(li)
+
+
+def _quadratic(ux: np.ndarray, uy: np.ndarray, ball: Ball, bound: np.ndarray
+               ) -> tuple[np.ndarray, np.ndarray] | None:
+    """An enclosure of sum_j (ux_ij . d)(uy_jk . d) over the ball for every (i, k): d^T M d
+    with M = sum_j ux_ij uy_jk^T (P x P). inf-ball: the diagonal's terms are one-sided
+    (d_p^2 in [0, eps^2]), the rest bounded by sum |M_pq| eps^2; 2-ball: the extreme
+    eigenvalues of M's symmetric part times eps^2 (LAPACK's are exact for a matrix within
+    c P u ||M||_F of it: Weyl's inequality, the slack added). `bound` (the terms' product
+    bound, sum_j li_x li_y) scales the rounding of M's sums."""
+    p = ux.shape[-1]
+    n_out = int(np.prod(np.broadcast_shapes(ux.shape[:-3], uy.shape[:-3]))) * \
+        ux.shape[-3] * uy.shape[-2]
+    if n_out * p * p > MAX_QUAD_ENTRIES:
+        return None
+    m = np.einsum("...ijp,...jkq->...ikpq", ux, uy)
+    e2 = ball.eps * ball.eps
+    k = ux.shape[-2]
+    if ball.norm == "inf":
+        diag = np.diagonal(m, axis1=-2, axis2=-1)  # (..., i, k, P)
+        off = np.maximum(np.abs(m).sum(axis=(-2, -1)) - np.abs(diag).sum(axis=-1), 0.0)
+        off = _up(off, p * p + 2)
+        lo = e2 * (np.minimum(diag, 0.0).sum(axis=-1) - off)
+        hi = e2 * (np.maximum(diag, 0.0).sum(axis=-1) + off)
+        slack = _REL * (np.abs(lo) + np.abs(hi)) + gamma(k + p * p) * bound
+    else:
+        sym = 0.5 * (m + np.swapaxes(m, -1, -2))
+        w = np.linalg.eigvalsh(sym)
+        fro = np.sqrt(np.square(sym).sum(axis=(-2, -1)))
+        lo = e2 * np.minimum(w[..., 0], 0.0)
+        hi = e2 * np.maximum(w[..., -1], 0.0)
+        slack = e2 * 64 * p * U * fro + gamma(k + p) * bound + _REL * (np.abs(lo) + np.abs(hi))
+    return lo - slack - TINY, hi + slack + TINY
+
+
+def _rank_one(x: Aff, y: Aff, ball: Ball, lx: np.ndarray, ly: np.ndarray
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """An enclosure of Lx Ly = (ax . z)(ay . z) over the ball and the symbols, entrywise
+    (broadcast; z = (d, e)): it is ((ax + ay) . z)^2 / 4 - ((ax - ay) . z)^2 / 4, so within
+    [-lin(ax - ay)^2 / 4, lin(ax + ay)^2 / 4], and within +-lin(ax) lin(ay)."""
+    n = _width(x, y)
+    ux, uy = np.broadcast_arrays(_cols(x.a, n), _cols(y.a, n))
+    c = np.zeros(ux.shape[:-1])
+    sp = lin(Aff(c, c, c, ux + uy, c), ball)
+    sm = lin(Aff(c, c, c, ux - uy, c), ball)
+    ii = np.broadcast_to(lx * ly, sp.shape)
+    lo = np.maximum(-_up(0.25 * sm * sm, 2), -ii)
+    hi = np.minimum(_up(0.25 * sp * sp, 2), ii)
+    return lo, hi
+
+
+def product(x: Aff, y: Aff, ball: Ball, matmul: bool, out_c: np.ndarray | None = None,
+            out_m: np.ndarray | None = None) -> Aff:
+    """x * y (broadcast) or x @ y. With x = x0 + Dx, x0 = cx + ex (|ex| <= mx) and
+    Dx = ox + Lx + bx (Lx = ax z its linear part, |bx| <= its box):
+      x y - x0 y0 = cx Dy + Dx cy + ex Dy + Dx ey + Dx Dy,
+      Dx Dy = ox oy + ox Ly + Lx oy + Lx Ly + bx Dy + (ox + Lx) by.
+    The linear terms stay linear; Lx Ly is the quadratic form of the input parts (MatMul:
+    `_quadratic`) plus the products of the symbol parts' sizes; the rest goes to the box."""
+    mul: Callable[[np.ndarray, np.ndarray], np.ndarray] = np.matmul if matmul else np.multiply
+    if matmul and (x.c.ndim < 2 or y.c.ndim < 2):
+        raise NotAffine("MatMul of a vector")
+    ycx = y.c  # what x's change multiplies
+    if matmul and x.stochastic:
+        # sum_j Dx_ij = 0 for the true values, so Dx @ y0 = Dx @ (y0 - mu) for any row mu:
+        # the middle of every column of y's centre
+        ycx = y.c - 0.5 * (y.c.max(axis=-2, keepdims=True) + y.c.min(axis=-2, keepdims=True))
+    lx, ly = lin(x, ball), lin(y, ball)
+    lix, lsx = _split_lin(x, ball)
+    liy, lsy = _split_lin(y, ball)
+    dxlo, dxhi = dev(x, ball)
+    dylo, dyhi = dev(y, ball)
+    fx = np.maximum(np.abs(dxlo), np.abs(dxhi))
+    fy = np.maximum(np.abs(dylo), np.abs(dyhi))
+    n = _width(x, y)
+    wx, wy = x.c + x.o, ycx + y.o  # what the other's linear part multiplies
+    if matmul:
+        ay = np.moveaxis(_cols(y.a, n), -1, 0)  # (P, ..., j, k)
+        ax = np.moveaxis(_cols(x.a, n), -1, 0)  # (P, ..., i, j)
+        a = np.moveaxis(np.matmul(wx, ay) + np.matmul(ax, wy), 0, -1)
+        k = x.c.shape[-1]
+    else:
+        a = wx[..., None] * _cols(y.a, n) + _cols(x.a, n) * wy[..., None]
+        k = 2
+    o = mul(x.c, y.o) + mul(x.o, ycx) + mul(x.o, y.o)
+    acx, acy = np.abs(x.c), np.abs(ycx)
+    aox, aoy = np.abs(x.o), np.abs(y.o)
+    g = gamma(k + 3)
+    quad = None
+    if matmul:
+        pp = ball.size
+        quad = _quadratic(x.a[..., :pp], y.a[..., :pp], ball, mul(lix, liy))
+    if quad is None and not matmul:  # the whole linear parts, symbols included
+        lo, hi = _rank_one(x, y, ball, lx, ly)
+        qmid = 0.5 * (lo + hi)
+        err = 0.5 * (hi - lo) + _REL * np.abs(qmid)
+    else:
+        if quad is None:
+            ii = mul(lix, liy)
+            quad = (-ii, ii)
+        qmid = 0.5 * (quad[0] + quad[1])
+        err = 0.5 * (quad[1] - quad[0]) + _REL * np.abs(qmid) + \
+            mul(lix, lsy) + mul(lsx, liy) + mul(lsx, lsy)
+    o = o + qmid
+    b = mul(acx, y.b) + mul(x.b, acy) + mul(x.m, fy) + mul(fx, y.m) + \
+        mul(x.b, aoy + ly + y.b) + mul(aox + lx, y.b)
+    # rounding of the products and sums forming o and a (a's change over the ball <= its
+    # entries' error times the ball, as for lin)
+    b = b + g * (mul(acx + aox, ly) + mul(lx, acy + aoy) + mul(acx, aoy) + mul(aox, acy)
+                 + mul(aox, aoy)) + g * np.abs(o)
+    b = _up(b, k + 4)
+    a, b = fresh(a, b, _up(err, k + 4))  # Lx Ly: a symbol per output entry
+    if out_c is None:
+        out_c = mul(x.c, y.c)
+        out_m = _up(mul(acx, y.m) + mul(x.m, np.abs(y.c)) + mul(x.m, y.m)
+                    + g * mul(acx, np.abs(y.c)),
+                    k + 4) + TINY
+    assert out_m is not None
+    return Aff(out_c, out_m, o, a, b)
+
+
+# --- linear and layout ops (through the op itself, as rules.LinearRule / LayoutRule) ---
+
+def _torch(x: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.array(x, dtype=np.float64, order="C"))
+
+
+def _abs_node(node: Node) -> Node:
+    from .rules import _abs_node as abs_node
+    return abs_node(node)
+
+
+def linear(node: Node, args: list, var: list[int], out_c: np.ndarray, out_m: np.ndarray,
+           ball: Ball) -> Aff:
+    """Ops linear in their input-dependent operands: o and a through the op (constant
+    addends dropped: they cancel in T(X) - T0), b through |L| with the rounding of o, a."""
+    t = node.op_type
+    additive = t in ("Add", "Sub", "Gemm")
+
+    def consts(absolute: bool) -> list[torch.Tensor | None]:
+        out: list[torch.Tensor | None] = []
+        for i, v in enumerate(args):
+            if v is None or isinstance(v, Aff):
+                out.append(None)
+            elif not np.issubdtype(v.dtype, np.floating):
+                out.append(torch.from_numpy(np.array(v)))
+            elif additive and (t != "Gemm" or i == 2):
+                out.append(_torch(np.zeros_like(v, dtype=np.float64)))
+            else:
+                out.append(_torch(np.abs(v) if absolute else v))
+        return out
+
+    def run(nd: Node, fixed: list[torch.Tensor | None], xs: list[np.ndarray]) -> np.ndarray:
+        ins = list(fixed)
+        for i, xx in zip(var, xs, strict=True):
+            ins[i] = _torch(xx)
+        return OPS[nd.op_type].run(nd, ins, CTX)[0].numpy()
+
+    def run_p(nd: Node, fixed: list[torch.Tensor | None], xs: list[np.ndarray]) -> np.ndarray:
+        def f(*ts: torch.Tensor) -> torch.Tensor:
+            ins = list(fixed)
+            for i, tt in zip(var, ts, strict=True):
+                ins[i] = tt
+            return OPS[nd.op_type].run(nd, ins, CTX)[0]
+        return vmap(f, in_dims=-1, out_dims=-1)(*[_torch(x) for x in xs]).numpy()
+
+    vals: list[Aff] = [args[i] for i in var]
+    fixed, absn, fixed_abs = consts(False), _abs_node(node), consts(True)
+    o = run(node, fixed, [v.o for v in vals])
+    w = _width(*vals)
+    a = run_p(node, fixed, [_cols(v.a, w) for v in vals])
+    k = max(int(np.prod(v.shape)) if v is not None else 1 for v in args)
+    g = gamma(k)
+    spread = run(absn, fixed_abs, [v.b + g * (np.abs(v.o) + lin(v, ball)) for v in vals])
+    b = _up(np.broadcast_to(spread, out_c.shape) + g * np.abs(o), k + 4)
+    return Aff(out_c, out_m, np.broadcast_to(o, out_c.shape).copy(),
+               np.broadcast_to(a, (*out_c.shape, a.shape[-1])).copy(), b)
+
+
+def layout(node: Node, args: list, centers: list[np.ndarray | None], p: int) -> list:
+    """Ops that move entries: gathered by index codes (exact)."""
+    ins: list[torch.Tensor | None] = []
+    p = max([p] + [v.a.shape[-1] for v in args if isinstance(v, Aff)])
+    rows_o, rows_a, rows_b = [np.zeros(1)], [np.zeros((1, p))], [np.zeros(1)]
+    offset = 1
+    for v in args:
+        if isinstance(v, Aff):
+            n = v.c.size
+            ins.append(_torch(np.arange(offset, offset + n, dtype=np.float64).reshape(v.shape)))
+            rows_o.append(v.o.reshape(-1))
+            rows_a.append(_cols(v.a.reshape(n, -1), p))
+            rows_b.append(v.b.reshape(-1))
+            offset += n
+        elif v is None:
+            ins.append(None)
+        elif np.issubdtype(v.dtype, np.floating):
+            ins.append(_torch(np.zeros_like(v, dtype=np.float64)))
+        else:
+            ins.append(torch.from_numpy(np.array(v)))
+    codes = OPS[node.op_type].run(node, ins, CTX)
+    o_all, a_all, b_all = (np.concatenate(rows_o), np.concatenate(rows_a),
+                           np.concatenate(rows_b))
+    out: list = []
+    for code, c in zip(codes, centers, strict=False):
+        if c is None or not code.is_floating_point():
+            out.append(None)
+            continue
+        idx = code.numpy().astype(np.int64)
+        c = np.asarray(c, dtype=np.float64)
+        out.append(Aff(c, center_margin(c), o_all[idx], a_all[idx], b_all[idx]))
+    return out
+
+
+# --- LayerNorm and softmax as chains ---
+
+def _reduce(x: Aff, n: int, mean: bool, ball: Ball) -> Aff:
+    """Sum (or mean) over the last axis, kept as a size-1 axis."""
+    s = (1.0 / n) if mean else 1.0
+    o = x.o.sum(axis=-1, keepdims=True) * s
+    a = x.a.sum(axis=-2, keepdims=True) * s
+    g = gamma(n + 1)
+    b = _up((x.b + g * (np.abs(x.o) + lin(x, ball))).sum(axis=-1, keepdims=True) * s
+            + g * np.abs(o), n + 4)
+    c = x.c.sum(axis=-1, keepdims=True) * s
+    m = _up((x.m + g * np.abs(x.c)).sum(axis=-1, keepdims=True) * s, n + 4) + TINY
+    return Aff(c, m, o, a, b)
+
+
+def _shift(x: Aff, k: np.ndarray) -> Aff:
+    """x + k for a constant k: the change is unchanged, the centre moves (rounding in m)."""
+    c = x.c + k
+    return Aff(c, _up(x.m + 2 * U * np.abs(c), 2) + TINY, x.o, x.a, x.b)
+
+
+def _scale_const(x: Aff, k: np.ndarray, out_c: np.ndarray, out_m: np.ndarray,
+                 ball: Ball) -> Aff:
+    """k * x (broadcast) for a constant k."""
+    kk = np.broadcast_to(k, out_c.shape)
+    return _scaled(Aff(x.c, x.m, np.broadcast_to(x.o, out_c.shape),
+                       np.broadcast_to(x.a, (*out_c.shape, x.a.shape[-1])),
+                       np.broadcast_to(x.b, out_c.shape)), kk, np.zeros(out_c.shape),
+                   out_c, out_m, np.broadcast_to(lin(x, ball), out_c.shape))
+
+
+def layernorm(x: Aff, gamma_: np.ndarray, beta: np.ndarray | None, ln_eps: float,
+              out_c: np.ndarray, ball: Ball, xlo: np.ndarray | None = None,
+              xhi: np.ndarray | None = None) -> Aff:
+    """y = gamma (x - mean x) (mean (x - mean x)^2 + eps)^-1/2 + beta over the last axis."""
+    d = x.shape[-1]
+    if xlo is not None and xhi is not None:
+        x = narrow(x, xlo, xhi, ball)
+    mu = _reduce(x, d, True, ball)
+    neg = Aff(-mu.c, mu.m, -mu.o, -mu.a, mu.b)
+    u = _add(x, neg, ball)  # (..., D)
+    q = elementwise(u, SQUARE, ball)
+    v = _shift(_reduce(q, d, True, ball), np.asarray(ln_eps))
+    vlo = np.full(v.shape, ln_eps * (1 - 1e-12))  # the mean of squares is >= 0
+    r = elementwise(v, RSQRT, ball, vlo, np.full(v.shape, np.inf))
+    w = product(u, r, ball, matmul=False)
+    out_m = center_margin(out_c)
+    y = _scale_const(w, gamma_, out_c, out_m, ball)
+    # |y - beta| <= |gamma| sqrt(D - 1) (the centred entry is at most sqrt(D - 1) of the
+    # token's centred norm)
+    bnd = np.abs(gamma_) * math.sqrt(d - 1) * (1 + 1e-12)
+    bb = np.zeros_like(out_c) if beta is None else np.broadcast_to(beta, out_c.shape)
+    return narrow(y, bb - bnd, bb + bnd, ball)
+
+
+def _add(x: Aff, y: Aff, ball: Ball) -> Aff:
+    o = x.o + y.o
+    n = _width(x, y)
+    a = _cols(x.a, n) + _cols(y.a, n)
+    c = x.c + y.c
+    g = 2 * U
+    b = _up(x.b + y.b + g * (np.abs(o) + lin(x, ball) + lin(y, ball)), 4)
+    m = _up(x.m + y.m + g * np.abs(c), 2) + TINY
+    return Aff(c, m, o, a, b)
+
+
+def softmax(x: Aff, axis: int, out_c: np.ndarray, ball: Ball, xlo: np.ndarray | None,
+            xhi: np.ndarray | None) -> Aff:
+    """p = e / sum e, e = exp(x - s) with s the centre's maximum (a constant: softmax is
+    shift invariant); the result narrowed to the probability ranges of the logit ranges."""
+    ax = axis % x.c.ndim
+    if ax != x.c.ndim - 1:
+        x = Aff(np.moveaxis(x.c, ax, -1), np.moveaxis(x.m, ax, -1), np.moveaxis(x.o, ax, -1),
+                np.moveaxis(x.a, ax, -2), np.moveaxis(x.b, ax, -1))
+        if xlo is not None and xhi is not None:
+            xlo, xhi = np.moveaxis(xlo, ax, -1), np.moveaxis(xhi, ax, -1)
+        oc = np.moveaxis(out_c, ax, -1)
+    else:
+        oc = out_c
+    n = x.shape[-1]
+    if xlo is not None and xhi is not None:
+        x = narrow(x, xlo, xhi, ball)
+    s = x.c.max(axis=-1, keepdims=True)
+    z = _shift(x, -s)
+    e = elementwise(z, EXP, ball)
+    elo, ehi = ranges(e, ball)
+    tot = _reduce(e, n, False, ball)
+    tlo = np.maximum(np.maximum(elo, 0.0).sum(axis=-1, keepdims=True) * (1 - 1e-12), TINY)
+    inv = elementwise(tot, RECIPROCAL, ball, tlo, np.full(tot.shape, np.inf))
+    p = product(e, inv, ball, matmul=False, out_c=oc, out_m=center_margin(oc))
+    lo, hi = ranges(x, ball)
+    plo, phi = _probabilities(lo, hi, oc)
+    p = narrow(p, plo, phi, ball)
+    if ax != x.c.ndim - 1:
+        return Aff(out_c, np.moveaxis(p.m, -1, ax), np.moveaxis(p.o, -1, ax),
+                   np.moveaxis(p.a, -2, ax), np.moveaxis(p.b, -1, ax))
+    p.stochastic = True
+    return p
+
+
+def _probabilities(lo: np.ndarray, hi: np.ndarray, pc: np.ndarray) -> Iv:
+    """Softmax ranges from logit ranges (as primitives._softmax_ranges)."""
+    n = lo.shape[-1]
+    top = hi.max(axis=-1, keepdims=True)
+    elo, ehi = np.exp(lo - top), np.exp(hi - top)
+    off = 1.0 - np.eye(n)
+    plo = elo / (elo + ehi @ off)
+    phi = ehi / (ehi + elo @ off)
+    plo = np.clip(plo * (1 - 8 * (n + 4) * 1e-16) - TINY, 0.0, 1.0)
+    phi = np.clip(phi * (1 + 8 * (n + 4) * 1e-16) + TINY, 0.0, 1.0)
+    return np.minimum(plo, pc), np.maximum(phi, pc)
+
+
+def _divide(args: list, var: list[int], c0: np.ndarray, m0: np.ndarray, ball: Ball,
+            rg: tuple[np.ndarray, np.ndarray] | None) -> Aff:
+    """x / y = x * (1 / y) for a positive y."""
+    y = args[1]
+    if rg is not None:
+        y = narrow(y, rg[0], rg[1], ball)
+    ylo, _ = ranges(y, ball)
+    if not np.all(ylo > 0):
+        raise NotAffine("a denominator's range reaches 0 or is negative")
+    inv = elementwise(y, RECIPROCAL, ball)
+    if 0 in var:
+        return product(args[0], inv, ball, False, c0, m0)
+    return _scale_const(inv, np.asarray(args[0], dtype=np.float64), c0, m0, ball)
+
+
+def _lo(rg: tuple[np.ndarray, np.ndarray] | None) -> np.ndarray | None:
+    return None if rg is None else rg[0]
+
+
+def _hi(rg: tuple[np.ndarray, np.ndarray] | None) -> np.ndarray | None:
+    return None if rg is None else rg[1]
+
+
+def _softmax_or_interval(x: Aff, ax: int, c0: np.ndarray, m0: np.ndarray, ball: Ball,
+                         rg: tuple[np.ndarray, np.ndarray] | None) -> Aff:
+    try:
+        return softmax(x, ax, c0, ball, _lo(rg), _hi(rg))
+    except NotAffine:  # the probabilities of the logits' ranges, as an interval form
+        lo, hi = ranges(x, ball) if rg is None else rg
+        plo, phi = _probabilities(np.moveaxis(lo, ax, -1), np.moveaxis(hi, ax, -1),
+                                  np.moveaxis(c0, ax, -1))
+        return interval(c0, m0, np.moveaxis(plo, -1, ax), np.moveaxis(phi, -1, ax), ball.size)
+
+
+# --- one node ---
+
+LAYOUT = ("Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Slice",
+          "Gather", "Concat", "Split", "Expand", "Dropout", "Tile")
+LINEAR = ("Add", "Sub", "Neg", "Mul", "Div", "MatMul", "Gemm", "ReduceMean", "ReduceSum")
+SINGLE = ("Tanh", "Erf", "Sigmoid")
+
+
+def step(node: Node, args: list, centers: list[np.ndarray | None], ball: Ball,
+         ranges_of: Callable[[int], tuple[np.ndarray, np.ndarray] | None],
+         chain: fused.Chain | None = None, consts: dict[str, float] | None = None) -> list:
+    """The forms of one node's outputs (None where it has no output or no rule).
+    `args`: Aff for input-dependent inputs, arrays for constants; `ranges_of(i)`: a known
+    range of input i (the Jacobian enclosure's), or None. NotAffine: no rule, or a form
+    overflowed (the caller falls back to the interval of the enclosure, or stops)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = _step(node, args, centers, ball, ranges_of, chain, consts)
+    for f in out:
+        if f is not None and not (np.all(np.isfinite(f.o)) and np.all(np.isfinite(f.a))
+                                  and np.all(np.isfinite(f.b))):
+            raise NotAffine(f"{node.op_type} node {node.name}: a form overflowed")
+    return out
+
+
+def _step(node: Node, args: list, centers: list[np.ndarray | None], ball: Ball,
+         ranges_of: Callable[[int], tuple[np.ndarray, np.ndarray] | None],
+         chain: fused.Chain | None = None, consts: dict[str, float] | None = None) -> list:
+    var = [i for i, v in enumerate(args) if isinstance(v, Aff)]
+    t = node.op_type
+    c0 = centers[0] if centers else None
+    if chain is not None:
+        assert consts is not None and c0 is not None
+        rg = ranges_of(0)
+        x = args[0]
+        return [elementwise(x, chain_fn(chain, consts), ball, xlo=_lo(rg), xhi=_hi(rg),
+                            out_c=c0, out_m=center_margin(c0))]
+    if t == "Cast" and int(node.attrs.get("to", 0)) in FLOAT_TYPES or t in LAYOUT:
+        return layout(node, args, centers, ball.size)
+    if c0 is None:
+        raise NotAffine(f"{t} node {node.name}: no centre")
+    c0 = np.asarray(c0, dtype=np.float64)
+    if not np.all(np.isfinite(c0)):  # masks (-inf): the enclosure's own rules handle them
+        raise NotAffine(f"{t} node {node.name}: a centre value is not finite")
+    m0 = center_margin(c0)
+    if t in ("Mul", "MatMul") and len(var) == 2:
+        return [product(args[0], args[1], ball, t == "MatMul", c0, m0)]
+    if t == "Div" and 1 in var:
+        return [_divide(args, var, c0, m0, ball, ranges_of(1))]
+    if t in LINEAR:
+        if t == "Gemm" and var != [0]:
+            raise NotAffine("Gemm of a variable weight")
+        return [linear(node, args, var, c0, m0, ball)]
+    if t in SINGLE:
+        ch = fused.Chain(node.inputs[0], node.outputs[0], [node])
+        rg = ranges_of(0)
+        return [elementwise(args[0], chain_fn(ch, {}), ball, xlo=_lo(rg), xhi=_hi(rg), out_c=c0,
+                            out_m=m0)]
+    if t in ("Exp", "Sqrt", "Reciprocal"):
+        fn = {"Exp": EXP, "Sqrt": SQRT, "Reciprocal": RECIPROCAL}[t]
+        rg = ranges_of(0)
+        return [elementwise(args[0], fn, ball, xlo=_lo(rg), xhi=_hi(rg), out_c=c0, out_m=m0)]
+    if t == "Softmax" and var == [0]:
+        return [_softmax_or_interval(args[0], int(node.attrs.get("axis", -1)), c0, m0, ball,
+                                     ranges_of(0))]
+    if t == "LayerNormalization" and var == [0]:
+        if int(node.attrs.get("axis", -1)) % c0.ndim != c0.ndim - 1:
+            raise NotAffine("LayerNorm over more than the last axis")
+        gam = np.asarray(args[1], dtype=np.float64)
+        beta = None if len(args) < 3 or args[2] is None else np.asarray(args[2], np.float64)
+        rg = ranges_of(0)
+        try:
+            y = layernorm(args[0], gam, beta, decimal_attr(float(node.attrs.get(
+                "epsilon", 1e-5))), c0, ball, _lo(rg), _hi(rg))
+        except NotAffine:  # |y - beta| <= |gamma| sqrt(D - 1)
+            bnd = np.abs(gam) * math.sqrt(c0.shape[-1] - 1) * (1 + 1e-12)
+            bb = np.zeros_like(c0) if beta is None else np.broadcast_to(beta, c0.shape)
+            y = interval(c0, m0, bb - bnd, bb + bnd, ball.size)
+        return [y] + [None] * (len(node.outputs) - 1)
+    raise NotAffine(f"{t} node {node.name}: no affine rule")
+
+
+def uses(nodes: list[Node], chains: dict[str, fused.Chain], inside: set[str]
+         ) -> dict[str, int]:
+    """How many steps read each tensor (a chain's root is read once, at its sink): a form
+    is dropped after its last reader (`release`), so only live forms are held."""
+    out: dict[str, int] = {}
+    for node in nodes:
+        if node.name in inside:
+            chain = chains.get(node.name)
+            names = [chain.root] if chain is not None else []
+        else:
+            names = [i for i in node.inputs if i]
+        for i in names:
+            out[i] = out.get(i, 0) + 1
+    return out
+
+
+def release(forms: dict[str, Aff], count: dict[str, int], names: list[str],
+            keep: str) -> None:
+    for i in names:
+        if i and i in count:
+            count[i] -= 1
+            if count[i] <= 0 and i != keep:
+                forms.pop(i, None)
+
+
+def walk(nodes: list[Node], input_name: str, env: dict[str, torch.Tensor], ball: Ball,
+         chains: dict[str, fused.Chain], inside: set[str], keep: str | None = None,
+         everything: bool = True) -> dict[str, Aff]:
+    """The forms of every input-dependent tensor, alone (no Jacobian enclosure): an op with
+    no rule gives its outputs the interval form of... nothing known, so the walk stops there
+    and the tensors after it are missing."""
+    forms: dict[str, Aff] = {input_name: input_form(ball)}
+    count = None if everything else uses(nodes, chains, inside)
+    token = SPACE.set([ball.size, 0])
+    try:
+        _walk(nodes, forms, env, ball, chains, inside, count, keep or "")
+    finally:
+        SPACE.reset(token)
+    return forms
+
+
+def _walk(nodes: list[Node], forms: dict[str, Aff], env: dict[str, torch.Tensor], ball: Ball,
+          chains: dict[str, fused.Chain], inside: set[str], count: dict[str, int] | None,
+          keep: str) -> None:
+    for node in nodes:
+        if node.name in inside and node.name not in chains:
+            continue
+        chain = chains.get(node.name)
+        ins = [chain.root] if chain is not None else node.inputs
+        if node.op_type in ("Shape", "Size") or not any(i in forms for i in ins if i):
+            continue
+        args = [None if not i else forms[i] if i in forms else
+                (env[i].detach().numpy() if i in env else None) for i in ins]
+        outs = [chain.sink] if chain is not None else node.outputs
+        centers = [None if not o or o not in env else env[o].detach().numpy() for o in outs]
+        try:
+            res = step(node, args, centers, ball, lambda i: None, chain,
+                       fused_consts(chain, env) if chain is not None else None)
+        except NotAffine:
+            return
+        for o, v in zip(outs, res, strict=False):
+            if o and v is not None:
+                forms[o] = v
+        if count is not None:
+            release(forms, count, ins, keep)
+
+
+def fused_consts(chain: fused.Chain, env: dict[str, torch.Tensor]) -> dict[str, float]:
+    inner = {n.outputs[0] for n in chain.nodes}
+    return {i: float(env[i].reshape(())) for nd in chain.nodes for i in nd.inputs
+            if i and i in env and env[i].numel() == 1 and i != chain.root and i not in inner}

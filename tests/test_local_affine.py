@@ -330,12 +330,13 @@ def test_affine_box_to_two_is_above_every_corner(seed: int, d: int, q: int,
 
 
 @settings(max_examples=200, deadline=None)
-@given(seed=st.integers(0, 10**6), eps=EPS)
-def test_affine_token_radius_holds_on_the_two_ball(seed: int, eps: float) -> None:
+@given(seed=st.integers(0, 10**6), eps=EPS, norm=NORM)
+def test_affine_token_radius_holds_on_the_ball(seed: int, eps: float, norm: str) -> None:
     """||T_t(X) - T_t(X0)||_2 per token within token_radius at the tokens' worst directions
-    of the linear part and random boundary points."""
+    of the linear part (the top singular vectors; their signs on the inf-ball), every corner
+    (inf) and random points."""
     rng = np.random.default_rng(seed)
-    ball = Ball(np.zeros(P), eps, "2")
+    ball = Ball(np.zeros(P), eps, norm)
     token = _space(ball)
     try:
         x, fx = _source(rng, (3, 4), ball, 2.0)
@@ -344,7 +345,10 @@ def test_affine_token_radius_holds_on_the_two_ball(seed: int, eps: float) -> Non
         rad = affine.token_radius(out, ball)[..., 0]
         y0 = (fx(torch.zeros(P, dtype=torch.float64)) * fy(torch.zeros(P, dtype=torch.float64)))
         dirs = [np.linalg.svd(out.a[t, :, :P])[2][0] for t in range(3)]
-        for d in _points(rng, ball, dirs):
+        pts = _points(rng, ball, dirs)
+        if norm == "inf":
+            pts += list(eps * np.array(np.meshgrid(*[[-1.0, 1.0]] * P)).reshape(P, -1).T)
+        for d in pts:
             dt = torch.from_numpy(d)
             dev = np.linalg.norm((fx(dt) * fy(dt) - y0).numpy(), axis=-1)
             assert np.all(dev <= rad), (dev, rad)

@@ -222,15 +222,19 @@ def _box_to_two(a: np.ndarray) -> np.ndarray:
 
 
 def token_radius(x: Aff, ball: Ball) -> np.ndarray:
-    """2-ball: a bound on ||T_t(X) - T_t(X0)||_2 per token t (the last axis), (*S[:-1], 1):
-    ||o_t|| + eps sigma_max(a_in,t) + ||a_sym,t e|| + ||b_t||, with ||a_sym,t e||_2 at most the
-    sum of its columns' norms and the norm of its rows' l1 sums. sigma_max from LAPACK's SVD
-    (exact for a matrix within c P u ||A||_F: 64 P u ||A||_F added)."""
+    """A bound on ||T_t(X) - T_t(X0)||_2 per token t (the last axis), (*S[:-1], 1):
+    ||o_t|| + sup ||a_in,t d|| + sup ||a_sym,t e|| + ||b_t||: on the 2-ball the first sup is
+    eps sigma_max(a_in,t) (LAPACK's SVD, exact for a matrix within c P u ||A||_F: 64 P u ||A||_F
+    added), on the inf-ball eps `_box_to_two(a_in,t)`; the symbols' by `_box_to_two`."""
     d, p = x.shape[-1], ball.size
     ain = x.a[..., :p]  # (..., D, P)
-    sig = np.linalg.norm(ain, ord=2, axis=(-2, -1))
-    fro = np.sqrt(np.square(ain).sum(axis=(-2, -1)))
-    lin_in = _up(ball.eps * (sig * (1 + 1e-12) + 64 * (p + d) * U * fro), 4)
+    if ball.norm == "inf":  # d in eps [-1, 1]^P: the box's bound
+        lin_in = _up(ball.eps * _box_to_two(ain), 2)
+    else:
+        sig = np.linalg.norm(ain, ord=2, axis=(-2, -1))
+        fro = np.sqrt(np.square(ain).sum(axis=(-2, -1)))
+        lin_in = _up(ball.eps * (sig * (1 + 1e-12) + 64 * (p + d) * U * fro), 4)
+    sig = lin_in
     sym = np.zeros_like(sig)
     if x.a.shape[-1] > p:
         sym = _box_to_two(x.a[..., p:])

@@ -429,9 +429,9 @@ class _Forms:
         return affine.narrow(f, v.lo, v.hi, self.ball)
 
     def tokens(self, name: str) -> None:
-        """2-ball: the token radii of a checkpoint's input, intersected with its form's."""
+        """The token radii of a checkpoint's input, intersected with its form's."""
         v, f = self.values.get(name), self.forms.get(name)
-        if self.ball.norm != "2" or not isinstance(v, LocalValue) or f is None or \
+        if not isinstance(v, LocalValue) or f is None or \
                 f.shape != v.shape or not v.shape:
             return
         true = affine.token_radius(f, self.ball)

@@ -1,25 +1,23 @@
 """Relational value ranges over the ball: every input-dependent tensor as an affine form in the
-input's change plus a box (docs/local-bounds.md, "Affine value ranges").
+input's change and in noise symbols, plus a box (docs/local-bounds.md, "Affine value forms").
 
 The Jacobian enclosure bounds a tensor's values by the mean value form, eps |jc + jr|_1: its
 width grows with the Jacobian ranges, which grow with the value ranges (slopes over wider
-intervals), and at eps ~ 0.05 on a Transformer that loop runs away. This pass bounds values
-without Jacobian ranges: for every X in the ball, with d = X - X0 and T0 = T(X0),
+intervals), and past eps ~ 3e-2 on a Transformer that loop runs away. These forms bound values
+without Jacobian ranges (DeepZ / DeepT-style zonotopes): for every X in the ball, with
+d = X - X0 and T0 = T(X0),
 
-    T(X) - T0  in  o + a d + [-b, b]        (entrywise; a (*S, P), o and b (*S,), b >= 0)
+    T(X) - T0  in  o + a[:, :P] d + a[:, P:] e + [-b, b]     (entrywise, e in [-1, 1]^Q)
 
-Linear ops map (o, a, b) exactly (b through |L|, rounding added); a nonlinear f is linearised
-at the centre with a second-order remainder (f'' over the range) or a first-order one (f'
-over the range), or collapsed to its value interval, whichever is narrowest per entry; a
-product of two forms keeps both linear parts and bounds the product of the changes by the
-product of their largest sizes. LayerNorm and softmax go through their chains (centring,
-squares, mean, rsqrt, product; exp, sum, reciprocal, product). The computed centre c of a
-tensor is within m of T0 (graph tensors: the forward margin; intermediates: propagated).
+the symbols e created by the nonlinear ops (one per entry with a nonzero error) and shared by
+everything computed from them. The computed centre c is within m of T0 (graph tensors: the
+forward margin; a chain's intermediates: propagated). This module holds the form, its ranges,
+the symbol budget, the margins' lower bounds and the per-token radii; affine_rules.py the
+rules, one node at a time, and the standalone walk.
 
-Run in lockstep with the Jacobian enclosure (driver._walk): each op's input ranges are the
-intersection of both, and the enclosure's ranges are intersected with this pass's ones.
-Standalone (`walk`), it gives lower bounds of the classification margins on a ball, the
-certified radius's second route (local.py).
+driver._walk runs the rules in lockstep with the Jacobian enclosure (each op's inputs narrowed
+to the enclosure's ranges, the enclosure's outputs intersected with the forms'); alone they
+bound the classification margins on a ball, the certified radius's second route (local.py).
 """
 
 from __future__ import annotations

@@ -93,8 +93,34 @@ def _rule_of(om: OnnxModel, x0: np.ndarray, eps: float, y0: np.ndarray
             and np.allclose(u.center.reshape(-1), y0, rtol=1e-6, atol=1e-9)]
     assert len(hits) == 1
     g, ga, u = hits[0]
-    hess, rest = u.second[1](g, ga, eps)
+    got = u.second[1](g, ga, eps)
+    _LAST_RULE[:] = [got]
+    hess, rest = got
     return hess, rest, g.reshape(g.shape[0], -1)
+
+
+_LAST_RULE: list[Any] = []  # the last rule's full answer (second.Factored where it is one)
+
+
+def _factored_holds(rng: np.random.Generator, x0: np.ndarray, eps: float, got: Any,
+                    term_at: Any) -> None:
+    """The factored rest (second.Factored): for the exact residual rho = T(X) - H . d and
+    sign rows s (rho's own, random, random with zeros), sum_p s_ip rho_ip <= sum_b c_ib
+    |sum_p s_ip jc_bp| + sum_p |s_ip| other_ip, at 3 corners and 3 inside points."""
+    from lsa_models.engine.second import Factored
+    assert isinstance(got, Factored)
+    hess, rest = got
+    assert np.all(got.c @ np.abs(got.jc) + got.other <= rest * (1 + 1e-12))
+    for t in range(6):
+        e = rng.choice([-1.0, 1.0], size=x0.shape) if t % 2 == 0 else \
+            rng.uniform(-1.0, 1.0, size=x0.shape)
+        rho = term_at(torch.from_numpy(x0 + eps * e)) - hess @ (eps * e).reshape(-1)
+        for s in (np.sign(rho), np.sign(rng.standard_normal(rho.shape)),
+                  rng.choice([-1.0, 0.0, 1.0], size=rho.shape)):
+            lhs = (s * rho).sum(axis=1)
+            rhs = (got.c * np.abs(s @ got.jc.T)).sum(axis=1) + \
+                (np.abs(s) * got.other).sum(axis=1)
+            assert np.all(lhs <= rhs * (1 + 1e-9) + 1e-15), float(np.max(lhs - rhs))
 
 
 def _holds_at_points(rng: np.random.Generator, x0: np.ndarray, eps: float, hess: np.ndarray,
@@ -293,6 +319,7 @@ def test_second_rule_bounds_the_row_op_term_at_points_of_the_ball(
         return gs @ (d_op(x) - d0) @ jx  # (M, P)
 
     _holds_at_points(rng, x0, eps, hess, rest, term_at)
+    _factored_holds(rng, x0, eps, _LAST_RULE[0], term_at)
 
 
 class _Bilinear(nn.Module):
@@ -446,3 +473,52 @@ def test_telescope_terms_memo_is_keyed_by_the_value_objects() -> None:
     assert isinstance(v, LocalValue)
     swapped[name] = replace(v)  # equal fields, another object
     assert tight._terms(out, swapped, None) is not first
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 10**6), eps=st.sampled_from([1e-3, 1e-2, 0.05, 0.2]),
+       act=st.sampled_from(["gelu_tanh", "tanh"]))
+def test_second_rule_factored_rest_keeps_signed_sums(seed: int, eps: float, act: str) -> None:
+    """The elementwise rule's factored rest (second.Factored): for the exact residual
+    rho = T(X) - H . d at corners and inside, and sign rows s (the residual's own signs,
+    the centre rows' signs, random), sum_p s_ip rho_ip <= sum_b c_ib |sum_p s_ip jc_bp| +
+    sum_p |s_ip| other_ip: what second_rows uses for the sign-fixed entries."""
+    from lsa_models.engine.second import Factored
+    model = _MLP(act, seed % 97).double()
+    om = _export(_MLP(act, seed % 97))
+    rng = np.random.default_rng(seed)
+    x0 = rng.standard_normal((1, N, D))
+    with pytest.MonkeyPatch.context() as mp:
+        calls = _capture(mp)
+        local_jacobian(om, x0, eps, "inf")
+    terms, _ = calls[-1]
+    c0 = torch.from_numpy(x0)
+    y0 = [a(u).detach().numpy().reshape(-1) for a, u in zip((model.a1, model.a2),
+                                                             model.pre(c0), strict=True)]
+    checked = 0
+    for g, ga, u, _bound in terms:
+        if u.second is None or u.second[0] is not u.term:
+            continue
+        k = [i for i in range(2) if y0[i].shape == u.center.reshape(-1).shape][0]  # 12 / 8
+        got = u.second[1](g, ga, eps)
+        assert isinstance(got, Factored)
+        hess, rest = got
+        assert np.all(got.c @ np.abs(got.jc) + got.other <= rest * (1 + 1e-12))
+        s0 = _slope(act, model.pre(c0)[k])
+        gs = g.reshape(g.shape[0], -1)
+        for t in range(6):
+            e = rng.choice([-1.0, 1.0], size=x0.shape) if t % 2 == 0 else \
+                rng.uniform(-1.0, 1.0, size=x0.shape)
+            x = torch.from_numpy(x0 + eps * e)
+            ju = torch.autograd.functional.jacobian(lambda z, k=k: model.pre(z)[k].reshape(-1),
+                                                    x).reshape(-1, x0.size)
+            ds = (_slope(act, model.pre(x)[k]) - s0).reshape(-1)
+            rho = (gs * ds.numpy()) @ ju.numpy() - hess @ (eps * e).reshape(-1)  # (M, P)
+            for s in (np.sign(rho), np.sign(rng.standard_normal(rho.shape)),
+                      rng.choice([-1.0, 0.0, 1.0], size=rho.shape)):
+                lhs = (s * rho).sum(axis=1)
+                rhs = (got.c * np.abs(s @ got.jc.T)).sum(axis=1) + \
+                    (np.abs(s) * got.other).sum(axis=1)
+                assert np.all(lhs <= rhs * (1 + 1e-9) + 1e-15), float(np.max(lhs - rhs))
+        checked += 1
+    assert checked == 2

@@ -94,11 +94,13 @@ def elementwise_second(v: LocalValue, dm: np.ndarray, mc: np.ndarray,
         # per entry p, |T_k,ip(X) - H_k,i[p] . d| <= r_ip:
         #   G_ib (m_b eps_b + e_b) jc_u,bp + G_ib dD_b R_bp, |R_bp| <= jr_u,bp, and the
         #   adjoint's error (ga - |g|) dm_b |J_u,bp(X)|
-        r = (agm * epsb(eps)) @ ajc + (np.abs(gs) * e) @ ajc \
-            + (np.abs(gs) * dmf) @ jr + (gerr * dmf) @ (ajc + jr)
+        c = agm * epsb(eps) + np.abs(gs) * e  # (M, B): the per-b scalars' part
+        other = (np.abs(gs) * dmf) @ jr + (gerr * dmf) @ (ajc + jr)
         # the rounding of hess: each entry a B-term sum of |G m| |jc| |jc|, times |d| <= eps
-        r = r + gamma(jc.shape[0] + 4) * eps * ((agm @ ajc) * jc1.max())
-        return hess, widen_up(r, jc.shape[0] + 8)
+        other = widen_up(other + gamma(jc.shape[0] + 4) * eps * ((agm @ ajc) * jc1.max()),
+                         jc.shape[0] + 8)
+        c = widen_up(c, 4)
+        return Factored(hess, widen_up(c @ ajc + other, jc.shape[0] + 8), c, jc, other)
 
     return fn
 
@@ -158,10 +160,10 @@ def second_rows(st: Structured, terms: list, zr: np.ndarray, jcm: np.ndarray,
       sum_p |J_ip| <= sum_F (|jcm_ip| + r_ip) + eps ||sum_F s_p H_i[p]||_1
                       + sum_not F (|jcm_ip| + h_ip)."""
     p = jcm.shape[1]
-    got = hessian_rest(terms, zr, eps)
+    got = hessian_rest_factored(terms, zr, eps)
     if got is None:
         return st
-    hess, rest = got
+    hess, rest, facs, other = got
     ah = np.abs(hess)
     h = np.minimum(entry_bounds(hessian_rows(ah), rest, eps), jrr)
     ajc = np.abs(jcm)
@@ -172,14 +174,48 @@ def second_rows(st: Structured, terms: list, zr: np.ndarray, jcm: np.ndarray,
     lin1 = widen_up(eps * widen_up((np.abs(lin) + lin_err).sum(axis=1), p), 2)
     inside = np.where(fixed, ajc + rest, ajc + h)
     full = widen_up(widen_up(inside.sum(axis=1), p) + lin1, 2)
+    if facs:  # the fixed entries' rest with the factored parts' signs kept
+        rest_f = widen_up(np.where(fixed, other, 0.0).sum(axis=1), p)
+        for c, jcu in facs:
+            proj = s @ jcu.T  # (M, B): sum_{p in F} s_p jc_bp
+            err = gamma(p + 2) * (np.abs(s) @ np.abs(jcu).T)
+            rest_f = rest_f + widen_up((c * (np.abs(proj) + err)).sum(axis=1), c.shape[1] + 2)
+        part = widen_up(np.where(fixed, ajc, ajc + h).sum(axis=1), p)
+        full = np.minimum(full, widen_up(part + widen_up(rest_f, len(facs) + 2) + lin1, 4))
     if not np.all(np.isfinite(full)):
         return st
     best = full if st.rows_abs is None else np.minimum(st.rows_abs, full)
     return replace(st, rows_abs=best)
 
 
+class Factored(tuple):
+    """What the elementwise rule's SecondFn returns: (H_k, r_k) like every SecondFn, plus its
+    rest split as r_k >= c @ |jc| + other (entrywise, rounded up), where the c-part is
+    sum_b G_ib beta_b(X) jc_u,bp with one scalar beta_b per input entry b, |G_ib beta_b| <=
+    c_ib: a signed sum of it over p, sum_p s_p (.), is at most sum_b c_ib |sum_p s_p jc_bp|
+    (second_rows keeps those signs)."""
+
+    c: np.ndarray  # (M, B) >= 0
+    jc: np.ndarray  # (B, P)
+    other: np.ndarray  # (M, P) >= 0
+
+    def __new__(cls, hess: np.ndarray, rest: np.ndarray, c: np.ndarray, jc: np.ndarray,
+                other: np.ndarray) -> Factored:
+        out = super().__new__(cls, (hess, rest))
+        out.c, out.jc, out.other = c, jc, other
+        return out
+
+
 def hessian_rest(terms: list, zr: np.ndarray, eps: float, cap: int = MAX_HESSIAN_ENTRIES
                  ) -> tuple[np.ndarray, np.ndarray] | None:
+    got = hessian_rest_factored(terms, zr, eps, cap)
+    return None if got is None else (got[0], got[1])
+
+
+def hessian_rest_factored(terms: list, zr: np.ndarray, eps: float,
+                          cap: int = MAX_HESSIAN_ENTRIES) -> tuple[
+                              np.ndarray, np.ndarray, list[tuple[np.ndarray, np.ndarray]],
+                              np.ndarray] | None:
     """(H, r): the rows' Hessians at X0 (M, P, P) summed over the ops with a second-order rule
     and the entrywise rest (M, P): |J_ip(X) - jc_ip - H_i[p] . d| <= r_ip over the ball.
     `terms` as in second_rows; `zr` bounds |J(X0) - jc|. None: no op has a rule, or the
@@ -189,19 +225,29 @@ def hessian_rest(terms: list, zr: np.ndarray, eps: float, cap: int = MAX_HESSIAN
         return None
     hess = np.zeros((m, p, p))
     rest = zr.copy()
+    other = zr.copy()  # the rest less the factored parts (Factored)
+    facs: list[tuple[np.ndarray, np.ndarray]] = []
     used = 0
     for g, ga, u, bound in terms:
         sec = u.second
         if sec is not None and sec[0] is u.term:
-            hk, rk = sec[1](g, ga, eps)
+            got = sec[1](g, ga, eps)
+            hk, rk = got
             hess += hk
             rest = rest + rk
+            if isinstance(got, Factored):
+                facs.append((got.c, got.jc))
+                other = other + got.other
+            else:
+                other = other + rk
             used += 1
         else:
             rest = rest + bound
+            other = other + bound
     if used == 0:
         return None
-    return hess, widen_up(rest, len(terms) + 2)
+    n = len(terms) + 2
+    return hess, widen_up(rest, n), facs, widen_up(other, n)
 
 
 def hessian_rows(ah: np.ndarray) -> np.ndarray:
@@ -324,7 +370,7 @@ def mul_second(a: LocalValue, b: LocalValue, shape: tuple[int, ...], ar2: np.nda
 
 def gradient_second(jc: np.ndarray, jr: np.ndarray, lmat: np.ndarray, labs: np.ndarray,
                     dev: np.ndarray, c_all: np.ndarray, extra: np.ndarray, eps: float,
-                    epsx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                    epsx: np.ndarray) -> Factored:
     """The second-order rule of an op acting on rows of its input x (LayerNorm per token,
     Softmax per row) through h_i(x) = G_i . op(x): its term is T_i = sum_k (grad h_k(x(X)) -
     grad h_k(x0)) J_x,k(X), and grad h(x) - grad h(x0) = L dx + rho with L (K, T, n, n) a
@@ -340,12 +386,16 @@ def gradient_second(jc: np.ndarray, jr: np.ndarray, lmat: np.ndarray, labs: np.n
     jc1 = widen_up(ajc.sum(axis=-1), p)  # (T, n)
     lj = lmat @ jc[None]  # (K, T, n, P)
     hess = np.swapaxes(jc.reshape(tok * n, p), 0, 1)[None] @ lj.reshape(k, tok * n, p)
-    # |L| (epsx + (1e-12 + gamma) eps ||jc||_1) per row entry, one batched product
-    w = epsx + eps * (1e-12 + gamma(2 * n + 4)) * jc1  # (T, n)
-    v1 = (labs @ w[None, :, :, None])[..., 0] + dev
-    rest = v1.reshape(k, tok * n) @ ajc.reshape(tok * n, p) \
-        + c_all.reshape(k, tok * n) @ jr.reshape(tok * n, p) + extra
-    return hess, widen_up(rest, tok * n + 8)
+    # |L| epsx + dev per row entry (one scalar per entry b: the factored part, second.Factored)
+    # and |L| (1e-12 + gamma) eps ||jc||_1 for the rounding of H (entrywise, `other`)
+    v1 = (labs @ epsx[None, :, :, None])[..., 0] + dev
+    vr = (labs @ (eps * (1e-12 + gamma(2 * n + 4)) * jc1)[None, :, :, None])[..., 0]
+    ajf = ajc.reshape(tok * n, p)
+    other = widen_up(vr.reshape(k, tok * n) @ ajf
+                     + c_all.reshape(k, tok * n) @ jr.reshape(tok * n, p) + extra, tok * n + 8)
+    c = widen_up(v1.reshape(k, tok * n), 4)
+    return Factored(hess, widen_up(c @ ajf + other, tok * n + 8), c, jc.reshape(tok * n, p),
+                    other)
 
 
 def softmax_second(v: LocalValue, plo: np.ndarray, phi: np.ndarray, pc: np.ndarray,

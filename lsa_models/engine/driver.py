@@ -329,7 +329,7 @@ def integrated(v: LocalValue, h: LocalValue | np.ndarray | None, ball: Ball) -> 
     lo = np.minimum(np.maximum(v.lo, v.center - rad), v.center)
     hi = np.maximum(np.minimum(v.hi, v.center + rad), v.center)
     out = LocalValue(v.center, lo, hi, v.jc, v.jr, v.term, v.parts, v.opnorm, v.jnorm,
-                     v.tok_rad, v.tok_jn, v.tok_true, v.second, nonlin=v.nonlin)
+                     v.tok_rad, v.tok_jn, v.tok_true, v.second, nonlin=v.nonlin, jfac=v.jfac)
     integrated_tokens(out, h, ball)
     return out
 
@@ -761,7 +761,7 @@ class _Telescope:
                     + center_margin(v.center)
                 lo, hi = np.maximum(lo, v.center - rad), np.minimum(hi, v.center + rad)
         out = enclose(v.center, v.jc, jr, ball, lo, hi)
-        out.term, out.opnorm, out.second = v.term, v.opnorm, v.second
+        out.term, out.opnorm, out.second, out.jfac = v.term, v.opnorm, v.second, v.jfac
         out.nonlin = nonlin
         if ball.norm == "2" and tokens:
             self._norms(name, out, values, ball)

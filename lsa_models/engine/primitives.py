@@ -201,6 +201,10 @@ def value_range(kind: str, lo: np.ndarray, hi: np.ndarray, exponent: float = 2.0
     return a, b
 
 
+# the factored Jacobian deviation's M (numel^2 of the elementwise op) is kept up to this size
+MAX_JFAC_ENTRIES = 4_000_000
+
+
 def elementwise(v: LocalValue, kind: str, out_center: np.ndarray, ball: Ball,
                 exponent: float = 2.0, deriv: Deriv | None = None,
                 values: tuple[np.ndarray, np.ndarray] | None = None,
@@ -239,6 +243,11 @@ def elementwise(v: LocalValue, kind: str, out_center: np.ndarray, ball: Ball,
     out.term, out.parts = term, parts
     if ball.norm == "inf":
         out.second = (term, elementwise_second(v, dr + dr0, mc, curv2))
+        b = v.center.size
+        if b * b <= MAX_JFAC_ENTRIES:
+            # J_y(X) - jc_y = delta (jc_x + R_x) + dc R_x + (dc jc_x - fl(dc jc_x)), |delta| <= dr
+            out.jfac = (np.eye(b).reshape(*v.shape, b), dr.reshape(-1), v.jc.reshape(b, -1),
+                        widen_up(adc * v.jr + dr[..., None] * v.jr + gamma(2) * adc * ajc, 4))
     if ball.norm == "2":
         kap = None
         if curv is not None:  # |f''| over both x(X) and x(X0): the range and the centre's

@@ -90,6 +90,8 @@ class LayoutRule(LocalRule):
             else:
                 ins.append(_torch(a))
         codes = OPS[node.op_type].run(node, ins, CTX)
+        var = [a for a in args if isinstance(a, LocalValue)]
+        fac = var[0].jfac if len(var) == 1 else None
         jc_all, jr_all = np.concatenate(rows_c), np.concatenate(rows_r)
         lo_all, hi_all = np.concatenate(lo), np.concatenate(hi)
         out: list[LocalValue | np.ndarray | None] = []
@@ -98,10 +100,17 @@ class LayoutRule(LocalRule):
                 out.append(center)
                 continue
             idx = code.numpy().astype(np.int64)  # (*S_out,)
-            var = idx > 0
+            live = idx > 0
             c = np.asarray(center, dtype=np.float64)
-            out.append(LocalValue(c, np.where(var, lo_all[idx], c),
-                                  np.where(var, hi_all[idx], c), jc_all[idx], jr_all[idx]))
+            v = LocalValue(c, np.where(live, lo_all[idx], c), np.where(live, hi_all[idx], c),
+                           jc_all[idx], jr_all[idx])
+            if fac is not None and ball.norm == "inf":  # rows of one input (code 0: none)
+                m, dmb, jsrc, rest = fac
+                b, p = m.shape[-1], rest.shape[-1]
+                mz = np.concatenate([np.zeros((1, b)), m.reshape(-1, b)])
+                rz = np.concatenate([np.zeros((1, p)), rest.reshape(-1, p)])
+                v.jfac = (mz[idx], dmb, jsrc, rz[idx])
+            out.append(v)
         return out
 
 
@@ -177,7 +186,20 @@ class LinearRule(LocalRule):
             fixed[i] = _torch(v.rad)  # type: ignore[union-attr]
         spread = OPS[absn.op_type].run(absn, fixed, CTX)[0].numpy()
         rad = widen_up(np.broadcast_to(spread, c.shape), k) + center_margin(c)
-        return [pr.linear(c, jc, jr_abs, jc_abs, k, ball, c - rad, c + rad)]
+        out = pr.linear(c, jc, jr_abs, jc_abs, k, ball, c - rad, c + rad)
+        src = vals[0].jfac if len(vals) == 1 else None  # type: ignore[union-attr]
+        if src is not None and ball.norm == "inf":
+            # J_out(X) - jc_out = L(M) delta src + L(R) + (L jc - fl(L jc)); fl(L M) is within
+            # gamma_k |L| |M| of L M, which the rest takes times dmb |src|
+            m, dmb, jsrc, rest = src
+            lm = run(node, consts(False), [m])
+            lam = run(absn, consts(True), [np.abs(m)])
+            lrest = run(absn, consts(True), [rest])
+            b = m.shape[-1]
+            err = (lam.reshape(-1, b) * dmb) @ np.abs(jsrc)
+            out.jfac = (lm, dmb, jsrc, widen_up(
+                lrest + gamma_k(k) * jc_abs + gamma_k(k) * err.reshape(lrest.shape), k + b))
+        return [out]
 
 
 def _divide(node: Node, args: list[Arg], centers: list[np.ndarray | None],

@@ -61,6 +61,8 @@ def elementwise_second(v: LocalValue, dm: np.ndarray, mc: np.ndarray,
     p = v.jc.shape[-1]
     jc = v.jc.reshape(-1, p)  # (B, P)
     jr = v.jr.reshape(-1, p)
+    fac = None if v.jfac is None else (v.jfac[0].reshape(jc.shape[0], -1), v.jfac[1],
+                                       v.jfac[2], v.jfac[3].reshape(-1, p))
     ajc = np.abs(jc)
     dmf = dm.reshape(-1)
     du = widen_up(v.rad + mc, 2).reshape(-1)  # |u_b(X) - u_b(X0)| over the ball
@@ -94,13 +96,23 @@ def elementwise_second(v: LocalValue, dm: np.ndarray, mc: np.ndarray,
         # per entry p, |T_k,ip(X) - H_k,i[p] . d| <= r_ip:
         #   G_ib (m_b eps_b + e_b) jc_u,bp + G_ib dD_b R_bp, |R_bp| <= jr_u,bp, and the
         #   adjoint's error (ga - |g|) dm_b |J_u,bp(X)|
-        c = agm * epsb(eps) + np.abs(gs) * e  # (M, B): the per-b scalars' part
-        other = (np.abs(gs) * dmf) @ jr + (gerr * dmf) @ (ajc + jr)
-        # the rounding of hess: each entry a B-term sum of |G m| |jc| |jc|, times |d| <= eps
-        other = widen_up(other + gamma(jc.shape[0] + 4) * eps * ((agm @ ajc) * jc1.max()),
-                         jc.shape[0] + 8)
-        c = widen_up(c, 4)
-        return Factored(hess, widen_up(c @ ajc + other, jc.shape[0] + 8), c, jc, other)
+        c = widen_up(agm * epsb(eps) + np.abs(gs) * e, 4)  # (M, B): the per-b scalars' part
+        # the adjoint's error, and the rounding of hess: each entry a B-term sum of
+        # |G m| |jc| |jc|, times |d| <= eps
+        base = (gerr * dmf) @ (ajc + jr) + \
+            gamma(jc.shape[0] + 4) * eps * ((agm @ ajc) * jc1.max())
+        gd = np.abs(gs) * dmf  # (M, B): |G_ib| sup|dD_b|, what R_b is multiplied by
+        other = widen_up(gd @ jr + base, jc.shape[0] + 8)
+        rest = widen_up(c @ ajc + other, jc.shape[0] + 8)
+        if fac is None:
+            return Factored(hess, rest, [(c, jc)], other)
+        # R = J_u(X) - jc = M diag(delta) src + R', |delta| <= dmb, |R'| <= rest_u
+        # (LocalValue.jfac): sum_c G_ic dD_c R_cp's first part is one scalar per source entry
+        fm, dmb, src, frest = fac
+        c2 = widen_up((gd @ np.abs(fm)) * dmb, fm.shape[1] + 4)  # (M, Bs)
+        other2 = widen_up(gd @ frest + base, jc.shape[0] + 8)
+        rest2 = widen_up(c @ ajc + c2 @ np.abs(src) + other2, jc.shape[0] + src.shape[0] + 8)
+        return Factored(hess, np.minimum(rest, rest2), [(c, jc), (c2, src)], other2)
 
     return fn
 
@@ -189,20 +201,21 @@ def second_rows(st: Structured, terms: list, zr: np.ndarray, jcm: np.ndarray,
 
 
 class Factored(tuple):
-    """What the elementwise rule's SecondFn returns: (H_k, r_k) like every SecondFn, plus its
-    rest split as r_k >= c @ |jc| + other (entrywise, rounded up), where the c-part is
-    sum_b G_ib beta_b(X) jc_u,bp with one scalar beta_b per input entry b, |G_ib beta_b| <=
-    c_ib: a signed sum of it over p, sum_p s_p (.), is at most sum_b c_ib |sum_p s_p jc_bp|
-    (second_rows keeps those signs)."""
+    """What the elementwise and row ops' SecondFns return: (H_k, r_k) like every SecondFn
+    (r_k an entrywise bound of the residual rho = T_k(X) - H_k . d), plus a second, factored
+    description of the same residual: rho_ip = sum over `facs` (c, jc) of
+    sum_b beta_ib(X) jc_bp + omega_ip with |beta_ib| <= c_ib (one scalar per row i and source
+    entry b) and |omega| <= `other`. A signed sum over p, sum_p s_p rho_ip, is then at most
+    sum_facs sum_b c_ib |sum_p s_p jc_bp| + sum_p |s_p| other_ip (second_rows keeps those
+    signs)."""
 
-    c: np.ndarray  # (M, B) >= 0
-    jc: np.ndarray  # (B, P)
+    facs: list[tuple[np.ndarray, np.ndarray]]  # (c (M, B) >= 0, jc (B, P))
     other: np.ndarray  # (M, P) >= 0
 
-    def __new__(cls, hess: np.ndarray, rest: np.ndarray, c: np.ndarray, jc: np.ndarray,
-                other: np.ndarray) -> Factored:
+    def __new__(cls, hess: np.ndarray, rest: np.ndarray,
+                facs: list[tuple[np.ndarray, np.ndarray]], other: np.ndarray) -> Factored:
         out = super().__new__(cls, (hess, rest))
-        out.c, out.jc, out.other = c, jc, other
+        out.facs, out.other = facs, other
         return out
 
 
@@ -236,7 +249,7 @@ def hessian_rest_factored(terms: list, zr: np.ndarray, eps: float,
             hess += hk
             rest = rest + rk
             if isinstance(got, Factored):
-                facs.append((got.c, got.jc))
+                facs.extend(got.facs)
                 other = other + got.other
             else:
                 other = other + rk
@@ -394,8 +407,8 @@ def gradient_second(jc: np.ndarray, jr: np.ndarray, lmat: np.ndarray, labs: np.n
     other = widen_up(vr.reshape(k, tok * n) @ ajf
                      + c_all.reshape(k, tok * n) @ jr.reshape(tok * n, p) + extra, tok * n + 8)
     c = widen_up(v1.reshape(k, tok * n), 4)
-    return Factored(hess, widen_up(c @ ajf + other, tok * n + 8), c, jc.reshape(tok * n, p),
-                    other)
+    return Factored(hess, widen_up(c @ ajf + other, tok * n + 8),
+                    [(c, jc.reshape(tok * n, p))], other)
 
 
 def softmax_second(v: LocalValue, plo: np.ndarray, phi: np.ndarray, pc: np.ndarray,

@@ -88,6 +88,11 @@ class LocalValue:
     # second.value_radius): (eps, b) with b (*S,) >= |T(X) - T(X0) - jc . (X - X0)| over the
     # ball of radius eps, the change's part beyond the centre's linear map (jc as it is here)
     nonlin: tuple[float, np.ndarray] | None = field(default=None, repr=False)
+    # inf-ball, a factored Jacobian deviation (set by elementwise ops, carried through linear
+    # and layout ones; second.py uses it): (M (*S, B), dmb (B,), src (B, P), rest (*S, P))
+    # with J(X) - jc = M diag(delta) src + R, |delta_b| <= dmb_b, |R| <= rest, for every X
+    jfac: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = \
+        field(default=None, repr=False)
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from lsa_models.engine import affine, affine_rules, fused
 from lsa_models.engine.affine import Aff
 from lsa_models.engine.driver import _chains, margin_lower_bounds
-from lsa_models.engine.values import Ball, dual_row_norms
+from lsa_models.engine.values import Ball, box_to_two, dual_row_norms
 from lsa_models.onnx import load_onnx
 from lsa_models.onnx.ops import Node
 
@@ -323,7 +323,7 @@ def test_affine_box_to_two_is_above_every_corner(seed: int, d: int, q: int,
     bound (columns of very different sizes included)."""
     rng = np.random.default_rng(seed)
     a = rng.standard_normal((2, d, q)) * spread ** rng.uniform(-1, 1, q)
-    bound = affine._box_to_two(a)
+    bound = box_to_two(a)
     corners = np.array(np.meshgrid(*[[-1.0, 1.0]] * q)).reshape(q, -1)  # (Q, 2^Q)
     best = np.linalg.norm(a @ corners, axis=-2).max(axis=-1)  # (2,)
     assert np.all(best <= bound * (1 + 1e-12)), (best, bound)

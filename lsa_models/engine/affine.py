@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..bounds.numerics import U
-from .values import Ball, dual_row_norms, widen_up
+from .values import Ball, box_to_two, dual_row_norms, widen_up
 
 # relative outward allowance of libm values (exp, erf, tanh) and of a handful of roundings
 _REL = 1e-12
@@ -201,33 +201,15 @@ def margins(out: Aff, label: int, ball: Ball) -> dict[int, float]:
     return res
 
 
-def _box_to_two(a: np.ndarray) -> np.ndarray:
-    """sup ||a e||_2 over e in [-1, 1]^Q for every (..., D, Q) block: the smallest of the sum of
-    its columns' norms, the norm of its rows' l1 sums and the weighted spectral bound: with
-    c_q = ||a_q||_2 > 0, ||a e||^2 = ||a C^-1/2 (C^1/2 e)||^2 <= lambda_max(a C^-1 a^T) sum c_q
-    (the D x D Gram matrix's largest eigenvalue; LAPACK's, plus 64 D u trace for its error)."""
-    d, q = a.shape[-2], a.shape[-1]
-    cn = np.sqrt(np.square(a).sum(axis=-2))  # (..., Q)
-    cols = _up(cn.sum(axis=-1), q + d)
-    rows = _up(np.sqrt(np.square(np.abs(a).sum(axis=-1)).sum(axis=-1)), q + d)
-    w = np.where(cn > 0, 1.0 / np.where(cn > 0, cn, 1.0), 0.0)
-    gram = np.einsum("...iq,...q,...jq->...ij", a, w, a)  # a C^-1 a^T
-    lam = np.linalg.eigvalsh(gram)[..., -1]
-    tr = np.trace(gram, axis1=-2, axis2=-1)
-    lam = _up(np.maximum(lam, 0.0) + 64 * (d + q) * U * tr, 4)
-    spec = np.sqrt(_up(lam * cols, 2)) * (1 + 4 * U)
-    return np.minimum(np.minimum(cols, rows), spec)
-
-
 def token_radius(x: Aff, ball: Ball) -> np.ndarray:
     """A bound on ||T_t(X) - T_t(X0)||_2 per token t (the last axis), (*S[:-1], 1):
     ||o_t|| + sup ||a_in,t d|| + sup ||a_sym,t e|| + ||b_t||: on the 2-ball the first sup is
     eps sigma_max(a_in,t) (LAPACK's SVD, exact for a matrix within c P u ||A||_F: 64 P u ||A||_F
-    added), on the inf-ball eps `_box_to_two(a_in,t)`; the symbols' by `_box_to_two`."""
+    added), on the inf-ball eps `box_to_two(a_in,t)`; the symbols' by `values.box_to_two`."""
     d, p = x.shape[-1], ball.size
     ain = x.a[..., :p]  # (..., D, P)
     if ball.norm == "inf":  # d in eps [-1, 1]^P: the box's bound
-        lin_in = _up(ball.eps * _box_to_two(ain), 2)
+        lin_in = _up(ball.eps * box_to_two(ain), 2)
     else:
         sig = np.linalg.norm(ain, ord=2, axis=(-2, -1))
         fro = np.sqrt(np.square(ain).sum(axis=(-2, -1)))
@@ -235,7 +217,7 @@ def token_radius(x: Aff, ball: Ball) -> np.ndarray:
     sig = lin_in
     sym = np.zeros_like(sig)
     if x.a.shape[-1] > p:
-        sym = _box_to_two(x.a[..., p:])
+        sym = box_to_two(x.a[..., p:])
 
     def norm2(v: np.ndarray) -> np.ndarray:
         return np.sqrt(_up(np.square(v).sum(axis=-1), d)) * (1 + 4 * U)

@@ -15,6 +15,7 @@ from ..bounds.numerics import U, add_up
 from . import opnorm
 from .second import Curv2, elementwise_second, matmul_second, mul_second, softmax_second
 from .signed import SignedFn, SignedTerm
+from .structured import PartsChoice
 from .values import (
     Ball,
     LocalNotCertified,
@@ -238,8 +239,17 @@ def elementwise(v: LocalValue, kind: str, out_center: np.ndarray, ball: Ball,
 
     def parts(g: np.ndarray) -> list[Parts]:
         k, p = g.shape[0], v.jc.shape[-1]
-        return [(np.abs(g).reshape(k, -1) * (dr + dr0).reshape(-1), v.jc.reshape(-1, p),
-                 v.jr.reshape(-1, p))]
+        c = np.abs(g).reshape(k, -1) * (dr + dr0).reshape(-1)
+        base = [(c, v.jc.reshape(-1, p), v.jr.reshape(-1, p))]
+        if v.jfac is None:
+            return base
+        # J_x(X) = jc + M diag(delta) src + R (LocalValue.jfac): sum_b beta_ib J_x,b(X) =
+        # sum_b beta_ib (jc_b + R_b) + sum_s gamma_is src_s, |gamma_is| <= (c |M|)_is dmb_s
+        fm, dmb, src, frest = v.jfac
+        n = v.center.size
+        c2 = widen_up((c @ np.abs(fm.reshape(n, -1))) * dmb, n + 2)
+        split = [(c, v.jc.reshape(-1, p), frest.reshape(-1, p)), (c2, src, np.zeros_like(src))]
+        return PartsChoice([base, split])  # the bounds take the better (structured.py)
     out.term, out.parts = term, parts
     if ball.norm == "inf":
         out.second = (term, elementwise_second(v, dr + dr0, mc, curv2))

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from .second import SecondFn, eps_part, gradient_second
-from .structured import Structured
+from .structured import PartsChoice, Structured, alternatives
 from .values import Ball, LocalValue, Parts, dual_row_norms, gamma, widen_up
 
 Term = Callable[[np.ndarray], np.ndarray]
@@ -58,6 +58,8 @@ def bind(u: LocalValue, g: np.ndarray, ga: np.ndarray) -> LocalValue:
     if not isinstance(st, SignedTerm):
         return u
     ps = st.parts(ga)
+    if isinstance(ps, PartsChoice):
+        return u
     got = st.signed(g, ga)
     news = got if isinstance(got, list) else [got]
     if len(news) != len(ps):
@@ -354,12 +356,15 @@ def op_row_bounds(terms: list[tuple[np.ndarray, list[Parts] | None]], s: np.ndar
         if parts is None:
             out.append(plain)
             continue
-        sg = np.zeros(plain.shape)
-        for c, jci, jri in parts:
-            ajc = np.abs(jci)
-            a = np.abs(jci @ s.T) + gamma(p) * (ajc @ np.abs(s).T)  # (n, M)
-            b = ajc @ und.T
-            rr = widen_up(jri.sum(axis=1), p)
-            sg = sg + widen_up((c * (a + b).T).sum(axis=1) + c @ rr, c.shape[1] + 2)
-        out.append(np.minimum(plain, widen_up(sg, 4 * len(parts))))
+        best = plain
+        for alt in alternatives(parts):
+            sg = np.zeros(plain.shape)
+            for c, jci, jri in alt:
+                ajc = np.abs(jci)
+                a = np.abs(jci @ s.T) + gamma(p) * (ajc @ np.abs(s).T)  # (n, M)
+                b = ajc @ und.T
+                rr = widen_up(jri.sum(axis=1), p)
+                sg = sg + widen_up((c * (a + b).T).sum(axis=1) + c @ rr, c.shape[1] + 2)
+            best = np.minimum(best, widen_up(sg, 4 * len(alt)))
+        out.append(best)
     return out

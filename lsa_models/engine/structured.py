@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..bounds.numerics import U, add_up, frobenius_upper, mul_up, spectral_norm_upper, sqrt_up
-from .values import Parts, widen_up
+from .values import Parts, box_to_two, widen_up
 
 
 @dataclass
@@ -33,8 +33,20 @@ class Structured:
     rows_abs: np.ndarray | None = None
 
 
+class PartsChoice(list):
+    """Alternative decompositions of one op's term (each a list of Parts, every one valid):
+    a bound takes the smallest it gets from any of them (primitives.elementwise offers the
+    factored Jacobian deviation of its input, LocalValue.jfac, beside the entrywise one)."""
+
+
+def alternatives(parts: list) -> list[list[Parts]]:
+    return list(parts) if isinstance(parts, PartsChoice) else [parts]
+
+
 def _inf_to_one(c: np.ndarray, jc: np.ndarray, plain: float) -> float:
-    """min(plain, sqrt(n P) ||diag(c) jc||_2) with n, P the nonzero rows and columns."""
+    """A bound on max over |beta_b| <= c_b of ||sum_b beta_b jc_b||_1: the smallest of plain,
+    sqrt(n P) ||diag(c) jc||_2 and sqrt(P) box_to_two((diag(c) jc)^T) (the box's l2 bound:
+    ||v||_1 <= sqrt(P) ||v||_2), n, P the nonzero rows and columns."""
     rows = c > 0
     if not rows.any():
         return 0.0
@@ -43,14 +55,18 @@ def _inf_to_one(c: np.ndarray, jc: np.ndarray, plain: float) -> float:
     n, p = int(rows.sum()), int(cols.sum())
     if p == 0:
         return 0.0
-    # ||B||_2 >= its largest row norm: skip the certificate when it cannot win
-    if math.sqrt(n * p) * float(np.sqrt(np.square(b).sum(axis=1).max())) >= plain:
-        return plain
-    # b = fl(c jc) is within u |c jc| entrywise of the exact product, and
-    # || |E| ||_2 <= ||E||_F <= u ||b||_F (1 + u)
     bc = b[:, cols]
+    # b = fl(c jc) is within u |c jc| entrywise of the exact product E: sup ||E^T e||_2 over
+    # the box is at most u || |b|^T 1 ||_2 (1 + u)
+    err = mul_up(2 * U, float(np.sqrt(np.square(np.abs(bc).sum(axis=0)).sum())))
+    box = add_up(float(box_to_two(bc.T[None])[0]), err)
+    out = min(plain, mul_up(sqrt_up(float(p)), box))
+    # ||B||_2 >= its largest row norm: skip the spectral certificate when it cannot win
+    if math.sqrt(n * p) * float(np.sqrt(np.square(b).sum(axis=1).max())) >= out:
+        return out
+    # || |E| ||_2 <= ||E||_F <= u ||b||_F (1 + u)
     s = add_up(spectral_norm_upper(bc), mul_up(2 * U, frobenius_upper(bc)))
-    return min(plain, mul_up(sqrt_up(float(n * p)), s))
+    return min(out, mul_up(sqrt_up(float(n * p)), s))
 
 
 def row_two_bounds(terms: list[tuple[np.ndarray, list[Parts] | None]], zr: np.ndarray
@@ -63,12 +79,14 @@ def row_two_bounds(terms: list[tuple[np.ndarray, list[Parts] | None]], zr: np.nd
         if parts is None:
             plain += mk
             continue
-        two_f = np.zeros(m)
-        for c, jc, jr in parts:
-            nj = add_up(spectral_norm_upper(jc), spectral_norm_upper(jr))
-            two_f += np.sqrt(widen_up(np.square(c).sum(axis=1), c.shape[1])) * (1 + 4 * U) \
-                * nj * (1 + 2 * U)
-        two_f = widen_up(two_f, 4 * len(parts))
+        two_f = np.full(m, np.inf)
+        for alt in alternatives(parts):
+            tf = np.zeros(m)
+            for c, jc, jr in alt:
+                nj = add_up(spectral_norm_upper(jc), spectral_norm_upper(jr))
+                tf += np.sqrt(widen_up(np.square(c).sum(axis=1), c.shape[1])) * (1 + 4 * U) \
+                    * nj * (1 + 2 * U)
+            two_f = np.minimum(two_f, widen_up(tf, 4 * len(alt)))
         own = np.sqrt(np.square(mk).sum(axis=1))
         use = two_f < own
         fact += np.where(use, two_f, 0.0)
@@ -76,6 +94,31 @@ def row_two_bounds(terms: list[tuple[np.ndarray, list[Parts] | None]], zr: np.nd
     rows = np.sqrt(widen_up(np.square(widen_up(plain, 2 * len(terms) + 2)).sum(axis=1), p)) \
         * (1 + 4 * U)
     return widen_up(rows + fact, 2 * len(terms) + 2)
+
+
+def _factored(alts: list[list[Parts]], m: int, p: int) -> tuple[np.ndarray, np.ndarray, float]:
+    """(rows' l1, rows' l2, matrix 2-norm) bounds of one op's term from its decompositions:
+    each alternative's sums over its parts, the smallest per quantity."""
+    best_inf, best_two, best_mat = np.full(m, np.inf), np.full(m, np.inf), math.inf
+    for alt in alts:
+        inf_f = np.zeros(m)
+        two_f = np.zeros(m)
+        mat_f = 0.0
+        for c, jc, jr in alt:
+            njc, njr = spectral_norm_upper(jc), spectral_norm_upper(jr)
+            nj = add_up(njc, njr)
+            jr_rows = widen_up(jr.sum(axis=1), p)
+            ajc_rows = widen_up(np.abs(jc).sum(axis=1), p)
+            n = c.shape[1]
+            for i in range(m):
+                plain = float(widen_up(c[i] @ ajc_rows, n)[()])
+                inf_f[i] += _inf_to_one(c[i], jc, plain) + float(widen_up(c[i] @ jr_rows, n))
+                two_f[i] += mul_up(frobenius_upper(c[i]), nj)
+            mat_f = add_up(mat_f, mul_up(spectral_norm_upper(c), nj))
+        best_inf = np.minimum(best_inf, widen_up(inf_f, 4 * len(alt)))
+        best_two = np.minimum(best_two, widen_up(two_f, 4 * len(alt)))
+        best_mat = min(best_mat, mat_f)
+    return best_inf, best_two, best_mat
 
 
 def structured_bounds(terms: list[tuple[np.ndarray, list[Parts] | None]], zr: np.ndarray,
@@ -95,22 +138,7 @@ def structured_bounds(terms: list[tuple[np.ndarray, list[Parts] | None]], zr: np
             for i in range(len(rows_plain)):
                 rows_plain[i] += mk[i]
             continue
-        inf_f = np.zeros(m)
-        two_f = np.zeros(m)
-        mat_f = 0.0
-        for c, jc, jr in parts:
-            njc, njr = spectral_norm_upper(jc), spectral_norm_upper(jr)
-            nj = add_up(njc, njr)
-            jr_rows = widen_up(jr.sum(axis=1), p)
-            ajc_rows = widen_up(np.abs(jc).sum(axis=1), p)
-            n = c.shape[1]
-            for i in range(m):
-                plain = float(widen_up(c[i] @ ajc_rows, n)[()])
-                inf_f[i] += _inf_to_one(c[i], jc, plain) + float(widen_up(c[i] @ jr_rows, n))
-                two_f[i] += mul_up(frobenius_upper(c[i]), nj)
-            mat_f = add_up(mat_f, mul_up(spectral_norm_upper(c), nj))
-        inf_f = widen_up(inf_f, 4 * len(parts))
-        two_f = widen_up(two_f, 4 * len(parts))
+        inf_f, two_f, mat_f = _factored(alternatives(parts), m, p)
         rows_inf = rows_inf + np.minimum(plain_rows, inf_f)
         if norm == "2":
             for i in range(m):

@@ -182,3 +182,24 @@ def input_value(ball: Ball) -> LocalValue:
     if known is not None:  # X0 itself is exact
         known[array_key(c)] = (c, np.zeros_like(c))
     return enclose(c, jc, np.zeros_like(jc), ball)
+
+
+def box_to_two(a: np.ndarray) -> np.ndarray:
+    """sup ||a e||_2 over e in [-1, 1]^Q for every (..., D, Q) block: the smallest of the sum of
+    its columns' norms, the norm of its rows' l1 sums and the weighted spectral bound: with
+    c_q = ||a_q||_2 > 0, ||a e||^2 = ||a C^-1/2 (C^1/2 e)||^2 <= lambda_max(a C^-1 a^T) sum c_q
+    (the Gram matrix's largest eigenvalue, on the smaller side; LAPACK's, plus 64 (D + Q) u
+    trace for its and the products' errors)."""
+    d, q = a.shape[-2], a.shape[-1]
+    cn = np.sqrt(np.square(a).sum(axis=-2))  # (..., Q)
+    cols = widen_up(cn.sum(axis=-1), q + d)
+    rows = widen_up(np.sqrt(np.square(np.abs(a).sum(axis=-1)).sum(axis=-1)), q + d)
+    w = np.where(cn > 0, 1.0 / np.where(cn > 0, cn, 1.0), 0.0)
+    s = a * np.sqrt(w)[..., None, :]  # a C^-1/2
+    # the same nonzero eigenvalues: a C^-1 a^T (D x D) or C^-1/2 a^T a C^-1/2 (Q x Q)
+    gram = np.swapaxes(s, -1, -2) @ s if q < d else s @ np.swapaxes(s, -1, -2)
+    lam = np.linalg.eigvalsh(gram)[..., -1]
+    tr = np.trace(gram, axis1=-2, axis2=-1)
+    lam = widen_up(np.maximum(lam, 0.0) + 64 * (d + q) * U * tr, 4)
+    spec = np.sqrt(widen_up(lam * cols, 2)) * (1 + 4 * U)
+    return np.minimum(np.minimum(cols, rows), spec)

@@ -123,6 +123,21 @@ def _factored_holds(rng: np.random.Generator, x0: np.ndarray, eps: float, got: A
             assert np.all(lhs <= rhs * (1 + 1e-9) + 1e-15), float(np.max(lhs - rhs))
 
 
+def _corner_or_inside(rng: np.random.Generator, shape: tuple[int, ...], t: int) -> np.ndarray:
+    """A corner of the unit box for even t, a point inside it for odd t."""
+    return rng.choice([-1.0, 1.0], size=shape) if t % 2 == 0 else rng.uniform(-1.0, 1.0, size=shape)
+
+
+def _act_term(model: nn.Module, act: str, k: int, gs: np.ndarray, s0: torch.Tensor,
+              x: np.ndarray) -> np.ndarray:
+    """The k-th activation's term at X, g (f'(u_k(X)) - f'(u_k(X0))) J_u_k(X), exact (M, P)."""
+    xt = torch.from_numpy(x)
+    ju = torch.autograd.functional.jacobian(lambda z: model.pre(z)[k].reshape(-1),
+                                            xt).reshape(-1, x.size)
+    ds = (_slope(act, model.pre(xt)[k]) - s0).reshape(-1)
+    return (gs * ds.numpy()) @ ju.numpy()
+
+
 def _holds_at_points(rng: np.random.Generator, x0: np.ndarray, eps: float, hess: np.ndarray,
                      rest: np.ndarray, term_at: Any) -> None:
     """|T(X) - H . d| <= r at 3 corners and 3 inside points; term_at(X) -> T(X) (M, P)."""
@@ -166,13 +181,8 @@ def test_second_rule_bounds_each_term_at_points_of_the_ball(seed: int, eps: floa
         s0 = _slope(act, model.pre(c)[k])
         gs = g.reshape(g.shape[0], -1)
         for t in range(6):
-            e = rng.choice([-1.0, 1.0], size=x0.shape) if t % 2 == 0 else \
-                rng.uniform(-1.0, 1.0, size=x0.shape)
-            x = torch.from_numpy(x0 + eps * e)
-            ju = torch.autograd.functional.jacobian(lambda z, k=k: model.pre(z)[k].reshape(-1),
-                                                    x).reshape(-1, x0.size)
-            ds = (_slope(act, model.pre(x)[k]) - s0).reshape(-1)
-            term = (gs * ds.numpy()) @ ju.numpy()  # (M, P)
+            e = _corner_or_inside(rng, x0.shape, t)
+            term = _act_term(model, act, k, gs, s0, x0 + eps * e)  # (M, P)
             lin = hess @ (eps * e).reshape(-1)  # (M, P)
             assert np.all(np.abs(term - lin) <= rest), float(np.max(np.abs(term - lin) - rest))
         checked += 1
@@ -508,13 +518,8 @@ def test_second_rule_factored_rest_keeps_signed_sums(seed: int, eps: float, act:
         s0 = _slope(act, model.pre(c0)[k])
         gs = g.reshape(g.shape[0], -1)
         for t in range(6):
-            e = rng.choice([-1.0, 1.0], size=x0.shape) if t % 2 == 0 else \
-                rng.uniform(-1.0, 1.0, size=x0.shape)
-            x = torch.from_numpy(x0 + eps * e)
-            ju = torch.autograd.functional.jacobian(lambda z, k=k: model.pre(z)[k].reshape(-1),
-                                                    x).reshape(-1, x0.size)
-            ds = (_slope(act, model.pre(x)[k]) - s0).reshape(-1)
-            rho = (gs * ds.numpy()) @ ju.numpy() - hess @ (eps * e).reshape(-1)  # (M, P)
+            e = _corner_or_inside(rng, x0.shape, t)
+            rho = _act_term(model, act, k, gs, s0, x0 + eps * e) - hess @ (eps * e).reshape(-1)
             for s in (np.sign(rho), np.sign(rng.standard_normal(rho.shape)),
                       rng.choice([-1.0, 0.0, 1.0], size=rho.shape)):
                 lhs = (s * rho).sum(axis=1)

@@ -34,6 +34,7 @@ from .affine import (
     narrow,
     ranges,
 )
+from .primitives import probability_ranges
 from .values import Ball, center_margin, dual_row_norms, gamma
 
 CTX = RunContext(torch.float64)
@@ -530,26 +531,13 @@ def softmax(x: Aff, axis: int, out_c: np.ndarray, ball: Ball, xlo: np.ndarray | 
     inv = elementwise(tot, RECIPROCAL, ball, tlo, np.full(tot.shape, np.inf))
     p = product(e, inv, ball, matmul=False, out_c=oc, out_m=center_margin(oc))
     lo, hi = ranges(x, ball)
-    plo, phi = _probabilities(lo, hi, oc)
+    plo, phi = probability_ranges(lo, hi, oc)
     p = narrow(p, plo, phi, ball)
     if ax != x.c.ndim - 1:
         return Aff(out_c, np.moveaxis(p.m, -1, ax), np.moveaxis(p.o, -1, ax),
                    np.moveaxis(p.a, -2, ax), np.moveaxis(p.b, -1, ax))
     p.stochastic = True
     return p
-
-
-def _probabilities(lo: np.ndarray, hi: np.ndarray, pc: np.ndarray) -> Iv:
-    """Softmax ranges from logit ranges (as primitives._softmax_ranges)."""
-    n = lo.shape[-1]
-    top = hi.max(axis=-1, keepdims=True)
-    elo, ehi = np.exp(lo - top), np.exp(hi - top)
-    off = 1.0 - np.eye(n)
-    plo = elo / (elo + ehi @ off)
-    phi = ehi / (ehi + elo @ off)
-    plo = np.clip(plo * (1 - 8 * (n + 4) * 1e-16) - TINY, 0.0, 1.0)
-    phi = np.clip(phi * (1 + 8 * (n + 4) * 1e-16) + TINY, 0.0, 1.0)
-    return np.minimum(plo, pc), np.maximum(phi, pc)
 
 
 def _divide(args: list, var: list[int], c0: np.ndarray, m0: np.ndarray, ball: Ball,
@@ -581,7 +569,7 @@ def _softmax_or_interval(x: Aff, ax: int, c0: np.ndarray, m0: np.ndarray, ball: 
         return softmax(x, ax, c0, ball, _lo(rg), _hi(rg))
     except NotAffine:  # the probabilities of the logits' ranges, as an interval form
         lo, hi = ranges(x, ball) if rg is None else rg
-        plo, phi = _probabilities(np.moveaxis(lo, ax, -1), np.moveaxis(hi, ax, -1),
+        plo, phi = probability_ranges(np.moveaxis(lo, ax, -1), np.moveaxis(hi, ax, -1),
                                   np.moveaxis(c0, ax, -1))
         return interval(c0, m0, np.moveaxis(plo, -1, ax), np.moveaxis(phi, -1, ax), ball.size)
 

@@ -476,11 +476,11 @@ def _product_values(ac: np.ndarray, ar: np.ndarray, ajr: np.ndarray, am: np.ndar
     return out_center - rad, out_center + rad
 
 
-def _softmax_ranges(lo: np.ndarray, hi: np.ndarray, pc: np.ndarray,
-                    sc: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Probability ranges from logit ranges (..., n), and the radius of S = diag(p) - p p^T's
-    entries around sc. Sums over j != i are formed by a product with (1 - I): positive terms
-    only, no cancellation."""
+def probability_ranges(lo: np.ndarray, hi: np.ndarray, pc: np.ndarray
+                       ) -> tuple[np.ndarray, np.ndarray]:
+    """Softmax probability ranges over the last axis from logit ranges [lo, hi] (..., n),
+    widened to contain the centre's pc: p_i >= e^lo_i / (e^lo_i + sum_{j != i} e^hi_j) and the
+    mirror, the sums formed by a product with (1 - I) (positive terms, no cancellation)."""
     n = lo.shape[-1]
     m = hi.max(axis=-1, keepdims=True)
     elo, ehi = np.exp(lo - m), np.exp(hi - m)
@@ -489,7 +489,16 @@ def _softmax_ranges(lo: np.ndarray, hi: np.ndarray, pc: np.ndarray,
     phi = ehi / (ehi + elo @ off)
     plo = np.clip(plo * (1 - 8 * (n + 4) * 1e-16) - 1e-300, 0.0, 1.0)
     phi = np.clip(phi * (1 + 8 * (n + 4) * 1e-16) + 1e-300, 0.0, 1.0)
-    plo, phi = np.minimum(plo, pc), np.maximum(phi, pc)
+    return np.minimum(plo, pc), np.maximum(phi, pc)
+
+
+def _softmax_ranges(lo: np.ndarray, hi: np.ndarray, pc: np.ndarray,
+                    sc: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Probability ranges from logit ranges (..., n), and the radius of S = diag(p) - p p^T's
+    entries around sc. Sums over j != i are formed by a product with (1 - I): positive terms
+    only, no cancellation."""
+    n = lo.shape[-1]
+    plo, phi = probability_ranges(lo, hi, pc)
     # entry ranges: diagonal q - q^2 (concave), off diagonal -p_i p_j (monotone)
     q = lambda x: x - x * x  # noqa: E731
     dmax = np.where((plo <= 0.5) & (phi >= 0.5), 0.25, np.maximum(q(plo), q(phi)))

@@ -103,24 +103,30 @@ def _rule_of(om: OnnxModel, x0: np.ndarray, eps: float, y0: np.ndarray
 _LAST_RULE: list[Any] = []  # the last rule's full answer (second.Factored where it is one)
 
 
+def _signed_sums_hold(rng: np.random.Generator, got: Any, rho: np.ndarray) -> None:
+    """For the exact residual rho = T(X) - H . d (M, P) and sign rows s (rho's own, random,
+    random with zeros): sum_p s_ip rho_ip <= sum_facs sum_b c_ib |sum_p s_ip jc_bp| +
+    sum_p |s_ip| other_ip (second.Factored, what second_rows uses on sign-fixed entries)."""
+    from lsa_models.engine.second import Factored
+    assert isinstance(got, Factored)
+    for s in (np.sign(rho), np.sign(rng.standard_normal(rho.shape)),
+              rng.choice([-1.0, 0.0, 1.0], size=rho.shape)):
+        lhs = (s * rho).sum(axis=1)
+        rhs = sum((c * np.abs(s @ jc.T)).sum(axis=1) for c, jc in got.facs) + \
+            (np.abs(s) * got.other).sum(axis=1)
+        assert np.all(lhs <= rhs * (1 + 1e-9) + 1e-15), float(np.max(lhs - rhs))
+
+
 def _factored_holds(rng: np.random.Generator, x0: np.ndarray, eps: float, got: Any,
                     term_at: Any) -> None:
     """The factored rest (second.Factored): for the exact residual rho = T(X) - H . d and
     sign rows s (rho's own, random, random with zeros), sum_p s_ip rho_ip <= sum_b c_ib
     |sum_p s_ip jc_bp| + sum_p |s_ip| other_ip, at 3 corners and 3 inside points."""
-    from lsa_models.engine.second import Factored
-    assert isinstance(got, Factored)
-    hess, rest = got
+    hess, _ = got
     for t in range(6):
-        e = rng.choice([-1.0, 1.0], size=x0.shape) if t % 2 == 0 else \
-            rng.uniform(-1.0, 1.0, size=x0.shape)
+        e = _corner_or_inside(rng, x0.shape, t)
         rho = term_at(torch.from_numpy(x0 + eps * e)) - hess @ (eps * e).reshape(-1)
-        for s in (np.sign(rho), np.sign(rng.standard_normal(rho.shape)),
-                  rng.choice([-1.0, 0.0, 1.0], size=rho.shape)):
-            lhs = (s * rho).sum(axis=1)
-            rhs = sum((c * np.abs(s @ jc.T)).sum(axis=1) for c, jc in got.facs) + \
-                (np.abs(s) * got.other).sum(axis=1)
-            assert np.all(lhs <= rhs * (1 + 1e-9) + 1e-15), float(np.max(lhs - rhs))
+        _signed_sums_hold(rng, got, rho)
 
 
 def _corner_or_inside(rng: np.random.Generator, shape: tuple[int, ...], t: int) -> np.ndarray:
@@ -173,11 +179,13 @@ def test_second_rule_bounds_each_term_at_points_of_the_ball(seed: int, eps: floa
     for g, ga, u, _bound in terms:
         if u.second is None or u.second[0] is not u.term:
             continue
+        # a1's output has 12 entries, a2's 8 (the centres agree to the export's float32)
         which = [k for k in range(2) if y0[k].shape == u.center.reshape(-1).shape
-                 and np.allclose(y0[k], u.center.reshape(-1), rtol=1e-6, atol=1e-9)]
+                 and np.allclose(y0[k], u.center.reshape(-1), rtol=1e-4, atol=1e-6)]
         assert len(which) == 1
         k = which[0]
-        hess, rest = u.second[1](g, ga, eps)
+        got = u.second[1](g, ga, eps)
+        hess, rest = got
         s0 = _slope(act, model.pre(c)[k])
         gs = g.reshape(g.shape[0], -1)
         for t in range(6):
@@ -185,6 +193,7 @@ def test_second_rule_bounds_each_term_at_points_of_the_ball(seed: int, eps: floa
             term = _act_term(model, act, k, gs, s0, x0 + eps * e)  # (M, P)
             lin = hess @ (eps * e).reshape(-1)  # (M, P)
             assert np.all(np.abs(term - lin) <= rest), float(np.max(np.abs(term - lin) - rest))
+            _signed_sums_hold(rng, got, term - lin)  # the factored rest (second.Factored)
         checked += 1
     assert checked == 2
 
@@ -485,49 +494,6 @@ def test_telescope_terms_memo_is_keyed_by_the_value_objects() -> None:
     assert isinstance(v, LocalValue)
     swapped[name] = replace(v)  # equal fields, another object
     assert tight._terms(out, swapped, None) is not first
-
-
-@settings(max_examples=12, deadline=None)
-@given(seed=st.integers(0, 10**6), eps=st.sampled_from([1e-3, 1e-2, 0.05, 0.2]),
-       act=st.sampled_from(["gelu_tanh", "tanh"]))
-def test_second_rule_factored_rest_keeps_signed_sums(seed: int, eps: float, act: str) -> None:
-    """The elementwise rule's factored rest (second.Factored): for the exact residual
-    rho = T(X) - H . d at corners and inside, and sign rows s (the residual's own signs,
-    the centre rows' signs, random), sum_p s_ip rho_ip <= sum_b c_ib |sum_p s_ip jc_bp| +
-    sum_p |s_ip| other_ip: what second_rows uses for the sign-fixed entries."""
-    from lsa_models.engine.second import Factored
-    model = _MLP(act, seed % 97).double()
-    om = _export(_MLP(act, seed % 97))
-    rng = np.random.default_rng(seed)
-    x0 = rng.standard_normal((1, N, D))
-    with pytest.MonkeyPatch.context() as mp:
-        calls = _capture(mp)
-        local_jacobian(om, x0, eps, "inf")
-    terms, _ = calls[-1]
-    c0 = torch.from_numpy(x0)
-    y0 = [a(u).detach().numpy().reshape(-1) for a, u in zip((model.a1, model.a2),
-                                                             model.pre(c0), strict=True)]
-    checked = 0
-    for g, ga, u, _bound in terms:
-        if u.second is None or u.second[0] is not u.term:
-            continue
-        k = [i for i in range(2) if y0[i].shape == u.center.reshape(-1).shape][0]  # 12 / 8
-        got = u.second[1](g, ga, eps)
-        assert isinstance(got, Factored)
-        hess, rest = got
-        s0 = _slope(act, model.pre(c0)[k])
-        gs = g.reshape(g.shape[0], -1)
-        for t in range(6):
-            e = _corner_or_inside(rng, x0.shape, t)
-            rho = _act_term(model, act, k, gs, s0, x0 + eps * e) - hess @ (eps * e).reshape(-1)
-            for s in (np.sign(rho), np.sign(rng.standard_normal(rho.shape)),
-                      rng.choice([-1.0, 0.0, 1.0], size=rho.shape)):
-                lhs = (s * rho).sum(axis=1)
-                rhs = sum((c * np.abs(s @ jc.T)).sum(axis=1) for c, jc in got.facs) + \
-                    (np.abs(s) * got.other).sum(axis=1)
-                assert np.all(lhs <= rhs * (1 + 1e-9) + 1e-15), float(np.max(lhs - rhs))
-        checked += 1
-    assert checked == 2
 
 
 @settings(max_examples=12, deadline=None)

@@ -7,8 +7,9 @@ maximise and minimise the functional's linear part, random corners and interior 
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -93,8 +94,14 @@ def _source(rng: np.random.Generator, shape: tuple[int, ...], ball: Ball, scale:
     return f, lambda d: torch.tanh(ct + at @ d)
 
 
-def _space(ball: Ball) -> object:
-    return affine.SPACE.set([ball.size, 0])
+@contextlib.contextmanager
+def _symbols(ball: Ball) -> Iterator[None]:
+    """A fresh symbol budget for the forms built inside (as a walk sets it)."""
+    token = affine.SPACE.set([ball.size, 0])
+    try:
+        yield
+    finally:
+        affine.SPACE.reset(token)
 
 
 EPS = st.sampled_from([1e-3, 1e-2, 1e-1, 0.5])
@@ -114,8 +121,7 @@ def test_affine_elementwise_encloses_every_functional(seed: int, eps: float, nor
                                                       kind: str) -> None:
     rng = np.random.default_rng(seed)
     ball = Ball(np.zeros(P), eps, norm)
-    token = _space(ball)
-    try:
+    with _symbols(ball):
         src, g = _source(rng, (2, 3), ball)
         fn, tfn, positive = _FNS[kind]
         if positive:  # 2 + tanh(...) > 0
@@ -128,8 +134,6 @@ def test_affine_elementwise_encloses_every_functional(seed: int, eps: float, nor
             assert positive and eps >= 0.1
             return
         _check(lambda d: tfn(g(d)), out, ball, rng)
-    finally:
-        affine.SPACE.reset(token)  # type: ignore[arg-type]
 
 
 @settings(max_examples=300, deadline=None)
@@ -139,16 +143,13 @@ def test_affine_product_encloses_every_functional(seed: int, eps: float, norm: s
                                                   kind: str) -> None:
     rng = np.random.default_rng(seed)
     ball = Ball(np.zeros(P), eps, norm)
-    token = _space(ball)
-    try:
+    with _symbols(ball):
         x, fx = _source(rng, (3, 4), ball, 2.0)
         shape = {"mul": (3, 4), "broadcast": (3, 1), "matmul": (4, 2), "square": (3, 4)}[kind]
         y, fy = (x, fx) if kind == "square" else _source(rng, shape, ball, 2.0)
         matmul = kind == "matmul"
         out = affine_rules.product(x, y, ball, matmul)
         _check(lambda d: fx(d) @ fy(d) if matmul else fx(d) * fy(d), out, ball, rng)
-    finally:
-        affine.SPACE.reset(token)  # type: ignore[arg-type]
 
 
 @settings(max_examples=300, deadline=None)
@@ -159,8 +160,7 @@ def test_affine_softmax_then_matmul_encloses_every_functional(seed: int, eps: fl
     ranges) and the product of its rows with a value matrix (the rows' changes sum to 0)."""
     rng = np.random.default_rng(seed)
     ball = Ball(np.zeros(P), eps, norm)
-    token = _space(ball)
-    try:
+    with _symbols(ball):
         z, fz = _source(rng, (2, 4), ball)
         wz = rng.standard_normal((2, 4)) * scale  # logits = wz * tanh(...) * 3
         logits = affine_rules._scale_const(z, 3 * wz, 3 * wz * z.c, np.zeros((2, 4)), ball)
@@ -176,8 +176,6 @@ def test_affine_softmax_then_matmul_encloses_every_functional(seed: int, eps: fl
         v, fv = _source(rng, (4, 3), ball, 2.0)
         out = affine_rules.product(p, v, ball, True)
         _check(lambda d: torch.softmax(tw * fz(d), -1) @ fv(d), out, ball, rng)
-    finally:
-        affine.SPACE.reset(token)  # type: ignore[arg-type]
 
 
 @settings(max_examples=300, deadline=None)
@@ -187,8 +185,7 @@ def test_affine_layernorm_encloses_every_functional(seed: int, eps: float, norm:
                                                     scale: float, ln_eps: float) -> None:
     rng = np.random.default_rng(seed)
     ball = Ball(np.zeros(P), eps, norm)
-    token = _space(ball)
-    try:
+    with _symbols(ball):
         x, fx = _source(rng, (2, 6), ball, 1.0)
         x = affine_rules._scale_const(x, np.asarray(scale), scale * x.c, np.zeros((2, 6)), ball)
         gam, beta = rng.standard_normal(6), rng.standard_normal(6)
@@ -197,8 +194,6 @@ def test_affine_layernorm_encloses_every_functional(seed: int, eps: float, norm:
         yc = tl(torch.from_numpy(x.c), (6,), tg, tb, ln_eps).numpy()
         out = affine_rules.layernorm(x, gam, beta, ln_eps, yc, ball)
         _check(lambda d: tl(scale * fx(d), (6,), tg, tb, ln_eps), out, ball, rng)
-    finally:
-        affine.SPACE.reset(token)  # type: ignore[arg-type]
 
 
 def test_affine_symbols_past_the_budget_go_to_the_box() -> None:
@@ -286,8 +281,7 @@ def test_affine_product_of_exact_forms_holds_at_every_corner(seed: int, eps: flo
     enumerated) or, on the 2-ball, along the extreme eigenvectors (sampled densely)."""
     rng = np.random.default_rng(seed)
     ball = Ball(np.zeros(P), eps, norm)
-    token = _space(ball)
-    try:
+    with _symbols(ball):
         sx, sy = (3, 4), ((4, 2) if matmul else (3, 4))
         cx, cy = rng.standard_normal(sx), rng.standard_normal(sy)
         ax, ay = rng.standard_normal((*sx, P)), rng.standard_normal((*sy, P))
@@ -310,8 +304,6 @@ def test_affine_product_of_exact_forms_holds_at_every_corner(seed: int, eps: flo
             for d in corners:
                 v = float((w * (op(cx + ax @ d, cy + ay @ d) - y0)).sum())
                 assert lo <= v <= hi, (lo, v, hi)
-    finally:
-        affine.SPACE.reset(token)  # type: ignore[arg-type]
 
 
 @settings(max_examples=200, deadline=None)
@@ -337,8 +329,7 @@ def test_affine_token_radius_holds_on_the_ball(seed: int, eps: float, norm: str)
     (inf) and random points."""
     rng = np.random.default_rng(seed)
     ball = Ball(np.zeros(P), eps, norm)
-    token = _space(ball)
-    try:
+    with _symbols(ball):
         x, fx = _source(rng, (3, 4), ball, 2.0)
         y, fy = _source(rng, (3, 4), ball, 2.0)
         out = affine_rules.product(x, y, ball, False)
@@ -352,5 +343,3 @@ def test_affine_token_radius_holds_on_the_ball(seed: int, eps: float, norm: str)
             dt = torch.from_numpy(d)
             dev = np.linalg.norm((fx(dt) * fy(dt) - y0).numpy(), axis=-1)
             assert np.all(dev <= rad), (dev, rad)
-    finally:
-        affine.SPACE.reset(token)  # type: ignore[arg-type]

@@ -129,6 +129,20 @@ def _factored_holds(rng: np.random.Generator, x0: np.ndarray, eps: float, got: A
         _signed_sums_hold(rng, got, rho)
 
 
+def _walk_at(om: OnnxModel, seed: int, eps: float) -> tuple[np.random.Generator, np.ndarray,
+                                                             dict]:
+    """(rng, X0, the enclosure's values on the inf-ball of radius eps) for a seeded centre."""
+    from lsa_models.engine import driver
+    from lsa_models.engine.values import Ball
+    rng = np.random.default_rng(seed)
+    x0 = rng.standard_normal((1, N, D))
+    module = om.module.with_dtype(torch.float64)
+    with torch.no_grad():
+        env = module.run_env(torch.from_numpy(x0))
+    values, _ = driver._walk(om, module, env, Ball(x0, eps, "inf"), None)
+    return rng, x0, values
+
+
 def _corner_or_inside(rng: np.random.Generator, shape: tuple[int, ...], t: int) -> np.ndarray:
     """A corner of the unit box for even t, a point inside it for odd t."""
     return rng.choice([-1.0, 1.0], size=shape) if t % 2 == 0 else rng.uniform(-1.0, 1.0, size=shape)
@@ -508,15 +522,9 @@ def test_factored_jacobian_deviation_holds_on_the_second_layer(seed: int, eps: f
     sum_c |sum_b w_b M_bc| dmb_c |sum_p s_p src_cp| + sum_bp |w_b| |s_p| rest_bp, with s the
     signs of the left side's own terms, at corners and inside points."""
     from lsa_models.engine import driver
-    from lsa_models.engine.values import Ball
     model = _MLP(act, seed % 97).double()
     om = _export(_MLP(act, seed % 97))
-    rng = np.random.default_rng(seed)
-    x0 = rng.standard_normal((1, N, D))
-    module = om.module.with_dtype(torch.float64)
-    with torch.no_grad():
-        env = module.run_env(torch.from_numpy(x0))
-    values, _ = driver._walk(om, module, env, Ball(x0, eps, "inf"), None)
+    rng, x0, values = _walk_at(om, seed, eps)
     u2c = model.pre(torch.from_numpy(x0))[1].detach().numpy().reshape(-1)
     hits = [v for v in values.values() if isinstance(v, driver.LocalValue)
             and v.jfac is not None and v.center.size == u2c.size
@@ -553,19 +561,13 @@ def test_elementwise_parts_alternatives_each_bound_the_term(seed: int, eps: floa
     exact in float64, at corners, inside points and the corners of the rows' own signs."""
     from lsa_models.engine import driver
     from lsa_models.engine.structured import PartsChoice, _factored
-    from lsa_models.engine.values import Ball
     m32 = _MLP(act, seed % 97)
     if saturated:  # the first activation's slope near 0 at X0, large on the ball: the
         with torch.no_grad():  # second layer's jc is small and its J(X) moves (the jfac part)
             m32.l1.bias.fill_(3.0 if act == "tanh" else -4.0)
     om = _export(m32)
     model = copy.deepcopy(m32).double()
-    rng = np.random.default_rng(seed)
-    x0 = rng.standard_normal((1, N, D))
-    module = om.module.with_dtype(torch.float64)
-    with torch.no_grad():
-        env = module.run_env(torch.from_numpy(x0))
-    values, _ = driver._walk(om, module, env, Ball(x0, eps, "inf"), None)
+    rng, x0, values = _walk_at(om, seed, eps)
     c0 = torch.from_numpy(x0)
     y2c = model.a2(model.pre(c0)[1]).detach().numpy().reshape(-1)
     hits = [v for v in values.values() if isinstance(v, driver.LocalValue)

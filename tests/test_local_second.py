@@ -596,3 +596,30 @@ def test_elementwise_parts_alternatives_each_bound_the_term(seed: int, eps: floa
         r = rows_at(e)
         for b in bounds:
             assert np.all(r <= b * (1 + 1e-9)), (r, b)
+
+
+@settings(max_examples=300, deadline=None)
+@given(seed=st.integers(0, 10**6), eps=st.sampled_from([1e-3, 1e-2, 0.1, 1.0]))
+def test_unfixed_signs_bound_every_corner(seed: int, eps: float) -> None:
+    """second._unfixed_signs: for J_ip(X) = jc_ip + H_i[p] . d + rho_ip with |rho| <= r, the
+    row sums sum_p |J_ip| at every corner d of the inf-ball (P = 6: all 64) and the worst rho
+    stay below the bound (the fixed entries: eps ||H_i[p]||_1 + r_ip < |jc_ip|)."""
+    from lsa_models.engine.second import _unfixed_signs
+    rng = np.random.default_rng(seed)
+    m, p = 3, 6
+    hess = rng.standard_normal((m, p, p)) * rng.choice([0.1, 1.0, 10.0])
+    jc = rng.standard_normal((m, p))
+    rest = np.abs(rng.standard_normal((m, p))) * eps * eps
+    ah = np.abs(hess)
+    h = eps * ah.sum(axis=2) + rest
+    fixed = h < np.abs(jc)
+    s = np.where(fixed, np.sign(jc), 0.0)
+    lin = (s[:, None, :] @ hess)[:, 0]
+    lin_err = 1e-15 * (np.abs(s)[:, None, :] @ ah)[:, 0]
+    rest_f = np.where(fixed, rest, 0.0).sum(axis=1)
+    bound = _unfixed_signs(hess, ah, lin, lin_err, np.abs(jc), rest, fixed, rest_f, eps)
+    corners = eps * np.array(np.meshgrid(*[[-1.0, 1.0]] * p)).reshape(p, -1).T  # (64, P)
+    for d in corners:
+        core = jc + hess @ d  # (M, P)
+        rows = (np.abs(core) + rest).sum(axis=1)  # the worst rho: |rho| = r, signs aligned
+        assert np.all(rows <= bound * (1 + 1e-12)), (rows, bound)

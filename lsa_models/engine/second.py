@@ -194,10 +194,43 @@ def second_rows(st: Structured, terms: list, zr: np.ndarray, jcm: np.ndarray,
             rest_f = rest_f + widen_up((c * (np.abs(proj) + err)).sum(axis=1), c.shape[1] + 2)
         part = widen_up(np.where(fixed, ajc, ajc + h).sum(axis=1), p)
         full = np.minimum(full, widen_up(part + widen_up(rest_f, len(facs) + 2) + lin1, 4))
+    else:
+        rest_f = widen_up(np.where(fixed, rest, 0.0).sum(axis=1), p)
+    full = np.minimum(full, _unfixed_signs(hess, ah, lin, lin_err, ajc, rest, fixed, rest_f,
+                                           eps))
     if not np.all(np.isfinite(full)):
         return st
     best = full if st.rows_abs is None else np.minimum(st.rows_abs, full)
     return replace(st, rows_abs=best)
+
+
+# rows with at most this many entries of unfixed sign get them enumerated (_unfixed_signs)
+MAX_UNFIXED = 12
+
+
+def _unfixed_signs(hess: np.ndarray, ah: np.ndarray, lin: np.ndarray, lin_err: np.ndarray,
+                   ajc: np.ndarray, rest: np.ndarray, fixed: np.ndarray, rest_f: np.ndarray,
+                   eps: float) -> np.ndarray:
+    """Rows whose unfixed entries U are few: sum_U |J_ip(X)| <= sum_U (|jc_ip| + r_ip) +
+    max_sigma sum_U sigma_p H_i[p] . d, so with the fixed entries' linear part v_i = sum_F s_p
+    H_i[p] the row's first-order change is at most eps max_sigma ||v_i + sum_U sigma_p H_i[p]||_1
+    (the 2^|U| sign patterns enumerated) instead of eps ||v_i||_1 + sum_U eps ||H_i[p]||_1.
+    `rest_f` bounds the fixed entries' rests (entrywise or factored). inf where not used."""
+    m, p = ajc.shape
+    out = np.full(m, np.inf)
+    for i in range(m):
+        u = np.flatnonzero(~fixed[i])
+        if u.size > MAX_UNFIXED:
+            continue
+        signs = np.array(np.meshgrid(*[[-1.0, 1.0]] * u.size)).reshape(u.size, -1).T \
+            if u.size else np.ones((1, 0))  # (2^|U|, |U|)
+        tot = lin[i][None, :] + signs @ hess[i][u]  # (2^|U|, P)
+        err = lin_err[i] + gamma(u.size + 2) * ah[i][u].sum(axis=0)
+        first = widen_up(eps * widen_up((np.abs(tot) + err).sum(axis=1).max(), p), 2)
+        base = widen_up(ajc[i][~fixed[i]].sum() + rest[i][~fixed[i]].sum()
+                        + ajc[i][fixed[i]].sum(), p)
+        out[i] = widen_up(base + rest_f[i] + first, 4)
+    return out
 
 
 class Factored(tuple):

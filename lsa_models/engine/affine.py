@@ -70,13 +70,19 @@ MAX_FORM_ENTRIES = 30_000_000
 SPACE: ContextVar[list[int] | None] = ContextVar("affine_symbols", default=None)
 
 
+def split_lin(x: Aff, ball: Ball) -> tuple[np.ndarray, np.ndarray]:
+    """(>= |a_in d| over the ball, >= sum_q |a_q| over the symbols), entrywise."""
+    p = ball.size
+    li = _up(ball.eps * dual_row_norms(np.abs(x.a[..., :p]), ball.norm), 2)
+    if x.a.shape[-1] > p:
+        return li, _up(np.abs(x.a[..., p:]).sum(axis=-1), x.a.shape[-1] - p + 2)
+    return li, np.zeros_like(li)
+
+
 def lin(x: Aff, ball: Ball) -> np.ndarray:
     """>= |a d| + sum |a_q| over the ball and the symbols, entrywise."""
-    p = ball.size
-    out = ball.eps * dual_row_norms(np.abs(x.a[..., :p]), ball.norm)
-    if x.a.shape[-1] > p:
-        out = out + _up(np.abs(x.a[..., p:]).sum(axis=-1), x.a.shape[-1] - p + 2)
-    return _up(out, 2)
+    li, ls = split_lin(x, ball)
+    return _up(li + ls, 2)
 
 
 def _cols(a: np.ndarray, n: int) -> np.ndarray:

@@ -33,9 +33,10 @@ from .affine import (
     lin,
     narrow,
     ranges,
+    split_lin,
 )
 from .primitives import probability_ranges
-from .values import Ball, center_margin, dual_row_norms, gamma
+from .values import Ball, center_margin, gamma
 
 CTX = RunContext(torch.float64)
 
@@ -220,15 +221,6 @@ def _scaled(x: Aff, lam: np.ndarray, err: np.ndarray, c: np.ndarray, m: np.ndarr
 MAX_QUAD_ENTRIES = 8_000_000
 
 
-def _split_lin(x: Aff, ball: Ball) -> tuple[np.ndarray, np.ndarray]:
-    """(input part, symbol part) of lin(x)."""
-    p = ball.size
-    li = _up(ball.eps * dual_row_norms(np.abs(x.a[..., :p]), ball.norm), 2)
-    if x.a.shape[-1] > p:
-        return li, _up(np.abs(x.a[..., p:]).sum(axis=-1), x.a.shape[-1] - p + 2)
-    return li, np.zeros_like(li)
-
-
 def _quadratic(ux: np.ndarray, uy: np.ndarray, ball: Ball, bound: np.ndarray
                ) -> tuple[np.ndarray, np.ndarray] | None:
     """An enclosure of sum_j (ux_ij . d)(uy_jk . d) over the ball for every (i, k): d^T M d
@@ -294,9 +286,9 @@ def product(x: Aff, y: Aff, ball: Ball, matmul: bool, out_c: np.ndarray | None =
         # sum_j Dx_ij = 0 for the true values, so Dx @ y0 = Dx @ (y0 - mu) for any row mu:
         # the middle of every column of y's centre
         ycx = y.c - 0.5 * (y.c.max(axis=-2, keepdims=True) + y.c.min(axis=-2, keepdims=True))
-    lx, ly = lin(x, ball), lin(y, ball)
-    lix, lsx = _split_lin(x, ball)
-    liy, lsy = _split_lin(y, ball)
+    lix, lsx = split_lin(x, ball)
+    liy, lsy = split_lin(y, ball)
+    lx, ly = _up(lix + lsx, 2), _up(liy + lsy, 2)  # lin(x), lin(y)
     dxlo, dxhi = dev(x, ball)
     dylo, dyhi = dev(y, ball)
     fx = np.maximum(np.abs(dxlo), np.abs(dxhi))

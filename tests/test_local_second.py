@@ -623,3 +623,42 @@ def test_unfixed_signs_bound_every_corner(seed: int, eps: float) -> None:
         core = jc + hess @ d  # (M, P)
         rows = (np.abs(core) + rest).sum(axis=1)  # the worst rho: |rho| = r, signs aligned
         assert np.all(rows <= bound * (1 + 1e-12)), (rows, bound)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10**6), eps=st.sampled_from([1e-3, 1e-2, 0.1, 0.5]))
+def test_signed_c2_bounds_the_ops_change_mixed_by_the_jfac_map(seed: int, eps: float) -> None:
+    """second._signed_c2 with delta = 1 bounds |sum_c G_ic fm_cb (f'(u_c(X)) - f'(u_c(X0)))|
+    for y = tanh(u), u = A x linear (jc = A exactly, eps_c = 0), m = f''(u0) and
+    e_c = sup|f'''| du_c^2 / 2, at the corners that extremise each (i, b)'s linear part and at
+    random corners: the first-order part is kept signed over c, so at small eps the bound is
+    nearly attained (a 0.3x first-order part fails there)."""
+    from lsa_models.engine.second import _signed_c2
+    rng = np.random.default_rng(seed)
+    k, b, bs, p = 2, 6, 5, 7
+    a = rng.standard_normal((b, p))
+    u0 = rng.standard_normal(b)
+    g = rng.standard_normal((k, b))
+    fm = rng.standard_normal((b, bs))
+    t0 = np.tanh(u0)
+    m = -2.0 * t0 * (1.0 - t0 ** 2)  # tanh''
+    du = eps * np.abs(a).sum(axis=1)
+    e = 0.5 * 2.0 * du ** 2  # |tanh'''| <= 2
+    c = np.abs(g) * e
+    bound = _signed_c2(g, fm, m, a, np.abs(a), c, np.ones(bs), eps)  # (k, Bs)
+    assert np.all(np.isfinite(bound))
+
+    def change(d: np.ndarray) -> np.ndarray:  # (k, Bs) exact
+        dd = (1.0 - np.tanh(u0 + a @ d) ** 2) - (1.0 - t0 ** 2)
+        return (g * dd) @ fm
+
+    lin = np.einsum("kc,cb,cp->kbp", g * m, fm, a)
+    pts = [eps * np.sign(lin[i, j]) for i in range(k) for j in range(bs)]
+    pts += [eps * rng.choice([-1.0, 1.0], size=p) for _ in range(4)]
+    worst = 0.0
+    for d in pts:
+        got = np.abs(change(d))
+        assert np.all(got <= bound * (1 + 1e-12)), float(np.max(got - bound))
+        worst = max(worst, float(np.max(got / bound)))
+    if eps <= 1e-2:  # the first-order part dominates: the bound is nearly attained
+        assert worst > 0.3

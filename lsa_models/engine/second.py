@@ -110,11 +110,37 @@ def elementwise_second(v: LocalValue, dm: np.ndarray, mc: np.ndarray,
         # (LocalValue.jfac): sum_c G_ic dD_c R_cp's first part is one scalar per source entry
         fm, dmb, src, frest = fac
         c2 = widen_up((gd @ np.abs(fm)) * dmb, fm.shape[1] + 4)  # (M, Bs)
+        c2 = np.minimum(c2, _signed_c2(gs, fm, m, jc, ajc, c, dmb, eps))
         other2 = widen_up(gd @ frest + base, jc.shape[0] + 8)
         rest2 = widen_up(c @ ajc + c2 @ np.abs(src) + other2, jc.shape[0] + src.shape[0] + 8)
         return Factored(hess, np.minimum(rest, rest2), [(c, jc), (c2, src)], other2)
 
     return fn
+
+
+# (M, Bs, P) entries of the signed first-order parts in _signed_c2; beyond, the absolute c2
+MAX_SIGNED_C2_ENTRIES = 4_000_000
+
+
+def _signed_c2(gs: np.ndarray, fm: np.ndarray, m: np.ndarray, jc: np.ndarray,
+               ajc: np.ndarray, c: np.ndarray, dmb: np.ndarray, eps: float) -> np.ndarray:
+    """|beta_ib| for the jfac part with the op's first-order change kept signed over b:
+    beta_ib = delta_b sum_c G_ic fm_cb dD_c, and dD_c = m_c jc_c . d + w_c with
+    |w_c| <= |m_c| |eps_c| + |e_c|, whose bound per (i, c) is `c` (the per-b scalars' part /
+    |G_ic|, here used with G), so
+      |sum_c G_ic fm_cb dD_c| <= eps ||sum_c G_ic fm_cb m_c jc_c||_1 + sum_c |fm_cb| c_ic
+    (the first sum signed: cancellations over c kept, unlike sum_c |G_ic| sup|dD_c| |fm_cb|).
+    inf where the (M, Bs, P) array would be too large."""
+    k, b = gs.shape
+    bs, p = fm.shape[1], jc.shape[1]
+    if k * bs * p > MAX_SIGNED_C2_ENTRIES:
+        return np.full((k, bs), np.inf)
+    gm = gs * m  # (M, B)
+    lin = np.swapaxes(gm[:, :, None] * fm[None], 1, 2) @ jc  # (M, Bs, P), BLAS
+    err = gamma(b + 2) * ((np.abs(gm) * ajc.sum(axis=1)) @ np.abs(fm))
+    first = widen_up(eps * (widen_up(np.abs(lin).sum(axis=2), p) + err), 2)
+    w = widen_up(c @ np.abs(fm), b + 2)  # c_ic >= |G_ic| (|m_c| |eps_c| + |e_c|)
+    return widen_up((first + w) * dmb, 3)
 
 
 def eps_part(v: LocalValue) -> Callable[[float], np.ndarray]:

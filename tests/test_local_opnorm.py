@@ -67,6 +67,45 @@ def test_ln_block_and_z_radius_bound_the_exact_change(seed: int, d: int, scale: 
         assert np.linalg.norm(z1 - z0) <= zrad[0] * (1 + 1e-9)
 
 
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10**6), d=st.sampled_from([3, 4, 16]),
+       scale=st.sampled_from([1e-3, 0.05, 1.0, 30.0]), eps=st.sampled_from([1e-5, 1e-2, 1.0]),
+       frac=st.sampled_from([1e-5, 1e-3, 0.1, 0.6]))
+def test_ln_derivative_block_is_attained_along_its_worst_direction(seed: int, d: int,
+                                                                   scale: float, eps: float,
+                                                                   frac: float) -> None:
+    """ln_block_norms' derivative form (rules.ln_derivative_block): never below the exact
+    ||S(u0 + du) - S(u0)||_2 along the direction that maximises ||DS[du]|| (alpha^2 =
+    1 / (3 - 3 kappa) of du along z, the rest orthogonal; all along z once kappa > 2/3) nor at
+    random points, and within 1% of it there for a small radius (a 0.9x bound fails)."""
+    rng = np.random.default_rng(seed)
+    x0 = rng.standard_normal(d) * scale
+    u0 = x0 - x0.mean()
+    norm0 = float(np.linalg.norm(u0))
+    rho = frac * norm0
+    zhat = u0 / norm0
+    t = rng.standard_normal(d)
+    t -= t.mean()
+    t -= zhat * np.dot(t, zhat)
+    t /= np.linalg.norm(t)
+    kappa = eps / (norm0 * norm0 / d + eps)
+    c2 = 1.0 if kappa > 2.0 / 3.0 else 1.0 / (3.0 - 3.0 * kappa)
+    worst = np.sqrt(c2) * zhat + np.sqrt(1.0 - c2) * t
+    uc = u0.reshape(1, d)
+    u = LocalValue(uc, uc, uc, np.zeros((1, d, 1)), np.zeros((1, d, 1)))
+    block = float(ln_block_norms(u, np.array([[norm0]]), np.array([[rho]]), d, eps)[0])
+    _, s0 = _ln_parts(u0, eps)
+    got = []
+    for du in (worst, -worst, rng.standard_normal(d)):
+        du = du - du.mean()
+        du *= rho / np.linalg.norm(du)
+        _, s1 = _ln_parts(u0 + du, eps)
+        got.append(np.linalg.norm(s1 - s0, 2))
+        assert got[-1] <= block * (1 + 1e-9), (got[-1], block)
+    if frac <= 1e-3:
+        assert max(got[:2]) >= 0.99 * block, (got, block)
+
+
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10**6), norm=st.sampled_from(["2", "inf"]),
        eps=st.sampled_from([1e-3, 0.1, 2.0]), tokens=st.sampled_from([1, 3]))

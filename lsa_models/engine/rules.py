@@ -380,8 +380,29 @@ def ln_block_norms(u: LocalValue, norm0: np.ndarray, rho: np.ndarray, d: int, ep
     w_hi = 1.0 / np.sqrt(s_lo) * (1 + 1e-12)
     dw = (w_hi - w_lo) * (1 + 1e-12)
     dz = widen_up(r * w_hi, 2)
+    if z_radius:
+        return dz[..., 0]
     block = widen_up(dw + 2 * w_hi * dz / np.sqrt(d), 4) * (1 + 1e-12)
-    return (dz if z_radius else block)[..., 0]
+    return np.minimum(block, ln_derivative_block(r, s_lo, s_hi, d, eps))[..., 0]
+
+
+def ln_derivative_block(r: np.ndarray, s_lo: np.ndarray, s_hi: np.ndarray, d: int,
+                        eps: float) -> np.ndarray:
+    """||S(u) - S(u0)||_2 <= R sup ||DS||, the sup over the ball ||u - u0|| <= R (in range(P))
+    where sigma^2 = s lies in [s_lo, s_hi] (docs/local-bounds.md, "LayerNorm's Jacobian change
+    by its derivative"): with n = ||u||, z = u w, zeta = ||z||, kappa = 1 - zeta^2 / D = eps w^2,
+    and du = alpha zhat + beta t (t a unit vector orthogonal to z in range(P)),
+      DS[du] = -(w^2 zeta / D) ([[alpha, beta], [beta, 3 kappa alpha]] on span(t, zhat),
+                                alpha I on the rest of range(P), 0 on the constants),
+    whose largest |eigenvalue| over alpha^2 + beta^2 = 1 is F(kappa) = 2 / sqrt(3 (1 - kappa))
+    (kappa <= 2/3) or 3 kappa; w^2 zeta / D = sqrt((s - eps) / D) / s^1.5 peaks at s = 1.5 eps
+    (increasing below, decreasing above), F increases with kappa <= eps / s_lo."""
+    s_star = np.clip(1.5 * eps, s_lo, s_hi)
+    h = np.sqrt(np.maximum(s_star - eps, 0.0) / d) / s_star ** 1.5
+    kappa = np.minimum(eps / s_lo * (1 + 1e-12), 1.0)
+    f = np.where(kappa <= 2.0 / 3.0, 2.0 / np.sqrt(3.0 * np.maximum(1.0 - kappa, 1e-300)),
+                 3.0 * kappa)
+    return widen_up(r * h * f, 8)
 
 
 @register_local

@@ -395,3 +395,48 @@ def test_opnorm_matmul_bounds_the_bilinear_jacobian_change(seed: int, eps: float
     for dvec in dirs + [top, -top]:
         x = x0 + eps * dvec / np.linalg.norm(dvec)
         assert np.linalg.norm(g2 @ (jy(x) - j0), 2) <= bound * (1 + 1e-9)
+
+
+def _softmax_jac(z: np.ndarray) -> np.ndarray:
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    return np.diag(p) - np.outer(p, p)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10**6), n=st.sampled_from([2, 3, 8]),
+       scale=st.sampled_from([0.1, 1.0, 5.0]), rho=st.sampled_from([1e-3, 0.1, 1.0, 4.0]))
+def test_softmax_derivative_block_bounds_the_exact_change(seed: int, n: int, scale: float,
+                                                          rho: float) -> None:
+    """primitives._softmax_derivative_block: ||S(z) - S(z0)||_2 <= rho / sqrt(2) for every z
+    with ||z - z0||_2 <= rho (the row's token radius), S = diag(p) - p p^T; at random points
+    and after projected ascent on ||S(z) - S(z0)||_2, which reaches 0.385 of the bound
+    (sqrt(2/27) sqrt(2)) at small rho: a 0.3x bound fails."""
+    from lsa_models.engine.primitives import _softmax_derivative_block
+    rng = np.random.default_rng(seed)
+    z0 = rng.standard_normal((2, n)) * scale  # two rows
+    v = LocalValue(z0, z0 - rho, z0 + rho, np.zeros((2, n, 1)), np.zeros((2, n, 1)))
+    v.tok_rad = np.full((2, 1), rho)
+    block = _softmax_derivative_block(v, Ball(np.zeros(1), 1.0, "2"))
+    zt = torch.tensor(z0[0], dtype=torch.float64)
+
+    def change(z: torch.Tensor) -> torch.Tensor:
+        p = torch.softmax(z, 0)
+        s = torch.diag(p) - torch.outer(p, p)
+        p0t = torch.softmax(zt, 0)
+        return torch.linalg.matrix_norm(s - (torch.diag(p0t) - torch.outer(p0t, p0t)), 2)
+
+    for _ in range(3):
+        dz = rng.standard_normal(n)
+        z = torch.tensor(z0[0] + dz * rho / np.linalg.norm(dz), requires_grad=True)
+        for _ in range(25):  # projected ascent on the sphere of radius rho
+            (g,) = torch.autograd.grad(change(z), z)
+            with torch.no_grad():
+                d = z + 0.2 * rho * g / (g.norm() + 1e-300) - zt
+                z = (zt + d * rho / d.norm()).requires_grad_(True)
+            assert float(change(z)) <= block * (1 + 1e-9), (float(change(z)), block)
+    for _ in range(20):
+        dz = rng.standard_normal(n)
+        z1 = z0[0] + dz * rho * rng.uniform() / np.linalg.norm(dz)
+        got = np.linalg.norm(_softmax_jac(z1) - _softmax_jac(z0[0]), 2)
+        assert got <= block * (1 + 1e-9), (got, block)

@@ -95,7 +95,14 @@ def group_radius(v: LocalValue, ball: Ball, axes: int) -> np.ndarray:
     box = np.sqrt(widen_up(np.square(v.rad.reshape(-1, m)).sum(axis=1), m)) * (1 + 4 * U)
     mg = center_margin(v.center).reshape(-1, m)
     mn = np.sqrt(widen_up(np.square(mg).sum(axis=1), m)) * (1 + 4 * U)
-    return widen_up(np.minimum(form, box) + 2 * mn, 2).reshape(lead)
+    best = np.minimum(form, box)
+    if v.tok_true is not None and v.tok_true.size * shape[-1] == v.center.size:
+        # the tokens' (last axis rows') telescoped radii (driver.tighten): the group's
+        # Frobenius change is the root sum of its rows' squared changes
+        t = v.tok_true.reshape(-1, m // shape[-1])
+        best = np.minimum(best, np.sqrt(widen_up(np.square(t).sum(axis=1), t.shape[1]))
+                          * (1 + 4 * U))
+    return widen_up(best + 2 * mn, 2).reshape(lead)
 
 
 def elementwise(g_scale: np.ndarray, jc_in: np.ndarray, jr_in: np.ndarray,

@@ -555,10 +555,26 @@ def softmax(v: LocalValue, axis: int, out_center: np.ndarray, ball: Ball) -> Loc
     if ball.norm == "inf" and ax == len(v.shape) - 1:
         out.second = (out.term, softmax_second(v, plo, phi, pc, mc, term, sfn))
     if ball.norm == "2":
-        out.opnorm = (out.term, opnorm.blockwise(_softmax_block(plo, phi, sr + sr0), v.jc, v.jr,
-                                             known=v.jnorm))
+        block = _softmax_block(plo, phi, sr + sr0)
+        if ax == len(v.shape) - 1:
+            block = min(block, _softmax_derivative_block(v, ball))
+        out.opnorm = (out.term, opnorm.blockwise(block, v.jc, v.jr, known=v.jnorm))
     return out
 
+
+def _softmax_derivative_block(v: LocalValue, ball: Ball) -> float:
+    """max over rows of a bound on ||S(z(X)) - S(z(X0)))||_2 (softmax over the last axis, S =
+    diag(p) - p p^T the Hessian of log-sum-exp) by the mean value inequality in the logits:
+    DS[dz] is symmetric with u^T DS[dz] u = E_p[(dz - E_p dz)(u - E_p u)^2] = Cov_p(A, B^2)
+    (A = dz - E dz, B = u - E u: the third cumulant), and by Grüss's inequality
+    |Cov(A, B^2)| <= (1/4) range(A) range(B^2) <= (1/4) sqrt(2) ||dz|| 2 ||u||^2 (a vector's
+    range is at most sqrt 2 times its 2-norm; B^2 lies in [0, range(u)^2]), so
+    ||DS[dz]||_2 <= ||dz||_2 / sqrt(2) (the two-point sup is sqrt(2/27) = 0.272 of it);
+    ||dz||_2 <= the row's token radius (telescoped in the operator norm, driver.tighten) or
+    its group radius."""
+    rad = v.tok_rad if v.tok_rad is not None else \
+        opnorm.group_radius(v, ball, 1)[..., None]
+    return float(np.max(widen_up(rad * (math.sqrt(0.5) * (1 + 1e-15)), 2)))
 
 def _softmax_block(plo: np.ndarray, phi: np.ndarray, srs: np.ndarray) -> float:
     """max over rows of a bound on ||S(X) - S(X0)||_2, S = diag(p) - p p^T: with

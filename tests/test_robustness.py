@@ -97,3 +97,23 @@ def test_robustness_takes_the_larger_route_and_names_it(tmp_path: Path) -> None:
     fractions = [p for _, p in stages]
     assert fractions == sorted(fractions) and stages[0][0].startswith("affine radius: tried")
     assert stages[-1][0].startswith("radius sweep 3/3, certified ")
+
+
+def test_sweep_stops_once_it_cannot_pass_the_other_routes_radius(mlp_path: Path) -> None:
+    """local._sweep with `floor` (the affine route's radius) stops as soon as its margins
+    left over the pieces, at the last ball's constants, cannot carry it past the floor: with
+    a floor beyond any reach it stops after the first piece; with none it runs on, and what
+    it certified before stopping is what the full sweep had certified at that piece."""
+    from lsa_models.engine.local import _sweep
+    om = load_onnx(mlp_path.read_bytes())
+    x0 = center(5).numpy().astype(np.float64)
+    logits = om.module.with_dtype(torch.float64)(torch.from_numpy(x0)).reshape(-1).detach()
+    label = int(logits.argmax())
+    margins = {j: float(logits[label] - logits[j]) - 1e-6 for j in range(logits.numel())
+               if j != label}
+    full, runs_full, _ = _sweep(om, x0, "inf", label, margins, 30)
+    cut, runs_cut, _ = _sweep(om, x0, "inf", label, margins, 30, floor=10.0)
+    assert runs_cut == 2 < runs_full
+    assert 0 < cut <= full
+    same, runs_same, _ = _sweep(om, x0, "inf", label, margins, 30, floor=1e-9)
+    assert (same, runs_same) == (full, runs_full)

@@ -311,6 +311,12 @@ def _sweep(om: OnnxModel, x: np.ndarray, norm: str, label: int, margins: dict[in
                     best, consts = part, c
             width *= SWEEP_SHRINK
         _tick(progress, runs, steps, max(best, floor))
+        if c is not None and floor > 0 and \
+                prev + min((margins[j] - spent[j]) / c[j] for j in c) <= floor:
+            # the pieces so far leave the margins at most this far with the constants of
+            # the last ball, and the constants grow with the radius: the sweep will not pass
+            # the other route's radius (a cutoff for time only: either radius is sound)
+            break
     return best, runs, consts
 
 

@@ -381,7 +381,12 @@ def matmul_second(a: LocalValue, b: LocalValue, ar2: np.ndarray, br2: np.ndarray
         t1 = (g @ jbz).reshape(k, -1, p)  # (K, batch X Y, P): sum_z G_xz jc_B,yz,q
         m1 = np.swapaxes(jaf, 0, 1)[None] @ t1  # (K, P, P)
         hess = m1 + np.swapaxes(m1, 1, 2)
-        m1abs = np.abs(np.swapaxes(jaf, 0, 1))[None] @ (ag @ ajbz).reshape(k, -1, p)
+        # the row and column sums of |jc_A|^T (|G| |jc_B|) (K, P, P), for hess's rounding,
+        # without forming it: sum_q (A Y)_pq = A (Y 1), sum_p (A Y)_pq = (1^T A) Y
+        yab = (ag @ ajbz).reshape(k, -1, p)  # (K, batch X Y, P)
+        n_in = yab.shape[1]
+        m1rows = widen_up(yab.sum(axis=2) @ np.abs(jaf), n_in + p)  # (K, P)
+        m1cols = widen_up(np.einsum("n,knp->kp", np.abs(jaf).sum(axis=1), yab), n_in + p)
         rest = (
             (ag @ sw(epsb(eps).reshape(b.shape))).reshape(k, -1) @ aja.reshape(-1, p)
             + (ag @ sw(br2)).reshape(k, -1) @ a.jr.reshape(-1, p)
@@ -389,7 +394,7 @@ def matmul_second(a: LocalValue, b: LocalValue, ar2: np.ndarray, br2: np.ndarray
             + (sw(ar2) @ ag).reshape(k, -1) @ b.jr.reshape(-1, p)
             + term(np.maximum(ga - ag, 0.0))
             # the rounding of the sums forming hess, times |d| <= eps
-            + gamma(a.shape[-2] * y * z + 4) * eps * (m1abs.sum(axis=2) + m1abs.sum(axis=1))
+            + gamma(a.shape[-2] * y * z + 4) * eps * (m1rows + m1cols)
         )
         return hess, widen_up(rest, a.shape[-2] * y * z + p + 8)
 
@@ -428,13 +433,15 @@ def mul_second(a: LocalValue, b: LocalValue, shape: tuple[int, ...], ar2: np.nda
         ag = np.abs(gs)
         m1 = np.swapaxes(gs[:, :, None] * ja[None], 1, 2) @ jb  # (K, P, P)
         hess = m1 + np.swapaxes(m1, 1, 2)
-        m1abs = np.swapaxes(ag[:, :, None] * aja[None], 1, 2) @ ajb
+        # row and column sums of sum_y |G_iy| |jc_A,y| (x) |jc_B,y| for hess's rounding
+        m1rows = widen_up((ag * ajb.sum(axis=1)) @ aja, ny + p)  # (K, P)
+        m1cols = widen_up((ag * aja.sum(axis=1)) @ ajb, ny + p)
         ea = at_y(epsa(eps).reshape(a.shape))
         eb = at_y(epsb(eps).reshape(b.shape))
         rest = ((ag * eb) @ aja + (ag * db) @ jra + (ag * ea) @ ajb + (ag * da) @ jrb
                 + term(np.maximum(ga - np.abs(g), 0.0))
                 # the rounding of the sums forming hess, times |d| <= eps
-                + gamma(ny + 4) * eps * (m1abs.sum(axis=2) + m1abs.sum(axis=1)))
+                + gamma(ny + 4) * eps * (m1rows + m1cols))
         return hess, widen_up(rest, ny + p + 8)
 
     return fn

@@ -160,6 +160,17 @@ def test_opnorm_elementwise_and_blockwise_bound_the_worst_scalings(seed: int, k:
         big[:3, :3], big[3:, 3:] = blocks
         j = jc + jr * rng.choice([-1.0, 1.0], size=jc.shape)
         assert np.linalg.norm(g @ np.diag(np.tile(c, 2)) @ big @ j, 2) <= bound * (1 + 1e-12)
+    # per-block bounds (0.7 and 0.2, the blocks the last axis's rows): sqrt(sum ||G_t||^2 b_t^2)
+    fp = op.blockwise(0.7, jc, jr, scale=c, blocks=np.array([0.7, 0.2]))
+    per = fp(g.reshape(k, 2, 3))
+    assert per <= bound
+    for _ in range(8):
+        big = np.zeros((n, n))
+        for t, b in enumerate((0.7, 0.2)):
+            e = rng.standard_normal((3, 3))
+            big[3 * t:3 * t + 3, 3 * t:3 * t + 3] = e * b / np.linalg.norm(e, 2)
+        j = jc + jr * rng.choice([-1.0, 1.0], size=jc.shape)
+        assert np.linalg.norm(g @ np.diag(np.tile(c, 2)) @ big @ j, 2) <= per * (1 + 1e-12)
 
 
 @pytest.fixture(scope="module")
@@ -417,7 +428,7 @@ def test_softmax_derivative_block_bounds_the_exact_change(seed: int, n: int, sca
     z0 = rng.standard_normal((2, n)) * scale  # two rows
     v = LocalValue(z0, z0 - rho, z0 + rho, np.zeros((2, n, 1)), np.zeros((2, n, 1)))
     v.tok_rad = np.full((2, 1), rho)
-    block = _softmax_derivative_block(v, Ball(np.zeros(1), 1.0, "2"))
+    block = float(_softmax_derivative_block(v, Ball(np.zeros(1), 1.0, "2"))[0])
     zt = torch.tensor(z0[0], dtype=torch.float64)
 
     def change(z: torch.Tensor) -> torch.Tensor:

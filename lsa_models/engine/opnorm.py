@@ -133,16 +133,27 @@ def elementwise(g_scale: np.ndarray, jc_in: np.ndarray, jr_in: np.ndarray,
 
 
 def blockwise(block_bound: float, jc_in: np.ndarray, jr_in: np.ndarray,
-              scale: np.ndarray | None = None, known: float | None = None) -> OpNorm:
+              scale: np.ndarray | None = None, known: float | None = None,
+              blocks: np.ndarray | None = None) -> OpNorm:
     """D(X) - D(X0) = diag(scale) blockdiag(E_t) with ||E_t||_2 <= block_bound for every
-    block (LayerNorm per token, softmax per row): ||G diag(scale) blockdiag(E)||_2
-    <= ||G diag(scale)||_2 max_t ||E_t||_2 (G reshaped with the blocks' entries as columns,
-    a permutation of them, which keeps the norm)."""
+    block (LayerNorm per token, softmax per row: the blocks are the last axis's rows):
+    ||G diag(scale) blockdiag(E)||_2 <= ||G diag(scale)||_2 max_t ||E_t||_2 (G reshaped with
+    the blocks' entries as columns, a permutation of them, which keeps the norm). With
+    `blocks` (one bound per block, (*S[:-1],)): G blockdiag(E) = [G_1 E_1, ..., G_T E_T] has
+    norm <= sqrt(sum_t ||G_t||_2^2 ||E_t||_2^2) (||[A_1 ... A_T]||^2 <= sum ||A_t||^2),
+    whichever is smaller."""
     ln = jacobian_norm(jc_in, jr_in, known)
 
     def fn(g: np.ndarray) -> float:
         gs = g if scale is None else g * scale
-        return mul_up(rows_norm(gs), block_bound, ln())
+        out = mul_up(rows_norm(gs), block_bound, ln())
+        if blocks is not None and blocks.size * gs.shape[-1] * gs.shape[0] == gs.size:
+            k, d = gs.shape[0], gs.shape[-1]
+            gt = np.moveaxis(gs.reshape(k, -1, d), 1, 0)  # (T, K, D)
+            sq = np.square(sigma_max_upper(gt) * blocks.reshape(-1) * (1 + 4 * U))
+            out = min(out, mul_up(math.sqrt(float(widen_up(sq.sum(), sq.size)))
+                                  * (1 + 4 * U), ln()))
+        return out
     return fn
 
 

@@ -555,15 +555,17 @@ def softmax(v: LocalValue, axis: int, out_center: np.ndarray, ball: Ball) -> Loc
     if ball.norm == "inf" and ax == len(v.shape) - 1:
         out.second = (out.term, softmax_second(v, plo, phi, pc, mc, term, sfn))
     if ball.norm == "2":
-        block = _softmax_block(plo, phi, sr + sr0)
-        if ax == len(v.shape) - 1:
-            block = min(block, _softmax_derivative_block(v, ball))
-        out.opnorm = (out.term, opnorm.blockwise(block, v.jc, v.jr, known=v.jnorm))
+        rows = _softmax_block(plo, phi, sr + sr0)
+        last = ax == len(v.shape) - 1
+        if last:
+            rows = np.minimum(rows, _softmax_derivative_block(v, ball))
+        out.opnorm = (out.term, opnorm.blockwise(float(rows.max()), v.jc, v.jr, known=v.jnorm,
+                                                 blocks=rows if last else None))
     return out
 
 
-def _softmax_derivative_block(v: LocalValue, ball: Ball) -> float:
-    """max over rows of a bound on ||S(z(X)) - S(z(X0)))||_2 (softmax over the last axis, S =
+def _softmax_derivative_block(v: LocalValue, ball: Ball) -> np.ndarray:
+    """Per row (...,) a bound on ||S(z(X)) - S(z(X0))||_2 (softmax over the last axis, S =
     diag(p) - p p^T the Hessian of log-sum-exp) by the mean value inequality in the logits:
     DS[dz] is symmetric with u^T DS[dz] u = E_p[(dz - E_p dz)(u - E_p u)^2] = Cov_p(A, B^2)
     (A = dz - E dz, B = u - E u: the third cumulant), and by Grüss's inequality
@@ -574,10 +576,10 @@ def _softmax_derivative_block(v: LocalValue, ball: Ball) -> float:
     its group radius."""
     rad = v.tok_rad if v.tok_rad is not None else \
         opnorm.group_radius(v, ball, 1)[..., None]
-    return float(np.max(widen_up(rad * (math.sqrt(0.5) * (1 + 1e-15)), 2)))
+    return widen_up(rad[..., 0] * (math.sqrt(0.5) * (1 + 1e-15)), 2)
 
-def _softmax_block(plo: np.ndarray, phi: np.ndarray, srs: np.ndarray) -> float:
-    """max over rows of a bound on ||S(X) - S(X0)||_2, S = diag(p) - p p^T: with
+def _softmax_block(plo: np.ndarray, phi: np.ndarray, srs: np.ndarray) -> np.ndarray:
+    """Per row (...,) a bound on ||S(X) - S(X0)||_2, S = diag(p) - p p^T: with
     dp = phi - plo >= |p(X) - p(X0)| (both in the range), Delta S = diag(Delta p)
     - Delta p p^T - p0 Delta p^T, so ||Delta S||_2 <= max|dp| + 2 ||dp||_2 (||p||_2 <= 1);
     or the nonnegative majorant srs of its entries, whichever is smaller."""
@@ -585,7 +587,7 @@ def _softmax_block(plo: np.ndarray, phi: np.ndarray, srs: np.ndarray) -> float:
     dp = widen_up(phi - plo, 2)
     analytic = widen_up(dp.max(axis=-1) + 2 * np.sqrt(widen_up(np.square(dp).sum(axis=-1), n))
                         * (1 + 4 * U), 2)
-    return float(np.minimum(analytic, opnorm.nonneg_block_norms(srs)).max()) * (1 + 4 * U)
+    return np.minimum(analytic, opnorm.nonneg_block_norms(srs)) * (1 + 4 * U)
 
 
 def _softmax_signed(out: LocalValue, ax: int, pc: np.ndarray, srs: np.ndarray, ball: Ball

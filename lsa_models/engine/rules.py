@@ -357,7 +357,7 @@ def layernorm(x: LocalValue, gamma: np.ndarray, beta: np.ndarray | None, eps: fl
     if ball.norm == "2":
         block = np.minimum(ln_block_norms(u, norm0, rho, d, eps), nonneg_block_norms(srs))
         out.opnorm = (term, op_blockwise(float(block.max()) * (1 + 4 * U), x.jc, x.jr, g,
-                                         x.jnorm))
+                                         x.jnorm, blocks=block * (1 + 4 * U)))
     return out
 
 

@@ -293,6 +293,7 @@ def _sweep(om: OnnxModel, x: np.ndarray, norm: str, label: int, margins: dict[in
     first = min(margins[j] / max(c0[j], 1e-300) for j in c0)
     spent = dict.fromkeys(c0, 0.0)  # S_j: the sum over the pieces so far
     prev, best, width, runs, consts = 0.0, 0.0, first * SWEEP_START, 1, dict[int, float]()
+    last_ok: dict[int, float] = {}  # the constants of the last certified piece
     # stop when a piece would add less than SWEEP_MIN_GAIN of the radius reached
     while runs < steps and width > max(first * 1e-6, best * SWEEP_MIN_GAIN):
         runs += 1
@@ -300,7 +301,7 @@ def _sweep(om: OnnxModel, x: np.ndarray, norm: str, label: int, margins: dict[in
         c = _constants_at(om, x, rho, norm, label)
         after = None if c is None else {j: spent[j] + width * c[j] for j in c}
         if c is not None and after is not None and all(margins[j] - after[j] > 0 for j in c):
-            spent, prev, consts = after, rho, c
+            spent, prev, consts, last_ok = after, rho, c, c
             best = max(best, prev)
             width = max(width, prev * (SWEEP_RATIO - 1))
         else:
@@ -311,11 +312,11 @@ def _sweep(om: OnnxModel, x: np.ndarray, norm: str, label: int, margins: dict[in
                     best, consts = part, c
             width *= SWEEP_SHRINK
         _tick(progress, runs, steps, max(best, floor))
-        if c is not None and floor > 0 and \
-                prev + min((margins[j] - spent[j]) / c[j] for j in c) <= floor:
-            # the pieces so far leave the margins at most this far with the constants of
-            # the last ball, and the constants grow with the radius: the sweep will not pass
-            # the other route's radius (a cutoff for time only: either radius is sound)
+        if last_ok and floor > 0 and \
+                prev + min((margins[j] - spent[j]) / last_ok[j] for j in last_ok) <= floor:
+            # the margins left carry the sweep at most this far at the constants of the last
+            # certified ball, and the constants grow with the radius: it will not pass the
+            # other route's radius (a cutoff for time only: either radius is sound)
             break
     return best, runs, consts
 

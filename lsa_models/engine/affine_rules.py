@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.func import vmap
 
 from ..bounds.numerics import U
 from ..onnx.ops import FLOAT_TYPES, OPS, Node, RunContext, decimal_attr
@@ -355,21 +354,7 @@ def linear(node: Node, args: list, var: list[int], out_c: np.ndarray, out_m: np.
            ball: Ball) -> Aff:
     """Ops linear in their input-dependent operands: o and a through the op (constant
     addends dropped: they cancel in T(X) - T0), b through |L| with the rounding of o, a."""
-    t = node.op_type
-    additive = t in ("Add", "Sub", "Gemm")
-
-    def consts(absolute: bool) -> list[torch.Tensor | None]:
-        out: list[torch.Tensor | None] = []
-        for i, v in enumerate(args):
-            if v is None or isinstance(v, Aff):
-                out.append(None)
-            elif not np.issubdtype(v.dtype, np.floating):
-                out.append(torch.from_numpy(np.array(v)))
-            elif additive and (t != "Gemm" or i == 2):
-                out.append(_torch(np.zeros_like(v, dtype=np.float64)))
-            else:
-                out.append(_torch(np.abs(v) if absolute else v))
-        return out
+    from .rules import linear_consts, run_tangents
 
     def run(nd: Node, fixed: list[torch.Tensor | None], xs: list[np.ndarray]) -> np.ndarray:
         ins = list(fixed)
@@ -377,19 +362,12 @@ def linear(node: Node, args: list, var: list[int], out_c: np.ndarray, out_m: np.
             ins[i] = _torch(xx)
         return OPS[nd.op_type].run(nd, ins, CTX)[0].numpy()
 
-    def run_p(nd: Node, fixed: list[torch.Tensor | None], xs: list[np.ndarray]) -> np.ndarray:
-        def f(*ts: torch.Tensor) -> torch.Tensor:
-            ins = list(fixed)
-            for i, tt in zip(var, ts, strict=True):
-                ins[i] = tt
-            return OPS[nd.op_type].run(nd, ins, CTX)[0]
-        return vmap(f, in_dims=-1, out_dims=-1)(*[_torch(x) for x in xs]).numpy()
-
     vals: list[Aff] = [args[i] for i in var]
-    fixed, absn, fixed_abs = consts(False), _abs_node(node), consts(True)
+    fixed, absn = linear_consts(node, args, False, Aff), _abs_node(node)
+    fixed_abs = linear_consts(node, args, True, Aff)
     o = run(node, fixed, [v.o for v in vals])
     w = _width(*vals)
-    a = run_p(node, fixed, [_cols(v.a, w) for v in vals])
+    a = run_tangents(node, fixed, var, [_cols(v.a, w) for v in vals])
     k = max(int(np.prod(v.shape)) if v is not None else 1 for v in args)
     g = gamma(k)
     spread = run(absn, fixed_abs, [v.b + g * (np.abs(v.o) + lin(v, ball)) for v in vals])

@@ -147,29 +147,13 @@ class LinearRule(LocalRule):
             return [_divide(node, args, centers, ball)]
         if t == "Gemm" and var != [0]:
             raise LocalNotCertified(f"Gemm node {node.name}: only input @ constant")
-        additive = t in ("Add", "Sub") or (t == "Gemm")
 
         def consts(absolute: bool) -> list[torch.Tensor | None]:
-            out: list[torch.Tensor | None] = []
-            for i, a in enumerate(args):
-                if a is None or isinstance(a, LocalValue):
-                    out.append(None)
-                elif not np.issubdtype(a.dtype, np.floating):
-                    out.append(_torch(a))
-                elif additive and (t != "Gemm" or i == 2):
-                    out.append(_torch(np.zeros_like(a, dtype=np.float64)))
-                else:
-                    out.append(_torch(np.abs(a) if absolute else a.astype(np.float64)))
-            return out
+            return linear_consts(node, args, absolute, LocalValue)
 
         def run(nd: Node, fixed: list[torch.Tensor | None], tangents: list[np.ndarray]
                 ) -> np.ndarray:
-            def f(*ts: torch.Tensor) -> torch.Tensor:
-                ins = list(fixed)
-                for i, tt in zip(var, ts, strict=True):
-                    ins[i] = tt
-                return OPS[nd.op_type].run(nd, ins, CTX)[0]
-            return vmap(f, in_dims=-1, out_dims=-1)(*[_torch(x) for x in tangents]).numpy()
+            return run_tangents(nd, fixed, var, tangents)
 
         vals = [args[i] for i in var]
         assert all(isinstance(v, LocalValue) for v in vals)
@@ -200,6 +184,39 @@ class LinearRule(LocalRule):
             out.jfac = (lm, dmb, jsrc, widen_up(
                 lrest + gamma_k(k) * jc_abs + gamma_k(k) * err.reshape(lrest.shape), k + b))
         return [out]
+
+
+def linear_consts(node: Node, args: list, absolute: bool, variable: type
+                  ) -> list[torch.Tensor | None]:
+    """The fixed operands of a linear op run on changes or tangents (shared with the affine
+    rules): None at the input-dependent ones (instances of `variable`), constant addends
+    zeroed (Add/Sub, Gemm's C: they cancel in differences), float constants in float64, their
+    absolute values with `absolute` (the op |L|)."""
+    t = node.op_type
+    additive = t in ("Add", "Sub", "Gemm")
+    out: list[torch.Tensor | None] = []
+    for i, a in enumerate(args):
+        if a is None or isinstance(a, variable):
+            out.append(None)
+        elif not np.issubdtype(a.dtype, np.floating):
+            out.append(_torch(a))
+        elif additive and (t != "Gemm" or i == 2):
+            out.append(_torch(np.zeros_like(a, dtype=np.float64)))
+        else:
+            out.append(_torch((np.abs(a) if absolute else a).astype(np.float64)))
+    return out
+
+
+def run_tangents(nd: Node, fixed: list[torch.Tensor | None], var: list[int],
+                 xs: list[np.ndarray]) -> np.ndarray:
+    """The op with the operands `var` replaced by xs (..., P), vectorised over the last axis
+    (vmap): a linear op applied to P tangents or coefficient columns at once."""
+    def f(*ts: torch.Tensor) -> torch.Tensor:
+        ins = list(fixed)
+        for i, tt in zip(var, ts, strict=True):
+            ins[i] = tt
+        return OPS[nd.op_type].run(nd, ins, CTX)[0]
+    return vmap(f, in_dims=-1, out_dims=-1)(*[_torch(x) for x in xs]).numpy()
 
 
 def _divide(node: Node, args: list[Arg], centers: list[np.ndarray | None],

@@ -96,14 +96,17 @@ def test_robustness_takes_the_larger_route_and_names_it(tmp_path: Path) -> None:
                progress=lambda s, p: stages.append((s, p)))
     fractions = [p for _, p in stages]
     assert fractions == sorted(fractions) and stages[0][0].startswith("affine radius: tried")
-    assert stages[-1][0].startswith("radius sweep 3/3, certified ")
+    # the sweep probes the affine radius first and stops: it cannot pass it (time only)
+    assert stages[-1][0].startswith("radius sweep stopped: it cannot pass the affine radius")
+    assert stages[-1][1] == 1.0
 
 
 def test_sweep_stops_once_it_cannot_pass_the_other_routes_radius(mlp_path: Path) -> None:
-    """local._sweep with `floor` (the affine route's radius) stops as soon as its margins
-    left over the pieces, at the last ball's constants, cannot carry it past the floor: with
-    a floor beyond any reach it stops after the first piece; with none it runs on, and what
-    it certified before stopping is what the full sweep had certified at that piece."""
+    """local._sweep with `floor` (the affine route's radius) first probes 0.75 floor and
+    stops when (1 - 0.75) floor L_j there already spends a margin (it cannot pass the floor),
+    and stops later once the margins left, at the last certified ball's constants, cannot
+    carry it past the floor: a floor beyond any reach stops it at the probe; a floor below
+    every piece only costs the probe's run."""
     from lsa_models.engine.local import _sweep
     om = load_onnx(mlp_path.read_bytes())
     x0 = center(5).numpy().astype(np.float64)
@@ -112,8 +115,9 @@ def test_sweep_stops_once_it_cannot_pass_the_other_routes_radius(mlp_path: Path)
     margins = {j: float(logits[label] - logits[j]) - 1e-6 for j in range(logits.numel())
                if j != label}
     full, runs_full, _ = _sweep(om, x0, "inf", label, margins, 30)
+    # a floor past the first-order radius: the probe at 0.75 of it spends a margin at once
     cut, runs_cut, _ = _sweep(om, x0, "inf", label, margins, 30, floor=10.0)
-    assert runs_cut == 2 < runs_full
-    assert 0 < cut <= full
+    assert (cut, runs_cut) == (0.0, 2) and runs_full > 2
+    # a floor below every piece: the probe costs one run, the radius is the same
     same, runs_same, _ = _sweep(om, x0, "inf", label, margins, 30, floor=1e-9)
-    assert (same, runs_same) == (full, runs_full)
+    assert (same, runs_same) == (full, runs_full + 1)

@@ -209,6 +209,8 @@ def _constants_at(om: OnnxModel, x: np.ndarray, r: float, norm: str, label: int
 # one (while that is more than SWEEP_RATIO - 1 of the radius reached) or SWEEP_RATIO - 1 of the
 # radius reached; a piece that fails is retried a quarter as wide (SWEEP_SHRINK)
 SWEEP_START, SWEEP_RATIO, SWEEP_SHRINK, SWEEP_MIN_GAIN = 1.0 / 16, 1.12, 0.25, 0.01
+# where the sweep probes the affine route's radius before it starts (`_sweep`'s `floor`)
+SWEEP_PROBE = 0.75
 
 
 def _tick(progress: Callable[[str, float], None] | None, runs: int, steps: int,
@@ -290,9 +292,21 @@ def _sweep(om: OnnxModel, x: np.ndarray, norm: str, label: int, margins: dict[in
     _tick(progress, 1, steps, floor)
     if c0 is None:
         return 0.0, 1, {}
+    runs0 = 1
+    if floor > 0:
+        runs0 = 2
+        # one probe of the other route's radius: the integral up to `floor` is at least
+        # (1 - SWEEP_PROBE) floor L_j(SWEEP_PROBE floor) (the constants grow with the radius),
+        # so where that already spends a margin the sweep cannot pass `floor` (time only)
+        cp = _constants_at(om, x, SWEEP_PROBE * floor, norm, label)
+        _tick(progress, 2, steps, floor)
+        if cp is not None and any(margins[j] <= (1 - SWEEP_PROBE) * floor * cp[j]
+                                  for j in cp):
+            _stopped(progress, floor)
+            return 0.0, 2, {}
     first = min(margins[j] / max(c0[j], 1e-300) for j in c0)
     spent = dict.fromkeys(c0, 0.0)  # S_j: the sum over the pieces so far
-    prev, best, width, runs, consts = 0.0, 0.0, first * SWEEP_START, 1, dict[int, float]()
+    prev, best, width, runs, consts = 0.0, 0.0, first * SWEEP_START, runs0, dict[int, float]()
     last_ok: dict[int, float] = {}  # the constants of the last certified piece
     # stop when a piece would add less than SWEEP_MIN_GAIN of the radius reached
     while runs < steps and width > max(first * 1e-6, best * SWEEP_MIN_GAIN):
@@ -317,8 +331,15 @@ def _sweep(om: OnnxModel, x: np.ndarray, norm: str, label: int, margins: dict[in
             # the margins left carry the sweep at most this far at the constants of the last
             # certified ball, and the constants grow with the radius: it will not pass the
             # other route's radius (a cutoff for time only: either radius is sound)
+            _stopped(progress, max(best, floor))
             break
     return best, runs, consts
+
+
+def _stopped(progress: Callable[[str, float], None] | None, certified: float) -> None:
+    if progress is not None:
+        progress(f"radius sweep stopped: it cannot pass the affine radius, certified "
+                 f"{certified:.3g}", 1.0)
 
 
 def robustness(model: Any, at: np.ndarray, label: int, norm: NormName,

@@ -415,8 +415,12 @@ def ln_derivative_block(r: np.ndarray, s_lo: np.ndarray, s_hi: np.ndarray, d: in
     (kappa <= 2/3) or 3 kappa; w^2 zeta / D = sqrt((s - eps) / D) / s^1.5 peaks at s = 1.5 eps
     (increasing below, decreasing above), F increases with kappa <= eps / s_lo."""
     s_star = np.clip(1.5 * eps, s_lo, s_hi)
-    h = np.sqrt(np.maximum(s_star - eps, 0.0) / d) / s_star ** 1.5
-    kappa = np.minimum(eps / s_lo * (1 + 1e-12), 1.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        # s_lo = 0 only for eps = 0 with a token ball reaching the constants: no bound
+        h = np.where(s_star > 0, np.sqrt(np.maximum(s_star - eps, 0.0) / d)
+                     / np.maximum(s_star, 1e-300) ** 1.5, np.inf)
+        kappa = np.where(s_lo > 0, np.minimum(eps / np.maximum(s_lo, 1e-300) * (1 + 1e-12),
+                                              1.0), 1.0)
     f = np.where(kappa <= 2.0 / 3.0, 2.0 / np.sqrt(3.0 * np.maximum(1.0 - kappa, 1e-300)),
                  3.0 * kappa)
     return widen_up(r * h * f, 8)

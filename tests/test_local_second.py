@@ -662,3 +662,64 @@ def test_signed_c2_bounds_the_ops_change_mixed_by_the_jfac_map(seed: int, eps: f
         worst = max(worst, float(np.max(got / bound)))
     if eps <= 1e-2:  # the first-order part dominates: the bound is nearly attained
         assert worst > 0.3
+
+
+@settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 10**6), eps=st.sampled_from([0.1, 0.3]))
+def test_unfixed_factored_bounds_the_unfixed_entries_changes(seed: int, eps: float) -> None:
+    """second._unfixed_factored: sum over the entries U of unfixed sign of |J_ip(X) - jc_ip|
+    <= its bound per row, J exact in float64, at random corners and after projected ascent on
+    that sum; the ascent reaches more than 0.1 of the bound on some row (0.22 measured:
+    per entry the worst d differs, and the bound takes each entry's own)."""
+    from lsa_models.engine.second import (
+        _unfixed_factored,
+        entry_bounds,
+        hessian_rest_factored,
+        hessian_rows,
+    )
+    model = _MLP("gelu_tanh", seed % 97).double()
+    om = _export(_MLP("gelu_tanh", seed % 97))
+    rng = np.random.default_rng(seed)
+    x0 = rng.standard_normal((1, N, D))
+    seen: list[Any] = []
+    orig = second_mod.second_rows
+
+    def spy(st_: Any, terms: list, zr: np.ndarray, jcm: np.ndarray, jrr: np.ndarray,
+            e: float) -> Any:
+        seen.append((terms, zr, jcm, jrr))
+        return orig(st_, terms, zr, jcm, jrr, e)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(second_mod, "second_rows", spy)
+        local_jacobian(om, x0, eps, "inf")
+    terms, zr, jcm, jrr = seen[-1]
+    hess, rest, facs, other = hessian_rest_factored(terms, zr, eps)
+    ah = np.abs(hess)
+    fixed = np.minimum(entry_bounds(hessian_rows(ah), rest, eps), jrr) < np.abs(jcm)
+    bound = _unfixed_factored(hess, ah, facs, other, fixed, eps)
+    xt0 = torch.from_numpy(x0)
+
+    def dev_sum(x: torch.Tensor, i: int) -> torch.Tensor:
+        jac = torch.autograd.functional.jacobian(lambda z: model(z).reshape(-1), x,
+                                                 create_graph=True).reshape(3, -1)
+        u = torch.from_numpy(~fixed[i])
+        return (jac[i] - torch.from_numpy(jcm[i])).abs()[u].sum()
+
+    best = 0.0
+    for i in range(3):
+        if fixed[i].all():
+            continue
+        for _ in range(3):
+            x = (xt0 + eps * torch.from_numpy(rng.choice([-1.0, 1.0], size=x0.shape))
+                 ).requires_grad_(True)
+            for _ in range(15):
+                val = dev_sum(x, i)
+                assert float(val) <= bound[i] * (1 + 1e-9), (float(val), bound[i])
+                (gx,) = torch.autograd.grad(val, x)
+                with torch.no_grad():
+                    x = (xt0 + (x + 0.3 * eps * gx.sign() - xt0).clamp(-eps, eps)
+                         ).requires_grad_(True)
+            best = max(best, float(dev_sum(x, i)) / bound[i])
+            assert float(dev_sum(x, i)) <= bound[i] * (1 + 1e-9)
+    if not fixed.all():  # the bound is not vacuous: measured 0.22 on these models, so a
+        assert best > 0.1, best  # 0.5x bound is not caught here (docs, Limits)

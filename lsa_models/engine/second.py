@@ -218,7 +218,9 @@ def second_rows(st: Structured, terms: list, zr: np.ndarray, jcm: np.ndarray,
             proj = s @ jcu.T  # (M, B): sum_{p in F} s_p jc_bp
             err = gamma(p + 2) * (np.abs(s) @ np.abs(jcu).T)
             rest_f = rest_f + widen_up((c * (np.abs(proj) + err)).sum(axis=1), c.shape[1] + 2)
-        part = widen_up(np.where(fixed, ajc, ajc + h).sum(axis=1), p)
+        unfixed = widen_up(np.where(fixed, 0.0, h).sum(axis=1), p)
+        unfixed = np.minimum(unfixed, _unfixed_factored(hess, ah, facs, other, fixed, eps))
+        part = widen_up(ajc.sum(axis=1) + unfixed, p + 2)
         full = np.minimum(full, widen_up(part + widen_up(rest_f, len(facs) + 2) + lin1, 4))
     else:
         rest_f = widen_up(np.where(fixed, rest, 0.0).sum(axis=1), p)
@@ -228,6 +230,37 @@ def second_rows(st: Structured, terms: list, zr: np.ndarray, jcm: np.ndarray,
         return st
     best = full if st.rows_abs is None else np.minimum(st.rows_abs, full)
     return replace(st, rows_abs=best)
+
+
+def _unfixed_factored(hess: np.ndarray, ah: np.ndarray,
+                      facs: list[tuple[np.ndarray, np.ndarray]], other: np.ndarray,
+                      fixed: np.ndarray, eps: float) -> np.ndarray:
+    """Per row, a bound on sum_{p in U} |J_ip(X) - jcm_ip| over the entries U of unfixed sign
+    from the factored rest (Factored): J_ip - jcm_ip = H_i[p] . d + sum_facs sum_b beta_ib jc_bp
+    + omega_ip, so the sum is at most max_{|d| <= eps} ||H_U d||_1 + sum_facs
+    max_{|beta| <= c_i} ||sum_b beta_b jc_b,U||_1 + sum_U other_ip, both maxima by
+    structured._inf_to_one (the entrywise sums or the box's l2 bound, ||v||_1 <= sqrt(|U|)
+    ||v||_2, which keeps the cancellations between the b's that the entrywise sums drop)."""
+    from .structured import _inf_to_one
+    m, p = fixed.shape
+    hrow = hessian_rows(ah)  # (M, P)
+    hess_t = np.swapaxes(hess, 1, 2)  # (M, P, P): column q of H_i as row q
+    out = np.full(m, np.inf)
+    for i in range(m):
+        u = ~fixed[i]
+        if not u.any():
+            out[i] = 0.0
+            continue
+        # sum_U |H_i[p] . d| = ||H_U d||_1 with |d_q| <= eps: the same box bound, d as beta
+        hu = float(widen_up(eps * hrow[i][u].sum(), p))
+        hu = _inf_to_one(np.full(p, eps), np.ascontiguousarray(hess_t[i][:, u]), hu)
+        tot = widen_up(hu + other[i][u].sum(), 2 * p)
+        for c, jcu in facs:
+            ju = jcu[:, u]
+            plain = float(widen_up((c[i] * np.abs(ju).sum(axis=1)).sum(), ju.size + 2))
+            tot = widen_up(tot + _inf_to_one(c[i], ju, plain), 2)
+        out[i] = tot
+    return out
 
 
 # rows with at most this many entries of unfixed sign get them enumerated (_unfixed_signs)

@@ -696,7 +696,7 @@ def test_unfixed_factored_bounds_the_unfixed_entries_changes(seed: int, eps: flo
     hess, rest, facs, other = hessian_rest_factored(terms, zr, eps)
     ah = np.abs(hess)
     fixed = np.minimum(entry_bounds(hessian_rows(ah), rest, eps), jrr) < np.abs(jcm)
-    bound = _unfixed_factored(hess, ah, facs, other, fixed, eps)
+    bound = _unfixed_factored(hess, hessian_rows(ah), facs, other, fixed, eps)
     xt0 = torch.from_numpy(x0)
 
     def dev_sum(x: torch.Tensor, i: int) -> torch.Tensor:

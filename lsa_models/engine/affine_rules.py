@@ -35,6 +35,7 @@ from .affine import (
     split_lin,
 )
 from .primitives import probability_ranges
+from .rules import _abs_node, linear_consts, run_tangents
 from .values import Ball, center_margin, gamma
 
 CTX = RunContext(torch.float64)
@@ -345,17 +346,10 @@ def _torch(x: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.array(x, dtype=np.float64, order="C"))
 
 
-def _abs_node(node: Node) -> Node:
-    from .rules import _abs_node as abs_node
-    return abs_node(node)
-
-
 def linear(node: Node, args: list, var: list[int], out_c: np.ndarray, out_m: np.ndarray,
            ball: Ball) -> Aff:
     """Ops linear in their input-dependent operands: o and a through the op (constant
     addends dropped: they cancel in T(X) - T0), b through |L| with the rounding of o, a."""
-    from .rules import linear_consts, run_tangents
-
     def run(nd: Node, fixed: list[torch.Tensor | None], xs: list[np.ndarray]) -> np.ndarray:
         ins = list(fixed)
         for i, xx in zip(var, xs, strict=True):

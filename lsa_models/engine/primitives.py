@@ -578,6 +578,7 @@ def _softmax_derivative_block(v: LocalValue, ball: Ball) -> np.ndarray:
         opnorm.group_radius(v, ball, 1)[..., None]
     return widen_up(rad[..., 0] * (math.sqrt(0.5) * (1 + 1e-15)), 2)
 
+
 def _softmax_block(plo: np.ndarray, phi: np.ndarray, srs: np.ndarray) -> np.ndarray:
     """Per row (...,) a bound on ||S(X) - S(X0)||_2, S = diag(p) - p p^T: with
     dp = phi - plo >= |p(X) - p(X0)| (both in the range), Delta S = diag(Delta p)

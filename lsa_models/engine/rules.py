@@ -372,9 +372,10 @@ def layernorm(x: LocalValue, gamma: np.ndarray, beta: np.ndarray | None, eps: fl
         return [(h.reshape(k, -1), x.jc.reshape(-1, p), x.jr.reshape(-1, p))]
     out.term, out.parts = term, parts
     if ball.norm == "2":
-        block = np.minimum(ln_block_norms(u, norm0, rho, d, eps), nonneg_block_norms(srs))
-        out.opnorm = (term, op_blockwise(float(block.max()) * (1 + 4 * U), x.jc, x.jr, g,
-                                         x.jnorm, blocks=block * (1 + 4 * U)))
+        block = np.minimum(ln_block_norms(u, norm0, rho, d, eps),
+                           nonneg_block_norms(srs)) * (1 + 4 * U)
+        out.opnorm = (term, op_blockwise(float(block.max()), x.jc, x.jr, g, x.jnorm,
+                                         blocks=block))
     return out
 
 

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from .fused import iv_mul
-from .structured import Structured
+from .structured import Structured, _inf_to_one
 from .values import LocalValue, gamma, widen_up
 
 # (g signed adjoint (M, *S), ga >= |G| (M, *S), eps) -> (H_k (M, P, P), r_k (M, P)) with
@@ -203,7 +203,8 @@ def second_rows(st: Structured, terms: list, zr: np.ndarray, jcm: np.ndarray,
         return st
     hess, rest, facs, other = got
     ah = np.abs(hess)
-    h = np.minimum(entry_bounds(hessian_rows(ah), rest, eps), jrr)
+    hrow = hessian_rows(ah)  # (M, P): ||H_i[p]||_1
+    h = np.minimum(entry_bounds(hrow, rest, eps), jrr)
     ajc = np.abs(jcm)
     fixed = h < ajc
     s = np.where(fixed, np.sign(jcm), 0.0)  # (M, P)
@@ -219,7 +220,7 @@ def second_rows(st: Structured, terms: list, zr: np.ndarray, jcm: np.ndarray,
             err = gamma(p + 2) * (np.abs(s) @ np.abs(jcu).T)
             rest_f = rest_f + widen_up((c * (np.abs(proj) + err)).sum(axis=1), c.shape[1] + 2)
         unfixed = widen_up(np.where(fixed, 0.0, h).sum(axis=1), p)
-        unfixed = np.minimum(unfixed, _unfixed_factored(hess, ah, facs, other, fixed, eps))
+        unfixed = np.minimum(unfixed, _unfixed_factored(hess, hrow, facs, other, fixed, eps))
         part = widen_up(ajc.sum(axis=1) + unfixed, p + 2)
         full = np.minimum(full, widen_up(part + widen_up(rest_f, len(facs) + 2) + lin1, 4))
     else:
@@ -232,7 +233,7 @@ def second_rows(st: Structured, terms: list, zr: np.ndarray, jcm: np.ndarray,
     return replace(st, rows_abs=best)
 
 
-def _unfixed_factored(hess: np.ndarray, ah: np.ndarray,
+def _unfixed_factored(hess: np.ndarray, hrow: np.ndarray,
                       facs: list[tuple[np.ndarray, np.ndarray]], other: np.ndarray,
                       fixed: np.ndarray, eps: float) -> np.ndarray:
     """Per row, a bound on sum_{p in U} |J_ip(X) - jcm_ip| over the entries U of unfixed sign
@@ -241,9 +242,7 @@ def _unfixed_factored(hess: np.ndarray, ah: np.ndarray,
     max_{|beta| <= c_i} ||sum_b beta_b jc_b,U||_1 + sum_U other_ip, both maxima by
     structured._inf_to_one (the entrywise sums or the box's l2 bound, ||v||_1 <= sqrt(|U|)
     ||v||_2, which keeps the cancellations between the b's that the entrywise sums drop)."""
-    from .structured import _inf_to_one
     m, p = fixed.shape
-    hrow = hessian_rows(ah)  # (M, P)
     hess_t = np.swapaxes(hess, 1, 2)  # (M, P, P): column q of H_i as row q
     out = np.full(m, np.inf)
     for i in range(m):

@@ -544,6 +544,19 @@ LAYOUT = ("Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity",
           "Gather", "Concat", "Split", "Expand", "Dropout", "Tile")
 LINEAR = ("Add", "Sub", "Neg", "Mul", "Div", "MatMul", "Gemm", "ReduceMean", "ReduceSum")
 SINGLE = ("Tanh", "Erf", "Sigmoid")
+_POW = {2.0: SQUARE, 0.5: SQRT, -1.0: RECIPROCAL, -0.5: RSQRT}
+
+
+def _power(node: Node, args: list) -> Fn:
+    """x^2, sqrt x, 1/x, x^-1/2: Pow by a constant exponent (RMSNorm's x.pow(2))."""
+    e = args[1]
+    if isinstance(e, Aff):
+        raise NotAffine(f"Pow node {node.name}: an input-dependent exponent")
+    ev = np.asarray(e, dtype=np.float64).reshape(-1)
+    fn = _POW.get(float(ev[0])) if ev.size == 1 else None
+    if fn is None:
+        raise NotAffine(f"Pow node {node.name}: no affine rule for this exponent")
+    return fn
 
 
 def step(node: Node, args: list, centers: list[np.ndarray | None], ball: Ball,
@@ -595,28 +608,33 @@ def _step(node: Node, args: list, centers: list[np.ndarray | None], ball: Ball,
         rg = ranges_of(0)
         return [elementwise(args[0], chain_fn(ch, {}), ball, xlo=_lo(rg), xhi=_hi(rg), out_c=c0,
                             out_m=m0)]
-    if t in ("Exp", "Sqrt", "Reciprocal"):
-        fn = {"Exp": EXP, "Sqrt": SQRT, "Reciprocal": RECIPROCAL}[t]
+    if t in ("Exp", "Sqrt", "Reciprocal", "Pow") and var == [0]:
+        fn = _power(node, args) if t == "Pow" else \
+            {"Exp": EXP, "Sqrt": SQRT, "Reciprocal": RECIPROCAL}[t]
         rg = ranges_of(0)
         return [elementwise(args[0], fn, ball, xlo=_lo(rg), xhi=_hi(rg), out_c=c0, out_m=m0)]
     if t == "Softmax" and var == [0]:
         return [_softmax_or_interval(args[0], int(node.attrs.get("axis", -1)), c0, m0, ball,
                                      ranges_of(0))]
     if t == "LayerNormalization" and var == [0]:
-        if int(node.attrs.get("axis", -1)) % c0.ndim != c0.ndim - 1:
-            raise NotAffine("LayerNorm over more than the last axis")
-        gam = np.asarray(args[1], dtype=np.float64)
-        beta = None if len(args) < 3 or args[2] is None else np.asarray(args[2], np.float64)
-        rg = ranges_of(0)
-        try:
-            y = layernorm(args[0], gam, beta, decimal_attr(float(node.attrs.get(
-                "epsilon", 1e-5))), c0, ball, _lo(rg), _hi(rg))
-        except NotAffine:  # |y - beta| <= |gamma| sqrt(D - 1)
-            bnd = np.abs(gam) * math.sqrt(c0.shape[-1] - 1) * (1 + 1e-12)
-            bb = np.zeros_like(c0) if beta is None else np.broadcast_to(beta, c0.shape)
-            y = interval(c0, m0, bb - bnd, bb + bnd, ball.size)
-        return [y] + [None] * (len(node.outputs) - 1)
+        return [_layernorm_node(node, args, c0, m0, ball, ranges_of(0))] + \
+            [None] * (len(node.outputs) - 1)
     raise NotAffine(f"{t} node {node.name}: no affine rule")
+
+
+def _layernorm_node(node: Node, args: list, c0: np.ndarray, m0: np.ndarray, ball: Ball,
+                    rg: tuple[np.ndarray, np.ndarray] | None) -> Aff:
+    if int(node.attrs.get("axis", -1)) % c0.ndim != c0.ndim - 1:
+        raise NotAffine("LayerNorm over more than the last axis")
+    gam = np.asarray(args[1], dtype=np.float64)
+    beta = None if len(args) < 3 or args[2] is None else np.asarray(args[2], np.float64)
+    try:
+        return layernorm(args[0], gam, beta, decimal_attr(float(node.attrs.get(
+            "epsilon", 1e-5))), c0, ball, _lo(rg), _hi(rg))
+    except NotAffine:  # |y - beta| <= |gamma| sqrt(D - 1)
+        bnd = np.abs(gam) * math.sqrt(c0.shape[-1] - 1) * (1 + 1e-12)
+        bb = np.zeros_like(c0) if beta is None else np.broadcast_to(beta, c0.shape)
+        return interval(c0, m0, bb - bnd, bb + bnd, ball.size)
 
 
 def uses(nodes: list[Node], chains: dict[str, fused.Chain], inside: set[str]
@@ -646,15 +664,22 @@ def release(forms: dict[str, Aff], count: dict[str, int], names: list[str],
 
 def walk(nodes: list[Node], input_name: str, env: dict[str, torch.Tensor], ball: Ball,
          chains: dict[str, fused.Chain], inside: set[str], keep: str | None = None,
-         everything: bool = True) -> dict[str, Aff]:
+         everything: bool = True, seeds: dict[str, Aff] | None = None,
+         symbols: int = 0, known: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,
+         hook: Callable[[Node, dict[str, Aff]], None] | None = None) -> dict[str, Aff]:
     """The forms of every input-dependent tensor, alone (no Jacobian enclosure): an op with
     no rule gives its outputs the interval form of... nothing known, so the walk stops there
-    and the tensors after it are missing."""
+    and the tensors after it are missing. `seeds`: more graph inputs given as forms, over the
+    first `symbols` noise symbols (tangent.py: the tangent's direction); `known`: ranges some
+    tensors are known to lie in (a mean of squares plus eps is at least eps), which `hook`
+    (called before every node with the live forms) may add to."""
     forms: dict[str, Aff] = {input_name: input_form(ball)}
+    forms.update(seeds or {})
     count = None if everything else uses(nodes, chains, inside)
-    token = SPACE.set([ball.size, 0])
+    token = SPACE.set([ball.size, symbols])
     try:
-        _walk(nodes, forms, env, ball, chains, inside, count, keep or "")
+        _walk(nodes, forms, env, ball, chains, inside, count, keep or "",
+              {} if known is None else known, hook)
     finally:
         SPACE.reset(token)
     return forms
@@ -662,7 +687,8 @@ def walk(nodes: list[Node], input_name: str, env: dict[str, torch.Tensor], ball:
 
 def _walk(nodes: list[Node], forms: dict[str, Aff], env: dict[str, torch.Tensor], ball: Ball,
           chains: dict[str, fused.Chain], inside: set[str], count: dict[str, int] | None,
-          keep: str) -> None:
+          keep: str, known: dict[str, tuple[np.ndarray, np.ndarray]],
+          hook: Callable[[Node, dict[str, Aff]], None] | None = None) -> None:
     for node in nodes:
         if node.name in inside and node.name not in chains:
             continue
@@ -670,12 +696,14 @@ def _walk(nodes: list[Node], forms: dict[str, Aff], env: dict[str, torch.Tensor]
         ins = [chain.root] if chain is not None else node.inputs
         if node.op_type in ("Shape", "Size") or not any(i in forms for i in ins if i):
             continue
+        if hook is not None:
+            hook(node, forms)
         args = [None if not i else forms[i] if i in forms else
                 (env[i].detach().numpy() if i in env else None) for i in ins]
         outs = [chain.sink] if chain is not None else node.outputs
         centers = [None if not o or o not in env else env[o].detach().numpy() for o in outs]
         try:
-            res = step(node, args, centers, ball, lambda i: None, chain,
+            res = step(node, args, centers, ball, _known_of(known, ins), chain,
                        fused_consts(chain, env) if chain is not None else None)
         except NotAffine:
             return
@@ -684,6 +712,11 @@ def _walk(nodes: list[Node], forms: dict[str, Aff], env: dict[str, torch.Tensor]
                 forms[o] = v
         if count is not None:
             release(forms, count, ins, keep)
+
+
+def _known_of(known: dict[str, tuple[np.ndarray, np.ndarray]], ins: list[str]
+              ) -> Callable[[int], tuple[np.ndarray, np.ndarray] | None]:
+    return lambda i: known.get(ins[i]) if i < len(ins) else None
 
 
 def fused_consts(chain: fused.Chain, env: dict[str, torch.Tensor]) -> dict[str, float]:

@@ -35,6 +35,7 @@ from .driver import (
     local_jacobian,
     margin_lower_bounds,
 )
+from .tangent import NoTangent, TangentGraph
 from .values import LocalNotCertified
 
 METHOD = ("local: Jacobian enclosure over the ball {X : ||X - X0|| <= eps}, op by op "
@@ -96,6 +97,22 @@ def _ball_candidate(om: OnnxModel, x: np.ndarray, eps: float, norm: str,
     return upper
 
 
+TANGENT_METHOD = ("smallest here: the tangent graph's affine forms over the ball and the "
+                  "direction box (docs/local-bounds.md, 'The inf-ball by the tangent graph')")
+
+
+def _tangent_candidate(om: OnnxModel, x: np.ndarray, eps: float, norm: str) -> float | None:
+    """inf-ball: max_i sup ||row i of J(X)||_1 from the tangent graph (tangent.py); None where
+    a node has no tangent rule or the forms do not reach the output."""
+    if norm != "inf" or eps <= 0:
+        return None
+    try:
+        rows = TangentGraph(om, x).bound(eps)
+    except (NoTangent, FloatingPointError, ValueError, LocalNotCertified):
+        return None
+    return None if rows is None else float(rows.max())
+
+
 def certify_local(model: Any, at: np.ndarray, eps: float, norm: NormName) -> BoundResult:
     """Certified upper bound on sup ||J_F(X)||_norm over {X : ||X - at||_norm <= eps}
     (2: Frobenius of the whole input; inf: largest entry). `at` is one input (N, D) or
@@ -132,15 +149,21 @@ def certify_local(model: Any, at: np.ndarray, eps: float, norm: NormName) -> Bou
     ball = _ball_candidate(om, x, eps, norm, layers)
     if ball is not None:
         candidates.append(ball)
+    method = METHOD
+    tan = _tangent_candidate(om, x, eps, norm)
+    if tan is not None:
+        if not candidates or tan < min(candidates):
+            method = METHOD + "; " + TANGENT_METHOD
+        candidates.append(tan)
     n = om.spec.seq_len or x.shape[-2]
     domain = _domain(x, eps, norm)
     if not candidates:
         return BoundResult(norm=norm, seq_len=n, radius=None, verdict="not_certified",
-                           upper=None, layers=layers, method=METHOD,
+                           upper=None, layers=layers, method=method,
                            reason="; ".join(r for r in (reason, glob.reason) if r),
                            domain=domain)
     return BoundResult(norm=norm, seq_len=n, radius=None, verdict="certified",
-                       upper=min(candidates), layers=layers, method=METHOD, domain=domain)
+                       upper=min(candidates), layers=layers, method=method, domain=domain)
 
 
 # ---- robustness -----------------------------------------------------------------------------

@@ -1,0 +1,392 @@
+"""The Lipschitz constant on an inf-ball from the model's tangent graph (docs/local-bounds.md,
+"The inf-ball by the tangent graph").
+
+On the ball B = {X : ||X - X0||_inf <= eps},
+
+    sup_{X in B} ||J_F(X)||_inf = max_i sup_{X in B, s in [-1, 1]^P} (J_F(X) s)_i,
+
+and `J_F(X) s` is what forward-mode differentiation computes: the tangent graph. For every
+input-dependent tensor T of the graph it adds a tangent tensor `dT = J_T(X) s` by the chain
+rule of T's op, written with ops the affine forms (affine.py) have rules for (an elementwise
+f's derivative from its own output where it can: tanh' = 1 - y^2, exp' = y, ...). The affine
+forms then bound the tangent of the output over X in the ball and s in the box, with s the
+first P noise symbols (e in [-1, 1]): relational in X and s together, where the Jacobian
+enclosure (driver.py) keeps entrywise boxes whose products compound on deep graphs.
+
+The graph is built once per model (`TangentGraph`); `bound(eps)` walks it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..onnx.loading import OnnxModel
+from ..onnx.ops import OPS, Node, RunContext, decimal_attr
+from . import affine, affine_rules
+from .affine import Aff
+from .forward_error import check as forward_check
+from .values import FORWARD_MARGIN, MARGIN, PROVEN, Ball, array_key, widen_up
+
+CTX = RunContext(torch.float64)
+
+
+class NoTangent(Exception):
+    """An op without a tangent rule (the model keeps the other bounds)."""
+
+
+@dataclass
+class _Builder:
+    env: dict[str, torch.Tensor]  # centre values (float64) of everything seen so far
+    nodes: list[Node] = field(default_factory=list)
+    tan: dict[str, str] = field(default_factory=dict)  # tensor -> its tangent's name
+    consts: dict[str, torch.Tensor] = field(default_factory=dict)
+    k: int = 0
+    # ranges some tensors are known to lie in over any ball (`affine_rules.walk`'s `known`)
+    known: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    # a LayerNorm's mean node -> (its input x, its variance v = mean (x - mean x)^2 + eps, eps)
+    variance: dict[str, tuple[str, str, float]] = field(default_factory=dict)
+
+    def name(self, hint: str) -> str:
+        self.k += 1
+        return f"__tan{self.k}_{hint}"
+
+    def const(self, value: np.ndarray | float, hint: str = "c") -> str:
+        n = self.name(hint)
+        t = torch.as_tensor(np.asarray(value, dtype=np.float64))
+        self.consts[n] = t
+        self.env[n] = t
+        return n
+
+    def ints(self, value: list[int], hint: str = "axes") -> str:
+        n = self.name(hint)
+        t = torch.tensor(value, dtype=torch.int64)
+        self.consts[n] = t
+        self.env[n] = t
+        return n
+
+    def op(self, op_type: str, inputs: list[str], attrs: dict | None = None,
+           hint: str = "") -> str:
+        out = self.name(hint or op_type.lower())
+        node = Node(out, op_type, list(inputs), [out], dict(attrs or {}))
+        self.nodes.append(node)
+        res = OPS[op_type].run(node, [self.env[i] if i else None for i in inputs], CTX)
+        self.env[out] = res[0]
+        return out
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.env[name].shape)
+
+    def fit(self, t: str, shape: tuple[int, ...]) -> str:
+        """t broadcast to `shape` (a tangent of an operand broadcast by its op)."""
+        if self.shape(t) == shape:
+            return t
+        return self.op("Expand", [t, self.ints(list(shape), "shape")])
+
+
+def _axis(node: Node, rank: int) -> int:
+    return int(node.attrs.get("axis", -1)) % rank
+
+
+def _layernorm(b: _Builder, node: Node, t: str) -> str:
+    """y = g n + beta, n = u r, u = x - mean x, r = (mean u^2 + eps)^-1/2 over the last axis:
+    dn = r (du - n mean(n du)), du = dx - mean dx (n and r recomputed as their own ops)."""
+    x = node.inputs[0]
+    rank = b.env[x].dim()
+    if _axis(node, rank) != rank - 1:
+        raise NoTangent("LayerNorm over more than the last axis")
+    axes = b.ints([-1])
+    keep = {"keepdims": 1}
+    mu = b.op("ReduceMean", [x, axes], keep, "ln_mu")
+    u = b.op("Sub", [x, mu], hint="ln_u")
+    q = b.op("Mul", [u, u], hint="ln_q")
+    ln_eps = decimal_attr(float(node.attrs.get("epsilon", 1e-5)))
+    v = b.op("Add", [b.op("ReduceMean", [q, axes], keep, "ln_v"), b.const(ln_eps, "ln_eps")])
+    # a mean of squares plus eps is at least eps (the forms alone may not see it); the walk
+    # narrows it by the tokens' radii (`TangentGraph._hook`)
+    b.known[v] = (np.full(b.shape(v), ln_eps * (1 - 1e-12)), np.full(b.shape(v), np.inf))
+    b.variance[mu] = (x, v, ln_eps)
+    r = b.op("Reciprocal", [b.op("Sqrt", [v], hint="ln_s")], hint="ln_r")
+    n = b.op("Mul", [u, r], hint="ln_n")
+    # the normalised entries: a zero-sum vector of norm <= sqrt(D) has |n_i| <= sqrt(D - 1)
+    lim = math.sqrt(b.shape(x)[-1] - 1) * (1 + 1e-12)
+    b.known[n] = (np.full(b.shape(n), -lim), np.full(b.shape(n), lim))
+    du = b.op("Sub", [t, b.op("ReduceMean", [t, axes], keep)])
+    w = b.op("ReduceMean", [b.op("Mul", [n, du]), axes], keep)
+    dn = b.op("Mul", [r, b.op("Sub", [du, b.op("Mul", [n, w])])], hint="ln_dn")
+    if len(node.inputs) > 1 and node.inputs[1]:
+        dn = b.op("Mul", [dn, node.inputs[1]], hint="ln_dy")
+    return dn
+
+
+# One rule per op family: (builder, node, the input-dependent inputs' positions, their
+# tangents by position) -> the tangent of the node's (single) output.
+Rule = Callable[[_Builder, Node, list[int], dict[int, str]], str]
+
+
+def _layout(b: _Builder, node: Node, dep: list[int], tx: dict[int, str]) -> str:
+    if dep != [0]:
+        raise NoTangent(f"{node.op_type} of an input-dependent index or shape")
+    return b.op(node.op_type, [tx[0]] + node.inputs[1:], node.attrs, node.op_type.lower())
+
+
+def _concat(b: _Builder, node: Node, dep: list[int], tx: dict[int, str]) -> str:
+    parts = [tx[i] if i in tx else b.const(np.zeros(b.shape(name)), "zero")
+             for i, name in enumerate(node.inputs)]
+    return b.op("Concat", parts, node.attrs)
+
+
+def _add_sub(b: _Builder, node: Node, dep: list[int], tx: dict[int, str]) -> str:
+    oshape = b.shape(node.outputs[0])
+    if len(dep) == 2:
+        return b.fit(b.op(node.op_type, [tx[0], tx[1]]), oshape)
+    d = tx[dep[0]]
+    if node.op_type == "Sub" and dep == [1]:
+        d = b.op("Neg", [d])
+    return b.fit(d, oshape)
+
+
+def _neg(b: _Builder, node: Node, dep: list[int], tx: dict[int, str]) -> str:
+    return b.op("Neg", [tx[0]])
+
+
+def _product(b: _Builder, node: Node, dep: list[int], tx: dict[int, str]) -> str:
+    """Mul, MatMul: d(a b) = da b + a db."""
+    t, (a, c) = node.op_type, node.inputs[:2]
+    oshape = b.shape(node.outputs[0])
+    if len(dep) == 2:
+        return b.fit(b.op("Add", [b.op(t, [tx[0], c]), b.op(t, [a, tx[1]])]), oshape)
+    args = list(node.inputs)
+    args[dep[0]] = tx[dep[0]]
+    return b.fit(b.op(t, args), oshape)
+
+
+def _div(b: _Builder, node: Node, dep: list[int], tx: dict[int, str]) -> str:
+    oshape = b.shape(node.outputs[0])
+    if dep == [0]:
+        return b.fit(b.op("Div", [tx[0], node.inputs[1]]), oshape)
+    # d(a / b) = (da - y db) / b, the division as a product with 1 / b (its forward error has
+    # a rule, forward_error.py; a Div by a tensor has none)
+    num = b.op("Mul", [node.outputs[0], tx[1]])
+    num = b.op("Sub", [tx[0], num]) if 0 in dep else b.op("Neg", [num])
+    return b.fit(b.op("Mul", [num, b.op("Reciprocal", [node.inputs[1]])]), oshape)
+
+
+def _gemm(b: _Builder, node: Node, dep: list[int], tx: dict[int, str]) -> str:
+    if dep != [0]:
+        raise NoTangent("Gemm of an input-dependent weight")
+    attrs = {k: v for k, v in node.attrs.items() if k != "beta"}  # the bias drops out
+    return b.op("Gemm", [tx[0], node.inputs[1]], attrs)
+
+
+def _reduce(b: _Builder, node: Node, dep: list[int], tx: dict[int, str]) -> str:
+    if dep != [0]:
+        raise NoTangent(f"{node.op_type} with input-dependent axes")
+    return b.op(node.op_type, [tx[0]] + node.inputs[1:], node.attrs)
+
+
+def _derivative(b: _Builder, node: Node) -> str:
+    """f'(x) of an elementwise node y = f(x), from y where it can."""
+    t, x, y = node.op_type, node.inputs[0], node.outputs[0]
+    if t == "Tanh":  # 1 - y^2
+        return b.op("Sub", [b.const(1.0, "one"), b.op("Mul", [y, y])])
+    if t == "Sigmoid":  # y (1 - y)
+        return b.op("Mul", [y, b.op("Sub", [b.const(1.0, "one"), y])])
+    if t == "Exp":
+        return y
+    if t == "Erf":  # 2/sqrt(pi) exp(-x^2)
+        e = b.op("Exp", [b.op("Neg", [b.op("Mul", [x, x])])])
+        return b.op("Mul", [e, b.const(2 / math.sqrt(math.pi))])
+    if t == "Gelu":
+        if node.attrs.get("approximate", "none") != "none":
+            raise NoTangent("Gelu with the tanh approximation (write it out)")
+        # Phi(x) + x phi(x) = (1 + erf(x / sqrt 2)) / 2 + x exp(-x^2 / 2) / sqrt(2 pi)
+        cdf = b.op("Mul", [b.op("Add", [b.op("Erf", [b.op("Mul", [x, b.const(
+            1 / math.sqrt(2))])]), b.const(1.0)]), b.const(0.5)])
+        pdf = b.op("Mul", [b.op("Exp", [b.op("Mul", [b.op("Mul", [x, x]), b.const(-0.5)])]),
+                           b.const(1 / math.sqrt(2 * math.pi))])
+        return b.op("Add", [cdf, b.op("Mul", [x, pdf])])
+    if t == "Sqrt":  # 1 / (2 y)
+        return b.op("Reciprocal", [b.op("Mul", [y, b.const(2.0)])])
+    if t == "Reciprocal":  # -y^2
+        return b.op("Neg", [b.op("Mul", [y, y])])
+    # Pow by a constant exponent
+    p = b.env[node.inputs[1]].detach().double().reshape(-1)
+    if p.numel() != 1 or float(p[0]) != 2.0:
+        raise NoTangent(f"Pow node {node.name}: a tangent only for the exponent 2")
+    return b.op("Mul", [x, b.const(2.0)])
+
+
+def _elementwise(b: _Builder, node: Node, dep: list[int], tx: dict[int, str]) -> str:
+    if dep != [0]:
+        raise NoTangent(f"{node.op_type} with an input-dependent exponent")
+    return b.op("Mul", [_derivative(b, node), tx[0]])
+
+
+def _softmax(b: _Builder, node: Node, dep: list[int], tx: dict[int, str]) -> str:
+    """dy = y (dz - sum(y dz)) along the axis."""
+    y = node.outputs[0]
+    ax = int(node.attrs.get("axis", -1)) % b.env[y].dim()
+    s = b.op("ReduceSum", [b.op("Mul", [y, tx[0]]), b.ints([ax])], {"keepdims": 1})
+    return b.op("Mul", [y, b.op("Sub", [tx[0], s])])
+
+
+def _layernorm_rule(b: _Builder, node: Node, dep: list[int], tx: dict[int, str]) -> str:
+    if dep != [0]:
+        raise NoTangent("LayerNorm with input-dependent weights")
+    return _layernorm(b, node, tx[0])
+
+
+RULES: dict[str, Rule] = {
+    **dict.fromkeys(("Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity",
+                     "Slice", "Gather", "Expand", "Dropout", "Tile", "Cast"), _layout),
+    "Concat": _concat, "Add": _add_sub, "Sub": _add_sub, "Neg": _neg, "Mul": _product,
+    "MatMul": _product, "Div": _div, "Gemm": _gemm, "ReduceMean": _reduce,
+    "ReduceSum": _reduce, "Softmax": _softmax, "LayerNormalization": _layernorm_rule,
+    **dict.fromkeys(("Tanh", "Sigmoid", "Exp", "Erf", "Gelu", "Sqrt", "Reciprocal", "Pow"),
+                    _elementwise),
+}
+
+
+def _rule(b: _Builder, node: Node, dep: list[int]) -> str:
+    """The tangent of one node's output."""
+    rule = RULES.get(node.op_type)
+    if rule is None:
+        raise NoTangent(f"{node.op_type} node {node.name}: no tangent rule")
+    if len([o for o in node.outputs if o]) != 1:
+        raise NoTangent(f"{node.op_type} node {node.name}: several outputs")
+    if node.op_type == "Cast" and not b.env[node.outputs[0]].is_floating_point():
+        raise NoTangent(f"Cast node {node.name} to a non-float type")
+    return rule(b, node, dep, {i: b.tan[node.inputs[i]] for i in dep})
+
+
+SEED = "__tangent_seed"
+
+
+class TangentGraph:
+    """The model's input-dependent nodes followed, node by node, by their tangents (the seed
+    `SEED`, the input's tangent, is 0 at the centre and the first P symbols over the ball)."""
+
+    def __init__(self, model: OnnxModel, x: np.ndarray) -> None:
+        self.model, self.x = model, x
+        module = model.module.with_dtype(torch.float64)
+        with torch.no_grad():
+            env = module.run_env(torch.from_numpy(x))
+        inp = model.spec.input_name
+        env[SEED] = torch.zeros_like(env[inp])
+        b = _Builder(env)
+        b.tan[inp] = SEED
+        dynamic = {inp}
+        for node in module.runtime_nodes:  # type: ignore[union-attr]
+            dep = [i for i, n in enumerate(node.inputs) if n and n in dynamic]
+            if not dep:
+                continue
+            b.nodes.append(node)
+            b.tan[node.outputs[0]] = _rule(b, node, dep)
+            dynamic.add(node.outputs[0])
+        self.nodes, self.env, self.known_ranges = b.nodes, env, b.known
+        self.variance = b.variance
+        self.output = b.tan[model.spec.output_name]
+        errors: dict[str, np.ndarray] = {}
+        self.proven, self.detail = forward_check(self.nodes, inp, x, env, errors)
+        self.known: dict = {} if self.proven is None else {
+            array_key(env[n].detach().numpy()): (None, e) for n, e in errors.items()
+            if n in env}
+
+    def jvp(self, x: np.ndarray, s: np.ndarray) -> np.ndarray:
+        """J_F(x) s, evaluated through the tangent graph in float64 (for tests: it must agree
+        with autodiff)."""
+        env = dict(self.env)
+        env[self.model.spec.input_name] = torch.from_numpy(np.asarray(x, np.float64))
+        env[SEED] = torch.from_numpy(np.asarray(s, np.float64))
+        for node in self.nodes:
+            outs = OPS[node.op_type].run(node, [env[i] if i else None for i in node.inputs],
+                                         CTX)
+            for name, value in zip(node.outputs, outs, strict=False):
+                if name:
+                    env[name] = value
+        return env[self.output].detach().numpy()
+
+    def output_form(self, eps: float) -> Aff | None:
+        """The tangent output's affine form over X in the inf-ball and s in [-1, 1]^P."""
+        ball = Ball(self.x, float(eps), "inf")
+        p = ball.size
+        shape = self.x.shape
+        z = np.zeros(shape)
+        seed = Aff(z, z.copy(), z.copy(),
+                   np.concatenate([np.zeros((p, p)), np.eye(p)], axis=1).reshape(*shape, 2 * p),
+                   z.copy())
+        tokens = (MARGIN.set(FORWARD_MARGIN if self.proven is None else self.proven),
+                  PROVEN.set(self.known))
+        known = dict(self.known_ranges)
+
+        def hook(node: Node, forms: dict[str, Aff]) -> None:
+            """Before a LayerNorm's mean: its variance from the tokens' radii,
+            (||P x0_t|| - rho_t)_+^2 / D + eps <= v_t <= (||P x0_t|| + rho_t)^2 / D + eps,
+            P the mean-removing projection (norm <= 1), rho_t >= ||x_t(X) - x_t(X0)||_2."""
+            spec = self.variance.get(node.outputs[0])
+            if spec is None or spec[0] not in forms:
+                return
+            xf = forms[spec[0]]
+            rho = affine.token_radius(xf, ball)[..., 0]  # (...,)
+            if not np.all(np.isfinite(rho)):
+                return
+            d = xf.shape[-1]
+            u0 = xf.c - xf.c.mean(axis=-1, keepdims=True)
+            cn = np.sqrt(np.square(u0).sum(axis=-1))
+            mn = np.sqrt(np.square(xf.m).sum(axis=-1))
+            lo_norm = np.maximum(cn * (1 - 1e-12) - mn * (1 + 1e-12) - rho, 0.0)
+            hi_norm = (cn * (1 + 1e-12) + mn + rho) * (1 + 1e-12)
+            ln_eps = spec[2]
+            vlo = (np.square(lo_norm) / d) * (1 - 1e-12) + ln_eps * (1 - 1e-12)
+            vhi = (np.square(hi_norm) / d) * (1 + 1e-12) + ln_eps * (1 + 1e-12)
+            shape = self.env[spec[1]].shape
+            known[spec[1]] = (vlo.reshape(shape), vhi.reshape(shape))
+        try:
+            forms = affine_rules.walk(self.nodes, self.model.spec.input_name, self.env, ball,
+                                      {}, set(), self.output, everything=False,
+                                      seeds={SEED: seed}, symbols=p, known=known, hook=hook)
+        finally:
+            PROVEN.reset(tokens[1])
+            MARGIN.reset(tokens[0])
+        return forms.get(self.output)
+
+    def bound(self, eps: float) -> np.ndarray | None:
+        """Per output entry i, an upper bound on sup ||row i of J_F(X)||_1 over the ball."""
+        f = self.output_form(eps)
+        if f is None:
+            return None
+        ball = Ball(self.x, float(eps), "inf")
+        lo, hi = affine.ranges(f, ball)
+        out = np.maximum(np.abs(lo), np.abs(hi)).reshape(-1)
+        if not np.all(np.isfinite(out)):
+            return None
+        return widen_up(out, 4)
+
+    def margin_constants(self, eps: float, label: int) -> dict[int, float] | None:
+        """For every j != label, an upper bound on sup ||grad (f_label - f_j)(X)||_1 over the
+        ball: the range of the tangents' difference (their symbols, s included, cancel)."""
+        f = self.output_form(eps)
+        if f is None:
+            return None
+        ball = Ball(self.x, float(eps), "inf")
+        k = f.c.size
+        c, m, o, bb = (v.reshape(k) for v in (f.c, f.m, f.o, f.b))
+        a = f.a.reshape(k, -1)
+        out: dict[int, float] = {}
+        for j in range(k):
+            if j == label:
+                continue
+            diff = Aff(np.array([c[label] - c[j]]), np.array([m[label] + m[j]]),
+                       np.array([o[label] - o[j]]), (a[label] - a[j])[None],
+                       np.array([bb[label] + bb[j]]))
+            lo, hi = affine.ranges(diff, ball)
+            v = float(widen_up(np.maximum(np.abs(lo), np.abs(hi)), 4)[0])
+            if not math.isfinite(v):
+                return None
+            out[j] = v
+        return out

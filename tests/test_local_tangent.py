@@ -18,8 +18,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from lsa_models.engine import affine, affine_rules
+from lsa_models.engine.affine import Aff
 from lsa_models.engine.local import certify_local
 from lsa_models.engine.tangent import NoTangent, TangentGraph
+from lsa_models.engine.values import Ball
 from lsa_models.onnx import load_onnx
 from lsa_models.onnx.loading import OnnxModel
 
@@ -186,3 +189,52 @@ def test_certify_local_takes_the_tangent_bound_where_smaller(models) -> None:
     assert "tangent graph" in res.method
     exact = float(np.abs(_jac(om, x0)).sum(axis=1).max())
     assert exact <= res.upper <= 5 * exact
+
+
+def _concrete(f: Aff, z: np.ndarray, beta: np.ndarray) -> np.ndarray:
+    """A value the form allows: c + o + a z + b beta (the form's own symbols z)."""
+    w = f.a.shape[-1]
+    return f.c + f.o + (f.a * z[:w]).sum(axis=-1) + f.b * beta
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**16), matmul=st.booleans(), eps=st.sampled_from([0.05, 0.5]))
+def test_product_with_pair_symbols_encloses_every_realisation(seed: int, matmul: bool,
+                                                              eps: float) -> None:
+    """x (input part + other symbols) times y (direction part + input part + symbols) with the
+    pair symbols psi_pq = d_p s_q / eps: for corners d, s and random symbol values, the exact
+    product change lies in the output form evaluated at the same symbols, up to its box and
+    its new symbols (any values). Dropping 70% of the pairs' coefficients fails this."""
+    rng = np.random.default_rng(seed)
+    p, q = 3, 2  # input size, other symbols
+    base = 2 * p
+    w = base + p * p + q
+    shape_x, shape_y = ((2, 3), (3, 2)) if matmul else ((2, 3), (2, 3))
+
+    def form(shape: tuple[int, ...], cols: slice) -> Aff:
+        a = np.zeros((*shape, w))
+        a[..., cols] = rng.standard_normal((*shape, cols.stop - cols.start))
+        a[..., base + p * p:] = 0.1 * rng.standard_normal((*shape, q))
+        return Aff(rng.standard_normal(shape), np.zeros(shape), 0.01 * rng.standard_normal(shape),
+                   a, 0.01 * np.abs(rng.standard_normal(shape)))
+    x = form(shape_x, slice(0, p))  # primal: the input's change
+    y = form(shape_y, slice(0, 2 * p))  # tangent: input and direction
+    ball = Ball(np.zeros(p), eps, "inf")
+    tokens = (affine.PAIRS.set((p, base)), affine.SPACE.set([p, w - p, w - p]))
+    try:
+        out = affine_rules.product(x, y, ball, matmul)
+    finally:
+        affine.SPACE.reset(tokens[1])
+        affine.PAIRS.reset(tokens[0])
+    mul = np.matmul if matmul else np.multiply
+    for _ in range(40):
+        d = eps * rng.choice([-1.0, 1.0], size=p)
+        s = rng.choice([-1.0, 1.0], size=p)
+        e = rng.uniform(-1, 1, size=q)
+        z = np.concatenate([d, s, (d[:, None] * s[None, :]).reshape(-1) / eps, e])
+        bx, by = rng.uniform(-1, 1, shape_x), rng.uniform(-1, 1, shape_y)
+        true = mul(_concrete(x, z, bx), _concrete(y, z, by)) - mul(x.c, y.c)
+        zo = np.concatenate([z, np.zeros(out.a.shape[-1] - w)])
+        known = out.o + (out.a[..., :w] * zo[:w]).sum(axis=-1)
+        slack = out.b + np.abs(out.a[..., w:]).sum(axis=-1) + 1e-12
+        assert np.all(np.abs(true - known) <= slack)

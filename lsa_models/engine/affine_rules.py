@@ -18,6 +18,7 @@ from . import fused
 from .affine import (
     _REL,
     COLLAPSE,
+    PAIRS,
     SPACE,
     TINY,
     Aff,
@@ -32,9 +33,10 @@ from .affine import (
     lin,
     narrow,
     ranges,
+    select,
     split_lin,
 )
-from .primitives import probability_ranges
+from .primitives import _softmax_ranges, probability_ranges
 from .rules import _abs_node, linear_consts, run_tangents
 from .values import Ball, center_margin, gamma
 
@@ -270,6 +272,73 @@ def _rank_one(x: Aff, y: Aff, ball: Ball, lx: np.ndarray, ly: np.ndarray
     return lo, hi
 
 
+def _pairs(x: Aff, y: Aff, ball: Ball, matmul: bool) -> np.ndarray | None:
+    """The bilinear part (u_x . d)(v_y . s) + (v_x . s)(u_y . d) of Lx Ly as coefficients of
+    the pair symbols psi_pq = d_p s_q / eps (affine.PAIRS), (*out, P, P); None when pairs are
+    off or neither operand depends on the direction s."""
+    spec = PAIRS.get()
+    if spec is None:
+        return None
+    p = ball.size
+    sx = x.a[..., p:2 * p] if x.a.shape[-1] > p else None
+    sy = y.a[..., p:2 * p] if y.a.shape[-1] > p else None
+    if (sx is None or not np.any(sx)) and (sy is None or not np.any(sy)):
+        return None
+    sx = np.zeros(x.a.shape[:-1] + (p,)) if sx is None or sx.shape[-1] < p else sx
+    sy = np.zeros(y.a.shape[:-1] + (p,)) if sy is None or sy.shape[-1] < p else sy
+    ux, uy = x.a[..., :p], y.a[..., :p]
+    if matmul:
+        out = np.einsum("...ijp,...jkq->...ikpq", ux, sy) + \
+            np.einsum("...jkp,...ijq->...ikpq", uy, sx)
+    else:
+        out = ux[..., :, None] * sy[..., None, :] + uy[..., :, None] * sx[..., None, :]
+    return out * ball.eps
+
+
+def _with_pairs(x: Aff, y: Aff, ball: Ball, matmul: bool, a: np.ndarray, pairs: np.ndarray,
+                quad: tuple[np.ndarray, np.ndarray] | None,
+                mul: Callable[[np.ndarray, np.ndarray], np.ndarray]
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """Lx Ly with the pair symbols: with Lx = u_x . d + v_x . s + r_x . e (input, direction,
+    the other symbols), Lx Ly - pairs = (u_x . d)(u_y . d) + (v_x . s)(v_y . s)
+    + (u_x . d + v_x . s)(r_y . e) + (r_x . e) Ly, the first by the quadratic form (MatMul) or
+    the identity of `_rank_one` on the input parts, the rest by their sizes. Returns the
+    linear part with the pairs' coefficients added and the rest's half width."""
+    p = ball.size
+    base = PAIRS.get()[1]  # type: ignore[index]
+
+    def sizes(f: Aff) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        li = _up(ball.eps * np.abs(f.a[..., :p]).sum(axis=-1), p + 2)
+        ls = _up(np.abs(f.a[..., p:2 * p]).sum(axis=-1), p + 2)
+        lr = _up(np.abs(f.a[..., 2 * p:]).sum(axis=-1), f.a.shape[-1] + 2)
+        return li, ls, lr
+    lix, lsx, lrx = sizes(x)
+    liy, lsy, lry = sizes(y)
+    if quad is None:
+        if matmul:
+            ii = mul(lix, liy)
+            quad = (-ii, ii)
+        else:
+            ux, uy = np.broadcast_arrays(x.a[..., :p], y.a[..., :p])
+            c = np.zeros(ux.shape[:-1])
+            sp = _up(ball.eps * np.abs(ux + uy).sum(axis=-1), p + 2)
+            sm = _up(ball.eps * np.abs(ux - uy).sum(axis=-1), p + 2)
+            ii = np.broadcast_to(lix * liy, sp.shape)
+            quad = (np.maximum(-_up(0.25 * sm * sm, 2), -ii) + c,
+                    np.minimum(_up(0.25 * sp * sp, 2), ii) + c)
+    qhw = np.maximum(np.abs(quad[0]), np.abs(quad[1]))  # symmetric: no offset kept
+    err = qhw + mul(lsx, lsy) + mul(lix + lsx, lry) + mul(lrx, liy + lsy + lry)
+    # the pairs' own rounding: each coefficient a sum of (MatMul: 2k) products times eps,
+    # within gamma of the sum of their sizes, sum_pq eps |u_p| |v_q| = (eps |u|_1) |v|_1
+    k = x.c.shape[-1] if matmul else 1
+    err = err + gamma(2 * k + 3) * (mul(lix, lsy) + mul(lsx, liy))
+    w = max(a.shape[-1], base + p * p)
+    out = np.zeros(a.shape[:-1] + (w,))
+    out[..., :a.shape[-1]] = a
+    out[..., base:base + p * p] += pairs.reshape(pairs.shape[:-2] + (p * p,))
+    return out, _up(err, 4)
+
+
 def product(x: Aff, y: Aff, ball: Ball, matmul: bool, out_c: np.ndarray | None = None,
             out_m: np.ndarray | None = None) -> Aff:
     """x * y (broadcast) or x @ y. With x = x0 + Dx, x0 = cx + ex (|ex| <= mx) and
@@ -311,7 +380,11 @@ def product(x: Aff, y: Aff, ball: Ball, matmul: bool, out_c: np.ndarray | None =
     if matmul:
         pp = ball.size
         quad = _quadratic(x.a[..., :pp], y.a[..., :pp], ball, mul(lix, liy))
-    if quad is None and not matmul:  # the whole linear parts, symbols included
+    pairs = _pairs(x, y, ball, matmul)
+    if pairs is not None:
+        a, err = _with_pairs(x, y, ball, matmul, a, pairs, quad, mul)
+        qmid = np.zeros_like(err)
+    elif quad is None and not matmul:  # the whole linear parts, symbols included
         lo, hi = _rank_one(x, y, ball, lx, ly)
         qmid = 0.5 * (lo + hi)
         err = 0.5 * (hi - lo) + _REL * np.abs(qmid)
@@ -495,6 +568,8 @@ def softmax(x: Aff, axis: int, out_c: np.ndarray, ball: Ball, xlo: np.ndarray | 
     inv = elementwise(tot, RECIPROCAL, ball, tlo, np.full(tot.shape, np.inf))
     p = product(e, inv, ball, matmul=False, out_c=oc, out_m=center_margin(oc))
     lo, hi = ranges(x, ball)
+    if np.all(np.isfinite(lo)) and np.all(np.isfinite(hi)):
+        p = select(p, _softmax_taylor(x, oc, ball, lo, hi), ball)
     plo, phi = probability_ranges(lo, hi, oc)
     p = narrow(p, plo, phi, ball)
     if ax != x.c.ndim - 1:
@@ -502,6 +577,31 @@ def softmax(x: Aff, axis: int, out_c: np.ndarray, ball: Ball, xlo: np.ndarray | 
                    np.moveaxis(p.a, -2, ax), np.moveaxis(p.b, -1, ax))
     p.stochastic = True
     return p
+
+
+def _softmax_taylor(x: Aff, oc: np.ndarray, ball: Ball, lo: np.ndarray, hi: np.ndarray
+                    ) -> Aff:
+    """Softmax along the last axis by the mean value theorem on each output entry:
+    p_i(z) - p_i(z0) = sum_j J_ij(xi) D_j, D = z - z0, xi in the logits' box [lo, hi] (which
+    holds z0 and z), J = diag(p) - p p^T within sc +- sr there (`_softmax_ranges`, from the
+    probability ranges), sc = J at the computed centre. So the change is the linear map sc
+    applied to D's form, plus sum_j sr_ij max|D_j| as a new symbol: the logits' shared
+    symbols go through sc with their signs (the exp / sum product form multiplies two
+    forms that move together)."""
+    n = x.shape[-1]
+    sc = np.einsum("...i,ij->...ij", oc, np.eye(n)) - oc[..., :, None] * oc[..., None, :]
+    _, _, sr = _softmax_ranges(lo, hi, oc, sc)
+    dlo, dhi = dev(x, ball)
+    dmax = np.maximum(np.abs(dlo), np.abs(dhi))
+    o = np.einsum("...ij,...j->...i", sc, x.o)
+    a = np.einsum("...ij,...jp->...ip", sc, x.a)
+    asc = np.abs(sc)
+    g = gamma(n + 2)
+    b = _up(np.einsum("...ij,...j->...i", asc, x.b + g * (np.abs(x.o) + lin(x, ball)))
+            + g * np.abs(o), n + 4)
+    err = _up(np.einsum("...ij,...j->...i", sr, dmax), n + 2) + TINY
+    a, b = fresh(a, b, err)
+    return Aff(oc, center_margin(oc), o, a, b)
 
 
 def _divide(args: list, var: list[int], c0: np.ndarray, m0: np.ndarray, ball: Ball,
@@ -676,7 +776,7 @@ def walk(nodes: list[Node], input_name: str, env: dict[str, torch.Tensor], ball:
     forms: dict[str, Aff] = {input_name: input_form(ball)}
     forms.update(seeds or {})
     count = None if everything else uses(nodes, chains, inside)
-    token = SPACE.set([ball.size, symbols])
+    token = SPACE.set([ball.size, symbols, symbols])  # the seeds' symbols: not budgeted
     try:
         _walk(nodes, forms, env, ball, chains, inside, count, keep or "",
               {} if known is None else known, hook)

@@ -28,7 +28,7 @@ import torch
 from ..onnx.loading import OnnxModel
 from ..onnx.ops import OPS, Node, RunContext, decimal_attr
 from . import affine, affine_rules
-from .affine import Aff
+from .affine import BALL_SYMBOLS, PAIRS, Aff
 from .forward_error import check as forward_check
 from .values import FORWARD_MARGIN, MARGIN, PROVEN, Ball, array_key, widen_up
 
@@ -265,6 +265,7 @@ def _rule(b: _Builder, node: Node, dep: list[int]) -> str:
 
 
 SEED = "__tangent_seed"
+PAIRS_ON = True  # the pair symbols (affine.PAIRS); off: one symbol per product entry
 
 
 class TangentGraph:
@@ -290,6 +291,7 @@ class TangentGraph:
             dynamic.add(node.outputs[0])
         self.nodes, self.env, self.known_ranges = b.nodes, env, b.known
         self.variance = b.variance
+        self.widest = max(int(env[t].numel()) for t in b.tan.values())
         self.output = b.tan[model.spec.output_name]
         errors: dict[str, np.ndarray] = {}
         self.proven, self.detail = forward_check(self.nodes, inp, x, env, errors)
@@ -311,17 +313,24 @@ class TangentGraph:
                     env[name] = value
         return env[self.output].detach().numpy()
 
-    def output_form(self, eps: float) -> Aff | None:
-        """The tangent output's affine form over X in the inf-ball and s in [-1, 1]^P."""
-        ball = Ball(self.x, float(eps), "inf")
+    def output_form(self, eps: float, norm: str = "inf") -> Aff | None:
+        """The tangent output's affine form over X in the ball and s in the unit ball of the
+        same norm ([-1, 1]^P, or the 2-ball: then its symbols are BALL_SYMBOLS)."""
+        ball = Ball(self.x, float(eps), norm)
         p = ball.size
         shape = self.x.shape
+        # the pair symbols d_p s_q / eps (affine.PAIRS) on the inf-ball, while the widest
+        # tangent form they make fits the form budget
+        pairs = norm == "inf" and PAIRS_ON and \
+            self.widest * (2 * p + p * p) <= affine.MAX_FORM_ENTRIES // 2
+        reserved = p + p * p if pairs else p
         z = np.zeros(shape)
         seed = Aff(z, z.copy(), z.copy(),
                    np.concatenate([np.zeros((p, p)), np.eye(p)], axis=1).reshape(*shape, 2 * p),
                    z.copy())
         tokens = (MARGIN.set(FORWARD_MARGIN if self.proven is None else self.proven),
-                  PROVEN.set(self.known))
+                  PROVEN.set(self.known), BALL_SYMBOLS.set((p, 2 * p) if norm == "2" else None),
+                  PAIRS.set((p, 2 * p) if pairs else None))
         known = dict(self.known_ranges)
 
         def hook(node: Node, forms: dict[str, Aff]) -> None:
@@ -349,8 +358,11 @@ class TangentGraph:
         try:
             forms = affine_rules.walk(self.nodes, self.model.spec.input_name, self.env, ball,
                                       {}, set(), self.output, everything=False,
-                                      seeds={SEED: seed}, symbols=p, known=known, hook=hook)
+                                      seeds={SEED: seed}, symbols=reserved, known=known,
+                                      hook=hook)
         finally:
+            PAIRS.reset(tokens[3])
+            BALL_SYMBOLS.reset(tokens[2])
             PROVEN.reset(tokens[1])
             MARGIN.reset(tokens[0])
         return forms.get(self.output)
@@ -367,13 +379,16 @@ class TangentGraph:
             return None
         return widen_up(out, 4)
 
-    def margin_constants(self, eps: float, label: int) -> dict[int, float] | None:
-        """For every j != label, an upper bound on sup ||grad (f_label - f_j)(X)||_1 over the
-        ball: the range of the tangents' difference (their symbols, s included, cancel)."""
-        f = self.output_form(eps)
+    def margin_constants(self, eps: float, label: int, norm: str = "inf"
+                         ) -> dict[int, float] | None:
+        """For every j != label, an upper bound on sup ||grad (f_label - f_j)(X)||_dual over
+        the ball (dual: 1 for the inf-ball, 2 for the 2-ball): the range of the tangents'
+        difference over X and the unit direction s (their symbols, s included, cancel)."""
+        f = self.output_form(eps, norm)
         if f is None:
             return None
-        ball = Ball(self.x, float(eps), "inf")
+        ball = Ball(self.x, float(eps), norm)
+        token = BALL_SYMBOLS.set((ball.size, 2 * ball.size) if norm == "2" else None)
         k = f.c.size
         c, m, o, bb = (v.reshape(k) for v in (f.c, f.m, f.o, f.b))
         a = f.a.reshape(k, -1)
@@ -384,9 +399,14 @@ class TangentGraph:
             diff = Aff(np.array([c[label] - c[j]]), np.array([m[label] + m[j]]),
                        np.array([o[label] - o[j]]), (a[label] - a[j])[None],
                        np.array([bb[label] + bb[j]]))
-            lo, hi = affine.ranges(diff, ball)
+            try:
+                lo, hi = affine.ranges(diff, ball)
+            finally:
+                pass
             v = float(widen_up(np.maximum(np.abs(lo), np.abs(hi)), 4)[0])
             if not math.isfinite(v):
+                BALL_SYMBOLS.reset(token)
                 return None
             out[j] = v
+        BALL_SYMBOLS.reset(token)
         return out

@@ -1,7 +1,8 @@
 """The inf-ball constant from the tangent graph (lsa_models/engine/tangent.py): the tangent
 graph must compute J_F(X) s exactly (against autodiff), and its affine-form bound on every
 row's l1 norm must never be below the exact float64 Jacobian's at points of the ball (random
-corners, sign ascent on each row), nor the margin constants below the margins' gradients."""
+corners, sign ascent on each row); the pair symbols' product rule must enclose every
+realisation of its operands' forms."""
 
 from __future__ import annotations
 
@@ -136,24 +137,6 @@ def test_tangent_bound_never_below_the_exact_row_norms(kind: str, eps: float,
     for x in _hunt(om, x0, eps, np.random.default_rng(seed)):
         exact = np.abs(_jac(om, x)).sum(axis=1)
         assert np.all(exact <= rows), (kind, eps, exact, rows)
-
-
-@settings(max_examples=4, deadline=None)
-@given(kind=st.sampled_from(["tf1", "researcher"]), eps=st.sampled_from([1e-2, 3e-2]),
-       seed=st.integers(0, 2**16))
-def test_tangent_margin_constants_bound_the_margin_gradients(kind: str, eps: float,
-                                                             seed: int) -> None:
-    om, x0 = _models()[kind]
-    tg = TangentGraph(om, x0)
-    with torch.no_grad():
-        logits = om.module.with_dtype(torch.float64)(torch.from_numpy(x0)).numpy()
-    label = int(np.argmax(logits.reshape(-1)))
-    consts = tg.margin_constants(eps, label)
-    assert consts is not None
-    for x in _hunt(om, x0, eps, np.random.default_rng(seed)):
-        j = _jac(om, x)
-        for other, c in consts.items():
-            assert np.abs(j[label] - j[other]).sum() <= c
 
 
 @pytest.mark.parametrize("kind", ["mlp", "tf1", "researcher"])

@@ -70,12 +70,6 @@ MAX_FORM_ENTRIES = 30_000_000
 SPACE: ContextVar[list[int] | None] = ContextVar("affine_symbols", default=None)
 
 
-# Symbols [lo, hi) that range over the unit 2-ball together instead of the box (tangent.py:
-# the direction of a 2-norm tangent), or None. The 2-ball lies in the box, so every rule that
-# treats them as box symbols stays sound; `split_lin` alone measures them in the 2-norm.
-BALL_SYMBOLS: ContextVar[tuple[int, int] | None] = ContextVar("ball_symbols", default=None)
-
-
 # Pair symbols (tangent.py, the inf-ball): psi_pq = d_p s_q / eps in [-1, 1] for the input's
 # change d (columns [0, P)) and the tangent's direction s (columns [P, 2P)), at the columns
 # [base, base + P^2) (row-major in (p, q)), or None. Products (affine_rules.product) put the
@@ -85,20 +79,12 @@ PAIRS: ContextVar[tuple[int, int] | None] = ContextVar("pair_symbols", default=N
 
 
 def split_lin(x: Aff, ball: Ball) -> tuple[np.ndarray, np.ndarray]:
-    """(>= |a_in d| over the ball, >= |a_sym e| over the symbols), entrywise: sum_q |a_q|, or
-    for the BALL_SYMBOLS group ||a_group||_2."""
+    """(>= |a_in d| over the ball, >= sum_q |a_q| over the symbols), entrywise."""
     p = ball.size
     li = _up(ball.eps * dual_row_norms(np.abs(x.a[..., :p]), ball.norm), 2)
-    w = x.a.shape[-1]
-    if w <= p:
-        return li, np.zeros_like(li)
-    group = BALL_SYMBOLS.get()
-    if group is None or group[0] >= w:
-        return li, _up(np.abs(x.a[..., p:]).sum(axis=-1), w - p + 2)
-    g0, g1 = group[0], min(group[1], w)
-    two = np.sqrt(_up(np.square(x.a[..., g0:g1]).sum(axis=-1), g1 - g0 + 2)) * (1 + 4 * U)
-    rest = np.abs(x.a[..., p:g0]).sum(axis=-1) + np.abs(x.a[..., g1:]).sum(axis=-1)
-    return li, _up(_up(rest, w - p + 2) + two, 2)
+    if x.a.shape[-1] > p:
+        return li, _up(np.abs(x.a[..., p:]).sum(axis=-1), x.a.shape[-1] - p + 2)
+    return li, np.zeros_like(li)
 
 
 def lin(x: Aff, ball: Ball) -> np.ndarray:

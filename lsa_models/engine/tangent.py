@@ -28,7 +28,7 @@ import torch
 from ..onnx.loading import OnnxModel
 from ..onnx.ops import OPS, Node, RunContext, decimal_attr
 from . import affine, affine_rules
-from .affine import BALL_SYMBOLS, PAIRS, Aff
+from .affine import PAIRS, Aff
 from .forward_error import check as forward_check
 from .values import FORWARD_MARGIN, MARGIN, PROVEN, Ball, array_key, widen_up
 
@@ -313,15 +313,14 @@ class TangentGraph:
                     env[name] = value
         return env[self.output].detach().numpy()
 
-    def output_form(self, eps: float, norm: str = "inf") -> Aff | None:
-        """The tangent output's affine form over X in the ball and s in the unit ball of the
-        same norm ([-1, 1]^P, or the 2-ball: then its symbols are BALL_SYMBOLS)."""
-        ball = Ball(self.x, float(eps), norm)
+    def output_form(self, eps: float) -> Aff | None:
+        """The tangent output's affine form over X in the inf-ball and s in [-1, 1]^P."""
+        ball = Ball(self.x, float(eps), "inf")
         p = ball.size
         shape = self.x.shape
         # the pair symbols d_p s_q / eps (affine.PAIRS) on the inf-ball, while the widest
         # tangent form they make fits the form budget
-        pairs = norm == "inf" and PAIRS_ON and \
+        pairs = PAIRS_ON and \
             self.widest * (2 * p + p * p) <= affine.MAX_FORM_ENTRIES // 2
         reserved = p + p * p if pairs else p
         z = np.zeros(shape)
@@ -329,8 +328,7 @@ class TangentGraph:
                    np.concatenate([np.zeros((p, p)), np.eye(p)], axis=1).reshape(*shape, 2 * p),
                    z.copy())
         tokens = (MARGIN.set(FORWARD_MARGIN if self.proven is None else self.proven),
-                  PROVEN.set(self.known), BALL_SYMBOLS.set((p, 2 * p) if norm == "2" else None),
-                  PAIRS.set((p, 2 * p) if pairs else None))
+                  PROVEN.set(self.known), PAIRS.set((p, 2 * p) if pairs else None))
         known = dict(self.known_ranges)
 
         def hook(node: Node, forms: dict[str, Aff]) -> None:
@@ -361,8 +359,7 @@ class TangentGraph:
                                       seeds={SEED: seed}, symbols=reserved, known=known,
                                       hook=hook)
         finally:
-            PAIRS.reset(tokens[3])
-            BALL_SYMBOLS.reset(tokens[2])
+            PAIRS.reset(tokens[2])
             PROVEN.reset(tokens[1])
             MARGIN.reset(tokens[0])
         return forms.get(self.output)
@@ -378,35 +375,3 @@ class TangentGraph:
         if not np.all(np.isfinite(out)):
             return None
         return widen_up(out, 4)
-
-    def margin_constants(self, eps: float, label: int, norm: str = "inf"
-                         ) -> dict[int, float] | None:
-        """For every j != label, an upper bound on sup ||grad (f_label - f_j)(X)||_dual over
-        the ball (dual: 1 for the inf-ball, 2 for the 2-ball): the range of the tangents'
-        difference over X and the unit direction s (their symbols, s included, cancel)."""
-        f = self.output_form(eps, norm)
-        if f is None:
-            return None
-        ball = Ball(self.x, float(eps), norm)
-        token = BALL_SYMBOLS.set((ball.size, 2 * ball.size) if norm == "2" else None)
-        k = f.c.size
-        c, m, o, bb = (v.reshape(k) for v in (f.c, f.m, f.o, f.b))
-        a = f.a.reshape(k, -1)
-        out: dict[int, float] = {}
-        for j in range(k):
-            if j == label:
-                continue
-            diff = Aff(np.array([c[label] - c[j]]), np.array([m[label] + m[j]]),
-                       np.array([o[label] - o[j]]), (a[label] - a[j])[None],
-                       np.array([bb[label] + bb[j]]))
-            try:
-                lo, hi = affine.ranges(diff, ball)
-            finally:
-                pass
-            v = float(widen_up(np.maximum(np.abs(lo), np.abs(hi)), 4)[0])
-            if not math.isfinite(v):
-                BALL_SYMBOLS.reset(token)
-                return None
-            out[j] = v
-        BALL_SYMBOLS.reset(token)
-        return out

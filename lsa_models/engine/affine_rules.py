@@ -766,20 +766,22 @@ def walk(nodes: list[Node], input_name: str, env: dict[str, torch.Tensor], ball:
          chains: dict[str, fused.Chain], inside: set[str], keep: str | None = None,
          everything: bool = True, seeds: dict[str, Aff] | None = None,
          symbols: int = 0, known: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,
-         hook: Callable[[Node, dict[str, Aff]], None] | None = None) -> dict[str, Aff]:
+         hook: Callable[[Node, dict[str, Aff]], None] | None = None,
+         capture: dict[str, Aff | None] | None = None) -> dict[str, Aff]:
     """The forms of every input-dependent tensor, alone (no Jacobian enclosure): an op with
     no rule gives its outputs the interval form of... nothing known, so the walk stops there
     and the tensors after it are missing. `seeds`: more graph inputs given as forms, over the
     first `symbols` noise symbols (tangent.py: the tangent's direction); `known`: ranges some
     tensors are known to lie in (a mean of squares plus eps is at least eps), which `hook`
-    (called before every node with the live forms) may add to."""
+    (called before every node with the live forms) may add to; `capture`: names whose forms
+    are kept there when made (whatever is released later)."""
     forms: dict[str, Aff] = {input_name: input_form(ball)}
     forms.update(seeds or {})
     count = None if everything else uses(nodes, chains, inside)
     token = SPACE.set([ball.size, symbols, symbols])  # the seeds' symbols: not budgeted
     try:
         _walk(nodes, forms, env, ball, chains, inside, count, keep or "",
-              {} if known is None else known, hook)
+              {} if known is None else known, hook, capture)
     finally:
         SPACE.reset(token)
     return forms
@@ -788,7 +790,8 @@ def walk(nodes: list[Node], input_name: str, env: dict[str, torch.Tensor], ball:
 def _walk(nodes: list[Node], forms: dict[str, Aff], env: dict[str, torch.Tensor], ball: Ball,
           chains: dict[str, fused.Chain], inside: set[str], count: dict[str, int] | None,
           keep: str, known: dict[str, tuple[np.ndarray, np.ndarray]],
-          hook: Callable[[Node, dict[str, Aff]], None] | None = None) -> None:
+          hook: Callable[[Node, dict[str, Aff]], None] | None = None,
+          capture: dict[str, Aff | None] | None = None) -> None:
     for node in nodes:
         if node.name in inside and node.name not in chains:
             continue
@@ -810,6 +813,8 @@ def _walk(nodes: list[Node], forms: dict[str, Aff], env: dict[str, torch.Tensor]
         for o, v in zip(outs, res, strict=False):
             if o and v is not None:
                 forms[o] = v
+                if capture is not None and o in capture:
+                    capture[o] = v
         if count is not None:
             release(forms, count, ins, keep)
 

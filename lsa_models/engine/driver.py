@@ -29,7 +29,7 @@ from ..bounds.numerics import (
 )
 from ..onnx.loading import OnnxModel
 from ..onnx.ops import Node, decimal_attr
-from . import affine, affine_rules, forward_error, fused, second, signed
+from . import affine, affine_rules, deferred, forward_error, fused, second, signed
 from .opnorm import integrated_tokens, rows_bound, set_token_radius
 from .primitives import LIBM_REL, derivative, elementwise
 from .rules import LOCAL_RULES, LocalRule, exact
@@ -217,13 +217,28 @@ def margin_lower_bounds(model: OnnxModel, x0: np.ndarray, eps: float, norm: str,
     with ctr:
         ball = Ball(x, float(eps), norm)
         chains, inside = _chains(model, ctr.module, ctr.env)
-        forms = affine_rules.walk(list(ctr.module.runtime_nodes),  # type: ignore[arg-type]
-                            model.spec.input_name, ctr.env, ball, chains, inside,
-                            model.spec.output_name, everything=False)
+        nodes: list[Node] = list(ctr.module.runtime_nodes)  # type: ignore[arg-type]
+        tail = deferred.find_tail(nodes, model.spec.output_name, ctr.env) if DEFER else None
+        capture: dict[str, affine.Aff | None] = {} if tail is None else {
+            tail[0].inputs[0]: None}
+        forms = affine_rules.walk(nodes, model.spec.input_name, ctr.env, ball, chains, inside,
+                                  model.spec.output_name, everything=False, capture=capture)
         out = forms.get(model.spec.output_name)
         if out is None:
             return None
-        return affine.margins(out, label, ball)
+        res = affine.margins(out, label, ball)
+        if tail is not None and all(v is not None for v in capture.values()):
+            # the final LayerNorm's product deferred past the head (deferred.py): both are
+            # lower bounds of the same margins, the larger stands
+            try:
+                low = deferred.margins(nodes, model.spec.output_name, ctr.env, ball,
+                                       {k: v for k, v in capture.items() if v is not None},
+                                       out, label, tail)
+            except affine.NotAffine:
+                low = None
+            if low is not None:
+                res = {j: max(v, low[j]) for j, v in res.items()}
+        return res
 
 
 def _enclose_all(model: OnnxModel, module: torch.nn.Module, env: dict[str, torch.Tensor],
@@ -402,6 +417,9 @@ def _rule(node: Node, centers: list[np.ndarray | None], ball: Ball) -> LocalRule
                                     f"{MAX_JACOBIAN_ENTRIES})")
     return rule
 
+
+# the margins past a final LayerNorm with its product deferred past the head (deferred.py)
+DEFER = True
 
 # Relational value ranges (affine.py) in lockstep with the enclosure: measured on the issue-15
 # Transformers (see docs/local-bounds.md, "Affine value ranges").

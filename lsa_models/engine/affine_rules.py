@@ -35,6 +35,7 @@ from .affine import (
     ranges,
     select,
     split_lin,
+    token_radius,
 )
 from .primitives import _softmax_ranges, probability_ranges
 from .rules import _abs_node, linear_consts, run_tangents
@@ -508,6 +509,30 @@ def _scale_const(x: Aff, k: np.ndarray, out_c: np.ndarray, out_m: np.ndarray,
                    out_c, out_m, np.broadcast_to(lin(x, ball), out_c.shape))
 
 
+def variance(u: Aff, v: Aff, ball: Ball) -> Aff:
+    """The variance v_t = ||u_t||^2 / D + eps by its expansion around the centre: with
+    Du = u_t(X) - u_t(X0) and rho_t >= ||Du||_2 (`token_radius`),
+    v_t(X) - v_t(X0) = (2/D) u0_t . Du + ||Du||^2 / D, the last in [0, rho_t^2 / D]: one
+    one-sided term per token instead of one per entry (the square's). u0 = c + e, |e| <= m:
+    (2/D) e . Du <= (2/D) ||m_t|| rho_t goes to the box. `v` gives the centre and margin."""
+    d = u.shape[-1]
+    rho = token_radius(u, ball)  # (..., T, 1)
+    w = 2.0 * u.c / d
+    g = gamma(d + 2)
+    lo_ = (w * u.o).sum(axis=-1, keepdims=True)
+    la = (w[..., None] * u.a).sum(axis=-2, keepdims=True)
+    lb = _up((np.abs(w) * (u.b + g * (np.abs(u.o) + lin(u, ball)))).sum(axis=-1, keepdims=True)
+             + g * np.abs(lo_), d + 4)  # (2/D) c . u: its change is (2/D) c . Du
+    quad = _up(rho * rho / d, 2)  # ||Du||^2 / D in [0, quad]
+    mn = np.sqrt(_up(np.square(u.m).sum(axis=-1, keepdims=True), d + 2)) * (1 + 4 * U)
+    # plus the rounding of the weights w = fl(2 c / D): |w - 2c/D| <= u |w|, times ||Du||
+    wn = np.sqrt(np.square(w).sum(axis=-1, keepdims=True)) * (1 + 4 * U)
+    extra = _up(2.0 / d * mn * rho + 2 * U * wn * rho, 2)
+    # the per-token error as a symbol: every entry of the token's LayerNorm output shares it
+    a, b = fresh(la, lb, _up(0.5 * quad + extra + _REL * np.abs(lo_), 2))
+    return Aff(v.c, v.m, lo_ + 0.5 * quad, a, b)
+
+
 def layernorm(x: Aff, gamma_: np.ndarray, beta: np.ndarray | None, ln_eps: float,
               out_c: np.ndarray, ball: Ball, xlo: np.ndarray | None = None,
               xhi: np.ndarray | None = None) -> Aff:
@@ -520,6 +545,7 @@ def layernorm(x: Aff, gamma_: np.ndarray, beta: np.ndarray | None, ln_eps: float
     u = _add(x, neg, ball)  # (..., D)
     q = elementwise(u, SQUARE, ball)
     v = _shift(_reduce(q, d, True, ball), np.asarray(ln_eps))
+    v = select(v, variance(u, v, ball), ball)
     vlo = np.full(v.shape, ln_eps * (1 - 1e-12))  # the mean of squares is >= 0
     r = elementwise(v, RSQRT, ball, vlo, np.full(v.shape, np.inf))
     w = product(u, r, ball, matmul=False)

@@ -21,7 +21,7 @@ import torch
 from ..bounds.numerics import U
 from ..onnx.ops import Node, decimal_attr
 from . import affine
-from .affine import Aff
+from .affine import Aff, select
 from .affine_rules import (
     LAYOUT,
     RSQRT,
@@ -31,6 +31,7 @@ from .affine_rules import (
     _shift,
     elementwise,
     product,
+    variance,
 )
 from .rules import _abs_node, linear_consts, run_tangents
 from .values import Ball, gamma
@@ -124,6 +125,7 @@ def margins(nodes: list[Node], output: str, env: dict[str, torch.Tensor], ball: 
     u = _add(x, Aff(-mu.c, mu.m, -mu.o, -mu.a, mu.b), ball)  # (..., T, D)
     q = elementwise(u, SQUARE, ball)
     v = _shift(_reduce(q, d, True, ball), np.asarray(ln_eps))  # (..., T, 1)
+    v = select(v, variance(u, v, ball), ball)
     vlo = np.full(v.shape, ln_eps * (1 - 1e-12))
     r = elementwise(v, RSQRT, ball, vlo, np.full(v.shape, np.inf))
     c = out.c.reshape(k)

@@ -81,7 +81,7 @@ def find_tail(nodes: list[Node], output: str, env: dict[str, torch.Tensor]
         name = src
 
 
-def _push(tail: list[Node], env: dict[str, torch.Tensor], start: str, cols: np.ndarray,
+def push_linear(tail: list[Node], env: dict[str, torch.Tensor], start: str, cols: np.ndarray,
           absolute: bool) -> np.ndarray:
     """The tail's linear part applied to the columns (*y.shape, S) (constant addends
     dropped); with `absolute`, the op |L| of every node."""
@@ -111,8 +111,8 @@ def margins(nodes: list[Node], output: str, env: dict[str, torch.Tensor], ball: 
     shape, size = y0.shape, y0.size
     k = out.c.size
     eye = np.eye(size).reshape(*shape, size)
-    a_hat = _push(nodes_tail, env, ln.outputs[0], eye, False).reshape(k, size)
-    a_abs = _push(nodes_tail, env, ln.outputs[0], eye, True).reshape(k, size)
+    a_hat = push_linear(nodes_tail, env, ln.outputs[0], eye, False).reshape(k, size)
+    a_abs = push_linear(nodes_tail, env, ln.outputs[0], eye, True).reshape(k, size)
     # |A - a_hat| <= gamma_n |A|-chain: every entry a sum of at most `size` products of the
     # tail's constants, one per node
     err = gamma(size + 2 * len(nodes_tail) + 8) * a_abs

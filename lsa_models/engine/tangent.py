@@ -25,12 +25,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..bounds.numerics import U
 from ..onnx.loading import OnnxModel
 from ..onnx.ops import OPS, Node, RunContext, decimal_attr
 from . import affine, affine_rules
 from .affine import PAIRS, Aff
+from .deferred import find_tail, push_linear
 from .forward_error import check as forward_check
-from .values import FORWARD_MARGIN, MARGIN, PROVEN, Ball, array_key, widen_up
+from .values import FORWARD_MARGIN, MARGIN, PROVEN, Ball, array_key, gamma, widen_up
 
 CTX = RunContext(torch.float64)
 
@@ -50,6 +52,9 @@ class _Builder:
     known: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     # a LayerNorm's mean node -> (its input x, its variance v = mean (x - mean x)^2 + eps, eps)
     variance: dict[str, tuple[str, str, float]] = field(default_factory=dict)
+    centred: dict[str, str] = field(default_factory=dict)  # v -> u = x - mean x
+    # a LayerNorm node -> its chain's tensors n, r, du, w = mean(n du) and dn (`_layernorm`)
+    ln_parts: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def name(self, hint: str) -> str:
         self.k += 1
@@ -110,6 +115,7 @@ def _layernorm(b: _Builder, node: Node, t: str) -> str:
     # narrows it by the tokens' radii (`TangentGraph._hook`)
     b.known[v] = (np.full(b.shape(v), ln_eps * (1 - 1e-12)), np.full(b.shape(v), np.inf))
     b.variance[mu] = (x, v, ln_eps)
+    b.centred[v] = u
     r = b.op("Reciprocal", [b.op("Sqrt", [v], hint="ln_s")], hint="ln_r")
     n = b.op("Mul", [u, r], hint="ln_n")
     # the normalised entries: a zero-sum vector of norm <= sqrt(D) has |n_i| <= sqrt(D - 1)
@@ -118,9 +124,46 @@ def _layernorm(b: _Builder, node: Node, t: str) -> str:
     du = b.op("Sub", [t, b.op("ReduceMean", [t, axes], keep)])
     w = b.op("ReduceMean", [b.op("Mul", [n, du]), axes], keep)
     dn = b.op("Mul", [r, b.op("Sub", [du, b.op("Mul", [n, w])])], hint="ln_dn")
+    b.ln_parts[node.name] = {"n": n, "r": r, "du": du, "w": w, "dn": dn}
     if len(node.inputs) > 1 and node.inputs[1]:
         dn = b.op("Mul", [dn, node.inputs[1]], hint="ln_dy")
     return dn
+
+
+def _deferred_output(b: _Builder, tail: tuple[Node, list[Node]]) -> tuple[str, str, np.ndarray]:
+    """The output's tangent through a final LayerNorm and a linear tail, the LayerNorm's
+    products deferred past the tail (as deferred.py does for the margins): with A the tail's
+    matrix (K x size of y) and W_k = A_k gamma,
+        (J s)_k = sum_ti W_k,ti dn_ti = sum_t r_t (g_kt - w_t h_kt),
+    g_kt = sum_i W_k,ti du_ti (linear in the tangent), h_kt = sum_i W_k,ti n_ti, w_t =
+    mean_i n_ti du_ti: per token and output one product with r_t and one of w_t with h_kt,
+    instead of D products each. Returns (the output's name, dn's name, E) with E (K, *y)
+    the weight on |dn_ti| of the coefficients' rounding: |A gamma - W| <= err |gamma| + u |W|."""
+    ln, nodes_tail = tail
+    parts = b.ln_parts[ln.name]
+    y = ln.outputs[0]
+    shape = b.shape(y)
+    size = int(np.prod(shape))
+    eye = np.eye(size).reshape(*shape, size)
+    a_hat = push_linear(nodes_tail, b.env, y, eye, False)
+    k = a_hat.size // size
+    a_hat = a_hat.reshape(k, size)
+    a_abs = push_linear(nodes_tail, b.env, y, eye, True).reshape(k, size)
+    err = gamma(size + 2 * len(nodes_tail) + 8) * a_abs
+    gam = np.ones(shape) if len(ln.inputs) < 2 or not ln.inputs[1] else \
+        np.broadcast_to(b.env[ln.inputs[1]].detach().double().numpy(), shape)
+    wk = a_hat.reshape(k, *shape) * gam  # (K, *y)
+    e = (err.reshape(k, *shape) * np.abs(gam) + U * np.abs(wk)) * (1 + 1e-9)
+    wname = b.const(wk, "head")
+    last = b.ints([-1])
+    keep = {"keepdims": 1}
+    g = b.op("ReduceSum", [b.op("Mul", [parts["du"], wname]), last], keep, "def_g")
+    h = b.op("ReduceSum", [b.op("Mul", [parts["n"], wname]), last], keep, "def_h")
+    inner = b.op("Sub", [g, b.op("Mul", [parts["w"], h])])
+    prod = b.op("Mul", [parts["r"], inner], hint="def_rt")
+    out = b.op("ReduceSum", [prod, b.ints(list(range(1, 1 + len(shape))))], {"keepdims": 0},
+               "def_out")
+    return out, parts["dn"], e
 
 
 # One rule per op family: (builder, node, the input-dependent inputs' positions, their
@@ -289,19 +332,24 @@ class TangentGraph:
             b.nodes.append(node)
             b.tan[node.outputs[0]] = _rule(b, node, dep)
             dynamic.add(node.outputs[0])
-        self.nodes, self.env, self.known_ranges = b.nodes, env, b.known
-        self.variance = b.variance
-        self.widest = max(int(env[t].numel()) for t in b.tan.values())
         self.output = b.tan[model.spec.output_name]
+        # the final LayerNorm's tangent deferred past a linear head (`_deferred_output`)
+        self.deferred: tuple[str, str, np.ndarray] | None = None
+        tail = find_tail(list(module.runtime_nodes), model.spec.output_name, env)  # type: ignore[arg-type]
+        if tail is not None and tail[0].name in b.ln_parts:
+            self.deferred = _deferred_output(b, tail)
+        self.nodes, self.env, self.known_ranges = b.nodes, env, b.known
+        self.variance, self.centred = b.variance, b.centred
+        self.widest = max(int(env[nd.outputs[0]].numel()) for nd in b.nodes)
         errors: dict[str, np.ndarray] = {}
         self.proven, self.detail = forward_check(self.nodes, inp, x, env, errors)
         self.known: dict = {} if self.proven is None else {
             array_key(env[n].detach().numpy()): (None, e) for n, e in errors.items()
             if n in env}
 
-    def jvp(self, x: np.ndarray, s: np.ndarray) -> np.ndarray:
+    def jvp(self, x: np.ndarray, s: np.ndarray, deferred: bool = False) -> np.ndarray:
         """J_F(x) s, evaluated through the tangent graph in float64 (for tests: it must agree
-        with autodiff)."""
+        with autodiff); `deferred`: through the deferred output instead."""
         env = dict(self.env)
         env[self.model.spec.input_name] = torch.from_numpy(np.asarray(x, np.float64))
         env[SEED] = torch.from_numpy(np.asarray(s, np.float64))
@@ -311,7 +359,8 @@ class TangentGraph:
             for name, value in zip(node.outputs, outs, strict=False):
                 if name:
                     env[name] = value
-        return env[self.output].detach().numpy()
+        name = self.deferred[0] if deferred and self.deferred is not None else self.output
+        return env[name].detach().numpy()
 
     def output_form(self, eps: float) -> Aff | None:
         """The tangent output's affine form over X in the inf-ball and s in [-1, 1]^P."""
@@ -335,6 +384,11 @@ class TangentGraph:
             """Before a LayerNorm's mean: its variance from the tokens' radii,
             (||P x0_t|| - rho_t)_+^2 / D + eps <= v_t <= (||P x0_t|| + rho_t)^2 / D + eps,
             P the mean-removing projection (norm <= 1), rho_t >= ||x_t(X) - x_t(X0)||_2."""
+            vin = node.inputs[0] if node.inputs else ""
+            if vin in self.centred and vin in forms and self.centred[vin] in forms:
+                # the variance by its expansion around the centre (affine_rules.variance)
+                forms[vin] = affine.select(forms[vin], affine_rules.variance(
+                    forms[self.centred[vin]], forms[vin], ball), ball)
             spec = self.variance.get(node.outputs[0])
             if spec is None or spec[0] not in forms:
                 return
@@ -353,15 +407,18 @@ class TangentGraph:
             vhi = (np.square(hi_norm) / d) * (1 + 1e-12) + ln_eps * (1 + 1e-12)
             shape = self.env[spec[1]].shape
             known[spec[1]] = (vlo.reshape(shape), vhi.reshape(shape))
+        capture: dict[str, Aff | None] = {} if self.deferred is None else {
+            self.deferred[0]: None, self.deferred[1]: None}
         try:
             forms = affine_rules.walk(self.nodes, self.model.spec.input_name, self.env, ball,
                                       {}, set(), self.output, everything=False,
                                       seeds={SEED: seed}, symbols=reserved, known=known,
-                                      hook=hook)
+                                      hook=hook, capture=capture)
         finally:
             PAIRS.reset(tokens[2])
             PROVEN.reset(tokens[1])
             MARGIN.reset(tokens[0])
+        self._captured = capture
         return forms.get(self.output)
 
     def bound(self, eps: float) -> np.ndarray | None:
@@ -372,6 +429,17 @@ class TangentGraph:
         ball = Ball(self.x, float(eps), "inf")
         lo, hi = affine.ranges(f, ball)
         out = np.maximum(np.abs(lo), np.abs(hi)).reshape(-1)
+        if self.deferred is not None:
+            dfo, dn = (self._captured.get(n) for n in self.deferred[:2])
+            if dfo is not None and dn is not None and dfo.c.size == out.size:
+                # the deferred output plus the coefficients' rounding: sum E |dn|
+                dlo, dhi = affine.ranges(dn, ball)
+                dmax = np.maximum(np.abs(dlo), np.abs(dhi))
+                slack = (self.deferred[2] * dmax).reshape(out.size, -1).sum(axis=1)
+                qlo, qhi = affine.ranges(dfo, ball)
+                alt = np.maximum(np.abs(qlo), np.abs(qhi)).reshape(-1) + slack * (1 + 1e-9)
+                with np.errstate(invalid="ignore"):
+                    out = np.where(np.isfinite(alt), np.minimum(out, alt), out)
         if not np.all(np.isfinite(out)):
             return None
         return widen_up(out, 4)

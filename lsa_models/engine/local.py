@@ -272,40 +272,82 @@ def affine_radius(om: OnnxModel, x: np.ndarray, norm: str, label: int, start: fl
     """The largest radius (to AFFINE_TOL) whose margin lower bounds from the affine forms
     are all positive, searched from `start` > 0; (radius, walks). A radius r certifies the
     whole ball of radius r, so no integration is needed: this route and the sweep are
-    independent, the larger one stands."""
+    independent, the larger one stands. The search brackets the radius (growing or shrinking
+    `start` by AFFINE_GROWTH), then narrows the bracket by regula falsi on the smallest lower
+    bound (Illinois' variant, each step kept inside the bracket's middle 90%; bisection where
+    a walk failed): the bound is smooth in the radius, so this takes fewer walks than
+    bisection. Only radii whose walk certified are reported."""
     ctr = Centre(om, x)
     walks = 0
 
-    def ok(r: float) -> bool:
+    def value(r: float) -> float:
+        """min_j of the margins' lower bounds on the ball of radius r (-inf: no bound)."""
         nonlocal walks
         walks += 1
         try:
             low = margin_lower_bounds(om, x, r, norm, label, ctr)
         except (LocalNotCertified, FloatingPointError, ValueError):
-            return False
-        good = low is not None and all(v > 0 for v in low.values())
+            low = None
+        v = -math.inf if not low else min(low.values())
+        if not math.isfinite(v):
+            v = -math.inf
         if progress is not None:
-            progress(f"affine radius: tried {r:.3g}, {'certified' if good else 'not'}",
+            progress(f"affine radius: tried {r:.3g}, {'certified' if v > 0 else 'not'}",
                      min(1.0, walks / AFFINE_WALKS))
-        return good
+        return v
 
-    lo, hi = 0.0, start
-    while walks < AFFINE_WALKS and ok(hi):  # grow
-        lo, hi = hi, hi * AFFINE_GROWTH
+    lo, flo, hi = 0.0, math.inf, start
+    fhi = value(hi)
+    while walks < AFFINE_WALKS and fhi > 0:  # grow
+        lo, flo, hi = hi, fhi, hi * AFFINE_GROWTH
+        fhi = value(hi)
     if lo == 0.0:  # shrink until something certifies
-        while walks < AFFINE_WALKS // 2 and not ok(hi / AFFINE_GROWTH**2):
-            hi /= AFFINE_GROWTH**2
-        hi /= AFFINE_GROWTH**2
-        if walks >= AFFINE_WALKS // 2:
+        while walks < AFFINE_WALKS // 2:
+            r = hi / AFFINE_GROWTH**2
+            fr = value(r)
+            if fr > 0:
+                lo, flo = r, fr
+                break
+            hi, fhi = r, fr
+        if lo == 0.0:
             return 0.0, walks
-        lo, hi = hi, hi * AFFINE_GROWTH**2
+    side = 0  # Illinois: which end was kept last (-1 lo, +1 hi)
     while walks < AFFINE_WALKS and hi - lo > AFFINE_TOL * lo:
-        mid = 0.5 * (lo + hi)
-        if ok(mid):
-            lo = mid
+        width = hi - lo
+        if math.isfinite(fhi) and math.isfinite(flo) and flo > fhi:
+            r = hi - fhi * width / (fhi - flo)
+            r = min(max(r, lo + 0.05 * width), hi - 0.05 * width)
         else:
-            hi = mid
+            r = lo + 0.5 * width
+        fr = value(r)
+        if fr > 0:
+            lo, flo = r, fr
+            if side == -1 and math.isfinite(fhi):
+                fhi *= 0.5  # the far end kept twice: halve its value (Illinois)
+            side = -1
+        else:
+            hi, fhi = r, fr
+            if side == 1:
+                flo *= 0.5
+            side = 1
     return lo, walks
+
+
+AFFINE_START = 0.25  # of the first-order radius: where the affine search starts
+
+
+def _first_order_radius(f64: torch.nn.Module, x: np.ndarray, label: int,
+                        margins: dict[int, float], norm: str) -> float:
+    """min_j m_j / ||grad m_j(X0)||_dual by autograd (a starting guess only)."""
+    t = torch.from_numpy(x).requires_grad_(True)
+    out = f64(t).reshape(-1)
+    best = math.inf
+    for j, m in margins.items():
+        (g,) = torch.autograd.grad(out[label] - out[j], t, retain_graph=True)
+        dual = float(g.abs().sum()) if norm == "inf" else float(g.norm())
+        if dual > 0:
+            best = min(best, m / dual)
+    return best if math.isfinite(best) and best > 0 else 1e-3
 
 
 def _sweep(om: OnnxModel, x: np.ndarray, norm: str, label: int, margins: dict[int, float],
@@ -325,6 +367,7 @@ def _sweep(om: OnnxModel, x: np.ndarray, norm: str, label: int, margins: dict[in
     if c0 is None:
         return 0.0, 1, {}
     runs0 = 1
+    probe: tuple[float, dict[int, float]] | None = None  # a ball walked already
     if floor > 0:
         runs0 = 2
         # one probe of the other route's radius: the integral up to `floor` is at least
@@ -336,15 +379,24 @@ def _sweep(om: OnnxModel, x: np.ndarray, norm: str, label: int, margins: dict[in
                                   for j in cp):
             _stopped(progress, floor)
             return 0.0, 2, {}
+        probe = None if cp is None else (SWEEP_PROBE * floor, cp)
     first = min(margins[j] / max(c0[j], 1e-300) for j in c0)
     spent = dict.fromkeys(c0, 0.0)  # S_j: the sum over the pieces so far
     prev, best, width, runs, consts = 0.0, 0.0, first * SWEEP_START, runs0, dict[int, float]()
     last_ok: dict[int, float] = {}  # the constants of the last certified piece
+    fail: tuple[float, dict[int, float]] | None = None  # the last ball that spent a margin
     # stop when a piece would add less than SWEEP_MIN_GAIN of the radius reached
     while runs < steps and width > max(first * 1e-6, best * SWEEP_MIN_GAIN):
-        runs += 1
-        rho = prev + width
-        c = _constants_at(om, x, rho, norm, label)
+        c: dict[int, float] | None
+        if probe is not None and prev + 0.5 * width <= probe[0] < prev + width:
+            # the probe's ball ends this piece (at least half as wide as planned): its
+            # constants are known, no walk
+            rho, c = probe
+            width, probe = rho - prev, None
+        else:
+            runs += 1
+            rho = prev + width
+            c = _constants_at(om, x, rho, norm, label)
         after = None if c is None else {j: spent[j] + width * c[j] for j in c}
         if c is not None and after is not None and all(margins[j] - after[j] > 0 for j in c):
             spent, prev, consts, last_ok = after, rho, c, c
@@ -356,7 +408,14 @@ def _sweep(om: OnnxModel, x: np.ndarray, norm: str, label: int, margins: dict[in
                 part = prev + max(0.0, min(delta, width)) * (1 - 1e-9)
                 if part > best:
                     best, consts = part, c
+                fail = (rho, c)
             width *= SWEEP_SHRINK
+        if fail is not None and last_ok and fail[0] > prev:
+            # a failed ball lies beyond: the next width from the constants interpolated
+            # between the last certified ball and it (a choice of the next radius only)
+            guess = _predicted_width(prev, last_ok, fail, margins, spent)
+            if guess is not None:
+                width = guess
         _tick(progress, runs, steps, max(best, floor))
         if last_ok and floor > 0 and \
                 prev + min((margins[j] - spent[j]) / last_ok[j] for j in last_ok) <= floor:
@@ -366,6 +425,37 @@ def _sweep(om: OnnxModel, x: np.ndarray, norm: str, label: int, margins: dict[in
             _stopped(progress, max(best, floor))
             break
     return best, runs, consts
+
+
+# the sweep's next width after a failed ball: this fraction of the width the interpolated
+# constants would just allow (below 1: the walk there should certify)
+SWEEP_PREDICT = 0.9
+
+
+def _predicted_width(prev: float, last_ok: dict[int, float],
+                     fail: tuple[float, dict[int, float]], margins: dict[int, float],
+                     spent: dict[int, float]) -> float | None:
+    """The width w with w L_j(prev + w) = m_j - S_j for the tightest j, L_j interpolated
+    log-linearly between the last certified ball (prev) and the failed one (a guess of the
+    next piece: where the constants grow faster than exponentially the chord lies above
+    them, so the piece tends to certify), times SWEEP_PREDICT; None where it is not
+    positive."""
+    rho_f, c_f = fail
+    span = rho_f - prev
+    if span <= 0:
+        return None
+
+    def fits(w: float) -> bool:
+        t = w / span
+        return all(w * math.exp((1 - t) * math.log(last_ok[j]) + t * math.log(c_f[j]))
+                   < margins[j] - spent[j] for j in last_ok if j in c_f)
+    if not all(last_ok[j] > 0 and c_f.get(j, 0) > 0 for j in last_ok) or not fits(0.0):
+        return None
+    lo, hi = 0.0, span
+    for _ in range(40):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo * SWEEP_PREDICT if lo > 0 else None
 
 
 def _stopped(progress: Callable[[str, float], None] | None, certified: float) -> None:
@@ -401,8 +491,9 @@ def robustness(model: Any, at: np.ndarray, label: int, norm: NormName,
     lo, n_steps, consts = 0.0, 0, dict[int, float]()
     aff, walks = 0.0, 0
     if min(margins.values()) > 0:
-        # the affine route first (cheap: no Jacobians), from the first-order radius guess
-        start = min(margins.values()) / max(float(np.abs(logits).max()), 1e-12) * 1e-2
+        # the affine route first (cheap: no Jacobians), from a quarter of the first-order
+        # radius min_j m_j / ||grad m_j(X0)||_dual (a guess: any start is sound)
+        start = _first_order_radius(f64, x, label, margins, norm) * AFFINE_START
         # progress: the affine route's walks fill the first AFFINE_SHARE, the sweep the rest
         aff, walks = affine_radius(om, x, norm, label, max(start, 1e-12),
                                    _scaled_progress(progress, 0.0, AFFINE_SHARE))

@@ -234,8 +234,9 @@ def margin_lower_bounds(model: OnnxModel, x0: np.ndarray, eps: float, norm: str,
                 low = deferred.margins(nodes, model.spec.output_name, ctr.env, ball,
                                        {k: v for k, v in capture.items() if v is not None},
                                        out, label, tail)
-            except affine.NotAffine:
-                low = None
+            except (affine.NotAffine, FloatingPointError, ValueError, RuntimeError, KeyError,
+                    IndexError, TypeError):
+                low = None  # an optional refinement: the plain margins stand
             if low is not None:
                 res = {j: max(v, low[j]) for j, v in res.items()}
         return res

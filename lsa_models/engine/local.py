@@ -35,6 +35,7 @@ from .driver import (
     local_jacobian,
     margin_lower_bounds,
 )
+from .affine import NotAffine
 from .tangent import NoTangent, TangentGraph
 from .values import LocalNotCertified
 
@@ -113,7 +114,9 @@ def _tangent_candidate(om: OnnxModel, x: np.ndarray, eps: float, norm: str) -> f
         return None
     try:
         rows = TangentGraph(om, x).bound(eps)
-    except (NoTangent, FloatingPointError, ValueError, LocalNotCertified):
+    except (NoTangent, NotAffine, FloatingPointError, ValueError, LocalNotCertified,
+            RuntimeError, KeyError, IndexError, TypeError):
+        # an optional candidate: a graph it cannot take keeps the other bounds
         return None
     return None if rows is None else float(rows.max())
 

@@ -27,6 +27,7 @@ from ..onnx.analyzer import analyse
 from ..onnx.ball import ball_bound
 from ..onnx.export import export_onnx
 from ..onnx.loading import OnnxModel, load_onnx
+from .affine import NotAffine
 from .driver import (
     Centre,
     LocalJacobian,
@@ -35,7 +36,6 @@ from .driver import (
     local_jacobian,
     margin_lower_bounds,
 )
-from .affine import NotAffine
 from .tangent import NoTangent, TangentGraph
 from .values import LocalNotCertified
 

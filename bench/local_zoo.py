@@ -59,6 +59,10 @@ def run_case(case: Any, exporter: str, eps: float, norm: str, tmp: Path) -> dict
     try:
         res = certify_local(om, x0, eps, norm)  # type: ignore[arg-type]
         row["upper"] = res.upper
+        row["tangent"] = "tangent graph" in res.method  # the inf-ball's tangent bound won
+        if res.upper is not None and "lower" in row:
+            row["upper_ratio"] = res.upper / row["lower"]
+            row["upper_sound"] = bool(res.upper >= row["lower"])
     except ValueError as exc:
         row["upper_error"] = str(exc)[:200]
     row["seconds"] = time.monotonic() - t0
@@ -82,8 +86,11 @@ def main() -> None:
                 rows.append(run_case(case, exporter, args.eps, args.norm, Path(tmp)))
                 r = rows[-1]
                 ratio = f"{r['ratio']:.3f}" if "ratio" in r else ""
+                best = f"{r['upper_ratio']:.3f}" if "upper_ratio" in r else ""
+                flag = ("T" if r.get("tangent") else "") + \
+                    ("" if r.get("upper_sound", True) else " UNSOUND")
                 print(f"{r['case']:45s} {exporter:11s} {r['local']:12s} {ratio:8s} "
-                      f"{r.get('reason', '')}", flush=True)
+                      f"{best:8s} {flag:3s} {r.get('reason', '')}", flush=True)
     OUT.mkdir(exist_ok=True)
     (OUT / "local_zoo.json").write_text(json.dumps({"eps": args.eps, "norm": args.norm,
                                                     "rows": rows}, indent=1))

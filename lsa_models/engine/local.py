@@ -391,8 +391,8 @@ def _sweep(om: OnnxModel, x: np.ndarray, norm: str, label: int, margins: dict[in
     # stop when a piece would add less than SWEEP_MIN_GAIN of the radius reached
     while runs < steps and width > max(first * 1e-6, best * SWEEP_MIN_GAIN):
         c: dict[int, float] | None
-        if probe is not None and prev + 0.5 * width <= probe[0] < prev + width:
-            # the probe's ball ends this piece (at least half as wide as planned): its
+        if probe is not None and prev + 0.75 * width <= probe[0] < prev + width:
+            # the probe's ball ends this piece (at least 3/4 as wide as planned): its
             # constants are known, no walk
             rho, c = probe
             width, probe = rho - prev, None

@@ -24,6 +24,7 @@ from lsa_models.engine.driver import _chains, margin_lower_bounds
 from lsa_models.engine.values import Ball, box_to_two, dual_row_norms
 from lsa_models.onnx import load_onnx
 from lsa_models.onnx.ops import Node
+from tests.margins import descend_margin
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from local_models import KINDS, build, center, export  # noqa: E402
@@ -255,21 +256,8 @@ def test_affine_margin_lower_bounds_hold_against_pgd(kind: str, tmp_path: Path) 
         gen = torch.Generator().manual_seed(0)
         for j, bound in low.items():
             d = (torch.rand(x0.shape, generator=gen, dtype=torch.float64) * 2 - 1) * eps
-            for _ in range(40):
-                d.requires_grad_(True)
-                out = f(torch.from_numpy(x0) + d).reshape(-1)
-                m = out[label] - out[j]
-                (gd,) = torch.autograd.grad(m, d)
-                with torch.no_grad():
-                    if norm == "inf":
-                        d = (d - eps / 10 * gd.sign()).clamp(-eps, eps)
-                    else:
-                        d = d - eps / 10 * gd / gd.norm().clamp_min(1e-300)
-                        d = d * min(1.0, eps / float(d.norm()))
-                assert float(m) >= bound - 1e-12
-            with torch.no_grad():
-                out = f(torch.from_numpy(x0) + d).reshape(-1)
-            assert float(out[label] - out[j]) >= bound - 1e-12
+            for m in descend_margin(f, torch.from_numpy(x0), label, j, eps, norm, d):
+                assert m >= bound - 1e-12
 
 
 @settings(max_examples=300, deadline=None)

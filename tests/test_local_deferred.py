@@ -18,6 +18,7 @@ from lsa_models.engine import deferred, driver
 from lsa_models.engine.driver import Centre, margin_lower_bounds
 from lsa_models.onnx import load_onnx
 from lsa_models.onnx.loading import OnnxModel
+from tests.margins import descend_margin
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from local_models import build, center, export  # noqa: E402
@@ -82,18 +83,7 @@ def _pgd_min(om: OnnxModel, x0: np.ndarray, label: int, j: int, eps: float, norm
         d = (torch.rand(x0.shape, generator=gen, dtype=torch.float64) * 2 - 1) * eps
         if norm == "2":
             d = d * min(1.0, eps / float(d.norm()))
-        for _ in range(40):
-            d.requires_grad_(True)
-            out = f(torch.from_numpy(x0) + d).reshape(-1)
-            m = out[label] - out[j]
-            best = min(best, float(m))
-            (gd,) = torch.autograd.grad(m, d)
-            with torch.no_grad():
-                if norm == "inf":
-                    d = (d - eps / 10 * gd.sign()).clamp(-eps, eps)
-                else:
-                    d = d - eps / 10 * gd / gd.norm().clamp_min(1e-300)
-                    d = d * min(1.0, eps / float(d.norm()))
+        best = min(best, *descend_margin(f, torch.from_numpy(x0), label, j, eps, norm, d))
     return best
 
 

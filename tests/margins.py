@@ -1,0 +1,31 @@
+"""Projected gradient descent on one classification margin inside a ball, shared by the
+tests of the margins' lower bounds (affine forms, deferred head)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+
+
+def descend_margin(f: Callable[[torch.Tensor], torch.Tensor], x0: torch.Tensor, label: int,
+                   j: int, eps: float, norm: str, d: torch.Tensor, steps: int = 40
+                   ) -> Iterator[float]:
+    """From the offset d (inside the ball), `steps` projected signed (inf) or normalised (2)
+    gradient steps of eps / 10 down f_label - f_j; yields the margin at every point visited
+    and at the last one."""
+    for _ in range(steps):
+        d.requires_grad_(True)
+        out = f(x0 + d).reshape(-1)
+        m = out[label] - out[j]
+        yield float(m)
+        (gd,) = torch.autograd.grad(m, d)
+        with torch.no_grad():
+            if norm == "inf":
+                d = (d - eps / 10 * gd.sign()).clamp(-eps, eps)
+            else:
+                d = d - eps / 10 * gd / gd.norm().clamp_min(1e-300)
+                d = d * min(1.0, eps / float(d.norm()))
+    with torch.no_grad():
+        out = f(x0 + d).reshape(-1)
+    yield float(out[label] - out[j])

@@ -391,7 +391,8 @@ def _sweep(om: OnnxModel, x: np.ndarray, norm: str, label: int, margins: dict[in
     # stop when a piece would add less than SWEEP_MIN_GAIN of the radius reached
     while runs < steps and width > max(first * 1e-6, best * SWEEP_MIN_GAIN):
         c: dict[int, float] | None
-        if probe is not None and prev + 0.75 * width <= probe[0] < prev + width:
+        walked = probe is None or not prev + 0.75 * width <= probe[0] < prev + width
+        if not walked and probe is not None:
             # the probe's ball ends this piece (at least 3/4 as wide as planned): its
             # constants are known, no walk
             rho, c = probe
@@ -419,7 +420,8 @@ def _sweep(om: OnnxModel, x: np.ndarray, norm: str, label: int, margins: dict[in
             guess = _predicted_width(prev, last_ok, fail, margins, spent)
             if guess is not None:
                 width = guess
-        _tick(progress, runs, steps, max(best, floor))
+        if walked:  # one progress report per engine run
+            _tick(progress, runs, steps, max(best, floor))
         if last_ok and floor > 0 and \
                 prev + min((margins[j] - spent[j]) / last_ok[j] for j in last_ok) <= floor:
             # the margins left carry the sweep at most this far at the constants of the last

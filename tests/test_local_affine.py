@@ -331,3 +331,28 @@ def test_affine_token_radius_holds_on_the_ball(seed: int, eps: float, norm: str)
             dt = torch.from_numpy(d)
             dev = np.linalg.norm((fx(dt) * fy(dt) - y0).numpy(), axis=-1)
             assert np.all(dev <= rad), (dev, rad)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10**6), which=st.sampled_from(["exp", "rsqrt", "reciprocal",
+                                                         "square"]))
+def test_chord_candidate_encloses_the_convex_remainder(seed: int, which: str) -> None:
+    """affine_rules._chord (session 11): for f convex on [lo, hi] and the true centre t0 in
+    [tlo, thi], f(t) - f(t0) - lam (t - t0) lies in shift +- err at dense points t and t0
+    (the grid of tangent lines is coarser than this check); 0.3x of err fails it."""
+    rng = np.random.default_rng(seed)
+    fn, f = {"exp": (affine_rules.EXP, np.exp),
+             "rsqrt": (affine_rules.RSQRT, lambda t: 1 / np.sqrt(t)),
+             "reciprocal": (affine_rules.RECIPROCAL, lambda t: 1 / t),
+             "square": (affine_rules.SQUARE, np.square)}[which]
+    lo = rng.uniform(0.05, 2.0, 6) if which in ("rsqrt", "reciprocal") else \
+        rng.uniform(-3.0, 2.0, 6)
+    hi = lo + rng.uniform(1e-3, 3.0, 6)
+    tc = lo + (hi - lo) * rng.uniform(0.2, 0.8, 6)
+    tlo, thi = tc - 1e-9 * np.abs(tc), tc + 1e-9 * np.abs(tc)
+    lam, shift, err = affine_rules._chord(fn, lo, hi, tlo, thi, np.ones(6, dtype=bool))
+    assert np.all(np.isfinite(err))
+    t = lo[:, None] + (hi - lo)[:, None] * np.linspace(0, 1, 2001)  # (6, 2001)
+    for t0 in (tlo, thi, tc):
+        r = f(t) - f(t0)[:, None] - lam[:, None] * (t - t0[:, None])
+        assert np.all(np.abs(r - shift[:, None]) <= err[:, None] * (1 + 1e-9) + 1e-12)

@@ -122,6 +122,59 @@ def chain_fn(chain: fused.Chain, consts: dict[str, float]) -> Fn:
     return Fn(value, d1, d2, point)
 
 
+# the chord candidate of `elementwise` for convex f, and its grid of tangent lines
+CHORD, CHORD_POINTS = True, 16
+
+
+def _chord(fn: Fn, hlo: np.ndarray, hhi: np.ndarray, tlo: np.ndarray, thi: np.ndarray,
+           convex: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For f convex on [hlo, hhi] (f'' >= 0 there: `convex`), the chord's slope lam and
+    f(t) - f(t0) - lam (t - t0) = h(t) - h(t0) in shift +- err for all t in [hlo, hhi] and
+    t0 in [tlo, thi], h = f - lam t (convex): h <= its larger end value, and h >= the lower
+    envelope of its tangent lines at CHORD_POINTS + 1 grid points (on [t_k, t_k+1], h is above
+    both lines, slopes from f' enclosures: the smallest one rightwards of t_k, the largest
+    leftwards of t_k+1), whose minimum per segment is at an end or where the lines cross.
+    Entries that are not convex, or of zero width, get err = inf (never taken)."""
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        w = hhi - hlo
+        fl, fu = fn.value(hlo, hlo), fn.value(hhi, hhi)
+        lam = np.where(w > 0, (0.5 * (fu[0] + fu[1]) - 0.5 * (fl[0] + fl[1])) / w, 0.0)
+        g = np.linspace(0.0, 1.0, CHORD_POINTS + 1)
+        t = hlo[..., None] + w[..., None] * g  # (..., K + 1), the ends exactly hlo and hhi
+        t[..., -1] = hhi
+        ft = fn.value(t, t)
+        lt = lam[..., None] * t
+        pad = 4 * U * np.abs(lt) + _REL * (np.abs(ft[0]) + np.abs(ft[1]))
+        h_lo, h_hi = ft[0] - lt - pad, ft[1] - lt + pad
+        dt = fn.d1(t, t)
+        s_lo = dt[0] - lam[..., None] - 4 * U * np.abs(lam[..., None])
+        s_hi = dt[1] - lam[..., None] + 4 * U * np.abs(lam[..., None])
+        hmax = np.maximum(h_hi[..., 0], h_hi[..., -1])
+        ta, tb = t[..., :-1], t[..., 1:]
+        ha, hb = h_lo[..., :-1], h_lo[..., 1:]
+        sa, sb = s_lo[..., :-1], s_hi[..., 1:]  # A(t) = ha + sa (t - ta), B(t) = hb + sb (t - tb)
+        at_a = np.maximum(ha, hb + sb * (ta - tb))
+        at_b = np.maximum(ha + sa * (tb - ta), hb)
+        den = sa - sb
+        tx = (hb - ha - sb * tb + sa * ta) / np.where(den != 0, den, np.inf)
+        inside = (den != 0) & (tx > ta) & (tx < tb)
+        cross = np.where(inside, ha + sa * (tx - ta), np.inf)
+        seg = np.minimum(np.minimum(at_a, at_b), cross)
+        seg = seg - _REL * (np.abs(ha) + np.abs(hb)
+                            + (np.abs(sa) + np.abs(sb)) * (tb - ta))
+        hmin = seg.min(axis=-1)
+        # h(t0) for the true centre t0 in [tlo, thi]
+        f0 = fn.value(tlo, thi)
+        l0 = np.stack([lam * tlo, lam * thi])
+        h0_lo = f0[0] - l0.max(axis=0) - 4 * U * np.abs(l0).max(axis=0) - _REL * np.abs(f0[0])
+        h0_hi = f0[1] - l0.min(axis=0) + 4 * U * np.abs(l0).max(axis=0) + _REL * np.abs(f0[1])
+        lo_, hi_ = hmin - h0_hi, hmax - h0_lo
+        shift = 0.5 * (lo_ + hi_)
+        err = _up(0.5 * (hi_ - lo_), 2) + _REL * np.abs(shift) + TINY
+        ok = convex & (w > 0) & np.isfinite(err) & np.isfinite(shift) & np.isfinite(lam)
+    return (np.where(ok, lam, 0.0), np.where(ok, shift, 0.0), np.where(ok, err, np.inf))
+
+
 def _iv_mul(a: Iv, b: Iv) -> Iv:
     c = np.stack([a[0] * b[0], a[0] * b[1], a[1] * b[0], a[1] * b[1]])
     c = np.where(np.isnan(c), np.inf, c)  # 0 * inf: no information
@@ -175,6 +228,8 @@ def elementwise(x: Aff, fn: Fn, ball: Ball, xlo: np.ndarray | None = None,
             mid = 0.5 * (r2[0] + r2[1])
             cands.append((lam, mid, _up(np.maximum(g0[1] - lam, lam - g0[0]), 2) * far
                           + _up(0.5 * (r2[1] - r2[0]), 2) + _REL * np.abs(mid)))
+            if CHORD and np.any(qlo >= 0):
+                cands.append(_chord(fn, hlo, hhi, tlo, thi, qlo >= 0))
         # an entry whose candidate overflowed gets an infinite width (never taken)
         widths = [np.where(np.isfinite(la) & np.isfinite(sh) & np.isfinite(er),
                            np.abs(la) * (lin_x + x.b) + er, np.inf) for la, sh, er in cands]

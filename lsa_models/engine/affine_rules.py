@@ -376,12 +376,11 @@ def _with_pairs(x: Aff, y: Aff, ball: Ball, matmul: bool, a: np.ndarray, pairs: 
             quad = (-ii, ii)
         else:
             ux, uy = np.broadcast_arrays(x.a[..., :p], y.a[..., :p])
-            c = np.zeros(ux.shape[:-1])
             sp = _up(ball.eps * np.abs(ux + uy).sum(axis=-1), p + 2)
             sm = _up(ball.eps * np.abs(ux - uy).sum(axis=-1), p + 2)
             ii = np.broadcast_to(lix * liy, sp.shape)
-            quad = (np.maximum(-_up(0.25 * sm * sm, 2), -ii) + c,
-                    np.minimum(_up(0.25 * sp * sp, 2), ii) + c)
+            quad = (np.maximum(-_up(0.25 * sm * sm, 2), -ii),
+                    np.minimum(_up(0.25 * sp * sp, 2), ii))
     qhw = np.maximum(np.abs(quad[0]), np.abs(quad[1]))  # symmetric: no offset kept
     err = qhw + mul(lsx, lsy) + mul(lix + lsx, lry) + mul(lrx, liy + lsy + lry)
     # the pairs' own rounding: each coefficient a sum of (MatMul: 2k) products times eps,
@@ -564,6 +563,22 @@ def _scale_const(x: Aff, k: np.ndarray, out_c: np.ndarray, out_m: np.ndarray,
                    out_c, out_m, np.broadcast_to(lin(x, ball), out_c.shape))
 
 
+def weighted_sum(x: Aff, w: np.ndarray, ball: Ball) -> Aff:
+    """sum_i w_i x_i over the last axis (kept as a size-1 axis) for a constant w, its
+    rounding in the box and the margin."""
+    n = x.shape[-1]
+    g = gamma(n + 2)
+    aw = np.abs(w)
+    o = (w * x.o).sum(axis=-1, keepdims=True)
+    a = (w[..., None] * x.a).sum(axis=-2, keepdims=True)
+    b = _up((aw * (x.b + g * (np.abs(x.o) + lin(x, ball)))).sum(axis=-1, keepdims=True)
+            + g * np.abs(o), n + 4)
+    c = (w * x.c).sum(axis=-1, keepdims=True)
+    m = _up((aw * (x.m + g * np.abs(x.c))).sum(axis=-1, keepdims=True) + g * np.abs(c),
+            n + 4) + TINY
+    return Aff(c, m, o, a, b)
+
+
 def variance(u: Aff, v: Aff, ball: Ball) -> Aff:
     """The variance v_t = ||u_t||^2 / D + eps by its expansion around the centre: with
     Du = u_t(X) - u_t(X0) and rho_t >= ||Du||_2 (`token_radius`),
@@ -573,18 +588,15 @@ def variance(u: Aff, v: Aff, ball: Ball) -> Aff:
     d = u.shape[-1]
     rho = token_radius(u, ball)  # (..., T, 1)
     w = 2.0 * u.c / d
-    g = gamma(d + 2)
-    lo_ = (w * u.o).sum(axis=-1, keepdims=True)
-    la = (w[..., None] * u.a).sum(axis=-2, keepdims=True)
-    lb = _up((np.abs(w) * (u.b + g * (np.abs(u.o) + lin(u, ball)))).sum(axis=-1, keepdims=True)
-             + g * np.abs(lo_), d + 4)  # (2/D) c . u: its change is (2/D) c . Du
+    s = weighted_sum(u, w, ball)  # (2/D) c . u: its change is (2/D) c . Du
+    lo_ = s.o
     quad = _up(rho * rho / d, 2)  # ||Du||^2 / D in [0, quad]
     mn = np.sqrt(_up(np.square(u.m).sum(axis=-1, keepdims=True), d + 2)) * (1 + 4 * U)
     # plus the rounding of the weights w = fl(2 c / D): |w - 2c/D| <= u |w|, times ||Du||
     wn = np.sqrt(np.square(w).sum(axis=-1, keepdims=True)) * (1 + 4 * U)
     extra = _up(2.0 / d * mn * rho + 2 * U * wn * rho, 2)
     # the per-token error as a symbol: every entry of the token's LayerNorm output shares it
-    a, b = fresh(la, lb, _up(0.5 * quad + extra + _REL * np.abs(lo_), 2))
+    a, b = fresh(s.a, s.b, _up(0.5 * quad + extra + _REL * np.abs(lo_), 2))
     return Aff(v.c, v.m, lo_ + 0.5 * quad, a, b)
 
 

@@ -32,6 +32,7 @@ from .affine_rules import (
     elementwise,
     product,
     variance,
+    weighted_sum,
 )
 from .rules import _abs_node, linear_consts, run_tangents
 from .values import Ball, gamma
@@ -97,6 +98,19 @@ def push_linear(tail: list[Node], env: dict[str, torch.Tensor], start: str, cols
     return cols
 
 
+def tail_matrix(tail: list[Node], env: dict[str, torch.Tensor], y: str
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """The tail's matrix A (K x size of y), computed, and err >= |A - computed| entrywise:
+    every entry is a sum of at most size-of-y products of the tail's constants, one per node,
+    so within gamma_n of the same sums with absolute constants."""
+    shape = tuple(env[y].shape)
+    size = int(np.prod(shape))
+    eye = np.eye(size).reshape(*shape, size)
+    a_hat = push_linear(tail, env, y, eye, False).reshape(-1, size)
+    a_abs = push_linear(tail, env, y, eye, True).reshape(-1, size)
+    return a_hat, gamma(size + 2 * len(tail) + 8) * a_abs
+
+
 def margins(nodes: list[Node], output: str, env: dict[str, torch.Tensor], ball: Ball,
             forms: dict[str, Aff], out: Aff, label: int, tail: tuple[Node, list[Node]]
             ) -> dict[int, float] | None:
@@ -107,15 +121,9 @@ def margins(nodes: list[Node], output: str, env: dict[str, torch.Tensor], ball: 
     x = forms.get(ln.inputs[0])
     if x is None:
         return None
-    y0 = env[ln.outputs[0]].detach().numpy()
-    shape, size = y0.shape, y0.size
-    k = out.c.size
-    eye = np.eye(size).reshape(*shape, size)
-    a_hat = push_linear(nodes_tail, env, ln.outputs[0], eye, False).reshape(k, size)
-    a_abs = push_linear(nodes_tail, env, ln.outputs[0], eye, True).reshape(k, size)
-    # |A - a_hat| <= gamma_n |A|-chain: every entry a sum of at most `size` products of the
-    # tail's constants, one per node
-    err = gamma(size + 2 * len(nodes_tail) + 8) * a_abs
+    shape = tuple(env[ln.outputs[0]].shape)
+    a_hat, err = tail_matrix(nodes_tail, env, ln.outputs[0])
+    k = a_hat.shape[0]
     gam = np.broadcast_to(np.asarray(env[ln.inputs[1]].detach().numpy(), np.float64), shape)
     d = shape[-1]
     # |y_ti(X) - y_ti(X0)| <= 2 |gamma_i| sqrt(D - 1): both within beta_i +- |gamma_i| sqrt(D-1)
@@ -135,7 +143,7 @@ def margins(nodes: list[Node], output: str, env: dict[str, torch.Tensor], ball: 
         if j == label:
             continue
         w = (a_hat[label] - a_hat[j]).reshape(shape) * gam  # C_ti gamma_i
-        s = _combine(u, w, ball)  # (..., T, 1): s_t = sum_i w_ti u_ti
+        s = weighted_sum(u, w, ball)  # (..., T, 1): s_t = sum_i w_ti u_ti
         ch = product(s, r, ball, matmul=False)  # s_t r_t - s0_t r0_t
         lo, _ = affine.dev(_combine_all(ch, ball), ball)  # summed over the tokens
         # the coefficients used, W = fl(fl(a_l - a_j) gamma), against the exact C gamma:
@@ -150,26 +158,10 @@ def margins(nodes: list[Node], output: str, env: dict[str, torch.Tensor], ball: 
     return res
 
 
-def _combine(x: Aff, w: np.ndarray, ball: Ball) -> Aff:
-    """sum_i w_i x_i over the last axis (kept as a size-1 axis), w constant, rounding in
-    the box and the margin."""
-    n = x.shape[-1]
-    g = gamma(n + 2)
-    aw = np.abs(w)
-    o = (w * x.o).sum(axis=-1, keepdims=True)
-    a = (w[..., None] * x.a).sum(axis=-2, keepdims=True)
-    b = affine._up((aw * (x.b + g * (np.abs(x.o) + affine.lin(x, ball)))).sum(
-        axis=-1, keepdims=True) + g * np.abs(o), n + 4)
-    cc = (w * x.c).sum(axis=-1, keepdims=True)
-    m = affine._up((aw * (x.m + g * np.abs(x.c))).sum(axis=-1, keepdims=True)
-                   + g * np.abs(cc), n + 4) + affine.TINY
-    return Aff(cc, m, o, a, b)
-
-
 def _combine_all(x: Aff, ball: Ball) -> Aff:
     """The sum of every entry of x, as one entry."""
     flat = Aff(x.c.reshape(1, -1), x.m.reshape(1, -1), x.o.reshape(1, -1),
                x.a.reshape(1, x.c.size, -1), x.b.reshape(1, -1))
-    return _combine(flat, np.ones((1, x.c.size)), ball)
+    return weighted_sum(flat, np.ones((1, x.c.size)), ball)
 
 

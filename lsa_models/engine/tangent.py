@@ -30,9 +30,9 @@ from ..onnx.loading import OnnxModel
 from ..onnx.ops import OPS, Node, RunContext, decimal_attr
 from . import affine, affine_rules
 from .affine import PAIRS, Aff
-from .deferred import find_tail, push_linear
+from .deferred import find_tail, tail_matrix
 from .forward_error import check as forward_check
-from .values import FORWARD_MARGIN, MARGIN, PROVEN, Ball, array_key, gamma, widen_up
+from .values import FORWARD_MARGIN, MARGIN, PROVEN, Ball, array_key, widen_up
 
 CTX = RunContext(torch.float64)
 
@@ -143,13 +143,8 @@ def _deferred_output(b: _Builder, tail: tuple[Node, list[Node]]) -> tuple[str, s
     parts = b.ln_parts[ln.name]
     y = ln.outputs[0]
     shape = b.shape(y)
-    size = int(np.prod(shape))
-    eye = np.eye(size).reshape(*shape, size)
-    a_hat = push_linear(nodes_tail, b.env, y, eye, False)
-    k = a_hat.size // size
-    a_hat = a_hat.reshape(k, size)
-    a_abs = push_linear(nodes_tail, b.env, y, eye, True).reshape(k, size)
-    err = gamma(size + 2 * len(nodes_tail) + 8) * a_abs
+    a_hat, err = tail_matrix(nodes_tail, b.env, y)
+    k = a_hat.shape[0]
     gam = np.ones(shape) if len(ln.inputs) < 2 or not ln.inputs[1] else \
         np.broadcast_to(b.env[ln.inputs[1]].detach().double().numpy(), shape)
     wk = a_hat.reshape(k, *shape) * gam  # (K, *y)

@@ -860,14 +860,16 @@ def walk(nodes: list[Node], input_name: str, env: dict[str, torch.Tensor], ball:
          everything: bool = True, seeds: dict[str, Aff] | None = None,
          symbols: int = 0, known: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,
          hook: Callable[[Node, dict[str, Aff]], None] | None = None,
-         capture: dict[str, Aff | None] | None = None) -> dict[str, Aff]:
+         capture: dict[str, Aff | None] | None = None,
+         space: list[int] | None = None) -> dict[str, Aff]:
     """The forms of every input-dependent tensor, alone (no Jacobian enclosure): an op with
     no rule gives its outputs the interval form of... nothing known, so the walk stops there
     and the tensors after it are missing. `seeds`: more graph inputs given as forms, over the
     first `symbols` noise symbols (tangent.py: the tangent's direction); `known`: ranges some
     tensors are known to lie in (a mean of squares plus eps is at least eps), which `hook`
     (called before every node with the live forms) may add to; `capture`: names whose forms
-    are kept there when made (whatever is released later)."""
+    are kept there when made (whatever is released later); `space`: receives the symbols
+    used, [P, used, reserved] (a later walk over the same symbols passes `symbols=used`)."""
     forms: dict[str, Aff] = {input_name: input_form(ball)}
     forms.update(seeds or {})
     count = None if everything else uses(nodes, chains, inside)
@@ -876,6 +878,8 @@ def walk(nodes: list[Node], input_name: str, env: dict[str, torch.Tensor], ball:
         _walk(nodes, forms, env, ball, chains, inside, count, keep or "",
               {} if known is None else known, hook, capture)
     finally:
+        if space is not None:
+            space[:] = list(SPACE.get() or [])
         SPACE.reset(token)
     return forms
 

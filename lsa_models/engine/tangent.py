@@ -97,9 +97,9 @@ def _axis(node: Node, rank: int) -> int:
     return int(node.attrs.get("axis", -1)) % rank
 
 
-def _layernorm(b: _Builder, node: Node, t: str) -> str:
-    """y = g n + beta, n = u r, u = x - mean x, r = (mean u^2 + eps)^-1/2 over the last axis:
-    dn = r (du - n mean(n du)), du = dx - mean dx (n and r recomputed as their own ops)."""
+def ln_chain(b: _Builder, node: Node) -> tuple[str, str]:
+    """A LayerNorm's n = u r and r = (mean u^2 + eps)^-1/2, u = x - mean x, over the last axis,
+    recomputed as their own ops (their ranges registered for `LayerNormHook`)."""
     x = node.inputs[0]
     rank = b.env[x].dim()
     if _axis(node, rank) != rank - 1:
@@ -112,7 +112,7 @@ def _layernorm(b: _Builder, node: Node, t: str) -> str:
     ln_eps = decimal_attr(float(node.attrs.get("epsilon", 1e-5)))
     v = b.op("Add", [b.op("ReduceMean", [q, axes], keep, "ln_v"), b.const(ln_eps, "ln_eps")])
     # a mean of squares plus eps is at least eps (the forms alone may not see it); the walk
-    # narrows it by the tokens' radii (`TangentGraph._hook`)
+    # narrows it by the tokens' radii (`LayerNormHook`)
     b.known[v] = (np.full(b.shape(v), ln_eps * (1 - 1e-12)), np.full(b.shape(v), np.inf))
     b.variance[mu] = (x, v, ln_eps)
     b.centred[v] = u
@@ -121,6 +121,15 @@ def _layernorm(b: _Builder, node: Node, t: str) -> str:
     # the normalised entries: a zero-sum vector of norm <= sqrt(D) has |n_i| <= sqrt(D - 1)
     lim = math.sqrt(b.shape(x)[-1] - 1) * (1 + 1e-12)
     b.known[n] = (np.full(b.shape(n), -lim), np.full(b.shape(n), lim))
+    return n, r
+
+
+def _layernorm(b: _Builder, node: Node, t: str) -> str:
+    """y = g n + beta, n = u r, u = x - mean x, r = (mean u^2 + eps)^-1/2 over the last axis:
+    dn = r (du - n mean(n du)), du = dx - mean dx (n and r recomputed as their own ops)."""
+    n, r = ln_chain(b, node)
+    axes = b.ints([-1])
+    keep = {"keepdims": 1}
     du = b.op("Sub", [t, b.op("ReduceMean", [t, axes], keep)])
     w = b.op("ReduceMean", [b.op("Mul", [n, du]), axes], keep)
     dn = b.op("Mul", [r, b.op("Sub", [du, b.op("Mul", [n, w])])], hint="ln_dn")
@@ -302,6 +311,45 @@ def _rule(b: _Builder, node: Node, dep: list[int]) -> str:
     return rule(b, node, dep, {i: b.tan[node.inputs[i]] for i in dep})
 
 
+class LayerNormHook:
+    """`affine_rules.walk`'s hook for the LayerNorm chains of `ln_chain`: the variance by its
+    expansion (`affine_rules.variance`) and its range from the tokens' radii."""
+
+    def __init__(self, variance: dict[str, tuple[str, str, float]], centred: dict[str, str],
+                 env: dict[str, torch.Tensor], known: dict[str, tuple[np.ndarray, np.ndarray]],
+                 ball: Ball) -> None:
+        self.variance, self.centred, self.env = variance, centred, env
+        self.known, self.ball = known, ball
+
+    def __call__(self, node: Node, forms: dict[str, Aff]) -> None:
+        """Before a LayerNorm's mean: its variance from the tokens' radii,
+        (||P x0_t|| - rho_t)_+^2 / D + eps <= v_t <= (||P x0_t|| + rho_t)^2 / D + eps,
+        P the mean-removing projection (norm <= 1), rho_t >= ||x_t(X) - x_t(X0)||_2."""
+        vin = node.inputs[0] if node.inputs else ""
+        if vin in self.centred and vin in forms and self.centred[vin] in forms:
+            # the variance by its expansion around the centre (affine_rules.variance)
+            forms[vin] = affine.select(forms[vin], affine_rules.variance(
+                forms[self.centred[vin]], forms[vin], self.ball), self.ball)
+        spec = self.variance.get(node.outputs[0])
+        if spec is None or spec[0] not in forms:
+            return
+        xf = forms[spec[0]]
+        rho = affine.token_radius(xf, self.ball)[..., 0]  # (...,)
+        if not np.all(np.isfinite(rho)):
+            return
+        d = xf.shape[-1]
+        u0 = xf.c - xf.c.mean(axis=-1, keepdims=True)
+        cn = np.sqrt(np.square(u0).sum(axis=-1))
+        mn = np.sqrt(np.square(xf.m).sum(axis=-1))
+        lo_norm = np.maximum(cn * (1 - 1e-12) - mn * (1 + 1e-12) - rho, 0.0)
+        hi_norm = (cn * (1 + 1e-12) + mn + rho) * (1 + 1e-12)
+        ln_eps = spec[2]
+        vlo = (np.square(lo_norm) / d) * (1 - 1e-12) + ln_eps * (1 - 1e-12)
+        vhi = (np.square(hi_norm) / d) * (1 + 1e-12) + ln_eps * (1 + 1e-12)
+        shape = self.env[spec[1]].shape
+        self.known[spec[1]] = (vlo.reshape(shape), vhi.reshape(shape))
+
+
 SEED = "__tangent_seed"
 PAIRS_ON = True  # the pair symbols (affine.PAIRS); off: one symbol per product entry
 
@@ -375,33 +423,7 @@ class TangentGraph:
                   PROVEN.set(self.known), PAIRS.set((p, 2 * p) if pairs else None))
         known = dict(self.known_ranges)
 
-        def hook(node: Node, forms: dict[str, Aff]) -> None:
-            """Before a LayerNorm's mean: its variance from the tokens' radii,
-            (||P x0_t|| - rho_t)_+^2 / D + eps <= v_t <= (||P x0_t|| + rho_t)^2 / D + eps,
-            P the mean-removing projection (norm <= 1), rho_t >= ||x_t(X) - x_t(X0)||_2."""
-            vin = node.inputs[0] if node.inputs else ""
-            if vin in self.centred and vin in forms and self.centred[vin] in forms:
-                # the variance by its expansion around the centre (affine_rules.variance)
-                forms[vin] = affine.select(forms[vin], affine_rules.variance(
-                    forms[self.centred[vin]], forms[vin], ball), ball)
-            spec = self.variance.get(node.outputs[0])
-            if spec is None or spec[0] not in forms:
-                return
-            xf = forms[spec[0]]
-            rho = affine.token_radius(xf, ball)[..., 0]  # (...,)
-            if not np.all(np.isfinite(rho)):
-                return
-            d = xf.shape[-1]
-            u0 = xf.c - xf.c.mean(axis=-1, keepdims=True)
-            cn = np.sqrt(np.square(u0).sum(axis=-1))
-            mn = np.sqrt(np.square(xf.m).sum(axis=-1))
-            lo_norm = np.maximum(cn * (1 - 1e-12) - mn * (1 + 1e-12) - rho, 0.0)
-            hi_norm = (cn * (1 + 1e-12) + mn + rho) * (1 + 1e-12)
-            ln_eps = spec[2]
-            vlo = (np.square(lo_norm) / d) * (1 - 1e-12) + ln_eps * (1 - 1e-12)
-            vhi = (np.square(hi_norm) / d) * (1 + 1e-12) + ln_eps * (1 + 1e-12)
-            shape = self.env[spec[1]].shape
-            known[spec[1]] = (vlo.reshape(shape), vhi.reshape(shape))
+        hook = LayerNormHook(self.variance, self.centred, self.env, known, ball)
         capture: dict[str, Aff | None] = {} if self.deferred is None else {
             self.deferred[0]: None, self.deferred[1]: None}
         try:

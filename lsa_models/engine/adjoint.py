@@ -1,0 +1,513 @@
+"""Margin gradients over a ball from the model's adjoint graph (docs/local-bounds.md,
+"Margin gradients by the adjoint graph").
+
+For a fixed weight vector c on the output (c = e_Y - e_j: the margin f_Y - f_j), the gradient
+`g(X) = J_F(X)^T c` is what reverse-mode differentiation computes. The adjoint graph is the
+model's input-dependent nodes followed, in reverse order, by the nodes computing each one's
+adjoint from its output's (each op's transposed chain rule, written with ops the affine forms
+have rules for; a LayerNorm's n and r recomputed as their own ops, `tangent.ln_chain`). The
+seed c is a form with no change (its rounding is then carried by every adjoint op like any
+other value). The affine forms bound g over the ball relationally: each entry g_p as
+`g0_p + a_p d + r_p e` with the input's change d and the symbols e shared by all entries, where
+the Jacobian enclosure (driver.py) keeps entrywise boxes. Then
+
+    inf-ball: ||g||_1 = sum_p |g_p| <= sum_p (lam_p g_p + mu_p)   (|y| <= lam y + mu on g_p's
+              range: the sign where it is fixed, else the chord), one affine form summed:
+              the change terms cancel across entries;
+    2-ball:   ||g||_2 <= ||c + o|| + ||m|| + eps sigma_max(a_in) + ||a_sym||_{box->2} + ||b||.
+
+Used for the radius sweep's margin constants (local.py `_constants_at`: the smaller one stands).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from ..bounds.numerics import U
+from ..onnx.loading import OnnxModel
+from ..onnx.ops import Node
+from . import affine, affine_rules, fused
+from .affine import Aff
+from .forward_error import check as forward_check
+from .tangent import LayerNormHook, NoTangent, _Builder, _derivative, ln_chain
+from .values import FORWARD_MARGIN, MARGIN, PROVEN, Ball, array_key, widen_up
+
+SEED = "__adjoint_seed"
+
+
+class NoAdjoint(NoTangent):
+    """An op without an adjoint rule (the model keeps the other bounds)."""
+
+
+def _reduce_to(b: _Builder, t: str, shape: tuple[int, ...]) -> str:
+    """The adjoint of a broadcast: t summed over the axes `shape` was broadcast along."""
+    ts = b.shape(t)
+    if ts == shape:
+        return t
+    lead = len(ts) - len(shape)
+    if lead < 0:
+        raise NoAdjoint("a broadcast to fewer axes")
+    axes = list(range(lead)) + [lead + i for i, n in enumerate(shape)
+                                if n == 1 and ts[lead + i] != 1]
+    out = b.op("ReduceSum", [t, b.ints(axes)], {"keepdims": 1}) if axes else t
+    return b.op("Reshape", [out, b.ints(list(shape), "shape")])
+
+
+def _axes(b: _Builder, node: Node, rank: int) -> list[int]:
+    if len(node.inputs) > 1 and node.inputs[1]:
+        axes = [int(v) for v in b.env[node.inputs[1]].reshape(-1).tolist()]
+    else:
+        axes = [int(v) for v in node.attrs.get("axes", [])]
+    if not axes:
+        if int(node.attrs.get("noop_with_empty_axes", 0)):
+            return []
+        axes = list(range(rank))
+    return sorted(a % rank for a in axes)
+
+
+def _transposed(b: _Builder, name: str) -> str:
+    rank = len(b.shape(name))
+    perm = list(range(rank - 2)) + [rank - 1, rank - 2]
+    return b.op("Transpose", [name], {"perm": perm})
+
+
+# One rule per op family: (builder, node, the input-dependent inputs' positions, the output's
+# adjoint gy, the LayerNorms' recomputed (n, r)) -> the adjoints of those inputs by position.
+LN = dict[str, tuple[str, str]]
+Rule = Callable[[_Builder, Node, list[int], str, LN], dict[int, str]]
+
+
+def _shape_only(b: _Builder, node: Node, dep: list[int], gy: str, ln: LN) -> dict[int, str]:
+    if dep != [0]:
+        raise NoAdjoint(f"{node.op_type} of an input-dependent shape")
+    if node.op_type == "Cast" and not b.env[node.outputs[0]].is_floating_point():
+        raise NoAdjoint(f"Cast node {node.name} to a non-float type")
+    return {0: b.op("Reshape", [gy, b.ints(list(b.shape(node.inputs[0])), "shape")])}
+
+
+def _transpose(b: _Builder, node: Node, dep: list[int], gy: str, ln: LN) -> dict[int, str]:
+    rank = len(b.shape(node.inputs[0]))
+    perm = [int(p) for p in node.attrs.get("perm", list(range(rank))[::-1])]
+    return {0: b.op("Transpose", [gy], {"perm": [perm.index(i) for i in range(rank)]})}
+
+
+def _expand(b: _Builder, node: Node, dep: list[int], gy: str, ln: LN) -> dict[int, str]:
+    if dep != [0]:
+        raise NoAdjoint("Expand to an input-dependent shape")
+    return {0: _reduce_to(b, gy, b.shape(node.inputs[0]))}
+
+
+def _concat(b: _Builder, node: Node, dep: list[int], gy: str, ln: LN) -> dict[int, str]:
+    """Each input's part of gy along the axis."""
+    ax = int(node.attrs.get("axis", 0)) % len(b.shape(node.outputs[0]))
+    out, off = {}, 0
+    for i, name in enumerate(node.inputs):
+        n = b.shape(name)[ax]
+        if i in dep:
+            out[i] = b.op("Slice", [gy, b.ints([off]), b.ints([off + n]), b.ints([ax])])
+        off += n
+    return out
+
+
+def _add_sub(b: _Builder, node: Node, dep: list[int], gy: str, ln: LN) -> dict[int, str]:
+    neg = node.op_type == "Sub"
+    return {i: _reduce_to(b, b.op("Neg", [gy]) if neg and i == 1 else gy,
+                          b.shape(node.inputs[i])) for i in dep}
+
+
+def _neg(b: _Builder, node: Node, dep: list[int], gy: str, ln: LN) -> dict[int, str]:
+    return {0: b.op("Neg", [gy])}
+
+
+def _mul(b: _Builder, node: Node, dep: list[int], gy: str, ln: LN) -> dict[int, str]:
+    ins = node.inputs
+    return {i: _reduce_to(b, b.op("Mul", [gy, ins[1 - i]]), b.shape(ins[i])) for i in dep}
+
+
+def _matmul(b: _Builder, node: Node, dep: list[int], gy: str, ln: LN) -> dict[int, str]:
+    """dA = dY B^T, dB = A^T dY (each summed over the batch axes it was broadcast along)."""
+    a, c = node.inputs[:2]
+    if len(b.shape(a)) < 2 or len(b.shape(c)) < 2:
+        raise NoAdjoint("MatMul of a vector")
+    out = {}
+    if 0 in dep:
+        out[0] = _reduce_to(b, b.op("MatMul", [gy, _transposed(b, c)]), b.shape(a))
+    if 1 in dep:
+        out[1] = _reduce_to(b, b.op("MatMul", [_transposed(b, a), gy]), b.shape(c))
+    return out
+
+
+def _div(b: _Builder, node: Node, dep: list[int], gy: str, ln: LN) -> dict[int, str]:
+    """d(a / b) = da / b - y db / b (the division by a tensor as a product with 1 / b)."""
+    a, c = node.inputs[:2]
+    out = {}
+    rb = b.op("Reciprocal", [c]) if 1 in dep else c
+    if 0 in dep:
+        g = b.op("Mul", [gy, rb]) if 1 in dep else b.op("Div", [gy, c])
+        out[0] = _reduce_to(b, g, b.shape(a))
+    if 1 in dep:
+        g = b.op("Neg", [b.op("Mul", [b.op("Mul", [gy, node.outputs[0]]), rb])])
+        out[1] = _reduce_to(b, g, b.shape(c))
+    return out
+
+
+def _gemm(b: _Builder, node: Node, dep: list[int], gy: str, ln: LN) -> dict[int, str]:
+    if dep != [0]:
+        raise NoAdjoint("Gemm of an input-dependent weight")
+    w = b.env[node.inputs[1]].detach().double().numpy()
+    w = w.T if int(node.attrs.get("transB", 0)) else w  # B' (K x N)
+    alpha = float(node.attrs.get("alpha", 1.0))
+    g = b.op("MatMul", [gy, b.const(np.ascontiguousarray(w.T), "gemm_bt")])
+    if alpha != 1.0:
+        g = b.op("Mul", [g, b.const(alpha, "alpha")])
+    if int(node.attrs.get("transA", 0)):
+        g = b.op("Transpose", [g], {"perm": [1, 0]})
+    return {0: g}
+
+
+def _reduce(b: _Builder, node: Node, dep: list[int], gy: str, ln: LN) -> dict[int, str]:
+    if dep != [0]:
+        raise NoAdjoint(f"{node.op_type} with input-dependent axes")
+    shape = b.shape(node.inputs[0])
+    axes = _axes(b, node, len(shape))
+    kept = [1 if i in axes else n for i, n in enumerate(shape)]
+    g = b.op("Expand", [b.op("Reshape", [gy, b.ints(kept, "shape")]),
+                        b.ints(list(shape), "shape")])
+    if node.op_type == "ReduceMean":
+        n = int(np.prod([shape[a] for a in axes])) if axes else 1
+        g = b.op("Mul", [g, b.const(1.0 / n, "inv_n")])
+    return {0: g}
+
+
+def _elementwise(b: _Builder, node: Node, dep: list[int], gy: str, ln: LN) -> dict[int, str]:
+    if dep != [0]:
+        raise NoAdjoint(f"{node.op_type} with an input-dependent exponent")
+    return {0: b.op("Mul", [gy, _derivative(b, node)])}
+
+
+def _softmax(b: _Builder, node: Node, dep: list[int], gy: str, ln: LN) -> dict[int, str]:
+    """dz = y (dy - sum(dy y)) along the axis."""
+    y = node.outputs[0]
+    ax = int(node.attrs.get("axis", -1)) % len(b.shape(y))
+    s = b.op("ReduceSum", [b.op("Mul", [gy, y]), b.ints([ax])], {"keepdims": 1})
+    return {0: b.op("Mul", [y, b.op("Sub", [gy, s])])}
+
+
+def _layernorm(b: _Builder, node: Node, dep: list[int], gy: str, ln: LN) -> dict[int, str]:
+    """J^T g = r (g - mean g - n mean(n g)) for J = r (I - n n^T / D)(I - 1 1^T / D) (the
+    tangent rule's matrix; mean n = 0), g = gy gamma."""
+    if dep != [0]:
+        raise NoAdjoint("LayerNorm with input-dependent weights")
+    n, r = ln[node.name]
+    ins = node.inputs
+    g = b.op("Mul", [gy, ins[1]]) if len(ins) > 1 and ins[1] else gy
+    axes = b.ints([-1])
+    keep = {"keepdims": 1}
+    centred = b.op("Sub", [g, b.op("ReduceMean", [g, axes], keep)])
+    along = b.op("Mul", [n, b.op("ReduceMean", [b.op("Mul", [n, g]), axes], keep)])
+    return {0: b.op("Mul", [r, b.op("Sub", [centred, along])])}
+
+
+RULES: dict[str, Rule] = {
+    **dict.fromkeys(("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Dropout",
+                     "Cast"), _shape_only),
+    "Transpose": _transpose, "Expand": _expand, "Concat": _concat, "Add": _add_sub,
+    "Sub": _add_sub, "Neg": _neg, "Mul": _mul, "MatMul": _matmul, "Div": _div, "Gemm": _gemm,
+    "ReduceMean": _reduce, "ReduceSum": _reduce, "Softmax": _softmax,
+    "LayerNormalization": _layernorm,
+    **dict.fromkeys(("Tanh", "Sigmoid", "Exp", "Erf", "Gelu", "Sqrt", "Reciprocal", "Pow"),
+                    _elementwise),
+}
+
+
+def _adjoints(b: _Builder, node: Node, dep: list[int], gy: str, ln: LN) -> dict[int, str]:
+    """The adjoints of the node's input-dependent inputs (by position) from its output's gy."""
+    rule = RULES.get(node.op_type)
+    if rule is None:
+        raise NoAdjoint(f"{node.op_type} node {node.name}: no adjoint rule")
+    return rule(b, node, dep, gy, ln)
+
+
+Sym = str | float  # a tensor's name, or a scalar known at build time
+
+
+class _Diff:
+    """Forward-mode differentiation of a chain's links with respect to its root, scalars
+    folded (d(x * 0.5) = 0.5, not a tensor of 0.5s), so the derivative stays a fusable chain."""
+
+    def __init__(self, b: _Builder) -> None:
+        self.b = b
+
+    def mul(self, p: Sym, q: Sym) -> Sym:
+        if isinstance(p, float) and isinstance(q, float):
+            return p * q
+        if isinstance(p, str) and isinstance(q, str):
+            return self.b.op("Mul", [p, q])
+        k, t = (p, q) if isinstance(p, float) else (q, p)
+        assert isinstance(k, float) and isinstance(t, str)
+        if k == 0.0:
+            return 0.0
+        return t if k == 1.0 else self.b.op("Mul", [t, self.b.const(k)])
+
+    def add(self, p: Sym, q: Sym, sub: bool = False) -> Sym:
+        if isinstance(p, float) and isinstance(q, float):
+            return p - q if sub else p + q
+        if isinstance(q, float) and q == 0.0:
+            return p
+        if isinstance(p, float) and p == 0.0:
+            assert isinstance(q, str)
+            return self.b.op("Neg", [q]) if sub else q
+        pn = self.b.const(p) if isinstance(p, float) else p
+        qn = self.b.const(q) if isinstance(q, float) else q
+        return self.b.op("Sub" if sub else "Add", [pn, qn])
+
+    def link(self, t: str, ins: list[tuple[Sym, Sym]], v: str) -> Sym | None:
+        """d(link) from its inputs' (value, derivative) and its output v; None: no rule."""
+        (a, da), rest = ins[0], ins[1:]
+        if t in ("Add", "Sub"):
+            return self.add(da, rest[0][1], t == "Sub")
+        if t == "Mul":
+            return self.add(self.mul(da, rest[0][0]), self.mul(a, rest[0][1]))
+        if t == "Div":  # by a constant (fused.find_chains)
+            return self.mul(da, 1.0 / float(rest[0][0]))
+        if t == "Neg":
+            return self.mul(da, -1.0)
+        if t == "Pow":  # by 2 or 3 (fused.find_chains)
+            k = float(rest[0][0])
+            return self.mul(self.mul(a, 2.0) if k == 2.0 else self.mul(self.mul(a, a), 3.0),
+                            da)
+        if t == "Tanh":  # 1 - y^2
+            return self.mul(self.add(1.0, self.b.op("Mul", [v, v]), sub=True), da)
+        if t == "Sigmoid":  # y (1 - y)
+            return self.mul(self.mul(v, self.add(1.0, v, sub=True)), da)
+        return None
+
+
+def _chain_derivative(b: _Builder, chain: fused.Chain) -> str | None:
+    """f'(x) of a fused elementwise chain y = f(x) as a new chain of fusable ops from a copy
+    of x (an Identity: `fused.find_chains` groups by root), so the walk bounds it as one
+    elementwise function; None where a link's derivative is not fusable (Erf: exp)."""
+    diff = _Diff(b)
+    root = b.op("Identity", [chain.root], hint="droot")
+    val: dict[str, str] = {chain.root: root}
+    der: dict[str, Sym] = {chain.root: 1.0}
+
+    def arg(name: str) -> tuple[Sym, Sym]:
+        if name in val:
+            return val[name], der[name]
+        return float(b.env[name].reshape(())), 0.0
+
+    for nd in chain.nodes:
+        v = b.op(nd.op_type, [val.get(i, i) for i in nd.inputs], nd.attrs, "dcopy")
+        d = diff.link(nd.op_type, [arg(i) for i in nd.inputs if i], v)
+        if d is None:
+            return None
+        val[nd.outputs[0]], der[nd.outputs[0]] = v, d
+    out = der[chain.sink]
+    return None if isinstance(out, float) else out
+
+
+def _forward_nodes(nodes: list[Node], inp: str, out: str) -> list[Node]:
+    """The input-dependent nodes, in graph order."""
+    dynamic = {inp}
+    forward: list[Node] = []
+    for node in nodes:
+        if not any(n and n in dynamic for n in node.inputs):
+            continue
+        if len([o for o in node.outputs if o]) != 1:
+            raise NoAdjoint(f"{node.op_type} node {node.name}: several outputs")
+        forward.append(node)
+        dynamic.add(node.outputs[0])
+    if out not in dynamic:
+        raise NoAdjoint("the output does not depend on the input")
+    return forward
+
+
+def _reverse(b: _Builder, forward: list[Node], inp: str, out: str, ln: LN) -> str:
+    """The adjoint nodes from SEED at the output back to the input; the input's adjoint."""
+    dynamic = {inp} | {nd.outputs[0] for nd in forward}
+
+    def total(parts: list[str]) -> str:  # a tensor read by several nodes: its adjoints' sum
+        g = parts[0]
+        for p in parts[1:]:
+            g = b.op("Add", [g, p], hint="acc")
+        return g
+    # the forward graph's elementwise chains (GELU written out): one adjoint each,
+    # g_x = g_y f'(x), its f' a chain of its own (`_chain_derivative`)
+    fchains, _ = fused.find_chains(forward, b.env, dynamic, {out})
+    sinks = {c.sink: c for c in fchains.values()}
+    grads: dict[str, list[str]] = {out: [SEED]}
+    fused_done: set[str] = set()  # a chain's inner tensors: adjoint through its sink only
+    for node in reversed(forward):
+        y = node.outputs[0]
+        parts = grads.pop(y, None)
+        if y in fused_done or not parts:
+            continue
+        gy = total(parts)
+        chain = sinks.get(y)
+        dchain = None if chain is None else _chain_derivative(b, chain)
+        if chain is not None and dchain is not None:
+            grads.setdefault(chain.root, []).append(b.op("Mul", [gy, dchain], hint="dch"))
+            fused_done.update(nd.outputs[0] for nd in chain.nodes)
+            continue
+        dep = [i for i, n in enumerate(node.inputs) if n and n in dynamic]
+        for i, g in _adjoints(b, node, dep, gy, ln).items():
+            grads.setdefault(node.inputs[i], []).append(g)
+    if not grads.get(inp):
+        raise NoAdjoint("no adjoint reaches the input")
+    return total(grads[inp])
+
+
+class AdjointGraph:
+    """The model's input-dependent nodes, then the adjoints of a weight vector c on the output
+    back to the input (`grad`): one graph per c."""
+
+    def __init__(self, model: OnnxModel, x: np.ndarray, weights: np.ndarray) -> None:
+        self.model, self.x = model, x
+        module = model.module.with_dtype(torch.float64)
+        with torch.no_grad():
+            env = module.run_env(torch.from_numpy(x))
+        inp, out = model.spec.input_name, model.spec.output_name
+        b = _Builder(env)
+        forward = _forward_nodes(module.runtime_nodes, inp, out)  # type: ignore[arg-type]
+        ln: dict[str, tuple[str, str]] = {}
+        for node in forward:
+            b.nodes.append(node)
+            if node.op_type == "LayerNormalization":
+                ln[node.name] = ln_chain(b, node)
+        c = np.asarray(weights, dtype=np.float64).reshape(tuple(env[out].shape))
+        env[SEED] = torch.from_numpy(c.copy())
+        self.seed_value = c
+        gx = _reverse(b, forward, inp, out, ln)
+        self.output = gx
+        self.nodes, self.env, self.known_ranges = b.nodes, env, b.known
+        # every elementwise chain of the whole graph (the forward's and the derivatives'),
+        # walked as one function each
+        variable = {inp, SEED} | {o for nd in b.nodes for o in nd.outputs if o}
+        self.chains, self.inside = fused.find_chains(b.nodes, env, variable, {gx})
+        # the nodes the seed does not reach (the forward graph, its LayerNorm chains and the
+        # chains' derivatives: the same for every c, `primal_forms`) and the rest
+        seeded = {SEED}
+        self.adjoint_nodes: list[Node] = []
+        self.primal_nodes: list[Node] = []
+        for nd in b.nodes:
+            if any(i in seeded for i in nd.inputs if i):
+                seeded.update(o for o in nd.outputs if o)
+                self.adjoint_nodes.append(nd)
+            else:
+                self.primal_nodes.append(nd)
+        self.variance, self.centred = b.variance, b.centred
+        errors: dict[str, np.ndarray] = {}
+        self.proven, self.detail = forward_check(self.nodes, inp, x, env, errors)
+        self.known: dict = {} if self.proven is None else {
+            array_key(env[n].detach().numpy()): (None, e) for n, e in errors.items()
+            if n in env}
+
+    def vjp(self, x: np.ndarray) -> np.ndarray:
+        """J_F(x)^T c through the adjoint graph in float64 (for tests: it must agree with
+        autodiff)."""
+        from ..onnx.ops import OPS
+        from .tangent import CTX
+        env = dict(self.env)
+        env[self.model.spec.input_name] = torch.from_numpy(np.asarray(x, np.float64))
+        for node in self.nodes:
+            outs = OPS[node.op_type].run(node, [env[i] if i else None for i in node.inputs],
+                                         CTX)
+            for name, value in zip(node.outputs, outs, strict=False):
+                if name:
+                    env[name] = value
+        return env[self.output].detach().numpy()
+
+    def primal_forms(self, eps: float, norm: str) -> tuple[dict[str, Aff], int]:
+        """The forms of the nodes the seed does not reach, and the symbols they use: the same
+        for every graph of one model and centre (`grad_form`'s `primal`)."""
+        ball = Ball(self.x, float(eps), norm)
+        tokens = (MARGIN.set(FORWARD_MARGIN if self.proven is None else self.proven),
+                  PROVEN.set(self.known))
+        known = dict(self.known_ranges)
+        hook = LayerNormHook(self.variance, self.centred, self.env, known, ball)
+        space: list[int] = []
+        try:
+            forms = affine_rules.walk(self.primal_nodes, self.model.spec.input_name, self.env,
+                                      ball, self.chains, self.inside, everything=True,
+                                      known=known, hook=hook, space=space)
+        finally:
+            PROVEN.reset(tokens[1])
+            MARGIN.reset(tokens[0])
+        return forms, space[1] if len(space) > 1 else 0
+
+    def grad_form(self, eps: float, norm: str,
+                  primal: tuple[dict[str, Aff], int] | None = None) -> Aff | None:
+        """The input adjoint's affine form over the ball (None where the walk stops);
+        `primal`: `primal_forms` of this ball (from any graph of the same model and centre)."""
+        ball = Ball(self.x, float(eps), norm)
+        forms, used = self.primal_forms(eps, norm) if primal is None else primal
+        z = np.zeros(self.seed_value.shape)
+        seed = Aff(self.seed_value.copy(), z.copy(), z.copy(),
+                   np.zeros((*self.seed_value.shape, ball.size)), z.copy())
+        tokens = (MARGIN.set(FORWARD_MARGIN if self.proven is None else self.proven),
+                  PROVEN.set(self.known))
+        seeds = {k: v for k, v in forms.items() if k != self.model.spec.input_name}
+        seeds[SEED] = seed
+        try:
+            out = affine_rules.walk(self.adjoint_nodes, self.model.spec.input_name, self.env,
+                                    ball, self.chains, self.inside, self.output,
+                                    everything=False, seeds=seeds, symbols=used)
+        finally:
+            PROVEN.reset(tokens[1])
+            MARGIN.reset(tokens[0])
+        return out.get(self.output)
+
+    def dual_norm_bound(self, eps: float, norm: str,
+                        primal: tuple[dict[str, Aff], int] | None = None) -> float | None:
+        """An upper bound on sup ||J_F(X)^T c||_dual over the ball (ell_1 on the inf-ball,
+        ell_2 on the 2-ball); None where the walk stops or overflows."""
+        f = self.grad_form(eps, norm, primal)
+        if f is None:
+            return None
+        ball = Ball(self.x, float(eps), norm)
+        with np.errstate(over="ignore", invalid="ignore"):
+            v = l1_sup(f, ball) if norm == "inf" else l2_sup(f, ball)
+        return v if math.isfinite(v) else None
+
+
+def l1_sup(f: Aff, ball: Ball) -> float:
+    """sup sum_p |g_p| over the ball and the symbols, g = the form f: |y| <= lam y + mu on
+    y's range [l, u] for any lam in [-1, 1] with mu = max(|l| - lam l, |u| - lam u) (|y| - lam y
+    is convex: its max on [l, u] is at an end), lam the sign where it is fixed and the chord's
+    slope (u + l) / (u - l) where it is not; then sum_p lam_p g_p is one form, its upper end
+    taken (the changes cancel across entries), plus sum_p mu_p. The smaller of that and
+    sum_p max(|l_p|, |u_p|) (lam = 0)."""
+    lo, hi = affine.ranges(f, ball)
+    lo, hi = lo.reshape(-1), hi.reshape(-1)
+    plain = float(widen_up(np.maximum(np.abs(lo), np.abs(hi)).sum(), lo.size + 2))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        lam = np.where(lo >= 0, 1.0, np.where(hi <= 0, -1.0, (hi + lo) / (hi - lo)))
+    lam = np.clip(np.nan_to_num(lam), -1.0, 1.0)
+    mu = np.maximum(np.abs(lo) - lam * lo, np.abs(hi) - lam * hi)
+    mu = widen_up(np.maximum(mu, 0.0) + 4 * U * (np.abs(lo) + np.abs(hi)), 4)
+    k = f.c.size
+    flat = Aff(f.c.reshape(1, k), f.m.reshape(1, k), f.o.reshape(1, k),
+               f.a.reshape(1, k, -1), f.b.reshape(1, k))
+    s = affine_rules.weighted_sum(flat, lam.reshape(1, k), ball)
+    _, shi = affine.ranges(s, ball)
+    relaxed = float(widen_up(np.asarray(float(shi.reshape(-1)[0]) + float(mu.sum())), k + 4))
+    return min(plain, relaxed)
+
+
+def l2_sup(f: Aff, ball: Ball) -> float:
+    """sup ||g||_2 over the ball and the symbols: ||c + o|| + ||m|| + sup ||a_in d||
+    + ||a_sym||_{box->2} + ||b|| (the input part as `affine.token_radius` bounds it)."""
+    k = f.c.size
+    flat = Aff(np.zeros((1, k)), np.zeros((1, k)), (f.c + f.o).reshape(1, k),
+               f.a.reshape(1, k, -1), f.b.reshape(1, k))
+    r = float(affine.token_radius(flat, ball).reshape(-1)[0])
+    mn = float(np.sqrt(widen_up(np.square(f.m).sum(), k + 2)))
+    return float(widen_up(np.asarray(r + mn + 4 * U * (r + mn)), 2))
+
+
+__all__ = ["AdjointGraph", "NoAdjoint", "RULES", "l1_sup", "l2_sup"]

@@ -33,7 +33,7 @@ from ..onnx.ops import Node
 from . import affine, affine_rules, fused
 from .affine import Aff
 from .forward_error import check as forward_check
-from .tangent import LayerNormHook, NoTangent, _Builder, _derivative, ln_chain
+from .tangent import LayerNormHook, NoTangent, _Builder, _derivative, ln_chain, run_nodes
 from .values import FORWARD_MARGIN, MARGIN, PROVEN, Ball, array_key, widen_up
 
 SEED = "__adjoint_seed"
@@ -410,16 +410,7 @@ class AdjointGraph:
     def vjp(self, x: np.ndarray) -> np.ndarray:
         """J_F(x)^T c through the adjoint graph in float64 (for tests: it must agree with
         autodiff)."""
-        from ..onnx.ops import OPS
-        from .tangent import CTX
-        env = dict(self.env)
-        env[self.model.spec.input_name] = torch.from_numpy(np.asarray(x, np.float64))
-        for node in self.nodes:
-            outs = OPS[node.op_type].run(node, [env[i] if i else None for i in node.inputs],
-                                         CTX)
-            for name, value in zip(node.outputs, outs, strict=False):
-                if name:
-                    env[name] = value
+        env = run_nodes(self.nodes, self.env, {self.model.spec.input_name: x})
         return env[self.output].detach().numpy()
 
     def primal_forms(self, eps: float, norm: str) -> tuple[dict[str, Aff], int]:

@@ -311,6 +311,20 @@ def _rule(b: _Builder, node: Node, dep: list[int]) -> str:
     return rule(b, node, dep, {i: b.tan[node.inputs[i]] for i in dep})
 
 
+def run_nodes(nodes: list[Node], env: dict[str, torch.Tensor], feed: dict[str, np.ndarray]
+              ) -> dict[str, torch.Tensor]:
+    """The nodes evaluated in float64 over a copy of env with `feed` replaced (the tangent and
+    adjoint graphs at another point, for tests against autodiff)."""
+    out = dict(env)
+    out.update({k: torch.from_numpy(np.asarray(v, np.float64)) for k, v in feed.items()})
+    for node in nodes:
+        res = OPS[node.op_type].run(node, [out[i] if i else None for i in node.inputs], CTX)
+        for name, value in zip(node.outputs, res, strict=False):
+            if name:
+                out[name] = value
+    return out
+
+
 class LayerNormHook:
     """`affine_rules.walk`'s hook for the LayerNorm chains of `ln_chain`: the variance by its
     expansion (`affine_rules.variance`) and its range from the tokens' radii."""
@@ -393,15 +407,7 @@ class TangentGraph:
     def jvp(self, x: np.ndarray, s: np.ndarray, deferred: bool = False) -> np.ndarray:
         """J_F(x) s, evaluated through the tangent graph in float64 (for tests: it must agree
         with autodiff); `deferred`: through the deferred output instead."""
-        env = dict(self.env)
-        env[self.model.spec.input_name] = torch.from_numpy(np.asarray(x, np.float64))
-        env[SEED] = torch.from_numpy(np.asarray(s, np.float64))
-        for node in self.nodes:
-            outs = OPS[node.op_type].run(node, [env[i] if i else None for i in node.inputs],
-                                         CTX)
-            for name, value in zip(node.outputs, outs, strict=False):
-                if name:
-                    env[name] = value
+        env = run_nodes(self.nodes, self.env, {self.model.spec.input_name: x, SEED: s})
         name = self.deferred[0] if deferred and self.deferred is not None else self.output
         return env[name].detach().numpy()
 

@@ -60,6 +60,7 @@ def run_case(case: Any, exporter: str, eps: float, norm: str, tmp: Path) -> dict
         res = certify_local(om, x0, eps, norm)  # type: ignore[arg-type]
         row["upper"] = res.upper
         row["tangent"] = "tangent graph" in res.method  # the inf-ball's tangent bound won
+        row["adjoint"] = "adjoint graph" in res.method  # the inf-ball's adjoint rows won
         if res.upper is not None and "lower" in row:
             row["upper_ratio"] = res.upper / row["lower"]
             row["upper_sound"] = bool(res.upper >= row["lower"])
@@ -87,7 +88,7 @@ def main() -> None:
                 r = rows[-1]
                 ratio = f"{r['ratio']:.3f}" if "ratio" in r else ""
                 best = f"{r['upper_ratio']:.3f}" if "upper_ratio" in r else ""
-                flag = ("T" if r.get("tangent") else "") + \
+                flag = ("T" if r.get("tangent") else "") + ("A" if r.get("adjoint") else "") + \
                     ("" if r.get("upper_sound", True) else " UNSOUND")
                 print(f"{r['case']:45s} {exporter:11s} {r['local']:12s} {ratio:8s} "
                       f"{best:8s} {flag:3s} {r.get('reason', '')}", flush=True)

@@ -113,6 +113,59 @@ def _concat(b: _Builder, node: Node, dep: list[int], gy: str, ln: LN) -> dict[in
     return out
 
 
+def _embed(b: _Builder, g: str, shape: tuple[int, ...], ax: int, lo: int) -> str:
+    """g (shape but n along ax) placed at [lo, lo + n) of zeros of `shape` (the adjoint of
+    taking those entries): a Concat with zero blocks."""
+    def zeros(width: int) -> str:
+        zs = list(shape)
+        zs[ax] = width
+        return b.const(np.zeros(zs), "zeros")
+    hi = shape[ax] - lo - b.shape(g)[ax]
+    parts = ([zeros(lo)] if lo > 0 else []) + [g] + ([zeros(hi)] if hi > 0 else [])
+    return g if len(parts) == 1 else b.op("Concat", parts, {"axis": ax})
+
+
+def _slice(b: _Builder, node: Node, dep: list[int], gy: str, ln: LN) -> dict[int, str]:
+    """Slice with constant starts/ends/axes and unit steps: gy placed back among zeros."""
+    if dep != [0]:
+        raise NoAdjoint("Slice with input-dependent bounds")
+    shape = b.shape(node.inputs[0])
+
+    def ints(i: int) -> list[int] | None:
+        if len(node.inputs) > i and node.inputs[i]:
+            return [int(v) for v in b.env[node.inputs[i]].reshape(-1).tolist()]
+        return None
+    starts, ends = ints(1), ints(2)
+    if starts is None or ends is None:
+        raise NoAdjoint("Slice without constant starts and ends")
+    axes = ints(3) or list(range(len(starts)))
+    steps = ints(4) or [1] * len(starts)
+    if any(st != 1 for st in steps):
+        raise NoAdjoint("Slice with a step other than 1")
+    g, cur = gy, list(b.shape(gy))
+    for st, en, a in zip(starts, ends, axes, strict=False):
+        ax = a % len(shape)
+        idx = range(shape[ax])[st:en]
+        full = list(cur)
+        full[ax] = shape[ax]
+        g = _embed(b, g, tuple(full), ax, idx.start if len(idx) else 0)
+        cur = full
+    return {0: g}
+
+
+def _gather(b: _Builder, node: Node, dep: list[int], gy: str, ln: LN) -> dict[int, str]:
+    """Gather of one constant index (a CLS token): gy placed back at that index."""
+    if dep != [0]:
+        raise NoAdjoint("Gather of input-dependent indices")
+    idx = b.env[node.inputs[1]]
+    if idx.numel() != 1 or idx.dim() != 0:
+        raise NoAdjoint("Gather of more than one scalar index")
+    shape = b.shape(node.inputs[0])
+    ax = int(node.attrs.get("axis", 0)) % len(shape)
+    g = b.op("Unsqueeze", [gy, b.ints([ax])])
+    return {0: _embed(b, g, shape, ax, int(idx) % shape[ax])}
+
+
 def _add_sub(b: _Builder, node: Node, dep: list[int], gy: str, ln: LN) -> dict[int, str]:
     neg = node.op_type == "Sub"
     return {i: _reduce_to(b, b.op("Neg", [gy]) if neg and i == 1 else gy,
@@ -215,7 +268,8 @@ def _layernorm(b: _Builder, node: Node, dep: list[int], gy: str, ln: LN) -> dict
 RULES: dict[str, Rule] = {
     **dict.fromkeys(("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Dropout",
                      "Cast"), _shape_only),
-    "Transpose": _transpose, "Expand": _expand, "Concat": _concat, "Add": _add_sub,
+    "Transpose": _transpose, "Expand": _expand, "Concat": _concat, "Slice": _slice,
+    "Gather": _gather, "Add": _add_sub,
     "Sub": _add_sub, "Neg": _neg, "Mul": _mul, "MatMul": _matmul, "Div": _div, "Gemm": _gemm,
     "ReduceMean": _reduce, "ReduceSum": _reduce, "Softmax": _softmax,
     "LayerNormalization": _layernorm,
@@ -316,20 +370,35 @@ def _forward_nodes(nodes: list[Node], inp: str, out: str) -> list[Node]:
     dynamic = {inp}
     forward: list[Node] = []
     for node in nodes:
-        if not any(n and n in dynamic for n in node.inputs):
+        # a shape is constant over the ball: what reads only shapes is too
+        if node.op_type in ("Shape", "Size") or not any(n and n in dynamic for n in node.inputs):
             continue
-        if len([o for o in node.outputs if o]) != 1:
+        if len([o for o in node.outputs if o]) != 1 and node.op_type != "Split":
             raise NoAdjoint(f"{node.op_type} node {node.name}: several outputs")
         forward.append(node)
-        dynamic.add(node.outputs[0])
+        dynamic.update(o for o in node.outputs if o)
     if out not in dynamic:
         raise NoAdjoint("the output does not depend on the input")
     return forward
 
 
+def _split(b: _Builder, node: Node, grads: dict[str, list[str]],
+           total: Callable[[list[str]], str]) -> None:
+    """Split's adjoint: its outputs' adjoints (zeros where an output has none) concatenated
+    along the axis."""
+    outs = [o for o in node.outputs if o]
+    if not any(grads.get(o) for o in outs):
+        return
+    ax = int(node.attrs.get("axis", 0)) % len(b.shape(node.inputs[0]))
+    parts = [total(grads.pop(o)) if grads.get(o) else b.const(np.zeros(b.shape(o)), "zeros")
+             for o in outs]
+    g = parts[0] if len(parts) == 1 else b.op("Concat", parts, {"axis": ax})
+    grads.setdefault(node.inputs[0], []).append(g)
+
+
 def _reverse(b: _Builder, forward: list[Node], inp: str, out: str, ln: LN) -> str:
     """The adjoint nodes from SEED at the output back to the input; the input's adjoint."""
-    dynamic = {inp} | {nd.outputs[0] for nd in forward}
+    dynamic = {inp} | {o for nd in forward for o in nd.outputs if o}
 
     def total(parts: list[str]) -> str:  # a tensor read by several nodes: its adjoints' sum
         g = parts[0]
@@ -343,6 +412,9 @@ def _reverse(b: _Builder, forward: list[Node], inp: str, out: str, ln: LN) -> st
     grads: dict[str, list[str]] = {out: [SEED]}
     fused_done: set[str] = set()  # a chain's inner tensors: adjoint through its sink only
     for node in reversed(forward):
+        if node.op_type == "Split":
+            _split(b, node, grads, total)
+            continue
         y = node.outputs[0]
         parts = grads.pop(y, None)
         if y in fused_done or not parts:

@@ -290,7 +290,8 @@ def _constants_at(om: OnnxModel, x: np.ndarray, r: float, norm: str, label: int
             consts = {}
         consts = {j: v for j, v in consts.items() if math.isfinite(v)}
         if adj is not None:
-            _ADJ_STATE[key] = (any(consts.get(j, math.inf) < v for j, v in adj.items()), 0)
+            _ADJ_STATE[key] = (any(consts.get(j, math.inf) < ENCLOSURE_WINS * v
+                                   for j, v in adj.items()), 0)
     elif state is not None:
         _ADJ_STATE[key] = (state[0], state[1] + 1)
     if adj is not None:  # the smaller of the two, per margin
@@ -306,7 +307,9 @@ def _constants_at(om: OnnxModel, x: np.ndarray, r: float, norm: str, label: int
 # and walks slower there (eigenvalues in every product): tf1's radius 0.2643 -> 0.2662 in 3x
 # the time, so it is off
 ADJOINT_NORMS: tuple[str, ...] = ("inf",)
-ENCLOSURE_EVERY = 4
+ENCLOSURE_EVERY = 8
+# the enclosure "won" at a ball where it was below this fraction of the adjoint constant
+ENCLOSURE_WINS = 0.99
 _ADJ_CACHE: dict[tuple, dict[int, AdjointGraph]] = {}
 # per (model, centre, label): (the enclosure won on some margin at the last ball both ran
 # on, balls walked by the adjoint graph alone since)

@@ -230,3 +230,16 @@ def test_adjoint_graph_through_split_gather_and_slice(split_model) -> None:
     assert bound is not None
     for x in _hunt(om, x0, c, 2e-2, "inf", rng):
         assert np.abs(c @ _jac(om, x)).sum() <= bound
+
+
+def test_adjoint_cache_is_matched_by_the_model_itself(models, monkeypatch) -> None:
+    """Two models whose cache keys collide (an address reused after the first is freed)
+    never share graphs: the entry holds its model and is matched by identity."""
+    monkeypatch.setattr(local, "_adj_key", lambda om, x, label: ("collide",))
+    (tf1, x0), (mlp, _) = models["tf1"], models["mlp"]
+    first = local._adjoint_graphs(tf1, x0, 0)
+    second = local._adjoint_graphs(mlp, x0, 0)
+    assert first and second
+    assert all(g.model is tf1 for g in first.values())
+    assert all(g.model is mlp for g in second.values())
+    assert local._adjoint_graphs(mlp, x0, 0) is second  # cached for the same model

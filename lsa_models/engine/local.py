@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import math
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -310,7 +311,8 @@ ADJOINT_NORMS: tuple[str, ...] = ("inf",)
 ENCLOSURE_EVERY = 8
 # the enclosure "won" at a ball where it was below this fraction of the adjoint constant
 ENCLOSURE_WINS = 0.99
-_ADJ_CACHE: dict[tuple, dict[int, AdjointGraph]] = {}
+_ADJ_CACHE: dict[tuple, tuple[OnnxModel, dict[int, AdjointGraph]]] = {}
+_ADJ_LOCK = threading.Lock()
 # per (model, centre, label): (the enclosure won on some margin at the last ball both ran
 # on, balls walked by the adjoint graph alone since)
 _ADJ_STATE: dict[tuple, tuple[bool, int]] = {}
@@ -325,28 +327,37 @@ def _adjoint_constants(om: OnnxModel, x: np.ndarray, r: float, norm: str, label:
     """sup ||grad (f_label - f_j)||_dual over the ball from the adjoint graphs (one per
     margin, built once per model, centre and label); None where they cannot be built or
     walked."""
+    graphs = _adjoint_graphs(om, x, label)
+    return _adjoint_bounds(graphs, r, norm) if graphs else None
+
+
+def _adjoint_graphs(om: OnnxModel, x: np.ndarray, label: int) -> dict[int, AdjointGraph]:
+    """The margins' adjoint graphs, cached for one (model, centre, label) at a time (a radius
+    job walks them at every ball). The entry holds the model itself and is matched by
+    identity, so a later model at a reused address never gets another's graphs; concurrent
+    jobs (threads) only evict each other's entries."""
     key = _adj_key(om, x, label)
-    if key not in _ADJ_CACHE:
-        _ADJ_CACHE.clear()  # one centre at a time: a radius job's
+    with _ADJ_LOCK:
+        hit = _ADJ_CACHE.get(key)
+    if hit is not None and hit[0] is om:
+        return hit[1]
+    built: dict[int, AdjointGraph] = {}
+    try:
+        module = om.module.with_dtype(torch.float64)
+        with torch.no_grad():
+            k = int(module(torch.from_numpy(x)).numel())
+        for j in range(k):
+            if j != label:
+                c = np.zeros(k)
+                c[label], c[j] = 1.0, -1.0
+                built[j] = AdjointGraph(om, x, c)
+    except (NoTangent, NotAffine, ValueError, RuntimeError, KeyError, IndexError, TypeError):
+        built = {}  # an optional refinement: the enclosure's constants stand
+    with _ADJ_LOCK:
+        _ADJ_CACHE.clear()
         _ADJ_STATE.clear()
-        built: dict[int, AdjointGraph] = {}
-        try:
-            module = om.module.with_dtype(torch.float64)
-            with torch.no_grad():
-                k = int(module(torch.from_numpy(x)).numel())
-            for j in range(k):
-                if j != label:
-                    c = np.zeros(k)
-                    c[label], c[j] = 1.0, -1.0
-                    built[j] = AdjointGraph(om, x, c)
-        except (NoTangent, NotAffine, ValueError, RuntimeError, KeyError, IndexError,
-                TypeError):
-            built = {}  # an optional refinement: the enclosure's constants stand
-        _ADJ_CACHE[key] = built
-    graphs = _ADJ_CACHE[key]
-    if not graphs:
-        return None
-    return _adjoint_bounds(graphs, r, norm)
+        _ADJ_CACHE[key] = (om, built)
+    return built
 
 
 def _adjoint_bounds(graphs: dict[int, AdjointGraph], r: float, norm: str

@@ -273,29 +273,38 @@ def _pair_constants(lj: LocalJacobian, label: int) -> dict[int, float]:
     return out
 
 
-def _constants_at(om: OnnxModel, x: np.ndarray, r: float, norm: str, label: int
-                  ) -> dict[int, float] | None:
+@dataclass
+class _EnclosureTurns:
+    """One sweep's record of the enclosure against the adjoint graph: whether the enclosure
+    won on some margin at the last ball both ran on, and the balls walked without it since."""
+
+    won: bool = True
+    skipped: int = 0
+
+
+def _constants_at(om: OnnxModel, x: np.ndarray, r: float, norm: str, label: int,
+                  turns: _EnclosureTurns | None = None) -> dict[int, float] | None:
     """L_j(r) >= sup ||grad (f_label - f_j)||_dual over the ball of radius r; None when the
-    engine cannot enclose that ball."""
+    engine cannot enclose that ball. The smaller of the adjoint graph's (ADJOINT_NORMS) and
+    the enclosure's per margin; with `turns` (a sweep's), the enclosure is skipped after the
+    adjoint graph beat it on every margin at the last ball both ran on, and run again every
+    ENCLOSURE_EVERY-th ball (a choice of time only; by counts within the sweep, not clocks
+    or earlier calls, so radii are reproducible)."""
     adj = _adjoint_constants(om, x, r, norm, label) if norm in ADJOINT_NORMS else None
-    key = _adj_key(om, x, label)
-    state = _ADJ_STATE.get(key)
     consts: dict[int, float] = {}
-    # the enclosure too unless the adjoint graph beat it on every margin at the last ball both
-    # ran on, and then again every ENCLOSURE_EVERY-th ball (a choice of time only, the
-    # smaller constant is used either way; by counts, not clocks, so radii are reproducible)
-    if adj is None or state is None or state[0] or state[1] + 1 >= ENCLOSURE_EVERY:
+    if adj is None or turns is None or turns.won or turns.skipped + 1 >= ENCLOSURE_EVERY:
         try:
             lj = local_jacobian(om, x, r, norm, margins_of=label)
             consts = _pair_constants(lj, label)
         except LocalNotCertified:
             consts = {}
         consts = {j: v for j, v in consts.items() if math.isfinite(v)}
-        if adj is not None:
-            _ADJ_STATE[key] = (any(consts.get(j, math.inf) < ENCLOSURE_WINS * v
-                                   for j, v in adj.items()), 0)
-    elif state is not None:
-        _ADJ_STATE[key] = (state[0], state[1] + 1)
+        if adj is not None and turns is not None:
+            turns.won = any(consts.get(j, math.inf) < ENCLOSURE_WINS * v
+                            for j, v in adj.items())
+            turns.skipped = 0
+    elif turns is not None:
+        turns.skipped += 1
     if adj is not None:  # the smaller of the two, per margin
         consts = {j: min(v, consts.get(j, math.inf)) for j, v in adj.items()}
     if not consts:
@@ -314,9 +323,6 @@ ENCLOSURE_EVERY = 8
 ENCLOSURE_WINS = 0.99
 _ADJ_CACHE: dict[tuple, tuple[OnnxModel, dict[int, AdjointGraph]]] = {}
 _ADJ_LOCK = threading.Lock()
-# per (model, centre, label): (the enclosure won on some margin at the last ball both ran
-# on, balls walked by the adjoint graph alone since)
-_ADJ_STATE: dict[tuple, tuple[bool, int]] = {}
 
 
 def _adj_key(om: OnnxModel, x: np.ndarray, label: int) -> tuple:
@@ -356,7 +362,6 @@ def _adjoint_graphs(om: OnnxModel, x: np.ndarray, label: int) -> dict[int, Adjoi
         built = {}  # an optional refinement: the enclosure's constants stand
     with _ADJ_LOCK:
         _ADJ_CACHE.clear()
-        _ADJ_STATE.clear()
         _ADJ_CACHE[key] = (om, built)
     return built
 
@@ -502,7 +507,8 @@ def _sweep(om: OnnxModel, x: np.ndarray, norm: str, label: int, margins: dict[in
     width min_j (m_j(X0) - S_j) / L_j(rho_n + w) (the ball contains it), and is retried
     SWEEP_SHRINK as wide. Returns (radius, engine runs, L at the last certified piece).
     `floor`: a radius certified otherwise (reported in the progress as certified so far)."""
-    c0 = _constants_at(om, x, 0.0, norm, label)
+    turns = _EnclosureTurns()
+    c0 = _constants_at(om, x, 0.0, norm, label, turns)
     _tick(progress, 1, steps, floor)
     if c0 is None:
         return 0.0, 1, {}
@@ -513,6 +519,7 @@ def _sweep(om: OnnxModel, x: np.ndarray, norm: str, label: int, margins: dict[in
         # one probe of the other route's radius: the integral up to `floor` is at least
         # (1 - SWEEP_PROBE) floor L_j(SWEEP_PROBE floor) (the constants grow with the radius),
         # so where that already spends a margin the sweep cannot pass `floor` (time only)
+        # (both engines, outside the sweep's turns: the pieces do not depend on the probe)
         cp = _constants_at(om, x, SWEEP_PROBE * floor, norm, label)
         _tick(progress, 2, steps, floor)
         if cp is not None and any(margins[j] <= (1 - SWEEP_PROBE) * floor * cp[j]
@@ -537,7 +544,7 @@ def _sweep(om: OnnxModel, x: np.ndarray, norm: str, label: int, margins: dict[in
         else:
             runs += 1
             rho = prev + width
-            c = _constants_at(om, x, rho, norm, label)
+            c = _constants_at(om, x, rho, norm, label, turns)
         after = None if c is None else {j: spent[j] + width * c[j] for j in c}
         if c is not None and after is not None and all(margins[j] - after[j] > 0 for j in c):
             spent, prev, consts, last_ok = after, rho, c, c

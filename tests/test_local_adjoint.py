@@ -243,3 +243,21 @@ def test_adjoint_cache_is_matched_by_the_model_itself(models, monkeypatch) -> No
     assert all(g.model is tf1 for g in first.values())
     assert all(g.model is mlp for g in second.values())
     assert local._adjoint_graphs(mlp, x0, 0) is second  # cached for the same model
+
+
+def test_adjoint_bound_is_none_where_the_forward_walk_stops(models, monkeypatch) -> None:
+    """A forward walk that stops (an op without a rule, a form that overflowed) leaves the
+    tensors after it without forms; the adjoint walk must then give no bound rather than read
+    them as constants (which would drop their change over the ball)."""
+    from lsa_models.engine import affine_rules
+    om, x0 = models["tf1"]
+    ag = AdjointGraph(om, x0, np.eye(4)[0])
+    assert ag.dual_norm_bound(1e-2, "inf") is not None
+    real = affine_rules.step
+
+    def stop_at_softmax(node, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if node.op_type == "Softmax":
+            raise affine_rules.NotAffine("stopped for the test")
+        return real(node, *args, **kwargs)
+    monkeypatch.setattr(affine_rules, "step", stop_at_softmax)
+    assert ag.dual_norm_bound(1e-2, "inf") is None

@@ -472,6 +472,15 @@ class AdjointGraph:
                 self.adjoint_nodes.append(nd)
             else:
                 self.primal_nodes.append(nd)
+        # the forward tensors the adjoint nodes read: all must have forms (a forward walk that
+        # stopped, e.g. at an overflow, leaves them out, and a missing form would be read as
+        # the constant centre value)
+        made = {inp}  # the input-dependent ones (a Transpose of a weight is a constant)
+        for nd in self.primal_nodes:
+            if any(i in made for i in nd.inputs if i):
+                made.update(o for o in nd.outputs if o)
+        self.primal_needed = {i for nd in self.adjoint_nodes for i in nd.inputs
+                              if i and i in made}
         self.variance, self.centred = b.variance, b.centred
         errors: dict[str, np.ndarray] = {}
         self.proven, self.detail = forward_check(self.nodes, inp, x, env, errors)
@@ -509,6 +518,8 @@ class AdjointGraph:
         `primal`: `primal_forms` of this ball (from any graph of the same model and centre)."""
         ball = Ball(self.x, float(eps), norm)
         forms, used = self.primal_forms(eps, norm) if primal is None else primal
+        if any(n not in forms for n in self.primal_needed):
+            return None  # the forward walk stopped: no bound (never a constant in its place)
         z = np.zeros(self.seed_value.shape)
         seed = Aff(self.seed_value.copy(), z.copy(), z.copy(),
                    np.zeros((*self.seed_value.shape, ball.size)), z.copy())

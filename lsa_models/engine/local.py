@@ -130,6 +130,12 @@ ADJOINT_METHOD = ("smallest here: the adjoint graph's affine forms over the ball
 ADJOINT_MAX_ROWS = 32
 
 
+def _output_size(om: OnnxModel, x: np.ndarray) -> int:
+    """The number of output entries at x (the adjoint graphs' weight vectors' size)."""
+    with torch.no_grad():
+        return int(om.module.with_dtype(torch.float64)(torch.from_numpy(x)).numel())
+
+
 def _adjoint_candidate(om: OnnxModel, x: np.ndarray, eps: float, norm: str) -> float | None:
     """inf-ball: max_i sup ||J(X)^T e_i||_1 over the ball from the adjoint graph of every
     output entry i (adjoint.py); None where a node has no adjoint rule, the output is larger
@@ -137,9 +143,7 @@ def _adjoint_candidate(om: OnnxModel, x: np.ndarray, eps: float, norm: str) -> f
     if norm != "inf" or eps <= 0 or x.size > TANGENT_MAX_INPUT:
         return None
     try:
-        module = om.module.with_dtype(torch.float64)
-        with torch.no_grad():
-            k = int(module(torch.from_numpy(x)).numel())
+        k = _output_size(om, x)
         if k > ADJOINT_MAX_ROWS:
             return None
         rows = _adjoint_bounds({i: AdjointGraph(om, x, np.eye(k)[i]) for i in range(k)},
@@ -352,9 +356,7 @@ def _adjoint_graphs(om: OnnxModel, x: np.ndarray, label: int) -> dict[int, Adjoi
         return hit[1]
     built: dict[int, AdjointGraph] = {}
     try:
-        module = om.module.with_dtype(torch.float64)
-        with torch.no_grad():
-            k = int(module(torch.from_numpy(x)).numel())
+        k = _output_size(om, x)
         for j in range(k):
             if j != label:
                 c = np.zeros(k)

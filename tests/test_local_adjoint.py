@@ -37,7 +37,7 @@ def _weights(om: OnnxModel, x0: np.ndarray, rng: np.random.Generator) -> np.ndar
     return c
 
 
-@pytest.mark.parametrize("kind", ["mlp", "tf1", "researcher"])
+@pytest.mark.parametrize("kind", ["mlp", "tf1", "researcher", "relu"])
 def test_adjoint_graph_computes_the_vector_jacobian_product(models, kind: str) -> None:
     om, x0 = models[kind]
     rng = np.random.default_rng(0)
@@ -86,7 +86,7 @@ def _hunt(om: OnnxModel, x0: np.ndarray, c: np.ndarray, eps: float, norm: str,
 
 
 @settings(max_examples=8, deadline=None)
-@given(kind=st.sampled_from(["mlp", "tf1", "researcher"]),
+@given(kind=st.sampled_from(["mlp", "tf1", "researcher", "relu"]),
        eps=st.sampled_from([1e-3, 1e-2, 4e-2]), norm=st.sampled_from(["inf", "2"]),
        seed=st.integers(0, 2**16))
 def test_adjoint_bound_never_below_the_exact_gradient_norm(kind: str, eps: float, norm: str,
@@ -104,7 +104,7 @@ def test_adjoint_bound_never_below_the_exact_gradient_norm(kind: str, eps: float
         assert exact <= bound, (kind, eps, norm, exact, bound)
 
 
-@pytest.mark.parametrize("kind", ["mlp", "tf1", "researcher"])
+@pytest.mark.parametrize("kind", ["mlp", "tf1", "researcher", "relu"])
 @pytest.mark.parametrize("norm", ["inf", "2"])
 def test_adjoint_bound_tends_to_the_centre_gradient(models, kind: str, norm: str) -> None:
     """At a tiny ball the bound is the centre gradient's norm (a rule's factor dropped or

@@ -113,7 +113,8 @@ _FNS: dict[str, tuple[affine_rules.Fn, Callable[[torch.Tensor], torch.Tensor], b
     "square": (affine_rules.SQUARE, torch.square, False),
     "reciprocal": (affine_rules.RECIPROCAL, torch.reciprocal, True),
     "rsqrt": (affine_rules.RSQRT, torch.rsqrt, True),
-    "sqrt": (affine_rules.SQRT, torch.sqrt, True)}
+    "sqrt": (affine_rules.SQRT, torch.sqrt, True),
+    "relu": (affine_rules.RELU, torch.relu, False)}
 
 
 @settings(max_examples=300, deadline=None)
@@ -135,6 +136,23 @@ def test_affine_elementwise_encloses_every_functional(seed: int, eps: float, nor
             assert positive and eps >= 0.1
             return
         _check(lambda d: tfn(g(d)), out, ball, rng)
+
+
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 10**6), eps=EPS, norm=NORM)
+def test_affine_relu_grad_encloses_every_functional(seed: int, eps: float, norm: str) -> None:
+    """g H(x) (the tangent and adjoint of Relu, internal_ops.RELU_GRAD) for forms g, x whose
+    ranges cross 0 at the larger balls: every functional at the extreme points stays within
+    the form's range, the step taken at the true x."""
+    rng = np.random.default_rng(seed)
+    ball = Ball(np.zeros(P), eps, norm)
+    with _symbols(ball):
+        g, gf = _source(rng, (2, 3), ball)
+        x, xf = _source(rng, (2, 3), ball, scale=0.3)
+        z = torch.zeros(P, dtype=torch.float64)
+        c0 = (gf(z) * (xf(z) > 0)).numpy()
+        out = affine_rules._relu_grad([g, x], ball, None, c0, np.zeros_like(c0))
+        _check(lambda d: gf(d) * (xf(d) > 0).to(torch.float64), out, ball, rng)
 
 
 @settings(max_examples=300, deadline=None)
@@ -335,7 +353,7 @@ def test_affine_token_radius_holds_on_the_ball(seed: int, eps: float, norm: str)
 
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 10**6), which=st.sampled_from(["exp", "rsqrt", "reciprocal",
-                                                         "square"]))
+                                                         "square", "relu"]))
 def test_chord_candidate_encloses_the_convex_remainder(seed: int, which: str) -> None:
     """affine_rules._chord (session 11): for f convex on [lo, hi] and the true centre t0 in
     [tlo, thi], f(t) - f(t0) - lam (t - t0) lies in shift +- err at dense points t and t0
@@ -344,7 +362,8 @@ def test_chord_candidate_encloses_the_convex_remainder(seed: int, which: str) ->
     fn, f = {"exp": (affine_rules.EXP, np.exp),
              "rsqrt": (affine_rules.RSQRT, lambda t: 1 / np.sqrt(t)),
              "reciprocal": (affine_rules.RECIPROCAL, lambda t: 1 / t),
-             "square": (affine_rules.SQUARE, np.square)}[which]
+             "square": (affine_rules.SQUARE, np.square),
+             "relu": (affine_rules.RELU, lambda t: np.maximum(t, 0.0))}[which]
     lo = rng.uniform(0.05, 2.0, 6) if which in ("rsqrt", "reciprocal") else \
         rng.uniform(-3.0, 2.0, 6)
     hi = lo + rng.uniform(1e-3, 3.0, 6)

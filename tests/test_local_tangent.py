@@ -64,6 +64,29 @@ def _researcher(seed: int, tmp: Path) -> OnnxModel:
     return load_onnx(path.read_bytes())
 
 
+class TorchEncoder(nn.Module):
+    """torch's own pre-norm encoder layer (ReLU FFN, fused attention) and a mean-pooled
+    linear head: a model we did not write, and the ReLU every rule must take."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.TransformerEncoderLayer(D, 2, 2 * D, dropout=0.0, batch_first=True,
+                                              norm_first=True)
+        self.head = nn.Linear(D, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, N, D) -> (B, 3)
+        return self.head(self.enc(x).mean(dim=1))
+
+
+def _torch_encoder(seed: int, tmp: Path) -> OnnxModel:
+    torch.manual_seed(seed)
+    m = TorchEncoder().eval()
+    path = tmp / "relu.onnx"
+    torch.onnx.export(m, (torch.randn(1, N, D),), str(path), dynamo=False, opset_version=17,
+                      input_names=["x"], output_names=["logits"])
+    return load_onnx(path.read_bytes())
+
+
 def _bench(kind: str, seed: int, tmp: Path) -> OnnxModel:
     return load_onnx(export(build(kind, seed), tmp / f"{kind}.onnx").read_bytes())
 
@@ -77,6 +100,8 @@ def _models() -> dict[str, tuple[OnnxModel, np.ndarray]]:
         g = torch.Generator().manual_seed(3)
         out["researcher"] = (_researcher(0, tmp),
                              torch.randn(1, N, D, generator=g).numpy().astype(np.float64))
+        out["relu"] = (_torch_encoder(0, tmp),
+                       torch.randn(1, N, D, generator=g).numpy().astype(np.float64))
     return out
 
 
@@ -92,7 +117,7 @@ def _jac(om: OnnxModel, x: np.ndarray) -> np.ndarray:
     return j.reshape(j.shape[0], -1).numpy()  # (K, P)
 
 
-@pytest.mark.parametrize("kind", ["mlp", "tf1", "researcher"])
+@pytest.mark.parametrize("kind", ["mlp", "tf1", "researcher", "relu"])
 def test_tangent_graph_computes_the_jacobian_vector_product(models, kind: str) -> None:
     om, x0 = models[kind]
     tg = TangentGraph(om, x0)
@@ -130,7 +155,7 @@ def _hunt(om: OnnxModel, x0: np.ndarray, eps: float, rng: np.random.Generator
 
 
 @settings(max_examples=6, deadline=None)
-@given(kind=st.sampled_from(["mlp", "tf1", "researcher"]),
+@given(kind=st.sampled_from(["mlp", "tf1", "researcher", "relu"]),
        eps=st.sampled_from([1e-3, 1e-2, 3e-2]), seed=st.integers(0, 2**16))
 def test_tangent_bound_never_below_the_exact_row_norms(kind: str, eps: float,
                                                        seed: int) -> None:
@@ -143,7 +168,7 @@ def test_tangent_bound_never_below_the_exact_row_norms(kind: str, eps: float,
         assert np.all(exact <= rows), (kind, eps, exact, rows)
 
 
-@pytest.mark.parametrize("kind", ["mlp", "tf1", "researcher"])
+@pytest.mark.parametrize("kind", ["mlp", "tf1", "researcher", "relu"])
 def test_tangent_bound_tends_to_the_centre_jacobian(models, kind: str) -> None:
     """At a tiny ball the bound is the centre's row norms (a seed scaled by 2, a tangent
     rule's factor dropped or doubled would show here, or below the exact norms above)."""
@@ -155,13 +180,18 @@ def test_tangent_bound_tends_to_the_centre_jacobian(models, kind: str) -> None:
     assert np.all(rows <= exact * (1 + 1e-3))
 
 
+class _LeakyByMax(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.maximum(x, 0.1 * x)  # ONNX Max: no tangent rule
+
+
 def test_tangent_graph_names_an_op_without_a_rule(tmp_path: Path) -> None:
-    m = nn.Sequential(nn.Flatten(1), nn.Linear(N * D, 8), nn.ReLU(), nn.Linear(8, 2)).eval()
-    path = tmp_path / "relu.onnx"
+    m = nn.Sequential(nn.Flatten(1), nn.Linear(N * D, 8), _LeakyByMax(), nn.Linear(8, 2)).eval()
+    path = tmp_path / "leaky.onnx"
     torch.onnx.export(m, (torch.randn(1, N, D),), str(path), dynamo=False, opset_version=17,
                       input_names=["x"], output_names=["logits"])
     om = load_onnx(path.read_bytes())
-    with pytest.raises(NoTangent, match="Relu"):
+    with pytest.raises(NoTangent, match="Max"):
         TangentGraph(om, np.zeros((1, N, D)))
 
 

@@ -128,3 +128,31 @@ def test_sweep_stops_once_it_cannot_pass_the_other_routes_radius(mlp_path: Path)
     # a floor below every piece: the probe costs one run, the radius is the same
     same, runs_same, _ = _sweep(om, x0, "inf", label, margins, 30, floor=1e-9)
     assert (same, runs_same) == (full, runs_full + 1)
+
+
+def test_robustness_relu_mlp_by_the_affine_route(tmp_path: Path) -> None:
+    """A ReLU MLP (the commonest model there is): the affine forms take Relu (DeepZ's chord,
+    affine_rules.RELU), so the affine route certifies it, above the sweep's radius (measured
+    0.89x the attack radius in both norms, the sweep alone 0.75x); and no point of the
+    certified ball flips the label."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Flatten(1), torch.nn.Linear(128, 64), torch.nn.ReLU(),
+                            torch.nn.Linear(64, 32), torch.nn.ReLU(),
+                            torch.nn.Linear(32, 4)).eval()
+    om = load_onnx(export(m, tmp_path / "relu.onnx").read_bytes())
+    x0 = center(1).numpy().astype(np.float64)
+    f = om.module.with_dtype(torch.float64)
+    label = int(f(torch.from_numpy(x0)).argmax())
+    rng = np.random.default_rng(0)
+    for norm in ("inf", "2"):
+        r = robustness(om, x0, label, norm)
+        assert r.certified_by == "affine" and r.attack_radius is not None
+        assert 0.8 * r.attack_radius <= r.certified_radius <= r.attack_radius
+        for _ in range(50):
+            if norm == "inf":
+                d = rng.choice([-1.0, 1.0], size=x0.shape) * r.certified_radius
+            else:
+                d = rng.standard_normal(x0.shape)
+                d *= r.certified_radius / np.linalg.norm(d)
+            with torch.no_grad():
+                assert int(f(torch.from_numpy(x0 + d)).argmax()) == label

@@ -33,6 +33,7 @@ from ..onnx.ops import Node
 from . import affine, affine_rules, fused
 from .affine import Aff
 from .forward_error import check as forward_check
+from .internal_ops import RELU_GRAD
 from .tangent import LayerNormHook, NoTangent, _Builder, _derivative, ln_chain, run_nodes
 from .values import FORWARD_MARGIN, MARGIN, PROVEN, Ball, array_key, widen_up
 
@@ -242,6 +243,11 @@ def _elementwise(b: _Builder, node: Node, dep: list[int], gy: str, ln: LN) -> di
     return {0: b.op("Mul", [gy, _derivative(b, node)])}
 
 
+def _relu(b: _Builder, node: Node, dep: list[int], gy: str, ln: LN) -> dict[int, str]:
+    """dx = H(x) dy (internal_ops.RELU_GRAD: the Jacobian is diagonal)."""
+    return {0: b.op(RELU_GRAD, [gy, node.inputs[0]])}
+
+
 def _softmax(b: _Builder, node: Node, dep: list[int], gy: str, ln: LN) -> dict[int, str]:
     """dz = y (dy - sum(dy y)) along the axis."""
     y = node.outputs[0]
@@ -272,7 +278,7 @@ RULES: dict[str, Rule] = {
     "Gather": _gather, "Add": _add_sub,
     "Sub": _add_sub, "Neg": _neg, "Mul": _mul, "MatMul": _matmul, "Div": _div, "Gemm": _gemm,
     "ReduceMean": _reduce, "ReduceSum": _reduce, "Softmax": _softmax,
-    "LayerNormalization": _layernorm,
+    "LayerNormalization": _layernorm, "Relu": _relu,
     **dict.fromkeys(("Tanh", "Sigmoid", "Exp", "Erf", "Gelu", "Sqrt", "Reciprocal", "Pow"),
                     _elementwise),
 }

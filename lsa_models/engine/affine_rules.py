@@ -37,6 +37,7 @@ from .affine import (
     split_lin,
     token_radius,
 )
+from .internal_ops import RELU_GRAD
 from .primitives import _softmax_ranges, probability_ranges
 from .rules import _abs_node, linear_consts, run_tangents
 from .values import Ball, center_margin, gamma
@@ -100,6 +101,20 @@ SQRT = Fn(lambda lo, hi: _mono(np.sqrt, lo, hi),
           lambda lo, hi: _mono(lambda x: -0.25 / (x * np.sqrt(x)), lo, hi),
           np.sqrt, (0.0, math.inf))
 
+
+
+def _relu_d1(lo: np.ndarray, hi: np.ndarray) -> Iv:
+    """The slopes of max(x, 0) over [lo, hi]: 1 right of 0, 0 left of it, [0, 1] (the
+    subgradients) at 0."""
+    return np.where(lo > 0, 1.0, 0.0), np.where(hi >= 0, 1.0, 0.0)
+
+
+# max(x, 0): convex, so `elementwise`'s chord candidate applies (f'' >= 0: given as [0, inf],
+# which leaves the second-order candidate infinite): on a range [l, u] around 0 the chord
+# lam = u / (u - l) with the change in [0, -lam l] (DeepZ's relaxation)
+RELU = Fn(lambda lo, hi: (np.maximum(lo, 0.0), np.maximum(hi, 0.0)), _relu_d1,
+          lambda lo, hi: (np.zeros_like(lo), np.full_like(lo, np.inf)),
+          lambda x: np.maximum(x, 0.0))
 
 def chain_fn(chain: fused.Chain, consts: dict[str, float]) -> Fn:
     """A fused elementwise chain (fused.py) through its interval differentiation."""
@@ -801,6 +816,11 @@ def _step(node: Node, args: list, centers: list[np.ndarray | None], ball: Ball,
         rg = ranges_of(0)
         return [elementwise(args[0], chain_fn(ch, {}), ball, xlo=_lo(rg), xhi=_hi(rg), out_c=c0,
                             out_m=m0)]
+    if t == RELU_GRAD:
+        return [_relu_grad(args, ball, ranges_of(1), c0, m0)]
+    if t == "Relu":
+        rg = ranges_of(0)
+        return [elementwise(args[0], RELU, ball, xlo=_lo(rg), xhi=_hi(rg), out_c=c0, out_m=m0)]
     if t in ("Exp", "Sqrt", "Reciprocal", "Pow") and var == [0]:
         fn = _power(node, args) if t == "Pow" else \
             {"Exp": EXP, "Sqrt": SQRT, "Reciprocal": RECIPROCAL}[t]
@@ -813,6 +833,34 @@ def _step(node: Node, args: list, centers: list[np.ndarray | None], ball: Ball,
         return [_layernorm_node(node, args, c0, m0, ball, ranges_of(0))] + \
             [None] * (len(node.outputs) - 1)
     raise NotAffine(f"{t} node {node.name}: no affine rule")
+
+
+def _relu_grad(args: list, ball: Ball, rg: tuple[np.ndarray, np.ndarray] | None,
+               c0: np.ndarray, m0: np.ndarray) -> Aff:
+    """g H(x) (internal_ops.RELU_GRAD) as the product of g's form and H's interval form: H
+    is 1 where x's range is above 0, 0 where below, and moves within [0, 1] where the range
+    reaches 0 (from H(x0), which is known where x's centre margin leaves out 0; else 1/2 +- 1/2
+    at the centre and [-1, 1] for the change)."""
+    g, x = args[0], args[1]
+    if not isinstance(g, Aff) or not isinstance(x, Aff):
+        raise NotAffine("ReluGrad of a constant")
+    lo, hi = ranges(x, ball)
+    if rg is not None:
+        lo, hi = np.maximum(lo, rg[0]), np.minimum(hi, rg[1])
+    free = ~((lo > 0) | (hi < 0))
+    up, down = x.c - x.m > 0, x.c + x.m < 0
+    known = up | down
+    hc = np.where(known, np.where(up, 1.0, 0.0), 0.5)
+    hm = np.where(known, 0.0, 0.5)
+    # the change H(X) - H(X0): 0 where x's sign is fixed; [-1, 0] from H0 = 1, [0, 1] from
+    # H0 = 0; [-1, 1] where H0 is not known
+    ho = np.where(free & known, 0.5 - hc, 0.0)
+    hb = np.where(free, np.where(known, 0.5, 1.0), 0.0)
+    # the step's move a symbol per unit (not the box): the product's linear part keeps it,
+    # so the units' moves stay shared by every entry the adjoint (tangent) spreads them to
+    ha, hbox = fresh(np.zeros((*hc.shape, ball.size)), np.zeros_like(hb), hb)
+    h = Aff(hc, hm, ho, ha, hbox)
+    return product(g, h, ball, False, c0, m0)
 
 
 def _layernorm_node(node: Node, args: list, c0: np.ndarray, m0: np.ndarray, ball: Ball,

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from ..onnx.ops import OPS, Node, RunContext, decimal_attr
+from .internal_ops import RELU_GRAD
 from .layernorm import _bounds_of_s, jacobian_ranges
 from .primitives import _softmax_ranges, value_range
 from .values import FORWARD_FLOOR, FORWARD_MARGIN, gamma, widen_up
@@ -136,6 +137,12 @@ def _node(node: Node, iv: dict[str, Iv], env: dict[str, torch.Tensor]) -> Iv | N
         lo = [_t(iv[a][0]) if a in iv else (env[a].detach() if a else None) for a in args]
         hi = [_t(iv[a][1]) if a in iv else (env[a].detach() if a else None) for a in args]
         return _run(node, lo), _run(node, hi)
+    if t == RELU_GRAD:  # g H(x): a product with 0 or 1, exact
+        giv = iv[args[0]] if args[0] in iv else (env[args[0]].detach().numpy(),) * 2
+        xiv = iv[args[1]] if args[1] in iv else (env[args[1]].detach().numpy(),) * 2
+        h_lo, h_hi = np.where(xiv[0] > 0, 1.0, 0.0), np.where(xiv[1] > 0, 1.0, 0.0)
+        ends = np.stack([giv[0] * h_lo, giv[0] * h_hi, giv[1] * h_lo, giv[1] * h_hi])
+        return ends.min(axis=0), ends.max(axis=0)
     if t in ("Mul", "MatMul") and len(var) == 2:
         ca, cb = env[args[0]].detach().numpy(), env[args[1]].detach().numpy()
         return _product(node, iv[args[0]], iv[args[1]], ca, cb, c_out)

@@ -27,11 +27,12 @@ import torch
 
 from ..bounds.numerics import U
 from ..onnx.loading import OnnxModel
-from ..onnx.ops import OPS, Node, RunContext, decimal_attr
+from ..onnx.ops import Node, RunContext, decimal_attr
 from . import affine, affine_rules
 from .affine import PAIRS, Aff
 from .deferred import find_tail, tail_matrix
 from .forward_error import check as forward_check
+from .internal_ops import RELU_GRAD, run_op
 from .values import FORWARD_MARGIN, MARGIN, PROVEN, Ball, array_key, widen_up
 
 CTX = RunContext(torch.float64)
@@ -79,7 +80,7 @@ class _Builder:
         out = self.name(hint or op_type.lower())
         node = Node(out, op_type, list(inputs), [out], dict(attrs or {}))
         self.nodes.append(node)
-        res = OPS[op_type].run(node, [self.env[i] if i else None for i in inputs], CTX)
+        res = run_op(node, [self.env[i] if i else None for i in inputs], CTX)
         self.env[out] = res[0]
         return out
 
@@ -274,6 +275,11 @@ def _elementwise(b: _Builder, node: Node, dep: list[int], tx: dict[int, str]) ->
     return b.op("Mul", [_derivative(b, node), tx[0]])
 
 
+def _relu(b: _Builder, node: Node, dep: list[int], tx: dict[int, str]) -> str:
+    """dy = H(x) dx (internal_ops.RELU_GRAD)."""
+    return b.op(RELU_GRAD, [tx[0], node.inputs[0]])
+
+
 def _softmax(b: _Builder, node: Node, dep: list[int], tx: dict[int, str]) -> str:
     """dy = y (dz - sum(y dz)) along the axis."""
     y = node.outputs[0]
@@ -294,6 +300,7 @@ RULES: dict[str, Rule] = {
     "Concat": _concat, "Add": _add_sub, "Sub": _add_sub, "Neg": _neg, "Mul": _product,
     "MatMul": _product, "Div": _div, "Gemm": _gemm, "ReduceMean": _reduce,
     "ReduceSum": _reduce, "Softmax": _softmax, "LayerNormalization": _layernorm_rule,
+    "Relu": _relu,
     **dict.fromkeys(("Tanh", "Sigmoid", "Exp", "Erf", "Gelu", "Sqrt", "Reciprocal", "Pow"),
                     _elementwise),
 }
@@ -318,7 +325,7 @@ def run_nodes(nodes: list[Node], env: dict[str, torch.Tensor], feed: dict[str, n
     out = dict(env)
     out.update({k: torch.from_numpy(np.asarray(v, np.float64)) for k, v in feed.items()})
     for node in nodes:
-        res = OPS[node.op_type].run(node, [out[i] if i else None for i in node.inputs], CTX)
+        res = run_op(node, [out[i] if i else None for i in node.inputs], CTX)
         for name, value in zip(node.outputs, res, strict=False):
             if name:
                 out[name] = value
@@ -384,7 +391,9 @@ class TangentGraph:
         dynamic = {inp}
         for node in module.runtime_nodes:  # type: ignore[union-attr]
             dep = [i for i, n in enumerate(node.inputs) if n and n in dynamic]
-            if not dep:
+            # a shape is constant over the ball: what reads only shapes is too (torch's
+            # attention exports Shape nodes of its projections)
+            if not dep or node.op_type in ("Shape", "Size"):
                 continue
             b.nodes.append(node)
             b.tan[node.outputs[0]] = _rule(b, node, dep)

@@ -375,3 +375,48 @@ def test_chord_candidate_encloses_the_convex_remainder(seed: int, which: str) ->
     for t0 in (tlo, thi, tc):
         r = f(t) - f(t0)[:, None] - lam[:, None] * (t - t0[:, None])
         assert np.all(np.abs(r - shift[:, None]) <= err[:, None] * (1 + 1e-9) + 1e-12)
+
+
+MASKED = ("torch-mha-boolmask", "sdpa-causal[", "hf-llama", "xt-decoder",
+          "l2-broadcast-1head-causal", "torch-decoder-prenorm")
+
+
+@pytest.mark.parametrize("key", MASKED)
+@pytest.mark.parametrize("norm", ["inf", "2"])
+def test_affine_walk_through_attention_masks_encloses_every_tensor(key: str, norm: str,
+                                                                   tmp_path: Path) -> None:
+    """Masked attention from other libraries (torch's bool and causal masks, SDPA, HF
+    LLaMA's float-minimum mask, x-transformers' Where, a hand-written L2 causal mask): the
+    walk reaches the output (before: it stopped at the mask's Add or Where), and every
+    tensor's range holds at the extreme points (the masked scores themselves excepted: their
+    entries are placeholders only a Softmax reads)."""
+    import warnings
+
+    from tests.zoo.cases import CASES
+    from tests.zoo.harness import export as zoo_export
+    warnings.simplefilter("ignore")
+    case = next(c for c in CASES if c.key.startswith(key) and "(N, D)" not in c.key
+                and c.layout in ("(1, N, D)", "inputs_embeds"))
+    built = case.build()
+    path = zoo_export(built, case.exporters[0], tmp_path / "m.onnx")
+    om = load_onnx(path.read_bytes(), path.name)
+    x0 = built.example.numpy().astype(np.float64)
+    module = om.module.with_dtype(torch.float64)
+    with torch.no_grad():
+        env = module.run_env(torch.from_numpy(x0))
+    chains, inside = _chains(om, module, env)
+    rng = np.random.default_rng(2)
+    ball = Ball(x0, 1e-2 if norm == "inf" else 5e-2, norm)
+    forms = affine_rules.walk(list(module.runtime_nodes), om.spec.input_name, env, ball,
+                              chains, inside)
+    assert om.spec.output_name in forms
+    assert any(f.masked is not None for f in forms.values())
+    names = [n for n, f in forms.items() if n != om.spec.input_name and f.masked is None]
+    soft = [n for n in names if "Softmax" in n]
+    for name in list(rng.choice(names, 4, replace=False)) + soft[:2]:
+        f = forms[name]
+
+        def run(d: torch.Tensor, name: str = name) -> torch.Tensor:
+            with torch.no_grad():
+                return module.run_env(torch.from_numpy(x0) + d.reshape(x0.shape))[name]
+        _check(run, f, ball, rng, n_w=2)

@@ -243,6 +243,17 @@ def _elementwise(b: _Builder, node: Node, dep: list[int], gy: str, ln: LN) -> di
     return {0: b.op("Mul", [gy, _derivative(b, node)])}
 
 
+def _where(b: _Builder, node: Node, dep: list[int], gy: str, ln: LN) -> dict[int, str]:
+    """Where(cond, x, y) for a constant condition (attention masks): gy where the branch was
+    taken, 0 elsewhere, summed back to the branch's shape."""
+    if 0 in dep:
+        raise NoAdjoint("Where with an input-dependent condition")
+    zero = b.const(0.0, "zero")
+    cond = node.inputs[0]
+    return {i: _reduce_to(b, b.op("Where", [cond, gy, zero] if i == 1 else [cond, zero, gy]),
+                          b.shape(node.inputs[i])) for i in dep}
+
+
 def _relu(b: _Builder, node: Node, dep: list[int], gy: str, ln: LN) -> dict[int, str]:
     """dx = H(x) dy (internal_ops.RELU_GRAD: the Jacobian is diagonal)."""
     return {0: b.op(RELU_GRAD, [gy, node.inputs[0]])}
@@ -278,7 +289,7 @@ RULES: dict[str, Rule] = {
     "Gather": _gather, "Add": _add_sub,
     "Sub": _add_sub, "Neg": _neg, "Mul": _mul, "MatMul": _matmul, "Div": _div, "Gemm": _gemm,
     "ReduceMean": _reduce, "ReduceSum": _reduce, "Softmax": _softmax,
-    "LayerNormalization": _layernorm, "Relu": _relu,
+    "LayerNormalization": _layernorm, "Relu": _relu, "Where": _where,
     **dict.fromkeys(("Tanh", "Sigmoid", "Exp", "Erf", "Gelu", "Sqrt", "Reciprocal", "Pow"),
                     _elementwise),
 }

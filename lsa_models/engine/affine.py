@@ -49,6 +49,10 @@ class Aff:
     # the true values are probabilities along the last axis (a softmax's output): every
     # row's change sums to 0, which products with it use
     stochastic: bool = False
+    # entries an attention mask sets to -inf (or below MASKED_BELOW) everywhere on the ball:
+    # their c, m, o, a, b are placeholders (0) that only a Softmax reads (as probability 0);
+    # every other rule refuses a masked form (affine_rules.masked_*)
+    masked: np.ndarray | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -783,11 +783,145 @@ def step(node: Node, args: list, centers: list[np.ndarray | None], ball: Ball,
     return out
 
 
+# a constant logit at or below this is an attention mask's: its softmax weight relative to any
+# finite logit of the row is below exp(-1e30), nothing in float64 (HF's masks use the float
+# minimum, torch's -inf)
+MASKED_BELOW = -1e30
+
+
+def _masked_input(node: Node, args: list, var: list[int], c0: np.ndarray | None, ball: Ball
+                  ) -> Aff | None:
+    """Add/Sub of a form and a constant mask, or Where(constant condition, ...) with a
+    constant mask branch: the output's form with the masked entries marked (their parts
+    placeholders, 0); None where no entry of the output is masked."""
+    t = node.op_type
+    if c0 is None or np.all(np.isfinite(c0) & (c0 > MASKED_BELOW)):
+        return None
+    c0 = np.asarray(c0, dtype=np.float64)
+    shape = c0.shape
+    if t in ("Add", "Sub") and len(var) == 1 and len(args) == 2:
+        k = 1 - var[0]
+        if t == "Sub" and k == 0:
+            raise NotAffine(f"Sub node {node.name}: a form subtracted from a mask")
+        const = np.broadcast_to(np.asarray(args[k], dtype=np.float64), shape)
+        const = -const if t == "Sub" else const
+        mask = const <= MASKED_BELOW
+        x = args[var[0]]
+        base = _add(_broadcast(x, shape), _const_form(np.where(mask, 0.0, const), x), ball)
+    elif t == "Where" and len(args) == 3 and 0 not in var:
+        cond = np.broadcast_to(np.asarray(args[0]).astype(bool), shape)
+        ref = args[var[0]]
+        mask = np.zeros(shape, dtype=bool)
+        forms = []
+        for i, br in enumerate(args[1:]):
+            if isinstance(br, Aff):
+                forms.append(_broadcast(br, shape))
+                continue
+            v = np.broadcast_to(np.asarray(br, dtype=np.float64), shape)
+            low = v <= MASKED_BELOW
+            mask |= (cond if i == 0 else ~cond) & low
+            forms.append(_const_form(np.where(low, 0.0, v), ref))
+        base = _select(cond, forms[0], forms[1])
+    else:
+        return None
+    if not np.all(mask | (np.isfinite(c0) & (c0 > MASKED_BELOW))):
+        raise NotAffine(f"{t} node {node.name}: a centre value is not finite")
+    keep = np.where(mask, 0.0, 1.0)
+    c = np.where(mask, 0.0, c0)
+    return Aff(c, center_margin(c) * keep, base.o * keep, base.a * keep[..., None],
+               base.b * keep, masked=mask)
+
+
+def _broadcast(x: Aff, shape: tuple[int, ...]) -> Aff:
+    if x.shape == shape:
+        return x
+    return Aff(np.broadcast_to(x.c, shape), np.broadcast_to(x.m, shape),
+               np.broadcast_to(x.o, shape), np.broadcast_to(x.a, (*shape, x.a.shape[-1])),
+               np.broadcast_to(x.b, shape))
+
+
+def _const_form(v: np.ndarray, like: Aff) -> Aff:
+    """A constant as a form: no change, exact."""
+    z = np.zeros(v.shape)
+    return Aff(np.asarray(v, dtype=np.float64), z, z, np.zeros((*v.shape, like.a.shape[-1])), z)
+
+
+def _select(cond: np.ndarray, x: Aff, y: Aff) -> Aff:
+    """Where(cond, x, y) for a constant cond: each entry's form from its branch."""
+    n = max(x.a.shape[-1], y.a.shape[-1])
+    return Aff(np.where(cond, x.c, y.c), np.where(cond, x.m, y.m), np.where(cond, x.o, y.o),
+               np.where(cond[..., None], _cols(x.a, n), _cols(y.a, n)),
+               np.where(cond, x.b, y.b))
+
+
+def _where(args: list, c0: np.ndarray) -> Aff:
+    """Where(cond, x, y) for a constant condition: each entry's form from its branch (a
+    constant branch: no change, exact), the centre the graph's."""
+    cond = np.broadcast_to(np.asarray(args[0]).astype(bool), c0.shape)
+    ref = next(a for a in args[1:] if isinstance(a, Aff))
+    forms = [_broadcast(a, c0.shape) if isinstance(a, Aff) else
+             _const_form(np.broadcast_to(np.asarray(a, dtype=np.float64), c0.shape), ref)
+             for a in args[1:]]
+    f = _select(cond, forms[0], forms[1])
+    return Aff(c0, np.maximum(f.m, center_margin(c0)), f.o, f.a, f.b)
+
+
+def _unmask(x: Aff, axis: int, ball: Ball) -> Aff:
+    """A Softmax's masked input with finite stand-ins: each masked entry a constant (no
+    change) 1000 below its row's lowest reachable unmasked logit, so its weight relative to
+    the row's largest is below exp(-1000) (1e-434, under the TINY = 1e-300 the caller adds to
+    every output entry): the probabilities the rules enclose are the masked softmax's. A row
+    masked entirely is refused."""
+    mask = x.masked
+    assert mask is not None
+    lo, _ = ranges(Aff(x.c, x.m, x.o, x.a, x.b), ball)
+    row = np.where(mask, np.inf, lo).min(axis=axis, keepdims=True)
+    if not np.all(np.isfinite(row)):
+        raise NotAffine("a softmax row masked entirely")
+    keep = np.where(mask, 0.0, 1.0)
+    stand = np.broadcast_to(row - 1000.0, x.c.shape)
+    return Aff(np.where(mask, stand, x.c), x.m * keep, x.o * keep, x.a * keep[..., None],
+               x.b * keep)
+
+
+def _masks(node: Node, args: list, var: list[int], centers: list[np.ndarray | None],
+           ball: Ball, chain: fused.Chain | None) -> list | None:
+    """The attention masks' rules (a mask put in by Add/Sub/Where, a Where of a constant
+    condition), None for any other node; a masked form read by anything but a Softmax is
+    refused."""
+    t = node.op_type
+    if any(args[i].masked is not None for i in var) and t != "Softmax":
+        raise NotAffine(f"{t} node {node.name}: reads an attention mask's -inf entries")
+    if t in ("Add", "Sub", "Where") and chain is None and centers and var:
+        m_in = _masked_input(node, args, var, centers[0], ball)
+        if m_in is not None:
+            return [m_in]
+    if t == "Where" and var and 0 not in var and centers and centers[0] is not None:
+        return [_where(args, np.asarray(centers[0], dtype=np.float64))]
+    return None
+
+
+def _softmax_node(node: Node, x: Aff, c0: np.ndarray, m0: np.ndarray, ball: Ball,
+                  rg: tuple[np.ndarray, np.ndarray] | None) -> Aff:
+    ax = int(node.attrs.get("axis", -1))
+    if x.masked is None:
+        return _softmax_or_interval(x, ax, c0, m0, ball, rg)
+    # an attention mask's entries: probability 0 (`_unmask`); the enclosure's ranges of the
+    # masked logits (-inf) are not used
+    p = _softmax_or_interval(_unmask(x, ax, ball), ax, c0, m0, ball, None)
+    p.b = p.b + TINY
+    p.m = p.m + TINY
+    return p
+
+
 def _step(node: Node, args: list, centers: list[np.ndarray | None], ball: Ball,
          ranges_of: Callable[[int], tuple[np.ndarray, np.ndarray] | None],
          chain: fused.Chain | None = None, consts: dict[str, float] | None = None) -> list:
     var = [i for i, v in enumerate(args) if isinstance(v, Aff)]
     t = node.op_type
+    masks = _masks(node, args, var, centers, ball, chain)
+    if masks is not None:
+        return masks
     c0 = centers[0] if centers else None
     if chain is not None:
         assert consts is not None and c0 is not None
@@ -818,17 +952,13 @@ def _step(node: Node, args: list, centers: list[np.ndarray | None], ball: Ball,
                             out_m=m0)]
     if t == RELU_GRAD:
         return [_relu_grad(args, ball, ranges_of(1), c0, m0)]
-    if t == "Relu":
-        rg = ranges_of(0)
-        return [elementwise(args[0], RELU, ball, xlo=_lo(rg), xhi=_hi(rg), out_c=c0, out_m=m0)]
-    if t in ("Exp", "Sqrt", "Reciprocal", "Pow") and var == [0]:
+    if t in ("Relu", "Exp", "Sqrt", "Reciprocal", "Pow") and var == [0]:
         fn = _power(node, args) if t == "Pow" else \
-            {"Exp": EXP, "Sqrt": SQRT, "Reciprocal": RECIPROCAL}[t]
+            {"Exp": EXP, "Sqrt": SQRT, "Reciprocal": RECIPROCAL, "Relu": RELU}[t]
         rg = ranges_of(0)
         return [elementwise(args[0], fn, ball, xlo=_lo(rg), xhi=_hi(rg), out_c=c0, out_m=m0)]
     if t == "Softmax" and var == [0]:
-        return [_softmax_or_interval(args[0], int(node.attrs.get("axis", -1)), c0, m0, ball,
-                                     ranges_of(0))]
+        return [_softmax_node(node, args[0], c0, m0, ball, ranges_of(0))]
     if t == "LayerNormalization" and var == [0]:
         return [_layernorm_node(node, args, c0, m0, ball, ranges_of(0))] + \
             [None] * (len(node.outputs) - 1)

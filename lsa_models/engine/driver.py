@@ -445,6 +445,8 @@ class _Forms:
         if f is None:
             return affine.interval(v.center, center_margin(v.center), v.lo, v.hi,
                                    self.ball.size)
+        if f.masked is not None:  # placeholders at the mask's entries: no ranges to narrow by
+            return f
         return affine.narrow(f, v.lo, v.hi, self.ball)
 
     def tokens(self, name: str) -> None:
@@ -482,6 +484,9 @@ class _Forms:
         for o, f in zip(outs, res, strict=False):
             v = self.values.get(o) if o else None
             if f is None or not isinstance(v, LocalValue) or f.shape != v.shape:
+                continue
+            if f.masked is not None:  # kept for the Softmax that reads it, never intersected
+                self.forms[o] = f
                 continue
             lo, hi = affine.ranges(f, self.ball)
             if not (np.all(np.isfinite(lo)) and np.all(np.isfinite(hi))):

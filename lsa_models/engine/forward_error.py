@@ -143,6 +143,28 @@ def _node(node: Node, iv: dict[str, Iv], env: dict[str, torch.Tensor]) -> Iv | N
         h_lo, h_hi = np.where(xiv[0] > 0, 1.0, 0.0), np.where(xiv[1] > 0, 1.0, 0.0)
         ends = np.stack([giv[0] * h_lo, giv[0] * h_hi, giv[1] * h_lo, giv[1] * h_hi])
         return ends.min(axis=0), ends.max(axis=0)
+    if t == "Where" and 0 not in var:  # a constant condition: each entry its branch's
+        cond = env[args[0]].detach().numpy().astype(bool)
+        br = [iv[a] if a in iv else (env[a].detach().numpy(),) * 2 for a in args[1:]]
+        return (np.broadcast_to(np.where(cond, br[0][0], br[1][0]), c_out.shape),
+                np.broadcast_to(np.where(cond, br[0][1], br[1][1]), c_out.shape))
+    if t in ("Add", "Sub") and len(var) == 1 and np.any(np.isneginf(c_out)):
+        # an attention mask's -inf constant: those entries are -inf exactly (a finite value
+        # plus -inf), the rest by the linear rule
+        k = 1 - var[0]
+        const = np.broadcast_to(env[args[k]].detach().numpy(), c_out.shape)
+        const = -const if t == "Sub" else const
+        if t == "Sub" and k == 0 or not np.all(np.isneginf(const) == np.isneginf(c_out)):
+            return None
+        fin = dict(iv)
+        fin_const = np.where(np.isneginf(const), 0.0, const)
+        masked_env = dict(env)
+        masked_env[args[k]] = torch.from_numpy(np.ascontiguousarray(
+            -fin_const if t == "Sub" else fin_const))
+        masked_env[node.outputs[0]] = torch.from_numpy(np.where(np.isneginf(c_out), 0.0, c_out))
+        mlo, mhi = _linear(node, args, fin, masked_env)
+        neg = np.isneginf(c_out)
+        return np.where(neg, -np.inf, mlo), np.where(neg, -np.inf, mhi)
     if t in ("Mul", "MatMul") and len(var) == 2:
         ca, cb = env[args[0]].detach().numpy(), env[args[1]].detach().numpy()
         return _product(node, iv[args[0]], iv[args[1]], ca, cb, c_out)
@@ -197,14 +219,18 @@ def check(nodes: list[Node], input_name: str, x: np.ndarray,
             return None, f"{node.op_type} node {node.name}: no forward-error rule"
         name = node.outputs[0]
         c = env[name].detach().numpy()
-        err = np.maximum(out[1] - c, c - out[0])
+        # an attention mask's -inf entries are exact where both ends are -inf
+        exact = np.isneginf(c) & np.isneginf(out[0]) & np.isneginf(out[1])
+        with np.errstate(invalid="ignore"):
+            err = np.where(exact, 0.0, np.maximum(out[1] - c, c - out[0]))
         if not np.all(np.isfinite(err)):
             return None, f"{node.op_type} node {node.name}: the forward error is not finite"
         if c.size:
             # (an all-zero tensor, a tangent at the centre (tangent.py), has errors of the
             # order of the TINY paddings only: 1e-280 keeps them out of the relative margin)
-            need = max(need, float(np.max(err / (np.abs(c) + float(np.max(np.abs(c)))
-                                                  + 1e-280))) * (1 + 1e-6))
+            cf = np.abs(np.where(exact, 0.0, c))
+            need = max(need, float(np.max(err / (cf + float(np.max(cf)) + 1e-280)))
+                       * (1 + 1e-6))
         if errors is not None:
             errors[name] = err * (1 + 1e-9) + 1e-300
         iv[name] = (np.minimum(out[0], c), np.maximum(out[1], c))

@@ -275,6 +275,15 @@ def _elementwise(b: _Builder, node: Node, dep: list[int], tx: dict[int, str]) ->
     return b.op("Mul", [_derivative(b, node), tx[0]])
 
 
+def _where(b: _Builder, node: Node, dep: list[int], tx: dict[int, str]) -> str:
+    """Where(cond, x, y) for a constant condition: the taken branch's tangent (0 for a
+    constant branch)."""
+    if 0 in dep:
+        raise NoTangent("Where with an input-dependent condition")
+    zero = b.const(0.0, "zero")
+    return b.op("Where", [node.inputs[0], tx.get(1, zero), tx.get(2, zero)])
+
+
 def _relu(b: _Builder, node: Node, dep: list[int], tx: dict[int, str]) -> str:
     """dy = H(x) dx (internal_ops.RELU_GRAD)."""
     return b.op(RELU_GRAD, [tx[0], node.inputs[0]])
@@ -300,10 +309,26 @@ RULES: dict[str, Rule] = {
     "Concat": _concat, "Add": _add_sub, "Sub": _add_sub, "Neg": _neg, "Mul": _product,
     "MatMul": _product, "Div": _div, "Gemm": _gemm, "ReduceMean": _reduce,
     "ReduceSum": _reduce, "Softmax": _softmax, "LayerNormalization": _layernorm_rule,
-    "Relu": _relu,
+    "Relu": _relu, "Where": _where,
     **dict.fromkeys(("Tanh", "Sigmoid", "Exp", "Erf", "Gelu", "Sqrt", "Reciprocal", "Pow"),
                     _elementwise),
 }
+
+
+def _split(b: _Builder, node: Node, dep: list[int]) -> None:
+    """Split (torch's fused q/k/v projection): each output's tangent the Slice of the
+    input's tangent it takes."""
+    if dep != [0]:
+        raise NoTangent("Split with input-dependent sizes")
+    ax = int(node.attrs.get("axis", 0)) % len(b.shape(node.inputs[0]))
+    off = 0
+    for o in node.outputs:
+        if not o:
+            continue
+        n = b.shape(o)[ax]
+        b.tan[o] = b.op("Slice", [b.tan[node.inputs[0]], b.ints([off]), b.ints([off + n]),
+                                  b.ints([ax])])
+        off += n
 
 
 def _rule(b: _Builder, node: Node, dep: list[int]) -> str:
@@ -396,6 +421,10 @@ class TangentGraph:
             if not dep or node.op_type in ("Shape", "Size"):
                 continue
             b.nodes.append(node)
+            if node.op_type == "Split":  # several outputs: each one's part of the tangent
+                _split(b, node, dep)
+                dynamic.update(o for o in node.outputs if o)
+                continue
             b.tan[node.outputs[0]] = _rule(b, node, dep)
             dynamic.add(node.outputs[0])
         self.output = b.tan[model.spec.output_name]

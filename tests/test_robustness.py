@@ -130,6 +130,29 @@ def test_sweep_stops_once_it_cannot_pass_the_other_routes_radius(mlp_path: Path)
     assert (same, runs_same) == (full, runs_full + 1)
 
 
+def test_sweep_near_a_decision_boundary_takes_few_pieces_and_stops_at_the_attack(
+        mlp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small margins (a centre near the boundary): the constants barely grow over the radii
+    swept, so after a piece whose constants grew by less than SWEEP_FLAT the next is half of
+    what the margins left allow (a causal-mask classifier's job: 17 runs -> 5); the radius
+    stays within 2% of the crawl's, and with `cap` (the attack's radius) the sweep stops
+    there."""
+    from lsa_models.engine import local
+    om = load_onnx(mlp_path.read_bytes())
+    x0 = center(5).numpy().astype(np.float64)
+    logits = om.module.with_dtype(torch.float64)(torch.from_numpy(x0)).reshape(-1).detach()
+    label = int(logits.argmax())
+    margins = {j: 1e-3 * float(logits[label] - logits[j]) for j in range(logits.numel())
+               if j != label}
+    fast, runs_fast, _ = local._sweep(om, x0, "inf", label, margins, 30, adjoint=False)
+    monkeypatch.setattr(local, "SWEEP_FLAT", 0.0)  # never flat: the crawl
+    slow, runs_slow, _ = local._sweep(om, x0, "inf", label, margins, 30, adjoint=False)
+    assert runs_fast < runs_slow and fast >= 0.98 * slow
+    capped, runs_capped, _ = local._sweep(om, x0, "inf", label, margins, 30, adjoint=False,
+                                          cap=0.5 * slow)
+    assert 0.5 * slow * (1 - 1e-3) <= capped < slow and runs_capped < runs_slow
+
+
 def test_robustness_relu_mlp_by_the_affine_route(tmp_path: Path) -> None:
     """A ReLU MLP (the commonest model there is): the affine forms take Relu (DeepZ's chord,
     affine_rules.RELU), so the affine route certifies it (before: no radius at all), and the

@@ -390,6 +390,9 @@ def _adjoint_bounds(graphs: dict[int, AdjointGraph], r: float, norm: str
 # one (while that is more than SWEEP_RATIO - 1 of the radius reached) or SWEEP_RATIO - 1 of the
 # radius reached; a piece that fails is retried a quarter as wide (SWEEP_SHRINK)
 SWEEP_START, SWEEP_RATIO, SWEEP_SHRINK, SWEEP_MIN_GAIN = 1.0 / 16, 1.12, 0.25, 0.01
+# after a certified piece the next is at least this fraction of what the margins left allow
+# at its constants; a sweep stops within this fraction of the attack's radius
+SWEEP_REACH, SWEEP_FLAT, SWEEP_CAP_TOL = 0.5, 1.02, 1e-3
 # where the sweep probes the affine route's radius before it starts (`_sweep`'s `floor`)
 SWEEP_PROBE = 0.75
 
@@ -501,7 +504,8 @@ def _first_order_radius(f64: torch.nn.Module, x: np.ndarray, label: int,
 
 def _sweep(om: OnnxModel, x: np.ndarray, norm: str, label: int, margins: dict[int, float],
            steps: int, progress: Callable[[str, float], None] | None = None,
-           floor: float = 0.0, adjoint: bool = True) -> tuple[float, int, dict[int, float]]:
+           floor: float = 0.0, adjoint: bool = True, cap: float = math.inf
+           ) -> tuple[float, int, dict[int, float]]:
     """The certified radius by the integrated mean value theorem (docs/local-bounds.md,
     "Certified robustness radius"): for radii 0 = rho_0 < rho_1 < ... and X with
     ||X - X0|| <= rho_n, every point of the segment at distance in (rho_{i-1}, rho_i] lies in
@@ -510,7 +514,9 @@ def _sweep(om: OnnxModel, x: np.ndarray, norm: str, label: int, margins: dict[in
     A piece (rho_n, rho_n + w] whose sum would reach a margin still certifies the partial
     width min_j (m_j(X0) - S_j) / L_j(rho_n + w) (the ball contains it), and is retried
     SWEEP_SHRINK as wide. Returns (radius, engine runs, L at the last certified piece).
-    `floor`: a radius certified otherwise (reported in the progress as certified so far)."""
+    `floor`: a radius certified otherwise (reported in the progress as certified so far);
+    `cap`: a radius known to flip the label (the attack's): the sweep stops within
+    SWEEP_CAP_TOL of it."""
     turns = _EnclosureTurns()
     c0 = _constants_at(om, x, 0.0, norm, label, turns, adjoint)
     _tick(progress, 1, steps, floor)
@@ -551,9 +557,17 @@ def _sweep(om: OnnxModel, x: np.ndarray, norm: str, label: int, margins: dict[in
             c = _constants_at(om, x, rho, norm, label, turns, adjoint)
         after = None if c is None else {j: spent[j] + width * c[j] for j in c}
         if c is not None and after is not None and all(margins[j] - after[j] > 0 for j in c):
+            flat = all(c[j] <= SWEEP_FLAT * (last_ok or c0).get(j, 0.0) for j in c)
             spent, prev, consts, last_ok = after, rho, c, c
             best = max(best, prev)
-            width = max(width, prev * (SWEEP_RATIO - 1))
+            # as wide as the last piece or SWEEP_RATIO - 1 of the radius reached; where the
+            # constants grew by less than SWEEP_FLAT over the piece, SWEEP_REACH of the width
+            # the margins left allow at them (near a decision boundary the constants are
+            # flat: a few pieces instead of a crawl from a small start, 17 -> 5 runs)
+            reach = min((margins[j] - spent[j]) / c[j] for j in c)
+            width = max(width, prev * (SWEEP_RATIO - 1), SWEEP_REACH * reach if flat else 0.0)
+            if best >= cap * (1 - SWEEP_CAP_TOL):
+                break  # the attack's radius: the true radius is no larger
         else:
             if c is not None:  # the partial piece: X at distance prev + delta, delta < width
                 delta = min((margins[j] - spent[j]) / c[j] for j in c)
@@ -640,6 +654,11 @@ def robustness(model: Any, at: np.ndarray, label: int, norm: NormName,
     margins = {j: float(logits[label] - logits[j]) - 1e-9 * (1 + scale)
                for j in range(k) if j != label}
     predicted = int(np.argmax(logits))
+    # the attack first: the true radius is at most its radius, where the sweeps stop
+    ta = time.monotonic()
+    attack = attack_radius(f64, x, label, norm, restarts=attack_restarts, seed=seed)
+    attack_s = time.monotonic() - ta
+    cap = math.inf if attack is None else attack
     t0 = time.monotonic()
     lo, n_steps, consts = 0.0, 0, dict[int, float]()
     aff, walks = 0.0, 0
@@ -657,20 +676,19 @@ def robustness(model: Any, at: np.ndarray, label: int, norm: NormName,
             nd.op_type == "Softmax" for nd in om.module.runtime_nodes)  # type: ignore[union-attr]
         lo, n_steps, consts = _sweep(om, x, norm, label, margins, steps,
                                      _scaled_progress(progress, AFFINE_SHARE, 1.0), aff,
-                                     adjoint=one)
-        if lo > 0 and norm in ADJOINT_NORMS and not one:
+                                     adjoint=one, cap=cap)
+        if 0 < lo < cap * (1 - SWEEP_CAP_TOL) and norm in ADJOINT_NORMS and not one:
             # the sweep again with the adjoint graph's constants too, where the enclosure's
             # sweep was not cut off by the affine radius (a choice of time: on tf1's inf-ball
             # the enclosure's sweep stops at its probe in 2 runs, and the adjoint's would
             # reach 0.0566 of the affine 0.0574 in 10 runs; the MLP's 0.0702 -> 0.0709)
-            lo2, n2, consts2 = _sweep(om, x, norm, label, margins, steps, None, max(aff, lo))
+            lo2, n2, consts2 = _sweep(om, x, norm, label, margins, steps, None, max(aff, lo),
+                                      cap=cap)
             n_steps += n2
             if lo2 > lo:
                 lo, consts = lo2, consts2
     t1 = time.monotonic()
-
-    attack = attack_radius(f64, x, label, norm, restarts=attack_restarts, seed=seed)
     by = "affine" if aff > lo else "sweep"
     return RobustnessResult(norm, label, predicted, max(lo, aff), attack, margins,
-                            center_sha256(x), t1 - t0, time.monotonic() - t1, n_steps,
+                            center_sha256(x), t1 - t0, attack_s, n_steps,
                             {} if by == "affine" else consts, by, aff, walks)

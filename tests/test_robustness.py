@@ -101,7 +101,8 @@ def test_robustness_takes_the_larger_route_and_names_it(tmp_path: Path) -> None:
     robustness(om, x0, label, "inf", steps=3, attack_restarts=1,
                progress=lambda s, p: stages.append((s, p)))
     fractions = [p for _, p in stages]
-    assert fractions == sorted(fractions) and stages[0][0].startswith("affine radius: tried")
+    assert fractions == sorted(fractions) and stages[0][0].startswith("attack:")
+    assert stages[1][0].startswith("affine radius: tried")
     # the sweep probes the affine radius first and stops: it cannot pass it (time only; the
     # adjoint graph's second sweep runs only where this one was not cut off, session 12)
     assert stages[-1][0].startswith("radius sweep stopped: it cannot pass the affine radius")

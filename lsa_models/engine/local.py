@@ -566,8 +566,6 @@ def _sweep(om: OnnxModel, x: np.ndarray, norm: str, label: int, margins: dict[in
             # flat: a few pieces instead of a crawl from a small start, 17 -> 5 runs)
             reach = min((margins[j] - spent[j]) / c[j] for j in c)
             width = max(width, prev * (SWEEP_RATIO - 1), SWEEP_REACH * reach if flat else 0.0)
-            if best >= cap * (1 - SWEEP_CAP_TOL):
-                break  # the attack's radius: the true radius is no larger
         else:
             if c is not None:  # the partial piece: X at distance prev + delta, delta < width
                 delta = min((margins[j] - spent[j]) / c[j] for j in c)
@@ -584,6 +582,8 @@ def _sweep(om: OnnxModel, x: np.ndarray, norm: str, label: int, margins: dict[in
                 width = guess
         if walked:  # one progress report per engine run
             _tick(progress, runs, steps, max(best, floor))
+        if best >= cap * (1 - SWEEP_CAP_TOL):
+            break  # the attack's radius: the true radius is no larger
         if last_ok and floor > 0 and \
                 prev + min((margins[j] - spent[j]) / last_ok[j] for j in last_ok) <= floor:
             # the margins left carry the sweep at most this far at the constants of the last
@@ -655,6 +655,8 @@ def robustness(model: Any, at: np.ndarray, label: int, norm: NormName,
                for j in range(k) if j != label}
     predicted = int(np.argmax(logits))
     # the attack first: the true radius is at most its radius, where the sweeps stop
+    if progress is not None:
+        progress("attack: searching for the smallest label flip (PGD)", 0.0)
     ta = time.monotonic()
     attack = attack_radius(f64, x, label, norm, restarts=attack_restarts, seed=seed)
     attack_s = time.monotonic() - ta

@@ -1,11 +1,22 @@
 """Projected gradient descent on one classification margin inside a ball, shared by the
-tests of the margins' lower bounds (affine forms, deferred head)."""
+tests of the margins' lower bounds (affine forms, deferred head); points on a ball's
+boundary, shared by the tests that check a bound or a radius there."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+import numpy as np
 import torch
+
+
+def boundary_point(rng: np.random.Generator, shape: tuple[int, ...], radius: float,
+                   norm: str) -> np.ndarray:
+    """An offset on the ball's boundary: a random corner (inf) or sphere point (2)."""
+    if norm == "inf":
+        return rng.choice([-1.0, 1.0], size=shape) * radius
+    d = rng.standard_normal(shape)
+    return d * (radius / np.linalg.norm(d))
 
 
 def descend_margin(f: Callable[[torch.Tensor], torch.Tensor], x0: torch.Tensor, label: int,

@@ -19,6 +19,7 @@ from lsa_models.engine.driver import _Telescope, _walk
 from lsa_models.engine.local import certify_local
 from lsa_models.engine.values import Ball
 from lsa_models.onnx import OnnxModel, load_onnx
+from tests.margins import boundary_point
 
 
 @pytest.fixture(scope="module")
@@ -45,11 +46,7 @@ def test_local_bound_is_never_below_jacobians_in_the_ball(
     upper = local_jacobian(om, x0, eps, norm).upper()
     rng = np.random.default_rng(seed)
     for _ in range(4):
-        if norm == "inf":
-            d = rng.choice([-1.0, 1.0], size=x0.shape) * eps
-        else:
-            d = rng.standard_normal(x0.shape)
-            d *= eps / np.linalg.norm(d)
+        d = boundary_point(rng, x0.shape, eps, norm)
         assert _jac_norm(om, x0 + d, norm) <= upper
     f64 = om.module.with_dtype(torch.float64)
     lb = local_lower_bound(f64, x0, eps, norm, restarts=2, steps=6, seed=seed)

@@ -15,11 +15,21 @@ from lsa_models.empirical.local import _pgd
 from lsa_models.engine.local import robustness
 from lsa_models.onnx import OnnxModel, load_onnx
 from service.cli import app
+from tests.margins import boundary_point
 
 
 @pytest.fixture(scope="module")
 def mlp_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return export(build("mlp", seed=4), tmp_path_factory.mktemp("rob") / "mlp.onnx")
+
+
+def _no_flip_inside(f: torch.nn.Module, x0: np.ndarray, label: int, radius: float, norm: str,
+                    rng: np.random.Generator) -> None:
+    """No point of the certified ball (50 corners or sphere points) flips the label."""
+    for _ in range(50):
+        d = boundary_point(rng, x0.shape, radius, norm)
+        with torch.no_grad():
+            assert int(f(torch.from_numpy(x0 + d)).argmax()) == label
 
 
 def test_robustness_certified_radius_holds_and_is_below_attack(mlp_path: Path) -> None:
@@ -31,15 +41,7 @@ def test_robustness_certified_radius_holds_and_is_below_attack(mlp_path: Path) -
         r = robustness(om, x0, label, norm)
         assert r.predicted == label and r.certified_radius > 0
         assert r.attack_radius is not None and r.certified_radius <= r.attack_radius
-        rng = np.random.default_rng(0)
-        for _ in range(50):  # no point of the certified ball flips the label
-            if norm == "inf":
-                d = rng.choice([-1.0, 1.0], size=x0.shape) * r.certified_radius
-            else:
-                d = rng.standard_normal(x0.shape)
-                d *= r.certified_radius / np.linalg.norm(d)
-            with torch.no_grad():
-                assert int(f(torch.from_numpy(x0 + d)).argmax()) == label
+        _no_flip_inside(f, x0, label, r.certified_radius, norm, np.random.default_rng(0))
 
 
 def test_robustness_cli_json_and_bad_label(mlp_path: Path, tmp_path: Path) -> None:
@@ -173,11 +175,4 @@ def test_robustness_relu_mlp_by_the_affine_route(tmp_path: Path) -> None:
         r = robustness(om, x0, label, norm)
         assert r.affine_radius > 0 and r.attack_radius is not None
         assert 0.85 * r.attack_radius <= r.certified_radius <= r.attack_radius
-        for _ in range(50):
-            if norm == "inf":
-                d = rng.choice([-1.0, 1.0], size=x0.shape) * r.certified_radius
-            else:
-                d = rng.standard_normal(x0.shape)
-                d *= r.certified_radius / np.linalg.norm(d)
-            with torch.no_grad():
-                assert int(f(torch.from_numpy(x0 + d)).argmax()) == label
+        _no_flip_inside(f, x0, label, r.certified_radius, norm, rng)

@@ -206,3 +206,22 @@ def test_local_bound_on_hf_gpt2_with_causal_mask(norm: str, tmp_path: Path) -> N
             rng.standard_normal(x0.shape)
         x = x0 + (d if norm == "inf" else d * (1e-2 / np.linalg.norm(d)))
         assert _jac_norm(om, x, norm) <= upper
+
+
+def test_local_lower_bound_samples_where_ascent_cannot_move(tmp_path: Path) -> None:
+    """A ReLU MLP's Jacobian is constant around almost every point, so Jacobian ascent has a
+    zero gradient: its steps sample other points of the ball instead. Around this centre the
+    ascent-only search stayed at the centre's norm (0.959 at inf 0.1); sampling finds a larger
+    one (1.19), never above the certified constant."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Flatten(1), torch.nn.Linear(128, 64), torch.nn.ReLU(),
+                            torch.nn.Linear(64, 32), torch.nn.ReLU(),
+                            torch.nn.Linear(32, 4)).eval()
+    om = load_onnx(export(m, tmp_path / "relu.onnx").read_bytes())
+    x0 = center(4).numpy().astype(np.float64)
+    f = om.module.with_dtype(torch.float64)
+    lb = local_lower_bound(lambda z: f(z), x0, 0.1, "inf")
+    assert lb.lower > 1.05 * _jac_norm(om, x0, "inf")
+    assert lb.lower == pytest.approx(_jac_norm(om, lb.witness, "inf"), rel=1e-12)
+    upper = certify_local(om, x0, 0.1, "inf").upper
+    assert upper is not None and lb.lower <= upper

@@ -75,14 +75,16 @@ def local_lower_bound(f: Callable[[Tensor], Tensor], x0: np.ndarray, eps: float,
 
     gen = torch.Generator().manual_seed(seed)
     best, best_x = -math.inf, c.clone()
+
+    def sample(corner: bool) -> Tensor:
+        """A random point of the ball: a corner or an interior point (inf), on the sphere (2)."""
+        if norm == "inf":
+            u = torch.rand(c.shape, generator=gen, dtype=torch.float64)
+            return c + eps * ((u > 0.5).to(torch.float64) * 2 - 1 if corner else 2 * u - 1)
+        d = torch.randn(c.shape, generator=gen, dtype=torch.float64)
+        return c + d * (eps / float(d.norm()))
     for r in range(max(restarts, 1)):
-        if r == 0 or eps == 0:
-            x = c.clone()
-        elif norm == "inf":
-            x = c + eps * (2 * torch.rand(c.shape, generator=gen, dtype=torch.float64) - 1)
-        else:
-            d = torch.randn(c.shape, generator=gen, dtype=torch.float64)
-            x = c + d * (eps / float(d.norm()))
+        x = c.clone() if r == 0 or eps == 0 else sample(False)
         for s in range(steps + 1):
             x = x.detach().requires_grad_(True)
             last = s == steps or eps == 0
@@ -95,6 +97,12 @@ def local_lower_bound(f: Callable[[Tensor], Tensor], x0: np.ndarray, eps: float,
             if last:
                 break
             (g,) = torch.autograd.grad(val, x)
+            if not bool(torch.any(g != 0)):
+                # a piecewise-linear model (ReLU): the Jacobian is constant around x and ascent
+                # cannot move, so the step samples another point of the ball instead (the
+                # same number of Jacobians; ReLU MLP at 3e-2: the centre's 0.984 -> 0.99x)
+                x = sample(s % 2 == 0)
+                continue
             x = project(x.detach() + _step(g, eps, norm, lr), c, eps, norm)
             if time_budget_s is not None and time.monotonic() - start > time_budget_s:
                 break

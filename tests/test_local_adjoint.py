@@ -265,12 +265,13 @@ def test_adjoint_bound_is_none_where_the_forward_walk_stops(models, monkeypatch)
 
 @pytest.mark.parametrize("key", ["torch-mha-boolmask", "torch-mha-causal",
                                  "l2-broadcast-1head-causal", "torch-decoder-prenorm",
-                                 "hf-llama", "sdpa-causal["])
+                                 "hf-llama", "sdpa-causal[", "sdpa-mask"])
 def test_adjoint_and_tangent_graphs_through_attention_masks(key: str, tmp_path) -> None:
     """Masked attention from other libraries (a mask's -inf or float-minimum constant added
     to the scores, or put in by a Where with a constant condition): both graphs compute
     autodiff's products, and their inf-ball bounds hold at random corners of the ball (before:
-    no rule for Where, and the walk stopped at the mask; SDPA's Split had no tangent)."""
+    no rule for Where, and the walk stopped at the mask; SDPA's Split had no tangent, and its
+    NaN guard Where(IsNaN(p), 0, p) an input-dependent condition)."""
     import warnings
 
     from lsa_models.engine.tangent import TangentGraph

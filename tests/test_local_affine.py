@@ -378,7 +378,7 @@ def test_chord_candidate_encloses_the_convex_remainder(seed: int, which: str) ->
 
 
 MASKED = ("torch-mha-boolmask", "sdpa-causal[", "hf-llama", "xt-decoder",
-          "l2-broadcast-1head-causal", "torch-decoder-prenorm")
+          "l2-broadcast-1head-causal", "torch-decoder-prenorm", "sdpa-mask")
 
 
 @pytest.mark.parametrize("key", MASKED)

@@ -246,12 +246,12 @@ def _elementwise(b: _Builder, node: Node, dep: list[int], gy: str, ln: LN) -> di
 def _where(b: _Builder, node: Node, dep: list[int], gy: str, ln: LN) -> dict[int, str]:
     """Where(cond, x, y) for a constant condition (attention masks): gy where the branch was
     taken, 0 elsewhere, summed back to the branch's shape."""
-    if 0 in dep:
+    cond = node.inputs[0]
+    if 0 in dep and cond not in b.guards:
         raise NoAdjoint("Where with an input-dependent condition")
     zero = b.const(0.0, "zero")
-    cond = node.inputs[0]
     return {i: _reduce_to(b, b.op("Where", [cond, gy, zero] if i == 1 else [cond, zero, gy]),
-                          b.shape(node.inputs[i])) for i in dep}
+                          b.shape(node.inputs[i])) for i in dep if i != 0}
 
 
 def _relu(b: _Builder, node: Node, dep: list[int], gy: str, ln: LN) -> dict[int, str]:
@@ -466,6 +466,8 @@ class AdjointGraph:
         ln: dict[str, tuple[str, str]] = {}
         for node in forward:
             b.nodes.append(node)
+            if node.op_type in ("IsNaN", "IsInf"):  # a guard (tangent._Builder.guards)
+                b.guards.add(node.outputs[0])
             if node.op_type == "LayerNormalization":
                 ln[node.name] = ln_chain(b, node)
         c = np.asarray(weights, dtype=np.float64).reshape(tuple(env[out].shape))

@@ -789,6 +789,27 @@ def step(node: Node, args: list, centers: list[np.ndarray | None], ball: Ball,
 MASKED_BELOW = -1e30
 
 
+# IsNaN / IsInf of a form (SDPA's guard Where(IsNaN(p), 0, p) after a masked softmax)
+GUARDS = ("IsNaN", "IsInf")
+
+
+def _guard(node: Node, x: Aff, ball: Ball) -> Aff:
+    """IsNaN(x) / IsInf(x) for a form whose ranges over the ball are finite: False
+    everywhere, as a constant form (no change), which a Where reads as a constant
+    condition; refused where a range is not finite."""
+    lo, hi = ranges(x, ball)
+    if x.masked is not None or not (np.all(np.isfinite(lo)) and np.all(np.isfinite(hi))):
+        raise NotAffine(f"{node.op_type} node {node.name}: the input may not be finite")
+    z = np.zeros(x.shape)
+    return Aff(z, z, z, np.zeros((*x.shape, x.a.shape[-1])), z)
+
+
+def _is_constant(f: object) -> bool:
+    """A form with no change and an exact centre (a guard's output)."""
+    return isinstance(f, Aff) and not (np.any(f.m) or np.any(f.o) or np.any(f.a)
+                                       or np.any(f.b))
+
+
 def _masked_input(node: Node, args: list, var: list[int], c0: np.ndarray | None, ball: Ball
                   ) -> Aff | None:
     """Add/Sub of a form and a constant mask, or Where(constant condition, ...) with a
@@ -892,6 +913,12 @@ def _masks(node: Node, args: list, var: list[int], centers: list[np.ndarray | No
     t = node.op_type
     if any(args[i].masked is not None for i in var) and t != "Softmax":
         raise NotAffine(f"{t} node {node.name}: reads an attention mask's -inf entries")
+    if t in GUARDS and var == [0]:
+        return [_guard(node, args[0], ball)]
+    if t == "Where" and 0 in var and _is_constant(args[0]):
+        # a guard's condition (IsNaN of a finite form): constant over the ball
+        args = [args[0].c.astype(bool)] + list(args[1:])
+        var = [i for i in var if i != 0]
     if t in ("Add", "Sub", "Where") and chain is None and centers and var:
         m_in = _masked_input(node, args, var, centers[0], ball)
         if m_in is not None:

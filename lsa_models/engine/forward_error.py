@@ -143,7 +143,13 @@ def _node(node: Node, iv: dict[str, Iv], env: dict[str, torch.Tensor]) -> Iv | N
         h_lo, h_hi = np.where(xiv[0] > 0, 1.0, 0.0), np.where(xiv[1] > 0, 1.0, 0.0)
         ends = np.stack([giv[0] * h_lo, giv[0] * h_hi, giv[1] * h_lo, giv[1] * h_hi])
         return ends.min(axis=0), ends.max(axis=0)
-    if t == "Where" and 0 not in var:  # a constant condition: each entry its branch's
+    if t in ("IsNaN", "IsInf") and var == [0]:  # of a finite interval: False, exactly
+        lo_, hi_ = iv[args[0]]
+        if not (np.all(np.isfinite(lo_)) and np.all(np.isfinite(hi_))):
+            return None
+        return np.zeros(c_out.shape), np.zeros(c_out.shape)
+    if t == "Where" and (0 not in var or np.array_equal(*iv[args[0]])):
+        # a constant condition (or a guard's, proven constant): each entry its branch's
         cond = env[args[0]].detach().numpy().astype(bool)
         br = [iv[a] if a in iv else (env[a].detach().numpy(),) * 2 for a in args[1:]]
         return (np.broadcast_to(np.where(cond, br[0][0], br[1][0]), c_out.shape),

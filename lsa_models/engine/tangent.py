@@ -56,6 +56,9 @@ class _Builder:
     centred: dict[str, str] = field(default_factory=dict)  # v -> u = x - mean x
     # a LayerNorm node -> its chain's tensors n, r, du, w = mean(n du) and dn (`_layernorm`)
     ln_parts: dict[str, dict[str, str]] = field(default_factory=dict)
+    # outputs of IsNaN / IsInf of the model (SDPA's NaN guard): boolean, no tangent; the affine
+    # walk proves them constant (False) where their input's forms are finite
+    guards: set[str] = field(default_factory=set)
 
     def name(self, hint: str) -> str:
         self.k += 1
@@ -276,9 +279,9 @@ def _elementwise(b: _Builder, node: Node, dep: list[int], tx: dict[int, str]) ->
 
 
 def _where(b: _Builder, node: Node, dep: list[int], tx: dict[int, str]) -> str:
-    """Where(cond, x, y) for a constant condition: the taken branch's tangent (0 for a
-    constant branch)."""
-    if 0 in dep:
+    """Where(cond, x, y) for a constant condition, or a guard's (IsNaN of a tensor the walk
+    proves finite): the taken branch's tangent (0 for a constant branch)."""
+    if 0 in dep and node.inputs[0] not in b.guards:
         raise NoTangent("Where with an input-dependent condition")
     zero = b.const(0.0, "zero")
     return b.op("Where", [node.inputs[0], tx.get(1, zero), tx.get(2, zero)])
@@ -340,7 +343,10 @@ def _rule(b: _Builder, node: Node, dep: list[int]) -> str:
         raise NoTangent(f"{node.op_type} node {node.name}: several outputs")
     if node.op_type == "Cast" and not b.env[node.outputs[0]].is_floating_point():
         raise NoTangent(f"Cast node {node.name} to a non-float type")
-    return rule(b, node, dep, {i: b.tan[node.inputs[i]] for i in dep})
+    if any(node.inputs[i] in b.guards for i in dep) and node.op_type != "Where":
+        raise NoTangent(f"{node.op_type} node {node.name}: reads an IsNaN/IsInf output")
+    return rule(b, node, dep, {i: b.tan[node.inputs[i]] for i in dep
+                               if node.inputs[i] not in b.guards})
 
 
 def run_nodes(nodes: list[Node], env: dict[str, torch.Tensor], feed: dict[str, np.ndarray]
@@ -421,6 +427,10 @@ class TangentGraph:
             if not dep or node.op_type in ("Shape", "Size"):
                 continue
             b.nodes.append(node)
+            if node.op_type in ("IsNaN", "IsInf"):  # a guard: walked, no tangent
+                b.guards.add(node.outputs[0])
+                dynamic.add(node.outputs[0])
+                continue
             if node.op_type == "Split":  # several outputs: each one's part of the tangent
                 _split(b, node, dep)
                 dynamic.update(o for o in node.outputs if o)

@@ -87,6 +87,14 @@ class TransformerClassifier(nn.Module):
 KINDS = ("mlp", "tf1", "tf2")
 
 
+def relu_mlp(seed: int = 0) -> nn.Module:
+    """A ReLU MLP of the same input (128-64-32-4): the commonest model there is, for the
+    ReLU rules' tests (not one of the issue's three)."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Flatten(1), nn.Linear(N * D, 64), nn.ReLU(), nn.Linear(64, 32),
+                         nn.ReLU(), nn.Linear(32, CLASSES)).eval()
+
+
 def build(kind: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     model: nn.Module

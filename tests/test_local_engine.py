@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bench.local_models import N, build, center, export
+from bench.local_models import N, build, center, export, relu_mlp
 from lsa_models.empirical.local import jacobian_norm, local_lower_bound
 from lsa_models.engine import LocalValue, forward_error, local_jacobian
 from lsa_models.engine.driver import _Telescope, _walk
@@ -213,11 +213,7 @@ def test_local_lower_bound_samples_where_ascent_cannot_move(tmp_path: Path) -> N
     zero gradient: its steps sample other points of the ball instead. Around this centre the
     ascent-only search stayed at the centre's norm (0.959 at inf 0.1); sampling finds a larger
     one (1.19), never above the certified constant."""
-    torch.manual_seed(0)
-    m = torch.nn.Sequential(torch.nn.Flatten(1), torch.nn.Linear(128, 64), torch.nn.ReLU(),
-                            torch.nn.Linear(64, 32), torch.nn.ReLU(),
-                            torch.nn.Linear(32, 4)).eval()
-    om = load_onnx(export(m, tmp_path / "relu.onnx").read_bytes())
+    om = load_onnx(export(relu_mlp(), tmp_path / "relu.onnx").read_bytes())
     x0 = center(4).numpy().astype(np.float64)
     f = om.module.with_dtype(torch.float64)
     lb = local_lower_bound(lambda z: f(z), x0, 0.1, "inf")

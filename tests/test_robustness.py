@@ -10,7 +10,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from bench.local_models import build, center, export
+from bench.local_models import build, center, export, relu_mlp
 from lsa_models.empirical.local import _pgd
 from lsa_models.engine.local import robustness
 from lsa_models.onnx import OnnxModel, load_onnx
@@ -162,11 +162,7 @@ def test_robustness_relu_mlp_by_the_affine_route(tmp_path: Path) -> None:
     adjoint graph's ReluGrad lifts the inf sweep above it (measured: inf 0.93x the attack
     radius by the sweep, 2-norm 0.89x by the affine route; before, the enclosure's sweep
     alone: 0.75x); no point of the certified ball flips the label."""
-    torch.manual_seed(0)
-    m = torch.nn.Sequential(torch.nn.Flatten(1), torch.nn.Linear(128, 64), torch.nn.ReLU(),
-                            torch.nn.Linear(64, 32), torch.nn.ReLU(),
-                            torch.nn.Linear(32, 4)).eval()
-    om = load_onnx(export(m, tmp_path / "relu.onnx").read_bytes())
+    om = load_onnx(export(relu_mlp(), tmp_path / "relu.onnx").read_bytes())
     x0 = center(1).numpy().astype(np.float64)
     f = om.module.with_dtype(torch.float64)
     label = int(f(torch.from_numpy(x0)).argmax())

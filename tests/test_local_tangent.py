@@ -55,13 +55,17 @@ class Researcher(nn.Module):
         return self.head(z.mean(dim=1))
 
 
-def _researcher(seed: int, tmp: Path) -> OnnxModel:
+def _seeded(cls: type[nn.Module], seed: int, path: Path) -> OnnxModel:
+    """cls() built after torch.manual_seed(seed), exported (opset 17) and loaded."""
     torch.manual_seed(seed)
-    m = Researcher().eval()
-    path = tmp / "researcher.onnx"
+    m = cls().eval()
     torch.onnx.export(m, (torch.randn(1, N, D),), str(path), dynamo=False, opset_version=17,
                       input_names=["x"], output_names=["logits"])
     return load_onnx(path.read_bytes())
+
+
+def _researcher(seed: int, tmp: Path) -> OnnxModel:
+    return _seeded(Researcher, seed, tmp / "researcher.onnx")
 
 
 class TorchEncoder(nn.Module):
@@ -79,12 +83,7 @@ class TorchEncoder(nn.Module):
 
 
 def _torch_encoder(seed: int, tmp: Path) -> OnnxModel:
-    torch.manual_seed(seed)
-    m = TorchEncoder().eval()
-    path = tmp / "relu.onnx"
-    torch.onnx.export(m, (torch.randn(1, N, D),), str(path), dynamo=False, opset_version=17,
-                      input_names=["x"], output_names=["logits"])
-    return load_onnx(path.read_bytes())
+    return _seeded(TorchEncoder, seed, tmp / "relu.onnx")
 
 
 def _bench(kind: str, seed: int, tmp: Path) -> OnnxModel:

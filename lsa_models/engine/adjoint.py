@@ -33,7 +33,7 @@ from ..onnx.ops import Node
 from . import affine, affine_rules, fused
 from .affine import Aff
 from .forward_error import check as forward_check
-from .internal_ops import RELU_GRAD
+from .internal_ops import GUARDS, RELU_GRAD
 from .tangent import LayerNormHook, NoTangent, _Builder, _derivative, ln_chain, run_nodes
 from .values import FORWARD_MARGIN, MARGIN, PROVEN, Ball, array_key, widen_up
 
@@ -466,7 +466,7 @@ class AdjointGraph:
         ln: dict[str, tuple[str, str]] = {}
         for node in forward:
             b.nodes.append(node)
-            if node.op_type in ("IsNaN", "IsInf"):  # a guard (tangent._Builder.guards)
+            if node.op_type in GUARDS:  # (tangent._Builder.guards)
                 b.guards.add(node.outputs[0])
             if node.op_type == "LayerNormalization":
                 ln[node.name] = ln_chain(b, node)

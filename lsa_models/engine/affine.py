@@ -50,8 +50,8 @@ class Aff:
     # row's change sums to 0, which products with it use
     stochastic: bool = False
     # entries an attention mask sets to -inf (or below MASKED_BELOW) everywhere on the ball:
-    # their c, m, o, a, b are placeholders (0) that only a Softmax reads (as probability 0);
-    # every other rule refuses a masked form (affine_rules.masked_*)
+    # their c, m, o, a, b are 0 and never read as values, only a Softmax reads the mask (as
+    # probability 0); every other rule refuses a masked form (affine_rules._masks)
     masked: np.ndarray | None = None
 
     @property

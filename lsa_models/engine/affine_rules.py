@@ -37,7 +37,7 @@ from .affine import (
     split_lin,
     token_radius,
 )
-from .internal_ops import RELU_GRAD
+from .internal_ops import GUARDS, RELU_GRAD
 from .primitives import _softmax_ranges, probability_ranges
 from .rules import _abs_node, linear_consts, run_tangents
 from .values import Ball, center_margin, gamma
@@ -789,10 +789,6 @@ def step(node: Node, args: list, centers: list[np.ndarray | None], ball: Ball,
 MASKED_BELOW = -1e30
 
 
-# IsNaN / IsInf of a form (SDPA's guard Where(IsNaN(p), 0, p) after a masked softmax)
-GUARDS = ("IsNaN", "IsInf")
-
-
 def _guard(node: Node, x: Aff, ball: Ball) -> Aff:
     """IsNaN(x) / IsInf(x) for a form whose ranges over the ball are finite: False
     everywhere, as a constant form (no change), which a Where reads as a constant
@@ -800,8 +796,7 @@ def _guard(node: Node, x: Aff, ball: Ball) -> Aff:
     lo, hi = ranges(x, ball)
     if x.masked is not None or not (np.all(np.isfinite(lo)) and np.all(np.isfinite(hi))):
         raise NotAffine(f"{node.op_type} node {node.name}: the input may not be finite")
-    z = np.zeros(x.shape)
-    return Aff(z, z, z, np.zeros((*x.shape, x.a.shape[-1])), z)
+    return _const_form(np.zeros(x.shape), x)
 
 
 def _is_constant(f: object) -> bool:
@@ -813,8 +808,8 @@ def _is_constant(f: object) -> bool:
 def _masked_input(node: Node, args: list, var: list[int], c0: np.ndarray | None, ball: Ball
                   ) -> Aff | None:
     """Add/Sub of a form and a constant mask, or Where(constant condition, ...) with a
-    constant mask branch: the output's form with the masked entries marked (their parts
-    placeholders, 0); None where no entry of the output is masked."""
+    constant mask branch: the output's form with the masked entries marked (their parts set
+    to 0, never read as values); None where no entry of the output is masked."""
     t = node.op_type
     if c0 is None or np.all(np.isfinite(c0) & (c0 > MASKED_BELOW)):
         return None
@@ -830,19 +825,7 @@ def _masked_input(node: Node, args: list, var: list[int], c0: np.ndarray | None,
         x = args[var[0]]
         base = _add(_broadcast(x, shape), _const_form(np.where(mask, 0.0, const), x), ball)
     elif t == "Where" and len(args) == 3 and 0 not in var:
-        cond = np.broadcast_to(np.asarray(args[0]).astype(bool), shape)
-        ref = args[var[0]]
-        mask = np.zeros(shape, dtype=bool)
-        forms = []
-        for i, br in enumerate(args[1:]):
-            if isinstance(br, Aff):
-                forms.append(_broadcast(br, shape))
-                continue
-            v = np.broadcast_to(np.asarray(br, dtype=np.float64), shape)
-            low = v <= MASKED_BELOW
-            mask |= (cond if i == 0 else ~cond) & low
-            forms.append(_const_form(np.where(low, 0.0, v), ref))
-        base = _select(cond, forms[0], forms[1])
+        base, mask = _where_branches(args, shape)
     else:
         return None
     if not np.all(mask | (np.isfinite(c0) & (c0 > MASKED_BELOW))):
@@ -875,15 +858,29 @@ def _select(cond: np.ndarray, x: Aff, y: Aff) -> Aff:
                np.where(cond, x.b, y.b))
 
 
-def _where(args: list, c0: np.ndarray) -> Aff:
-    """Where(cond, x, y) for a constant condition: each entry's form from its branch (a
-    constant branch: no change, exact), the centre the graph's."""
-    cond = np.broadcast_to(np.asarray(args[0]).astype(bool), c0.shape)
+def _where_branches(args: list, shape: tuple[int, ...]) -> tuple[Aff, np.ndarray]:
+    """Where(cond, x, y) for a constant cond, each entry's form from its branch (a constant
+    branch: no change, exact, its entries at or below MASKED_BELOW set to 0), and the entries
+    a constant branch masks."""
+    cond = np.broadcast_to(np.asarray(args[0]).astype(bool), shape)
     ref = next(a for a in args[1:] if isinstance(a, Aff))
-    forms = [_broadcast(a, c0.shape) if isinstance(a, Aff) else
-             _const_form(np.broadcast_to(np.asarray(a, dtype=np.float64), c0.shape), ref)
-             for a in args[1:]]
-    f = _select(cond, forms[0], forms[1])
+    mask = np.zeros(shape, dtype=bool)
+    forms = []
+    for i, br in enumerate(args[1:]):
+        if isinstance(br, Aff):
+            forms.append(_broadcast(br, shape))
+            continue
+        v = np.broadcast_to(np.asarray(br, dtype=np.float64), shape)
+        low = v <= MASKED_BELOW
+        mask |= (cond if i == 0 else ~cond) & low
+        forms.append(_const_form(np.where(low, 0.0, v), ref))
+    return _select(cond, forms[0], forms[1]), mask
+
+
+def _where(args: list, c0: np.ndarray) -> Aff:
+    """Where(cond, x, y) for a constant condition where no entry is masked: each entry's
+    form from its branch, the centre the graph's."""
+    f, _ = _where_branches(args, c0.shape)
     return Aff(c0, np.maximum(f.m, center_margin(c0)), f.o, f.a, f.b)
 
 
@@ -895,7 +892,7 @@ def _unmask(x: Aff, axis: int, ball: Ball) -> Aff:
     masked entirely is refused."""
     mask = x.masked
     assert mask is not None
-    lo, _ = ranges(Aff(x.c, x.m, x.o, x.a, x.b), ball)
+    lo, _ = ranges(x, ball)
     row = np.where(mask, np.inf, lo).min(axis=axis, keepdims=True)
     if not np.all(np.isfinite(row)):
         raise NotAffine("a softmax row masked entirely")

@@ -445,7 +445,7 @@ class _Forms:
         if f is None:
             return affine.interval(v.center, center_margin(v.center), v.lo, v.hi,
                                    self.ball.size)
-        if f.masked is not None:  # placeholders at the mask's entries: no ranges to narrow by
+        if f.masked is not None:  # the mask's entries hold no values: nothing to narrow by
             return f
         return affine.narrow(f, v.lo, v.hi, self.ball)
 

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ..onnx.ops import OPS, Node, RunContext, decimal_attr
-from .internal_ops import RELU_GRAD
+from .internal_ops import GUARDS, RELU_GRAD
 from .layernorm import _bounds_of_s, jacobian_ranges
 from .primitives import _softmax_ranges, value_range
 from .values import FORWARD_FLOOR, FORWARD_MARGIN, gamma, widen_up
@@ -143,7 +143,7 @@ def _node(node: Node, iv: dict[str, Iv], env: dict[str, torch.Tensor]) -> Iv | N
         h_lo, h_hi = np.where(xiv[0] > 0, 1.0, 0.0), np.where(xiv[1] > 0, 1.0, 0.0)
         ends = np.stack([giv[0] * h_lo, giv[0] * h_hi, giv[1] * h_lo, giv[1] * h_hi])
         return ends.min(axis=0), ends.max(axis=0)
-    if t in ("IsNaN", "IsInf") and var == [0]:  # of a finite interval: False, exactly
+    if t in GUARDS and var == [0]:  # of a finite interval: False, exactly
         lo_, hi_ = iv[args[0]]
         if not (np.all(np.isfinite(lo_)) and np.all(np.isfinite(hi_))):
             return None
@@ -159,17 +159,14 @@ def _node(node: Node, iv: dict[str, Iv], env: dict[str, torch.Tensor]) -> Iv | N
         # plus -inf), the rest by the linear rule
         k = 1 - var[0]
         const = np.broadcast_to(env[args[k]].detach().numpy(), c_out.shape)
-        const = -const if t == "Sub" else const
-        if t == "Sub" and k == 0 or not np.all(np.isneginf(const) == np.isneginf(c_out)):
-            return None
-        fin = dict(iv)
-        fin_const = np.where(np.isneginf(const), 0.0, const)
-        masked_env = dict(env)
-        masked_env[args[k]] = torch.from_numpy(np.ascontiguousarray(
-            -fin_const if t == "Sub" else fin_const))
-        masked_env[node.outputs[0]] = torch.from_numpy(np.where(np.isneginf(c_out), 0.0, c_out))
-        mlo, mhi = _linear(node, args, fin, masked_env)
         neg = np.isneginf(c_out)
+        # (Sub: the constant is subtracted, so the mask is +inf there)
+        if t == "Sub" and k == 0 or not np.array_equal(np.isinf(const), neg):
+            return None
+        masked_env = dict(env)  # the mask's entries as 0: the linear rule on the rest
+        masked_env[args[k]] = torch.from_numpy(np.where(neg, 0.0, const))
+        masked_env[node.outputs[0]] = torch.from_numpy(np.where(neg, 0.0, c_out))
+        mlo, mhi = _linear(node, args, iv, masked_env)
         return np.where(neg, -np.inf, mlo), np.where(neg, -np.inf, mhi)
     if t in ("Mul", "MatMul") and len(var) == 2:
         ca, cb = env[args[0]].detach().numpy(), env[args[1]].detach().numpy()

@@ -14,6 +14,10 @@ import torch
 from ..onnx.ops import OPS, Node, RunContext
 
 RELU_GRAD = "ReluGrad"
+# model ops whose boolean output the derived graphs treat as a guard (SDPA's
+# Where(IsNaN(p), 0, p)): no tangent or adjoint of their own; the affine walk proves them
+# False where their input's form is finite (affine_rules._guard)
+GUARDS = ("IsNaN", "IsInf")
 
 
 def run_op(node: Node, ins: list[torch.Tensor | None], ctx: RunContext) -> list[torch.Tensor]:
@@ -25,4 +29,4 @@ def run_op(node: Node, ins: list[torch.Tensor | None], ctx: RunContext) -> list[
     return OPS[node.op_type].run(node, ins, ctx)
 
 
-__all__ = ["RELU_GRAD", "run_op"]
+__all__ = ["GUARDS", "RELU_GRAD", "run_op"]

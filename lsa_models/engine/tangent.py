@@ -32,7 +32,7 @@ from . import affine, affine_rules
 from .affine import PAIRS, Aff
 from .deferred import find_tail, tail_matrix
 from .forward_error import check as forward_check
-from .internal_ops import RELU_GRAD, run_op
+from .internal_ops import GUARDS, RELU_GRAD, run_op
 from .values import FORWARD_MARGIN, MARGIN, PROVEN, Ball, array_key, widen_up
 
 CTX = RunContext(torch.float64)
@@ -427,7 +427,7 @@ class TangentGraph:
             if not dep or node.op_type in ("Shape", "Size"):
                 continue
             b.nodes.append(node)
-            if node.op_type in ("IsNaN", "IsInf"):  # a guard: walked, no tangent
+            if node.op_type in GUARDS:  # walked, no tangent
                 b.guards.add(node.outputs[0])
                 dynamic.add(node.outputs[0])
                 continue

@@ -20,7 +20,7 @@ from lsa_models.engine import opnorm as op
 from lsa_models.engine.driver import _adjoint_rows, _chain_consts, _chains
 from lsa_models.engine.layernorm import token_radius
 from lsa_models.engine.rules import ln_block_norms
-from lsa_models.engine.values import Ball, LocalNotCertified, enclose
+from lsa_models.engine.values import Ball, LocalNotCertified, enclose, widen_up
 from lsa_models.onnx import load_onnx
 
 
@@ -451,3 +451,40 @@ def test_softmax_derivative_block_bounds_the_exact_change(seed: int, n: int, sca
         z1 = z0[0] + dz * rho * rng.uniform() / np.linalg.norm(dz)
         got = np.linalg.norm(_softmax_jac(z1) - _softmax_jac(z0[0]), 2)
         assert got <= block * (1 + 1e-9), (got, block)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10**6), tokens=st.integers(1, 9), d=st.sampled_from([1, 3, 16]),
+       p=st.sampled_from([2, 16, 40]), zeros=st.floats(0.0, 0.9),
+       bad=st.sampled_from([None, np.inf, np.nan]))
+def test_group_norms_bound_every_groups_spectral_norm(seed: int, tokens: int, d: int, p: int,
+                                                      zeros: float, bad: float | None) -> None:
+    """The batched token groups (one eigensolver call) and the groups taken one by one
+    (the whole matrix, a scattered group) each bound the exact largest singular value, within
+    a hair of it; a group holding a non-finite entry is inf, the others are untouched."""
+    rng = np.random.default_rng(seed)
+    m = rng.standard_normal((tokens * d, p)) * np.exp(rng.uniform(-30, 5))
+    m[rng.random(m.shape) < zeros] = 0.0  # structural zeros, as a token's rows hold
+    rows = np.arange(tokens * d)
+    groups = [rows] + [rows[i:i + d] for i in range(0, tokens * d, d)] + [rows[::2]]
+    if bad is not None:
+        m[0, 0] = bad
+    got = op._group_norms(m, groups)
+    for r, sl in enumerate(groups):
+        if not np.all(np.isfinite(m[sl])):
+            assert got[r] == np.inf
+            continue
+        exact = float(np.linalg.norm(m[sl], 2))
+        assert exact <= got[r] <= exact * (1 + 1e-9) + 1e-300
+
+
+def test_widened_zeros_stay_out_of_subnormal_products() -> None:
+    """An enclosure entry that is exactly 0 is widened to FLOOR (it must stay above a result
+    that underflowed), and FLOOR times any entry above 1e-120 is a normal float: products of
+    widened arrays never take x86's ~30x slower subnormal path (docs/local-bounds.md)."""
+    tiny = np.finfo(np.float64).tiny
+    w = widen_up(np.zeros(4), 8)
+    assert np.all(w >= tiny)
+    assert np.all(w * 1e-120 >= tiny)
+    sq = w * w  # two floors: 0 outright (a fast underflow) or normal, never subnormal
+    assert np.all((sq == 0) | (sq >= tiny))

@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from bench.local_models import build, center, export, relu_mlp
 from lsa_models.empirical.local import _pgd
+from lsa_models.engine import driver, local, local_jacobian
 from lsa_models.engine.local import robustness
 from lsa_models.onnx import OnnxModel, load_onnx
 from service.cli import app
@@ -172,3 +173,61 @@ def test_robustness_relu_mlp_by_the_affine_route(tmp_path: Path) -> None:
         assert r.affine_radius > 0 and r.attack_radius is not None
         assert 0.85 * r.attack_radius <= r.certified_radius <= r.attack_radius
         _no_flip_inside(f, x0, label, r.certified_radius, norm, rng)
+
+
+@pytest.fixture(scope="module")
+def tf1(tmp_path_factory: pytest.TempPathFactory) -> OnnxModel:
+    return load_onnx(export(build("tf1", seed=5), tmp_path_factory.mktemp("tf1") / "tf1.onnx")
+                     .read_bytes())
+
+
+@pytest.mark.parametrize(("norm", "eps"), [("2", 0.1), ("inf", 1e-2)])
+def test_sweep_enclosure_keeps_the_rows_and_margins_of_the_plain_call(
+        tf1: OnnxModel, norm: str, eps: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the sweep asks of the enclosure (whole=False: no whole-output bounds; the
+    remainder terms computed once per adjoint, `_Telescope.plain`) changes no row and no
+    margin bound: the same numbers as the plain call, and as with every term recomputed."""
+    x0 = center(1).numpy().astype(np.float64)
+    label = int(tf1.module.with_dtype(torch.float64)(torch.from_numpy(x0)).argmax())
+    plain = local_jacobian(tf1, x0, eps, norm, margins_of=label)
+    sweep = local_jacobian(tf1, x0, eps, norm, margins_of=label, whole=False)
+    monkeypatch.setattr(driver._Telescope, "plain", lambda self, u, ga: u.term(ga))
+    fresh = local_jacobian(tf1, x0, eps, norm, margins_of=label)
+    assert sweep.structured is None and sweep.opnorm_two is None
+    assert plain.structured is not None
+    for other in (sweep, fresh):
+        assert np.array_equal(other.jr, plain.jr) and other.margin_dual == plain.margin_dual
+        assert all(np.array_equal(other.margin_jr[j], plain.margin_jr[j])
+                   for j in plain.margin_jr)
+    assert fresh.upper() == plain.upper()
+
+
+def test_two_ball_sweep_constants_without_halvings_hold_at_ball_points(tf1: OnnxModel) -> None:
+    """The 2-ball sweep's margin constants (no half-ball walk, SWEEP_HALVINGS) bound the exact
+    float64 margin gradients at boundary points of the ball and along projected ascent of
+    their norms."""
+    x0 = center(1).numpy().astype(np.float64)
+    f = tf1.module.with_dtype(torch.float64)
+    label = int(f(torch.from_numpy(x0)).argmax())
+    r = 0.2
+    consts = local._constants_at(tf1, x0, r, "2", label, adjoint=False)
+    assert consts is not None and local.SWEEP_HALVINGS == 0
+    rng = np.random.default_rng(0)
+
+    def grads(d: torch.Tensor) -> dict[int, torch.Tensor]:
+        out = f(torch.from_numpy(x0) + d).reshape(-1)
+        return {j: torch.autograd.grad(out[label] - out[j], d, retain_graph=True,
+                                       create_graph=True)[0] for j in consts}
+    worst = dict.fromkeys(consts, 0.0)
+    for _ in range(6):
+        d = torch.from_numpy(boundary_point(rng, x0.shape, r, "2")).requires_grad_(True)
+        for _step in range(8):  # ascent of the first margin's gradient norm
+            g = grads(d)
+            for j, gj in g.items():
+                worst[j] = max(worst[j], float(gj.norm()))
+            (h,) = torch.autograd.grad(g[next(iter(consts))].norm(), d)
+            with torch.no_grad():
+                d = d + 0.1 * r * h / h.norm().clamp_min(1e-300)
+                d = (d * min(1.0, r / float(d.norm()))).requires_grad_(True)
+    assert all(worst[j] <= consts[j] for j in consts)
+    assert max(worst[j] / consts[j] for j in consts) > 0.2  # the points reach the ball's size

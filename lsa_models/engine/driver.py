@@ -146,14 +146,18 @@ def _check_eps(eps: float) -> None:
 
 
 def local_jacobian(model: OnnxModel, x0: np.ndarray, eps: float, norm: str,
-                   telescope: bool = True, margins_of: int | None = None) -> LocalJacobian:
+                   telescope: bool = True, margins_of: int | None = None,
+                   halvings: int | None = None, whole: bool = True) -> LocalJacobian:
     """Enclose the output's Jacobian over `{X : ||X - X0||_norm <= eps}`. Raises
     LocalNotCertified when an op has no local rule or a range leaves an op's domain.
 
     With `telescope`, the inputs of the range-sensitive ops (CHECKPOINTS) and the output get
     the telescoped remainder (exact adjoints at X0) instead of the forward one, whichever is
     smaller entrywise. With `margins_of` = a label Y, the margins f_Y - f_j also get their own
-    telescoped remainder (`LocalJacobian.margin_jr`)."""
+    telescoped remainder (`LocalJacobian.margin_jr`). `halvings`: the balls of radius
+    eps 2^-L walked first (default HALVINGS); `whole=False` skips the whole output's
+    factored and operator-norm bounds (`structured`, `opnorm_two`: None), for callers that
+    read only the rows and the margins (the robustness sweep)."""
     if norm not in ("2", "inf"):
         raise ValueError(f"unknown norm {norm!r}; use '2' or 'inf'")
     _check_eps(eps)
@@ -175,7 +179,8 @@ def local_jacobian(model: OnnxModel, x0: np.ndarray, eps: float, norm: str,
     token_p = PROVEN.set(known)
     try:
         return _enclose_all(model, module, env, x, float(eps), norm, telescope, margins_of,
-                            proven is not None, detail)
+                            proven is not None, detail,
+                            HALVINGS if halvings is None else halvings, whole)
     finally:
         PROVEN.reset(token_p)
         MARGIN.reset(token)
@@ -244,7 +249,8 @@ def margin_lower_bounds(model: OnnxModel, x0: np.ndarray, eps: float, norm: str,
 
 def _enclose_all(model: OnnxModel, module: torch.nn.Module, env: dict[str, torch.Tensor],
                  x: np.ndarray, eps: float, norm: str, telescope: bool,
-                 margins_of: int | None, checked: bool, detail: str) -> LocalJacobian:
+                 margins_of: int | None, checked: bool, detail: str, halvings: int = 1,
+                 whole: bool = True) -> LocalJacobian:
     ball = Ball(x, float(eps), norm)
     tight: _Telescope | None = None
     if telescope and eps > 0:
@@ -257,7 +263,7 @@ def _enclose_all(model: OnnxModel, module: torch.nn.Module, env: dict[str, torch
     if tight is not None:
         # the balls of radius eps 2^-L, ..., eps/2 first: each one's remainders bound the next
         # one's values by the integrated form (`integrated`)
-        for level in range(HALVINGS, 0, -1):
+        for level in range(halvings, 0, -1):
             try:
                 half, _ = _walk(model, module, env, Ball(x, float(eps) * 0.5**level, norm),
                                 tight, half)
@@ -275,37 +281,48 @@ def _enclose_all(model: OnnxModel, module: torch.nn.Module, env: dict[str, torch
     if tight is not None:
         out = tight.tighten(model.spec.output_name, out, values, ball)
         if margins_of is not None:
-            # the margins f_label - f_j telescoped as rows of their own
-            others = [j for j in range(k) if j != margins_of]
-            combos = np.zeros((len(others), k))
-            combos[:, margins_of] = 1.0
-            combos[np.arange(len(others)), others] = -1.0
-            rem = tight.remainder(model.spec.output_name, values, ball, combos)
-            if rem is not None:
-                margin_jr = dict(zip(others, rem, strict=True))
-            mst = tight.structured(model.spec.output_name, values, ball, combos)
-            if mst is not None:
-                jcm = combos @ out.jc.reshape(k, -1)  # (M, P) centre gradients of the margins
-                for r, j in enumerate(others):
-                    if norm == "inf":
-                        base = float(widen_up(np.abs(jcm[r]).sum(), jcm.shape[1] + 2))
-                        margin_dual[j] = add_up(base, float(mst.rows_inf[r]))
-                        if mst.rows_abs is not None:
-                            margin_dual[j] = min(margin_dual[j], float(mst.rows_abs[r]))
-                    else:
-                        base = frobenius_upper(jcm[r]) * (1 + 4 * U)
-                        margin_dual[j] = add_up(base, float(mst.rows_two[r]))
-            if norm == "2":
-                _opnorm_margins(tight, model.spec.output_name, values, combos, others,
-                                out.jc.reshape(k, -1), margin_dual)
-        st = tight.structured(model.spec.output_name, values, ball)
-        opnorm_two = tight.whole_opnorm(model.spec.output_name, values, ball)
+            margin_jr, margin_dual = _margin_bounds(tight, model.spec.output_name, values,
+                                                    out, ball, margins_of)
+        if whole:
+            st = tight.structured(model.spec.output_name, values, ball)
+            opnorm_two = tight.whole_opnorm(model.spec.output_name, values, ball)
     if not (np.all(np.isfinite(out.jc)) and np.all(np.isfinite(out.jr))):
         raise LocalNotCertified("the Jacobian enclosure overflowed on this ball (too wide "
                                 "for the op-by-op ranges)")
     return LocalJacobian(ball, out.center.reshape(k), out.jc.reshape(k, -1),
                          out.jr.reshape(k, -1), out.lo.reshape(k), out.hi.reshape(k), layers,
                          margin_jr, st, margin_dual, checked, detail, opnorm_two)
+
+
+def _margin_bounds(tight: _Telescope, name: str, values: Values, out: LocalValue, ball: Ball,
+                   label: int) -> tuple[dict[int, np.ndarray], dict[int, float]]:
+    """The margins f_label - f_j telescoped as rows of their own: per j, the entrywise
+    remainder (P,) and the factored bound on ||grad m_j(X)||_dual (both where they exist)."""
+    k = out.center.size
+    margin_jr: dict[int, np.ndarray] = {}
+    margin_dual: dict[int, float] = {}
+    others = [j for j in range(k) if j != label]
+    combos = np.zeros((len(others), k))
+    combos[:, label] = 1.0
+    combos[np.arange(len(others)), others] = -1.0
+    rem = tight.remainder(name, values, ball, combos)
+    if rem is not None:
+        margin_jr = dict(zip(others, rem, strict=True))
+    mst = tight.structured(name, values, ball, combos)
+    if mst is not None:
+        jcm = combos @ out.jc.reshape(k, -1)  # (M, P) centre gradients of the margins
+        for r, j in enumerate(others):
+            if ball.norm == "inf":
+                base = float(widen_up(np.abs(jcm[r]).sum(), jcm.shape[1] + 2))
+                margin_dual[j] = add_up(base, float(mst.rows_inf[r]))
+                if mst.rows_abs is not None:
+                    margin_dual[j] = min(margin_dual[j], float(mst.rows_abs[r]))
+            else:
+                base = frobenius_upper(jcm[r]) * (1 + 4 * U)
+                margin_dual[j] = add_up(base, float(mst.rows_two[r]))
+    if ball.norm == "2":
+        _opnorm_margins(tight, name, values, combos, others, out.jc.reshape(k, -1), margin_dual)
+    return margin_jr, margin_dual
 
 
 def _opnorm_margins(tight: _Telescope, name: str, values: Values, combos: np.ndarray,
@@ -321,6 +338,8 @@ def _opnorm_margins(tight: _Telescope, name: str, values: Values, combos: np.nda
         margin_dual[j] = min(margin_dual.get(j, math.inf), cand)
 
 
+# entries of _Telescope.plain_memo before it starts afresh (a walk asks for ~100 terms)
+PLAIN_MEMO = 512
 # Balls of radius eps/2, eps/4, ... walked before the ball itself (values by the integrated
 # mean value form); each costs one more walk. Measured on the issue-15 Transformers: one
 # halving takes tf1's inf-ball bound at eps = 1e-2 from 7.40 to 6.92, three give 6.916.
@@ -609,6 +628,9 @@ class _Telescope:
         self.signed_terms = True
         self.output = model.spec.output_name
         self.terms_memo: list[tuple[tuple, tuple, list]] = []
+        # u.term(ga) per (term, adjoint bound): tighten asks for the same product three times
+        # on the 2-ball (remainder, row bounds, operator-norm rows)
+        self.plain_memo: dict[tuple[int, int], tuple[object, np.ndarray, np.ndarray]] = {}
 
     def _terms(self, name: str, values: Values, combos: np.ndarray | None) -> list | None:
         """(|G| with its margin, the op's value, G) per op with a remainder term, G the
@@ -649,6 +671,22 @@ class _Telescope:
         self.terms_memo = [(memo_key, vals, out), *self.terms_memo[:1]]
         return out
 
+    def plain(self, u: LocalValue, ga: np.ndarray) -> np.ndarray:
+        """u.term(ga), computed once per (term, |G| bound) pair while both are held (the
+        memo keeps them, so their ids are not reused); read-only, as it is shared."""
+        term = u.term
+        assert term is not None
+        key = (id(term), id(ga))
+        got = self.plain_memo.get(key)
+        if got is not None and got[0] is term and got[1] is ga:
+            return got[2]
+        res = term(ga)
+        res.flags.writeable = False
+        if len(self.plain_memo) >= PLAIN_MEMO:
+            self.plain_memo.clear()
+        self.plain_memo[key] = (term, ga, res)
+        return res
+
     def _bound_terms(self, names: list[str], ts: list[torch.Tensor], rows: list,
                      values: Values, combos: np.ndarray | None) -> list:
         """The (|G| + margin, signed-bound value, G) triples of `_terms` from the adjoint
@@ -687,7 +725,7 @@ class _Telescope:
             groups = [np.arange(rnd.shape[0])] if combos is None else \
                 [np.array([r]) for r in range(combos.shape[0])]
         try:
-            return rows_bound(terms, rnd, groups, ADJOINT_MARGIN)
+            return rows_bound(terms, rnd, groups, ADJOINT_MARGIN, self.plain)
         except (ValueError, np.linalg.LinAlgError):  # a term overflowed: not finite
             return None
 
@@ -717,7 +755,7 @@ class _Telescope:
         total = self._rounding(name, combos).copy()
         for ga, u, _ in terms:
             assert u.term is not None
-            total += u.term(ga)
+            total += self.plain(u, ga)
         return total * (1 + 1e-12)
 
     def structured(self, name: str, values: Values, ball: Ball,
@@ -727,7 +765,8 @@ class _Telescope:
         if terms is None:
             return None
         kept = [(ga, u, g) for ga, u, g in terms if u.term is not None]
-        tl = [(u.term(ga), None if u.parts is None else u.parts(ga)) for ga, u, _ in kept]
+        tl = [(self.plain(u, ga), None if u.parts is None else u.parts(ga))
+              for ga, u, _ in kept]
         zr = self._rounding(name, combos)
         try:
             st = structured_bounds(tl, zr, ball.norm)
@@ -772,7 +811,8 @@ class _Telescope:
             terms = self._terms(name, values, None)
             assert terms is not None
             try:
-                rows = row_two_bounds([(u.term(ga), None if u.parts is None else u.parts(ga))
+                rows = row_two_bounds([(self.plain(u, ga),
+                                        None if u.parts is None else u.parts(ga))
                                        for ga, u, _ in terms if u.term is not None],
                                       self._rounding(name, None))
             except ValueError:  # not finite
@@ -803,7 +843,7 @@ class _Telescope:
         terms = self._terms(name, values, None)
         if terms is None:
             return None
-        kept = [(g, ga, u, u.term(ga)) for ga, u, g in terms if u.term is not None]
+        kept = [(g, ga, u, self.plain(u, ga)) for ga, u, g in terms if u.term is not None]
         return second.hessian_rest(kept, self._rounding(name, None), ball.eps,
                                    second.MAX_TENSOR_HESSIAN_ENTRIES)
 

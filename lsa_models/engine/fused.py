@@ -16,6 +16,7 @@ import numpy as np
 from scipy import special
 
 from ..onnx.ops import Node
+from .values import FLOOR
 
 FUSABLE = ("Add", "Sub", "Mul", "Div", "Neg", "Pow", "Tanh", "Erf", "Sigmoid")
 _NONLINEAR = ("Tanh", "Erf", "Sigmoid", "Pow")
@@ -36,7 +37,7 @@ class Chain:
 
 
 def _out(lo: np.ndarray, hi: np.ndarray) -> Iv:
-    pad = _REL * np.maximum(np.abs(lo), np.abs(hi)) + 1e-300
+    pad = _REL * np.maximum(np.abs(lo), np.abs(hi)) + FLOOR
     return lo - pad, hi + pad
 
 

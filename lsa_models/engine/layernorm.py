@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from .opnorm import sigma_max_upper
-from .values import PROVEN, Ball, LocalValue, U, array_key, center_margin, gamma, widen_up
+from .values import FLOOR, PROVEN, Ball, LocalValue, U, array_key, center_margin, gamma, widen_up
 
 # relative allowance for the round-to-nearest float64 operations forming one interval end
 # (a few operations per end, each within u = 1.1e-16 relative)
@@ -119,7 +119,7 @@ def direct(x: LocalValue, u: LocalValue, g: np.ndarray, beta: np.ndarray | None,
     s_lo, s_hi = np.minimum(s_lo, sc), np.maximum(s_hi, sc)
     s_c = center_jacobian(uc, sc)  # (..., D, D)
     lo, hi, mag, zr = jacobian_ranges(u.lo, u.hi, s_lo, s_hi)
-    sr = np.maximum(np.maximum(hi - s_c, s_c - lo), 0.0) + 4 * _REL * mag + 1e-300
+    sr = np.maximum(np.maximum(hi - s_c, s_c - lo), 0.0) + 4 * _REL * mag + FLOOR
     # the true centre: u(X0) within |P| (centre margin of x) of uc
     mx = center_margin(x.center)
     mu = widen_up(mx + mx.mean(axis=-1, keepdims=True), 4)  # |P| m <= (I + 11^T/D) m
@@ -127,7 +127,7 @@ def direct(x: LocalValue, u: LocalValue, g: np.ndarray, beta: np.ndarray | None,
     s0_lo, s0_hi = _bounds_of_s(norm0, rho0, d, eps)
     s0_lo, s0_hi = np.minimum(s0_lo, sc), np.maximum(s0_hi, sc)
     lo0, hi0, mag0, _ = jacobian_ranges(uc - mu, uc + mu, s0_lo, s0_hi)
-    sr0 = np.maximum(np.maximum(hi0 - s_c, s_c - lo0), 0.0) + 4 * _REL * mag0 + 1e-300
+    sr0 = np.maximum(np.maximum(hi0 - s_c, s_c - lo0), 0.0) + 4 * _REL * mag0 + FLOOR
     ag = np.abs(g)[:, None]  # (D, 1): scales the output rows
     ajc = np.abs(x.jc)
     asc = np.abs(s_c)
@@ -137,7 +137,7 @@ def direct(x: LocalValue, u: LocalValue, g: np.ndarray, beta: np.ndarray | None,
     z_lo, z_hi = zr[0], zr[1]
     y_a, y_b = g * z_lo + b, g * z_hi + b
     y_lo, y_hi = np.minimum(y_a, y_b), np.maximum(y_a, y_b)
-    pad = _REL * (np.abs(y_lo) + np.abs(y_hi)) + 1e-300
+    pad = _REL * (np.abs(y_lo) + np.abs(y_hi)) + FLOOR
     return jc, jr, y_lo - pad, y_hi + pad, s_c, sr, sr0
 
 

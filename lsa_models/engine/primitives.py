@@ -17,6 +17,7 @@ from .second import Curv2, elementwise_second, matmul_second, mul_second, softma
 from .signed import SignedFn, SignedTerm
 from .structured import PartsChoice
 from .values import (
+    FLOOR,
     Ball,
     LocalNotCertified,
     LocalValue,
@@ -195,7 +196,7 @@ def value_range(kind: str, lo: np.ndarray, hi: np.ndarray, exponent: float = 2.0
         a, b = np.power(hi, exponent), np.power(lo, exponent)
     else:
         return None, None
-    pad = 4 * LIBM_REL * np.maximum(np.abs(a), np.abs(b)) + 1e-300
+    pad = 4 * LIBM_REL * np.maximum(np.abs(a), np.abs(b)) + FLOOR
     a, b = a - pad, b + pad
     if kind in _RANGE:
         a, b = np.maximum(a, _RANGE[kind][0]), np.minimum(b, _RANGE[kind][1])
@@ -218,7 +219,7 @@ def elementwise(v: LocalValue, kind: str, out_center: np.ndarray, ball: Ball,
     d, rng = deriv if deriv is not None else derivative(kind, v.lo, v.hi, exponent)
     dc = d(v.center)  # (*S,)
     dlo, dhi = rng(v.lo, v.hi)
-    pad = LIBM_REL * np.maximum(np.abs(dlo), np.abs(dhi)) + 1e-300
+    pad = LIBM_REL * np.maximum(np.abs(dlo), np.abs(dhi)) + FLOOR
     dr = np.maximum(np.maximum(dhi - dc, dc - dlo), 0.0) + pad  # (*S,)
     # the true f'(x(X0)) may differ from dc: by at most the range over the centre's margin
     mc = center_margin(v.center)
@@ -508,7 +509,7 @@ def _softmax_ranges(lo: np.ndarray, hi: np.ndarray, pc: np.ndarray,
     eye = np.eye(n, dtype=bool)
     smax = np.where(eye, dmax[..., :, None] * np.ones(n), omax)
     smin = np.where(eye, dmin[..., :, None] * np.ones(n), omin)
-    sr = np.maximum(np.maximum(smax - sc, sc - smin), 0.0) * (1 + 1e-12) + 1e-300
+    sr = np.maximum(np.maximum(smax - sc, sc - smin), 0.0) * (1 + 1e-12) + FLOOR
     return plo, phi, sr
 
 

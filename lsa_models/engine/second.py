@@ -37,7 +37,7 @@ import numpy as np
 
 from .fused import iv_mul
 from .structured import Structured, _inf_to_one
-from .values import LocalValue, gamma, widen_up
+from .values import FLOOR, LocalValue, gamma, widen_up
 
 # (g signed adjoint (M, *S), ga >= |G| (M, *S), eps) -> (H_k (M, P, P), r_k (M, P)) with
 # |T_k,ip(X) - H_k,i[p] . (X - X0)| <= r_k,ip on the inf-ball (T_k the op's term)
@@ -181,7 +181,7 @@ def _nested_kappa(v: LocalValue, mc: np.ndarray, du: np.ndarray, m: np.ndarray,
         clo, chi = (np.asarray(a, dtype=np.float64).reshape(-1) for a in got)
         if not (np.all(np.isfinite(clo)) and np.all(np.isfinite(chi))):
             return None
-        pad = 4e-12 * np.maximum(np.abs(clo), np.abs(chi)) + 1e-300
+        pad = 4e-12 * np.maximum(np.abs(clo), np.abs(chi)) + FLOOR
         total = total + np.maximum(np.maximum(chi - m, m - clo), 0.0) + pad
     return widen_up(total / KAPPA_PIECES, KAPPA_PIECES + 2)
 
@@ -547,7 +547,7 @@ def softmax_second(v: LocalValue, plo: np.ndarray, phi: np.ndarray, pc: np.ndarr
                                          uhi[..., :, None] + uhi[..., None, :]))
         hlo = eye * dlo[..., :, None] - ohi
         hhi = eye * dhi[..., :, None] - olo
-        pad = 1e-12 * (np.abs(hlo) + np.abs(hhi) + np.abs(lmat)) + 1e-300
+        pad = 1e-12 * (np.abs(hlo) + np.abs(hhi) + np.abs(lmat)) + FLOOR
         wide = np.maximum(hhi - lmat, lmat - hlo) + pad
         dev = widen_up((wide * r[None, :, None, :]).sum(axis=-1), n + 2)  # (K, T, n)
         labs = np.abs(lmat) * (1 + 1e-12)

@@ -111,9 +111,18 @@ def gamma(k: int) -> float:
     return 2.0 * k * U / (1.0 - k * U)
 
 
+# The absolute floor every upward widening adds (covers a result that underflowed). Not the
+# smallest normal float (2.2e-308): the enclosures are full of such floors where a Jacobian
+# entry is exactly 0 (a token's rows before attention), and their products with ordinary
+# entries are subnormal, which x86 computes ~30x slower (tf1's 2-ball walk: a 128 x 128 term
+# product 6.7 ms -> 0.23 ms). FLOOR x anything above 1e-127 stays normal and FLOOR x FLOOR
+# underflows to 0 at full speed; as a bound it is only larger, so every widening stays sound.
+FLOOR = 2.0**-600
+
+
 def widen_up(x: np.ndarray, k: int) -> np.ndarray:
     """A nonnegative quantity computed with at most k roundings per entry, pushed up."""
-    return x * (1.0 + gamma(k)) + np.finfo(np.float64).tiny
+    return x * (1.0 + gamma(k)) + FLOOR
 
 
 def dual_row_norms(absjac: np.ndarray, norm: str) -> np.ndarray:

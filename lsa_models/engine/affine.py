@@ -81,6 +81,23 @@ SPACE: ContextVar[list[int] | None] = ContextVar("affine_symbols", default=None)
 # so sums of such products keep their cancellations.
 PAIRS: ContextVar[tuple[int, int] | None] = ContextVar("pair_symbols", default=None)
 
+# Second-order symbols (the affine route's walks, `affine_rules.walk(quad=True)`; session 14):
+# the P(P+1)/2 columns from QUAD's base hold, for p <= q in row-major upper-triangle order,
+#     sigma_pq = d_p d_q / eps^2 (p < q)   and   sigma_pp = 2 d_p^2 / eps^2 - 1,
+# both in [-1, 1] for every d in either ball (|d_p d_q| <= eps^2), so every rule treats them as
+# any other noise symbol; they are functions of d alone, shared by every form of the walk.
+# Products put the exact quadratic part (u_x . d)(u_y . d) = d^T M d of their input parts on
+# them, d^T M d = eps^2 / 2 tr M + sum_{p<q} eps^2 (M_pq + M_qp) sigma_pq
+# + sum_p eps^2 M_pp / 2 sigma_pp (affine_rules._to_quad), instead of a fresh symbol per
+# entry: later sums of such products keep their cancellations (the attention scores' and
+# P @ V's quadratic terms feed every later layer).
+QUAD: ContextVar[int | None] = ContextVar("quad_symbols", default=None)
+
+
+def quad_size(p: int) -> int:
+    """Columns of the second-order symbols for an input of p entries."""
+    return p * (p + 1) // 2
+
 
 def split_lin(x: Aff, ball: Ball) -> tuple[np.ndarray, np.ndarray]:
     """(>= |a_in d| over the ball, >= sum_q |a_q| over the symbols), entrywise."""

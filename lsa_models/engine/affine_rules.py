@@ -19,6 +19,7 @@ from .affine import (
     _REL,
     COLLAPSE,
     PAIRS,
+    QUAD,
     SPACE,
     TINY,
     Aff,
@@ -32,6 +33,7 @@ from .affine import (
     interval,
     lin,
     narrow,
+    quad_size,
     ranges,
     select,
     split_lin,
@@ -327,6 +329,40 @@ def _quadratic(ux: np.ndarray, uy: np.ndarray, ball: Ball, bound: np.ndarray
     return lo - slack - TINY, hi + slack + TINY
 
 
+def _quad_matrix(ux: np.ndarray, uy: np.ndarray, matmul: bool) -> np.ndarray | None:
+    """M with (u_x . d)(u_y . d) summed = d^T M d per output entry, (*out, P, P): MatMul
+    sum_j ux_ij uy_jk^T, elementwise ux uy^T (broadcast); None past MAX_QUAD_ENTRIES."""
+    p = ux.shape[-1]
+    if matmul:
+        n_out = int(np.prod(np.broadcast_shapes(ux.shape[:-3], uy.shape[:-3]))) * \
+            ux.shape[-3] * uy.shape[-2]
+    else:
+        n_out = int(np.prod(np.broadcast_shapes(ux.shape[:-1], uy.shape[:-1])))
+    if n_out * p * p > MAX_QUAD_ENTRIES:
+        return None
+    if matmul:
+        return np.einsum("...ijp,...jkq->...ikpq", ux, uy)
+    return ux[..., :, None] * uy[..., None, :]
+
+
+def _to_quad(m: np.ndarray, ball: Ball, bound: np.ndarray, k: int
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """d^T M d on the second-order symbols (affine.QUAD): the coefficients (*out, P(P+1)/2),
+    the offset eps^2 / 2 tr M and the error: M's own rounding (each entry a sum of k products,
+    within gamma_k of sum_j |ux_jp| |uy_jq|, whose eps^2-weighted sum over p, q is `bound` =
+    sum_j li_x li_y) plus 1e-12 of the coefficients' and offset's magnitudes (the scalings)."""
+    p = m.shape[-1]
+    e2 = ball.eps * ball.eps
+    iu, ju = np.triu_indices(p)
+    sym = m + np.swapaxes(m, -1, -2)  # (M_pq + M_qp); the diagonal holds 2 M_pp
+    coef = sym[..., iu, ju] * e2  # p < q: eps^2 (M_pq + M_qp)
+    diag = iu == ju
+    coef[..., diag] *= 0.25  # p = q: eps^2 M_pp / 2 = (eps^2 2 M_pp) / 4
+    off = 0.5 * e2 * np.trace(m, axis1=-2, axis2=-1)
+    err = gamma(k + 2) * bound + _REL * (np.abs(off) + np.abs(coef).sum(axis=-1))
+    return coef, off, _up(err, p * p + 2)
+
+
 def _rank_one(x: Aff, y: Aff, ball: Ball, lx: np.ndarray, ly: np.ndarray
               ) -> tuple[np.ndarray, np.ndarray]:
     """An enclosure of Lx Ly = (ax . z)(ay . z) over the ball and the symbols, entrywise
@@ -447,11 +483,25 @@ def product(x: Aff, y: Aff, ball: Ball, matmul: bool, out_c: np.ndarray | None =
     aox, aoy = np.abs(x.o), np.abs(y.o)
     g = gamma(k + 3)
     quad = None
-    if matmul:
-        pp = ball.size
+    pp = ball.size
+    qbase = QUAD.get()
+    qm = None if qbase is None else _quad_matrix(x.a[..., :pp], y.a[..., :pp], matmul)
+    if qm is None and matmul:
         quad = _quadratic(x.a[..., :pp], y.a[..., :pp], ball, mul(lix, liy))
-    pairs = _pairs(x, y, ball, matmul)
-    if pairs is not None:
+    pairs = None if qm is not None else _pairs(x, y, ball, matmul)
+    if qm is not None and qbase is not None:
+        # the input parts' product on the second-order symbols (affine.QUAD); the rest of
+        # Lx Ly (input part x the symbols', symbols' x symbols') by their sizes
+        coef, qoff, qerr = _to_quad(qm, ball, mul(lix, liy), k)
+        t = coef.shape[-1]
+        a = _cols(a, qbase + t)
+        a[..., qbase:qbase + t] += coef
+        o = o + qoff
+        qmid = np.zeros_like(qoff)
+        # (+ one rounding of every summed coefficient: 1e-12 of their sizes, far above u)
+        err = qerr + mul(lix, lsy) + mul(lsx, liy) + mul(lsx, lsy) + \
+            _REL * np.abs(a[..., qbase:qbase + t]).sum(axis=-1)
+    elif pairs is not None:
         a, err = _with_pairs(x, y, ball, matmul, a, pairs, quad, mul)
         qmid = np.zeros_like(err)
     elif quad is None and not matmul:  # the whole linear parts, symbols included
@@ -1063,7 +1113,7 @@ def walk(nodes: list[Node], input_name: str, env: dict[str, torch.Tensor], ball:
          symbols: int = 0, known: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,
          hook: Callable[[Node, dict[str, Aff]], None] | None = None,
          capture: dict[str, Aff | None] | None = None,
-         space: list[int] | None = None) -> dict[str, Aff]:
+         space: list[int] | None = None, quad: bool = False) -> dict[str, Aff]:
     """The forms of every input-dependent tensor, alone (no Jacobian enclosure): an op with
     no rule gives its outputs the interval form of... nothing known, so the walk stops there
     and the tensors after it are missing. `seeds`: more graph inputs given as forms, over the
@@ -1071,17 +1121,22 @@ def walk(nodes: list[Node], input_name: str, env: dict[str, torch.Tensor], ball:
     tensors are known to lie in (a mean of squares plus eps is at least eps), which `hook`
     (called before every node with the live forms) may add to; `capture`: names whose forms
     are kept there when made (whatever is released later); `space`: receives the symbols
-    used, [P, used, reserved] (a later walk over the same symbols passes `symbols=used`)."""
+    used, [P, used, reserved] (a later walk over the same symbols passes `symbols=used`);
+    `quad`: the products' quadratic parts on second-order symbols (affine.QUAD, reserved
+    after the first `symbols`)."""
     forms: dict[str, Aff] = {input_name: input_form(ball)}
     forms.update(seeds or {})
     count = None if everything else uses(nodes, chains, inside)
-    token = SPACE.set([ball.size, symbols, symbols])  # the seeds' symbols: not budgeted
+    reserved = symbols + (quad_size(ball.size) if quad else 0)
+    token = SPACE.set([ball.size, reserved, reserved])  # the seeds' symbols: not budgeted
+    token_q = QUAD.set(ball.size + symbols if quad else None)
     try:
         _walk(nodes, forms, env, ball, chains, inside, count, keep or "",
               {} if known is None else known, hook, capture)
     finally:
         if space is not None:
             space[:] = list(SPACE.get() or [])
+        QUAD.reset(token_q)
         SPACE.reset(token)
     return forms
 

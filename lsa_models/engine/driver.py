@@ -213,7 +213,8 @@ class Centre:
 
 
 def margin_lower_bounds(model: OnnxModel, x0: np.ndarray, eps: float, norm: str, label: int,
-                        centre: Centre | None = None) -> dict[int, float] | None:
+                        centre: Centre | None = None, quad: bool = False
+                        ) -> dict[int, float] | None:
     """Lower bounds of the margins f_label - f_j over the ball, from the affine forms alone
     (affine.py: no Jacobian enclosure); None when the forms do not reach the output."""
     _check_eps(eps)
@@ -227,7 +228,8 @@ def margin_lower_bounds(model: OnnxModel, x0: np.ndarray, eps: float, norm: str,
         capture: dict[str, affine.Aff | None] = {} if tail is None else {
             tail[0].inputs[0]: None}
         forms = affine_rules.walk(nodes, model.spec.input_name, ctr.env, ball, chains, inside,
-                                  model.spec.output_name, everything=False, capture=capture)
+                                  model.spec.output_name, everything=False, capture=capture,
+                                  quad=quad)
         out = forms.get(model.spec.output_name)
         if out is None:
             return None
@@ -235,6 +237,8 @@ def margin_lower_bounds(model: OnnxModel, x0: np.ndarray, eps: float, norm: str,
         if tail is not None and all(v is not None for v in capture.values()):
             # the final LayerNorm's product deferred past the head (deferred.py): both are
             # lower bounds of the same margins, the larger stands
+            # (its products on the walk's second-order symbols too, when it had them)
+            token_q = affine.QUAD.set(ball.size if quad else None)
             try:
                 low = deferred.margins(nodes, model.spec.output_name, ctr.env, ball,
                                        {k: v for k, v in capture.items() if v is not None},
@@ -242,6 +246,8 @@ def margin_lower_bounds(model: OnnxModel, x0: np.ndarray, eps: float, norm: str,
             except (affine.NotAffine, FloatingPointError, ValueError, RuntimeError, KeyError,
                     IndexError, TypeError):
                 low = None  # an optional refinement: the plain margins stand
+            finally:
+                affine.QUAD.reset(token_q)
             if low is not None:
                 res = {j: max(v, low[j]) for j, v in res.items()}
         return res

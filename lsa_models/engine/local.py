@@ -427,7 +427,8 @@ def _scaled_progress(progress: Callable[[str, float], None] | None, lo: float, h
 
 
 def affine_radius(om: OnnxModel, x: np.ndarray, norm: str, label: int, start: float,
-                  progress: Callable[[str, float], None] | None = None) -> tuple[float, int]:
+                  progress: Callable[[str, float], None] | None = None, quad: bool = False,
+                  floor: float = 0.0, growth: float = AFFINE_GROWTH) -> tuple[float, int]:
     """The largest radius (to AFFINE_TOL) whose margin lower bounds from the affine forms
     are all positive, searched from `start` > 0; (radius, walks). A radius r certifies the
     whole ball of radius r, so no integration is needed: this route and the sweep are
@@ -435,7 +436,9 @@ def affine_radius(om: OnnxModel, x: np.ndarray, norm: str, label: int, start: fl
     `start` by AFFINE_GROWTH), then narrows the bracket by regula falsi on the smallest lower
     bound (Illinois' variant, each step kept inside the bracket's middle 90%; bisection where
     a walk failed): the bound is smooth in the radius, so this takes fewer walks than
-    bisection. Only radii whose walk certified are reported."""
+    bisection. Only radii whose walk certified are reported. `quad`: the walks with
+    second-order symbols (affine.QUAD); `floor`: a radius certified already (another walk's),
+    the bracket's low end when `start` does not certify (no search below it)."""
     ctr = Centre(om, x)
     walks = 0
 
@@ -444,25 +447,28 @@ def affine_radius(om: OnnxModel, x: np.ndarray, norm: str, label: int, start: fl
         nonlocal walks
         walks += 1
         try:
-            low = margin_lower_bounds(om, x, r, norm, label, ctr)
+            low = margin_lower_bounds(om, x, r, norm, label, ctr, quad=quad)
         except (LocalNotCertified, FloatingPointError, ValueError):
             low = None
         v = -math.inf if not low else min(low.values())
         if not math.isfinite(v):
             v = -math.inf
         if progress is not None:
-            progress(f"affine radius: tried {r:.3g}, {'certified' if v > 0 else 'not'}",
+            kind = "second-order affine" if quad else "affine"
+            progress(f"{kind} radius: tried {r:.3g}, {'certified' if v > 0 else 'not'}",
                      min(1.0, walks / AFFINE_WALKS))
         return v
 
     lo, flo, hi = 0.0, math.inf, start
     fhi = value(hi)
     while walks < AFFINE_WALKS and fhi > 0:  # grow
-        lo, flo, hi = hi, fhi, hi * AFFINE_GROWTH
+        lo, flo, hi = hi, fhi, hi * growth
         fhi = value(hi)
+    if lo == 0.0 and 0 < floor < hi:
+        lo = floor  # certified by the caller's other walk: its bound is not known here
     if lo == 0.0:  # shrink until something certifies
         while walks < AFFINE_WALKS // 2:
-            r = hi / AFFINE_GROWTH**2
+            r = hi / growth**2
             fr = value(r)
             if fr > 0:
                 lo, flo = r, fr
@@ -470,8 +476,17 @@ def affine_radius(om: OnnxModel, x: np.ndarray, norm: str, label: int, start: fl
             hi, fhi = r, fr
         if lo == 0.0:
             return 0.0, walks
+    return _regula_falsi(value, lo, flo, hi, fhi, lambda: walks < AFFINE_WALKS), walks
+
+
+def _regula_falsi(value: Callable[[float], float], lo: float, flo: float, hi: float,
+                  fhi: float, more: Callable[[], bool]) -> float:
+    """Narrows the bracket [lo, hi] (value(lo) = flo > 0 >= value(hi) = fhi) to a relative
+    width AFFINE_TOL by regula falsi (Illinois' variant: the end kept twice has its value
+    halved; each step inside the bracket's middle 90%; bisection where a value is not
+    finite) while `more()`; returns the certified end."""
     side = 0  # Illinois: which end was kept last (-1 lo, +1 hi)
-    while walks < AFFINE_WALKS and hi - lo > AFFINE_TOL * lo:
+    while more() and hi - lo > AFFINE_TOL * lo:
         width = hi - lo
         if math.isfinite(fhi) and math.isfinite(flo) and flo > fhi:
             r = hi - fhi * width / (fhi - flo)
@@ -489,10 +504,17 @@ def affine_radius(om: OnnxModel, x: np.ndarray, norm: str, label: int, start: fl
             if side == 1:
                 flo *= 0.5
             side = 1
-    return lo, walks
+    return lo
 
 
 AFFINE_START = 0.25  # of the first-order radius: where the affine search starts
+# the affine route's second search, with second-order symbols (affine.QUAD), on these balls
+# for graphs with attention (products of two input-dependent tensors): on the 2-ball their
+# coefficients' l1 sum is far above the quadratic forms' eigenvalue bound the plain walk
+# uses (tf1 at 0.251: margins -10.3 against +0.001), and the MLP (no such products) gains
+# nothing; it starts QUAD_GROWTH past the plain radius and steps by that factor
+QUAD_NORMS: tuple[str, ...] = ("inf",)
+QUAD_GROWTH = 1.15
 
 
 def _first_order_radius(f64: torch.nn.Module, x: np.ndarray, label: int,
@@ -678,11 +700,19 @@ def robustness(model: Any, at: np.ndarray, label: int, norm: NormName,
         # progress: the affine route's walks fill the first AFFINE_SHARE, the sweep the rest
         aff, walks = affine_radius(om, x, norm, label, max(start, 1e-12),
                                    _scaled_progress(progress, 0.0, AFFINE_SHARE))
+        attention = any(nd.op_type == "Softmax"
+                        for nd in om.module.runtime_nodes)  # type: ignore[union-attr]
+        if aff > 0 and norm in QUAD_NORMS and attention:
+            # then the walks with second-order symbols, from just past it (4x a plain walk's
+            # time; tf1's inf radius 0.0574 -> 0.065)
+            aq, wq = affine_radius(om, x, norm, label, aff * QUAD_GROWTH,
+                                   _scaled_progress(progress, AFFINE_SHARE / 2, AFFINE_SHARE),
+                                   quad=True, floor=aff, growth=QUAD_GROWTH)
+            aff, walks = max(aff, aq), walks + wq
         # attention-free graphs (no Softmax: MLPs): one sweep, the adjoint graph's constants
         # in it from the start (cheap there: the MLP's inf job 4.0 s -> 1.3 s, radius 0.0714 ->
         # 0.0709); elsewhere the enclosure's sweep first (see below)
-        one = norm in ADJOINT_NORMS and not any(
-            nd.op_type == "Softmax" for nd in om.module.runtime_nodes)  # type: ignore[union-attr]
+        one = norm in ADJOINT_NORMS and not attention
         lo, n_steps, consts = _sweep(om, x, norm, label, margins, steps,
                                      _scaled_progress(progress, AFFINE_SHARE, 1.0), aff,
                                      adjoint=one, cap=cap)

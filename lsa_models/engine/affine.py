@@ -104,8 +104,27 @@ def split_lin(x: Aff, ball: Ball) -> tuple[np.ndarray, np.ndarray]:
     p = ball.size
     li = _up(ball.eps * dual_row_norms(np.abs(x.a[..., :p]), ball.norm), 2)
     if x.a.shape[-1] > p:
+        base = QUAD.get()
+        if base is not None and ball.norm == "2" and x.a.shape[-1] > base:
+            t = quad_size(p)
+            c = x.a[..., base:base + t]
+            rest = np.abs(x.a[..., p:base]).sum(axis=-1) + \
+                np.abs(x.a[..., base + t:]).sum(axis=-1)
+            return li, _up(rest + quad_two(c, p), x.a.shape[-1] - p + 2)
         return li, _up(np.abs(x.a[..., p:]).sum(axis=-1), x.a.shape[-1] - p + 2)
     return li, np.zeros_like(li)
+
+
+def quad_two(c: np.ndarray, p: int) -> np.ndarray:
+    """On the 2-ball, >= |sum c_pq sigma_pq| for the second-order symbols' coefficients c
+    (..., P(P+1)/2): the sum is d^T Q d / eps^2 - sum_p c_pp with Q_pp = 2 c_pp,
+    Q_pq = Q_qp = c_pq / 2, and |d^T Q d| <= ||Q||_2 ||d||^2 <= ||Q||_F eps^2."""
+    iu, ju = np.triu_indices(p)
+    diag = iu == ju
+    cd = c[..., diag]
+    fro = np.sqrt(_up(4.0 * np.square(cd).sum(axis=-1)
+                      + 0.5 * np.square(c[..., ~diag]).sum(axis=-1), c.shape[-1] + 2))
+    return _up(fro * (1 + 4 * U) + np.abs(cd.sum(axis=-1)), p + 2)
 
 
 def lin(x: Aff, ball: Ball) -> np.ndarray:
@@ -252,7 +271,16 @@ def token_radius(x: Aff, ball: Ball) -> np.ndarray:
         lin_in = _up(ball.eps * (sig * (1 + 1e-12) + 64 * (p + d) * U * fro), 4)
     sig = lin_in
     sym = np.zeros_like(sig)
-    if x.a.shape[-1] > p:
+    base = QUAD.get()
+    if base is not None and ball.norm == "2" and x.a.shape[-1] > base:
+        # the second-order symbols' part by its 2-ball bound per entry (quad_two), whose
+        # root sum of squares bounds the token's; the other symbols by box_to_two
+        t = quad_size(p)
+        qe = quad_two(x.a[..., base:base + t], p)  # (..., D)
+        qn = np.sqrt(_up(np.square(qe).sum(axis=-1), d + 2)) * (1 + 4 * U)
+        rest = np.concatenate([x.a[..., p:base], x.a[..., base + t:]], axis=-1)
+        sym = _up(qn + (box_to_two(rest) if rest.shape[-1] else 0.0), 2)
+    elif x.a.shape[-1] > p:
         sym = box_to_two(x.a[..., p:])
 
     def norm2(v: np.ndarray) -> np.ndarray:

@@ -488,8 +488,21 @@ def product(x: Aff, y: Aff, ball: Ball, matmul: bool, out_c: np.ndarray | None =
     qm = None if qbase is None else _quad_matrix(x.a[..., :pp], y.a[..., :pp], matmul)
     if qm is None and matmul:
         quad = _quadratic(x.a[..., :pp], y.a[..., :pp], ball, mul(lix, liy))
-    pairs = None if qm is not None else _pairs(x, y, ball, matmul)
-    if qm is not None and qbase is not None:
+    pairs = _pairs(x, y, ball, matmul)
+    if pairs is not None:
+        # the bilinear (d, s) part on the pair symbols; the (d, d) part on the second-order
+        # symbols where they are on (its bound then 0 in the rest), else bounded there
+        zq = None if qm is None else (np.zeros(qm.shape[:-2]), np.zeros(qm.shape[:-2]))
+        a, err = _with_pairs(x, y, ball, matmul, a, pairs, quad if zq is None else zq, mul)
+        qmid = np.zeros_like(err)
+        if qm is not None and qbase is not None:
+            coef, qoff, qerr = _to_quad(qm, ball, mul(lix, liy), k)
+            t = coef.shape[-1]
+            a = _cols(a, qbase + t)
+            a[..., qbase:qbase + t] += coef
+            o = o + qoff
+            err = err + qerr + _REL * np.abs(a[..., qbase:qbase + t]).sum(axis=-1)
+    elif qm is not None and qbase is not None:
         # the input parts' product on the second-order symbols (affine.QUAD); the rest of
         # Lx Ly (input part x the symbols', symbols' x symbols') by their sizes
         coef, qoff, qerr = _to_quad(qm, ball, mul(lix, liy), k)
@@ -501,9 +514,6 @@ def product(x: Aff, y: Aff, ball: Ball, matmul: bool, out_c: np.ndarray | None =
         # (+ one rounding of every summed coefficient: 1e-12 of their sizes, far above u)
         err = qerr + mul(lix, lsy) + mul(lsx, liy) + mul(lsx, lsy) + \
             _REL * np.abs(a[..., qbase:qbase + t]).sum(axis=-1)
-    elif pairs is not None:
-        a, err = _with_pairs(x, y, ball, matmul, a, pairs, quad, mul)
-        qmid = np.zeros_like(err)
     elif quad is None and not matmul:  # the whole linear parts, symbols included
         lo, hi = _rank_one(x, y, ball, lx, ly)
         qmid = 0.5 * (lo + hi)

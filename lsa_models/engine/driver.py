@@ -147,7 +147,8 @@ def _check_eps(eps: float) -> None:
 
 def local_jacobian(model: OnnxModel, x0: np.ndarray, eps: float, norm: str,
                    telescope: bool = True, margins_of: int | None = None,
-                   halvings: int | None = None, whole: bool = True) -> LocalJacobian:
+                   halvings: int | None = None, whole: bool = True,
+                   quad: bool = False) -> LocalJacobian:
     """Enclose the output's Jacobian over `{X : ||X - X0||_norm <= eps}`. Raises
     LocalNotCertified when an op has no local rule or a range leaves an op's domain.
 
@@ -157,7 +158,8 @@ def local_jacobian(model: OnnxModel, x0: np.ndarray, eps: float, norm: str,
     telescoped remainder (`LocalJacobian.margin_jr`). `halvings`: the balls of radius
     eps 2^-L walked first (default HALVINGS); `whole=False` skips the whole output's
     factored and operator-norm bounds (`structured`, `opnorm_two`: None), for callers that
-    read only the rows and the margins (the robustness sweep)."""
+    read only the rows and the margins (the robustness sweep). `quad`: the value forms in
+    lockstep carry second-order symbols (affine.QUAD)."""
     if norm not in ("2", "inf"):
         raise ValueError(f"unknown norm {norm!r}; use '2' or 'inf'")
     _check_eps(eps)
@@ -180,7 +182,7 @@ def local_jacobian(model: OnnxModel, x0: np.ndarray, eps: float, norm: str,
     try:
         return _enclose_all(model, module, env, x, float(eps), norm, telescope, margins_of,
                             proven is not None, detail,
-                            HALVINGS if halvings is None else halvings, whole)
+                            HALVINGS if halvings is None else halvings, whole, quad)
     finally:
         PROVEN.reset(token_p)
         MARGIN.reset(token)
@@ -233,7 +235,11 @@ def margin_lower_bounds(model: OnnxModel, x0: np.ndarray, eps: float, norm: str,
         out = forms.get(model.spec.output_name)
         if out is None:
             return None
-        res = affine.margins(out, label, ball)
+        token_q = affine.QUAD.set(ball.size if quad else None)
+        try:
+            res = affine.margins(out, label, ball)
+        finally:
+            affine.QUAD.reset(token_q)
         if tail is not None and all(v is not None for v in capture.values()):
             # the final LayerNorm's product deferred past the head (deferred.py): both are
             # lower bounds of the same margins, the larger stands
@@ -256,7 +262,7 @@ def margin_lower_bounds(model: OnnxModel, x0: np.ndarray, eps: float, norm: str,
 def _enclose_all(model: OnnxModel, module: torch.nn.Module, env: dict[str, torch.Tensor],
                  x: np.ndarray, eps: float, norm: str, telescope: bool,
                  margins_of: int | None, checked: bool, detail: str, halvings: int = 1,
-                 whole: bool = True) -> LocalJacobian:
+                 whole: bool = True, quad: bool = False) -> LocalJacobian:
     ball = Ball(x, float(eps), norm)
     tight: _Telescope | None = None
     if telescope and eps > 0:
@@ -272,10 +278,10 @@ def _enclose_all(model: OnnxModel, module: torch.nn.Module, env: dict[str, torch
         for level in range(halvings, 0, -1):
             try:
                 half, _ = _walk(model, module, env, Ball(x, float(eps) * 0.5**level, norm),
-                                tight, half)
+                                tight, half, quad)
             except LocalNotCertified:
                 half = None
-    values, layers = _walk(model, module, env, ball, tight, half)
+    values, layers = _walk(model, module, env, ball, tight, half, quad)
     out = values[model.spec.output_name]
     if not isinstance(out, LocalValue):
         out = exact(np.asarray(out, dtype=np.float64), ball)
@@ -376,10 +382,11 @@ def integrated(v: LocalValue, h: LocalValue | np.ndarray | None, ball: Ball) -> 
 
 
 def _walk(model: OnnxModel, module: torch.nn.Module, env: dict[str, torch.Tensor], ball: Ball,
-          tight: _Telescope | None, half: Values | None = None
+          tight: _Telescope | None, half: Values | None = None, quad: bool = False
           ) -> tuple[Values, list[tuple[str, str, float, str]]]:
     """One pass over the input-dependent nodes in graph order; with `half` (the values on the
-    ball of half the radius), every range is also bounded by the integrated form."""
+    ball of half the radius), every range is also bounded by the integrated form; `quad`:
+    the forms in lockstep with second-order symbols (affine.QUAD)."""
     values: Values = {model.spec.input_name: input_value(ball)}
     layers: list[tuple[str, str, float, str]] = []
     chains, inside = _chains(model, module, env)
@@ -388,10 +395,14 @@ def _walk(model: OnnxModel, module: torch.nn.Module, env: dict[str, torch.Tensor
                    model.spec.output_name) if ball.eps > 0 and AFFINE else None
     if forms is not None:
         forms.forms[model.spec.input_name] = affine.input_form(ball)
-    token = affine.SPACE.set([ball.size, 0])
+    q = quad and forms is not None
+    t = affine.quad_size(ball.size) if q else 0
+    token = affine.SPACE.set([ball.size, t, t])  # the second-order symbols: reserved
+    token_q = affine.QUAD.set(ball.size if q else None)
     try:
         _walk_nodes(model, module, env, ball, tight, half, values, layers, chains, inside, forms)
     finally:
+        affine.QUAD.reset(token_q)
         affine.SPACE.reset(token)
     return values, layers
 

@@ -30,7 +30,7 @@ from ..onnx.ball import ball_bound
 from ..onnx.export import export_onnx
 from ..onnx.loading import OnnxModel, load_onnx
 from .adjoint import AdjointGraph
-from .affine import NotAffine
+from .affine import MAX_FORM_ENTRIES, NotAffine, quad_size
 from .driver import (
     Centre,
     LocalJacobian,
@@ -116,12 +116,33 @@ def _tangent_candidate(om: OnnxModel, x: np.ndarray, eps: float, norm: str) -> f
     if norm != "inf" or eps <= 0 or x.size > TANGENT_MAX_INPUT:
         return None
     try:
-        rows = TangentGraph(om, x).bound(eps)
+        # with second-order symbols where the graph has attention (its forms 1.4x the time;
+        # tf2 at 1e-2 2.853 -> 2.757, at 3e-2 14.6 -> 6.8; tf1 at 5e-2 11.0 -> 7.5)
+        rows = TangentGraph(om, x).bound(eps, quad=_use_quad(om, x))
     except (NoTangent, NotAffine, FloatingPointError, ValueError, LocalNotCertified,
             RuntimeError, KeyError, IndexError, TypeError):
         # an optional candidate: a graph it cannot take keeps the other bounds
         return None
     return None if rows is None else float(rows.max())
+
+
+def _has_attention(om: OnnxModel) -> bool:
+    """Whether the graph has a Softmax (attention)."""
+    return any(nd.op_type == "Softmax" for nd in om.module.runtime_nodes)  # type: ignore[union-attr]
+
+
+def _use_quad(om: OnnxModel, x: np.ndarray) -> bool:
+    """Whether the walks get second-order symbols (affine.QUAD): graphs with attention
+    (products of two input-dependent tensors, where they pay), while the widest tensor's form
+    with their P(P+1)/2 columns fits half the form budget (the issue's Transformers: 512 x
+    8384 entries; HF GPT-2 at P = 256 does not fit and keeps the plain walks)."""
+    if not _has_attention(om):
+        return False
+    module = om.module.with_dtype(torch.float64)
+    with torch.no_grad():
+        env = module.run_env(torch.from_numpy(x))
+    widest = max(int(t.numel()) for t in env.values() if isinstance(t, torch.Tensor))
+    return widest * (x.size + quad_size(x.size)) <= MAX_FORM_ENTRIES // 2
 
 
 ADJOINT_METHOD = ("smallest here: the adjoint graph's affine forms over the ball, one per "
@@ -201,7 +222,10 @@ def certify_local(model: Any, at: np.ndarray, eps: float, norm: NormName) -> Bou
     engine: LocalJacobian | None = None
     reason = None
     try:
-        engine = local_jacobian(om, x, eps, norm)
+        # the value forms with second-order symbols where the graph has attention (2.5x the
+        # time of a run; tf2's 2-ball at 0.1 0.800 -> 0.699, tf1's inf-ball at 3e-2 17.2 ->
+        # 12.7 before the adjoint and tangent graphs)
+        engine = local_jacobian(om, x, eps, norm, quad=_use_quad(om, x))
     except LocalNotCertified as exc:
         reason = f"local engine: {exc}"
     candidates = [] if glob.upper is None else [glob.upper]
@@ -513,7 +537,7 @@ AFFINE_START = 0.25  # of the first-order radius: where the affine search starts
 # coefficients' l1 sum is far above the quadratic forms' eigenvalue bound the plain walk
 # uses (tf1 at 0.251: margins -10.3 against +0.001), and the MLP (no such products) gains
 # nothing; it starts QUAD_GROWTH past the plain radius and steps by that factor
-QUAD_NORMS: tuple[str, ...] = ("inf",)
+QUAD_NORMS: tuple[str, ...] = ("inf", "2")
 QUAD_GROWTH = 1.15
 
 
@@ -700,9 +724,8 @@ def robustness(model: Any, at: np.ndarray, label: int, norm: NormName,
         # progress: the affine route's walks fill the first AFFINE_SHARE, the sweep the rest
         aff, walks = affine_radius(om, x, norm, label, max(start, 1e-12),
                                    _scaled_progress(progress, 0.0, AFFINE_SHARE))
-        attention = any(nd.op_type == "Softmax"
-                        for nd in om.module.runtime_nodes)  # type: ignore[union-attr]
-        if aff > 0 and norm in QUAD_NORMS and attention:
+        attention = _has_attention(om)
+        if aff > 0 and norm in QUAD_NORMS and _use_quad(om, x):
             # then the walks with second-order symbols, from just past it (4x a plain walk's
             # time; tf1's inf radius 0.0574 -> 0.065)
             aq, wq = affine_radius(om, x, norm, label, aff * QUAD_GROWTH,

@@ -459,8 +459,9 @@ class TangentGraph:
         name = self.deferred[0] if deferred and self.deferred is not None else self.output
         return env[name].detach().numpy()
 
-    def output_form(self, eps: float) -> Aff | None:
-        """The tangent output's affine form over X in the inf-ball and s in [-1, 1]^P."""
+    def output_form(self, eps: float, quad: bool = False) -> Aff | None:
+        """The tangent output's affine form over X in the inf-ball and s in [-1, 1]^P
+        (`quad`: with second-order symbols in d, affine.QUAD)."""
         ball = Ball(self.x, float(eps), "inf")
         p = ball.size
         shape = self.x.shape
@@ -484,7 +485,7 @@ class TangentGraph:
             forms = affine_rules.walk(self.nodes, self.model.spec.input_name, self.env, ball,
                                       {}, set(), self.output, everything=False,
                                       seeds={SEED: seed}, symbols=reserved, known=known,
-                                      hook=hook, capture=capture)
+                                      hook=hook, capture=capture, quad=quad)
         finally:
             PAIRS.reset(tokens[2])
             PROVEN.reset(tokens[1])
@@ -492,9 +493,9 @@ class TangentGraph:
         self._captured = capture
         return forms.get(self.output)
 
-    def bound(self, eps: float) -> np.ndarray | None:
+    def bound(self, eps: float, quad: bool = False) -> np.ndarray | None:
         """Per output entry i, an upper bound on sup ||row i of J_F(X)||_1 over the ball."""
-        f = self.output_form(eps)
+        f = self.output_form(eps, quad)
         if f is None:
             return None
         ball = Ball(self.x, float(eps), "inf")

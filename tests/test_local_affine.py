@@ -180,21 +180,31 @@ def test_affine_softmax_then_matmul_encloses_every_functional(seed: int, eps: fl
     rng = np.random.default_rng(seed)
     ball = Ball(np.zeros(P), eps, norm)
     with _symbols(ball):
-        z, fz = _source(rng, (2, 4), ball)
-        wz = rng.standard_normal((2, 4)) * scale  # logits = wz * tanh(...) * 3
-        logits = affine_rules._scale_const(z, 3 * wz, 3 * wz * z.c, np.zeros((2, 4)), ball)
-        pc = torch.softmax(torch.from_numpy(logits.c), -1).numpy()
-        try:
-            p = affine_rules.softmax(logits, -1, pc, ball, None, None)
-        except affine.NotAffine:  # wide logits at eps 0.5: the graph step takes the interval
-            assert eps >= 0.1
-            return
-        assert p.stochastic
-        tw = torch.from_numpy(3 * wz)
-        _check(lambda d: torch.softmax(tw * fz(d), -1), p, ball, rng)
-        v, fv = _source(rng, (4, 3), ball, 2.0)
-        out = affine_rules.product(p, v, ball, True)
-        _check(lambda d: torch.softmax(tw * fz(d), -1) @ fv(d), out, ball, rng)
+        softmax_then_matmul(rng, ball, scale, _check)
+
+
+Check = Callable[[Callable[[torch.Tensor], torch.Tensor], Aff, Ball, np.random.Generator],
+                 None]
+
+
+def softmax_then_matmul(rng: np.random.Generator, ball: Ball, scale: float,
+                        check: Check) -> None:
+    """Softmax of tanh logits, then its product with a value matrix, each checked."""
+    z, fz = _source(rng, (2, 4), ball)
+    wz = rng.standard_normal((2, 4)) * scale  # logits = wz * tanh(...) * 3
+    logits = affine_rules._scale_const(z, 3 * wz, 3 * wz * z.c, np.zeros((2, 4)), ball)
+    pc = torch.softmax(torch.from_numpy(logits.c), -1).numpy()
+    try:
+        p = affine_rules.softmax(logits, -1, pc, ball, None, None)
+    except affine.NotAffine:  # wide logits at eps 0.5: the graph step takes the interval
+        assert ball.eps >= 0.1
+        return
+    assert p.stochastic
+    tw = torch.from_numpy(3 * wz)
+    check(lambda d: torch.softmax(tw * fz(d), -1), p, ball, rng)
+    v, fv = _source(rng, (4, 3), ball, 2.0)
+    out = affine_rules.product(p, v, ball, True)
+    check(lambda d: torch.softmax(tw * fz(d), -1) @ fv(d), out, ball, rng)
 
 
 @settings(max_examples=300, deadline=None)
@@ -205,14 +215,20 @@ def test_affine_layernorm_encloses_every_functional(seed: int, eps: float, norm:
     rng = np.random.default_rng(seed)
     ball = Ball(np.zeros(P), eps, norm)
     with _symbols(ball):
-        x, fx = _source(rng, (2, 6), ball, 1.0)
-        x = affine_rules._scale_const(x, np.asarray(scale), scale * x.c, np.zeros((2, 6)), ball)
-        gam, beta = rng.standard_normal(6), rng.standard_normal(6)
-        tl = torch.nn.functional.layer_norm
-        tg, tb = torch.from_numpy(gam), torch.from_numpy(beta)
-        yc = tl(torch.from_numpy(x.c), (6,), tg, tb, ln_eps).numpy()
-        out = affine_rules.layernorm(x, gam, beta, ln_eps, yc, ball)
-        _check(lambda d: tl(scale * fx(d), (6,), tg, tb, ln_eps), out, ball, rng)
+        layernorm_case(rng, ball, scale, ln_eps, _check)
+
+
+def layernorm_case(rng: np.random.Generator, ball: Ball, scale: float, ln_eps: float,
+                   check: Check) -> None:
+    """LayerNorm of scaled tanh values, checked."""
+    x, fx = _source(rng, (2, 6), ball, 1.0)
+    x = affine_rules._scale_const(x, np.asarray(scale), scale * x.c, np.zeros((2, 6)), ball)
+    gam, beta = rng.standard_normal(6), rng.standard_normal(6)
+    tl = torch.nn.functional.layer_norm
+    tg, tb = torch.from_numpy(gam), torch.from_numpy(beta)
+    yc = tl(torch.from_numpy(x.c), (6,), tg, tb, ln_eps).numpy()
+    out = affine_rules.layernorm(x, gam, beta, ln_eps, yc, ball)
+    check(lambda d: tl(scale * fx(d), (6,), tg, tb, ln_eps), out, ball, rng)
 
 
 def test_affine_symbols_past_the_budget_go_to_the_box() -> None:

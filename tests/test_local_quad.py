@@ -26,7 +26,7 @@ from lsa_models.engine.local import robustness
 from lsa_models.engine.values import Ball, LocalNotCertified
 from lsa_models.onnx import OnnxModel, load_onnx
 from tests.margins import descend_margin
-from tests.test_local_affine import _points, _source
+from tests.test_local_affine import _points, _source, layernorm_case, softmax_then_matmul
 
 P = 5
 
@@ -137,20 +137,7 @@ def test_quad_softmax_then_matmul_encloses_every_functional(seed: int, eps: floa
     rng = np.random.default_rng(seed)
     ball = Ball(np.zeros(P), eps, norm)
     with _quad(ball):
-        z, fz = _source(rng, (2, 4), ball)
-        wz = rng.standard_normal((2, 4)) * scale
-        logits = affine_rules._scale_const(z, 3 * wz, 3 * wz * z.c, np.zeros((2, 4)), ball)
-        pc = torch.softmax(torch.from_numpy(logits.c), -1).numpy()
-        try:
-            p = affine_rules.softmax(logits, -1, pc, ball, None, None)
-        except affine.NotAffine:  # wide logits at eps 0.5: the graph step takes the interval
-            assert eps >= 0.1
-            return
-        tw = torch.from_numpy(3 * wz)
-        _check(lambda d: torch.softmax(tw * fz(d), -1), p, ball, rng)
-        v, fv = _source(rng, (4, 3), ball, 2.0)
-        out = affine_rules.product(p, v, ball, True)
-        _check(lambda d: torch.softmax(tw * fz(d), -1) @ fv(d), out, ball, rng)
+        softmax_then_matmul(rng, ball, scale, _check)
 
 
 @settings(max_examples=200, deadline=None)
@@ -161,14 +148,7 @@ def test_quad_layernorm_encloses_every_functional(seed: int, eps: float, norm: s
     rng = np.random.default_rng(seed)
     ball = Ball(np.zeros(P), eps, norm)
     with _quad(ball):
-        x, fx = _source(rng, (2, 6), ball, 1.0)
-        x = affine_rules._scale_const(x, np.asarray(scale), scale * x.c, np.zeros((2, 6)), ball)
-        gam, beta = rng.standard_normal(6), rng.standard_normal(6)
-        tl = torch.nn.functional.layer_norm
-        tg, tb = torch.from_numpy(gam), torch.from_numpy(beta)
-        yc = tl(torch.from_numpy(x.c), (6,), tg, tb, ln_eps).numpy()
-        out = affine_rules.layernorm(x, gam, beta, ln_eps, yc, ball)
-        _check(lambda d: tl(scale * fx(d), (6,), tg, tb, ln_eps), out, ball, rng)
+        layernorm_case(rng, ball, scale, ln_eps, _check)
 
 
 def _model(kind: str, tmp: Path) -> OnnxModel:

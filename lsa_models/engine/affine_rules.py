@@ -363,6 +363,18 @@ def _to_quad(m: np.ndarray, ball: Ball, bound: np.ndarray, k: int
     return coef, off, _up(err, p * p + 2)
 
 
+def _put_quad(a: np.ndarray, o: np.ndarray, m: np.ndarray, base: int, ball: Ball,
+              bound: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """d^T M d added to the form's linear part a (on the second-order symbols from column
+    `base`) and offset o (`_to_quad`); returns them and the error: M's rounding and one
+    rounding of every summed coefficient (1e-12 of their sizes, far above u)."""
+    coef, off, err = _to_quad(m, ball, bound, k)
+    t = coef.shape[-1]
+    a = _cols(a, base + t)
+    a[..., base:base + t] += coef
+    return a, o + off, err + _REL * np.abs(a[..., base:base + t]).sum(axis=-1)
+
+
 def _rank_one(x: Aff, y: Aff, ball: Ball, lx: np.ndarray, ly: np.ndarray
               ) -> tuple[np.ndarray, np.ndarray]:
     """An enclosure of Lx Ly = (ax . z)(ay . z) over the ball and the symbols, entrywise
@@ -496,24 +508,14 @@ def product(x: Aff, y: Aff, ball: Ball, matmul: bool, out_c: np.ndarray | None =
         a, err = _with_pairs(x, y, ball, matmul, a, pairs, quad if zq is None else zq, mul)
         qmid = np.zeros_like(err)
         if qm is not None and qbase is not None:
-            coef, qoff, qerr = _to_quad(qm, ball, mul(lix, liy), k)
-            t = coef.shape[-1]
-            a = _cols(a, qbase + t)
-            a[..., qbase:qbase + t] += coef
-            o = o + qoff
-            err = err + qerr + _REL * np.abs(a[..., qbase:qbase + t]).sum(axis=-1)
+            a, o, qerr = _put_quad(a, o, qm, qbase, ball, mul(lix, liy), k)
+            err = err + qerr
     elif qm is not None and qbase is not None:
         # the input parts' product on the second-order symbols (affine.QUAD); the rest of
         # Lx Ly (input part x the symbols', symbols' x symbols') by their sizes
-        coef, qoff, qerr = _to_quad(qm, ball, mul(lix, liy), k)
-        t = coef.shape[-1]
-        a = _cols(a, qbase + t)
-        a[..., qbase:qbase + t] += coef
-        o = o + qoff
-        qmid = np.zeros_like(qoff)
-        # (+ one rounding of every summed coefficient: 1e-12 of their sizes, far above u)
-        err = qerr + mul(lix, lsy) + mul(lsx, liy) + mul(lsx, lsy) + \
-            _REL * np.abs(a[..., qbase:qbase + t]).sum(axis=-1)
+        a, o, qerr = _put_quad(a, o, qm, qbase, ball, mul(lix, liy), k)
+        qmid = np.zeros_like(qerr)
+        err = qerr + mul(lix, lsy) + mul(lsx, liy) + mul(lsx, lsy)
     elif quad is None and not matmul:  # the whole linear parts, symbols included
         lo, hi = _rank_one(x, y, ball, lx, ly)
         qmid = 0.5 * (lo + hi)

@@ -163,12 +163,20 @@ def test_affine_product_encloses_every_functional(seed: int, eps: float, norm: s
     rng = np.random.default_rng(seed)
     ball = Ball(np.zeros(P), eps, norm)
     with _symbols(ball):
-        x, fx = _source(rng, (3, 4), ball, 2.0)
-        shape = {"mul": (3, 4), "broadcast": (3, 1), "matmul": (4, 2), "square": (3, 4)}[kind]
-        y, fy = (x, fx) if kind == "square" else _source(rng, shape, ball, 2.0)
-        matmul = kind == "matmul"
-        out = affine_rules.product(x, y, ball, matmul)
-        _check(lambda d: fx(d) @ fy(d) if matmul else fx(d) * fy(d), out, ball, rng)
+        out, fn = product_case(rng, ball, kind)
+        _check(fn, out, ball, rng)
+
+
+def product_case(rng: np.random.Generator, ball: Ball, kind: str
+                 ) -> tuple[Aff, Callable[[torch.Tensor], torch.Tensor]]:
+    """The product of two tanh forms (`kind`: mul, broadcast, matmul, square) and its exact
+    function of d."""
+    x, fx = _source(rng, (3, 4), ball, 2.0)
+    shape = {"mul": (3, 4), "broadcast": (3, 1), "matmul": (4, 2), "square": (3, 4)}[kind]
+    y, fy = (x, fx) if kind == "square" else _source(rng, shape, ball, 2.0)
+    matmul = kind == "matmul"
+    out = affine_rules.product(x, y, ball, matmul)
+    return out, (lambda d: fx(d) @ fy(d)) if matmul else (lambda d: fx(d) * fy(d))
 
 
 @settings(max_examples=300, deadline=None)

@@ -26,7 +26,14 @@ from lsa_models.engine.local import robustness
 from lsa_models.engine.values import Ball, LocalNotCertified
 from lsa_models.onnx import OnnxModel, load_onnx
 from tests.margins import descend_margin
-from tests.test_local_affine import _points, _source, layernorm_case, softmax_then_matmul
+from tests.test_local_affine import (
+    EPS,
+    NORM,
+    _points,
+    layernorm_case,
+    product_case,
+    softmax_then_matmul,
+)
 
 P = 5
 
@@ -80,10 +87,6 @@ def _check(fn: Callable[[torch.Tensor], torch.Tensor], f: Aff, ball: Ball,
             assert lo <= v <= hi, (lo, v, hi)
 
 
-EPS = st.sampled_from([1e-3, 1e-2, 1e-1, 0.5])
-NORM = st.sampled_from(["2", "inf"])
-
-
 @settings(max_examples=300, deadline=None)
 @given(seed=st.integers(0, 10**6), eps=EPS, norm=NORM,
        kind=st.sampled_from(["mul", "broadcast", "matmul", "square"]))
@@ -92,16 +95,11 @@ def test_quad_product_encloses_every_functional(seed: int, eps: float, norm: str
     rng = np.random.default_rng(seed)
     ball = Ball(np.zeros(P), eps, norm)
     with _quad(ball):
-        x, fx = _source(rng, (3, 4), ball, 2.0)
-        shape = {"mul": (3, 4), "broadcast": (3, 1), "matmul": (4, 2), "square": (3, 4)}[kind]
-        y, fy = (x, fx) if kind == "square" else _source(rng, shape, ball, 2.0)
-        matmul = kind == "matmul"
-        out = affine_rules.product(x, y, ball, matmul)
+        out, g = product_case(rng, ball, kind)
         assert out.a.shape[-1] >= P + quad_size(P)
-        _check(lambda d: fx(d) @ fy(d) if matmul else fx(d) * fy(d), out, ball, rng)
+        _check(g, out, ball, rng)
         # and a product of products: the second-order symbols of both operands
         z = affine_rules.product(out, out, ball, False)
-        g = (lambda d: fx(d) @ fy(d)) if matmul else (lambda d: fx(d) * fy(d))
         _check(lambda d: g(d) * g(d), z, ball, rng)
 
 

@@ -85,7 +85,7 @@ def test_robustness_takes_the_larger_route_and_names_it(tmp_path: Path) -> None:
     `certified_by` names it, and the affine radius's margins are positive when recomputed on
     that ball."""
     from lsa_models.engine.driver import margin_lower_bounds
-    from lsa_models.engine.local import AFFINE_TOL
+    from lsa_models.engine.local import QUAD_TOL
     om = load_onnx(export(build("tf1"), tmp_path / "tf1.onnx").read_bytes())
     x0 = center().numpy().astype(np.float64)
     f = om.module.with_dtype(torch.float64)
@@ -96,8 +96,8 @@ def test_robustness_takes_the_larger_route_and_names_it(tmp_path: Path) -> None:
     # its last search has the second-order symbols (attention on the inf-ball, session 14)
     low = margin_lower_bounds(om, x0, r.affine_radius, "inf", label, quad=True)
     assert low is not None and min(low.values()) > 0
-    # the largest to AFFINE_TOL (regula falsi, session 11): just past it a margin is spent
-    past = margin_lower_bounds(om, x0, r.affine_radius * (1 + 3 * AFFINE_TOL), "inf", label,
+    # the largest to QUAD_TOL (regula falsi, session 11): just past it a margin is spent
+    past = margin_lower_bounds(om, x0, r.affine_radius * (1 + 1.01 * QUAD_TOL), "inf", label,
                                quad=True)
     assert past is not None and min(past.values()) <= 0
     # from a quarter of the first-order radius, then from just past the plain radius: fewer

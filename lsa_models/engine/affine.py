@@ -22,6 +22,7 @@ bound the classification margins on a ball, the certified radius's second route 
 
 from __future__ import annotations
 
+import functools
 from contextvars import ContextVar
 from dataclasses import dataclass
 
@@ -115,15 +116,23 @@ def split_lin(x: Aff, ball: Ball) -> tuple[np.ndarray, np.ndarray]:
     return li, np.zeros_like(li)
 
 
+@functools.lru_cache(maxsize=8)
+def quad_cols(p: int) -> tuple[np.ndarray, np.ndarray]:
+    """For the P(P+1)/2 second-order symbols (row-major upper triangle): each one's flat
+    index p * P + q in a P x P matrix, and the positions of the diagonal ones."""
+    iu, ju = np.triu_indices(p)
+    return iu * p + ju, np.flatnonzero(iu == ju)
+
+
 def quad_two(c: np.ndarray, p: int) -> np.ndarray:
     """On the 2-ball, >= |sum c_pq sigma_pq| for the second-order symbols' coefficients c
     (..., P(P+1)/2): the sum is d^T Q d / eps^2 - sum_p c_pp with Q_pp = 2 c_pp,
-    Q_pq = Q_qp = c_pq / 2, and |d^T Q d| <= ||Q||_2 ||d||^2 <= ||Q||_F eps^2."""
-    iu, ju = np.triu_indices(p)
-    diag = iu == ju
-    cd = c[..., diag]
-    fro = np.sqrt(_up(4.0 * np.square(cd).sum(axis=-1)
-                      + 0.5 * np.square(c[..., ~diag]).sum(axis=-1), c.shape[-1] + 2))
+    Q_pq = Q_qp = c_pq / 2, and |d^T Q d| <= ||Q||_2 ||d||^2 <= ||Q||_F eps^2, where
+    ||Q||_F^2 = 4 sum c_pp^2 + 2 sum_{p<q} (c_pq / 2)^2 = 3.5 sum c_pp^2 + 0.5 sum_all c^2."""
+    cd = c[..., quad_cols(p)[1]]
+    sd = np.square(cd).sum(axis=-1)
+    sa = np.einsum("...i,...i->...", c, c)
+    fro = np.sqrt(_up(3.5 * sd + 0.5 * sa, c.shape[-1] + 2))
     return _up(fro * (1 + 4 * U) + np.abs(cd.sum(axis=-1)), p + 2)
 
 

@@ -33,6 +33,7 @@ from .affine import (
     interval,
     lin,
     narrow,
+    quad_cols,
     quad_size,
     ranges,
     select,
@@ -353,10 +354,9 @@ def _to_quad(m: np.ndarray, ball: Ball, bound: np.ndarray, k: int
     sum_j li_x li_y) plus 1e-12 of the coefficients' and offset's magnitudes (the scalings)."""
     p = m.shape[-1]
     e2 = ball.eps * ball.eps
-    iu, ju = np.triu_indices(p)
+    flat, diag = quad_cols(p)
     sym = m + np.swapaxes(m, -1, -2)  # (M_pq + M_qp); the diagonal holds 2 M_pp
-    coef = sym[..., iu, ju] * e2  # p < q: eps^2 (M_pq + M_qp)
-    diag = iu == ju
+    coef = sym.reshape(*sym.shape[:-2], p * p)[..., flat] * e2  # p < q: eps^2 (M_pq + M_qp)
     coef[..., diag] *= 0.25  # p = q: eps^2 M_pp / 2 = (eps^2 2 M_pp) / 4
     off = 0.5 * e2 * np.trace(m, axis1=-2, axis2=-1)
     err = gamma(k + 2) * bound + _REL * (np.abs(off) + np.abs(coef).sum(axis=-1))

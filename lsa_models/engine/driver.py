@@ -235,28 +235,34 @@ def margin_lower_bounds(model: OnnxModel, x0: np.ndarray, eps: float, norm: str,
         out = forms.get(model.spec.output_name)
         if out is None:
             return None
+        # the margins' ranges and the deferred head's products read the walk's second-order
+        # symbols, when it had them
         token_q = affine.QUAD.set(ball.size if quad else None)
         try:
-            res = affine.margins(out, label, ball)
+            return _margins_of_forms(nodes, model.spec.output_name, ctr.env, ball, out,
+                                     label, tail, capture)
         finally:
             affine.QUAD.reset(token_q)
-        if tail is not None and all(v is not None for v in capture.values()):
-            # the final LayerNorm's product deferred past the head (deferred.py): both are
-            # lower bounds of the same margins, the larger stands
-            # (its products on the walk's second-order symbols too, when it had them)
-            token_q = affine.QUAD.set(ball.size if quad else None)
-            try:
-                low = deferred.margins(nodes, model.spec.output_name, ctr.env, ball,
-                                       {k: v for k, v in capture.items() if v is not None},
-                                       out, label, tail)
-            except (affine.NotAffine, FloatingPointError, ValueError, RuntimeError, KeyError,
-                    IndexError, TypeError):
-                low = None  # an optional refinement: the plain margins stand
-            finally:
-                affine.QUAD.reset(token_q)
-            if low is not None:
-                res = {j: max(v, low[j]) for j, v in res.items()}
+
+
+def _margins_of_forms(nodes: list[Node], output: str, env: dict[str, torch.Tensor],
+                      ball: Ball, out: affine.Aff, label: int,
+                      tail: tuple[Node, list[Node]] | None,
+                      capture: dict[str, affine.Aff | None]) -> dict[int, float]:
+    """The margins' lower bounds from the output's form, and from the final LayerNorm's
+    product deferred past the head (deferred.py) where its input's form was captured: both
+    are lower bounds of the same margins, the larger stands."""
+    res = affine.margins(out, label, ball)
+    if tail is None or not all(v is not None for v in capture.values()):
         return res
+    try:
+        low = deferred.margins(nodes, output, env, ball,
+                               {k: v for k, v in capture.items() if v is not None},
+                               out, label, tail)
+    except (affine.NotAffine, FloatingPointError, ValueError, RuntimeError, KeyError,
+            IndexError, TypeError):
+        return res  # an optional refinement: the plain margins stand
+    return res if low is None else {j: max(v, low[j]) for j, v in res.items()}
 
 
 def _enclose_all(model: OnnxModel, module: torch.nn.Module, env: dict[str, torch.Tensor],

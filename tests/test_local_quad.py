@@ -249,9 +249,11 @@ def test_quad_robustness_radius_of_the_one_layer_transformer(tmp_path: Path) -> 
     r = robustness(om, x0, label, "inf")
     assert r.attack_radius is not None and r.certified_by == "affine"
     assert 0.58 * r.attack_radius <= r.certified_radius <= r.attack_radius
-    from lsa_models.empirical.local import _pgd
+    from lsa_models.empirical.local import _pgd, _targets
     gen = torch.Generator().manual_seed(0)
-    assert _pgd(f, torch.from_numpy(x0), label, r.certified_radius, "inf", 4, 60, gen) is None
+    c = torch.from_numpy(x0)
+    assert _pgd(f, c, label, r.certified_radius, "inf", 4, 60, gen, _targets(f, c, label)) \
+        is None
 
 
 

@@ -11,7 +11,7 @@ import torch
 from typer.testing import CliRunner
 
 from bench.local_models import build, center, export, relu_mlp
-from lsa_models.empirical.local import _pgd
+from lsa_models.empirical.local import _pgd, _targets, attack_radius
 from lsa_models.engine import driver, local, local_jacobian
 from lsa_models.engine.local import robustness
 from lsa_models.onnx import OnnxModel, load_onnx
@@ -64,8 +64,9 @@ def test_robustness_cli_json_and_bad_label(mlp_path: Path, tmp_path: Path) -> No
 @pytest.mark.parametrize("kind", ["mlp", "tf1"])
 def test_robustness_pgd_finds_no_flip_inside_the_certified_ball(
         kind: str, tmp_path: Path) -> None:
-    """PGD (margin loss, restarts) at the certified radius never flips the label (a short
-    sweep: any certified radius must hold, the best one is measured in bench/)."""
+    """PGD (margin losses, one per runner-up class, restarts) at the certified radius never
+    flips the label (a short sweep: any certified radius must hold, the best one is measured
+    in bench/)."""
     om = load_onnx(export(build(kind, seed=6), tmp_path / f"{kind}.onnx").read_bytes())
     x0 = center(8).numpy().astype(np.float64)
     f = om.module.with_dtype(torch.float64)
@@ -75,8 +76,25 @@ def test_robustness_pgd_finds_no_flip_inside_the_certified_ball(
         assert r.certified_radius > 0 and r.bisection_steps >= 2
         assert r.attack_radius is None or r.certified_radius <= r.attack_radius
         gen = torch.Generator().manual_seed(0)
-        hit = _pgd(f, torch.from_numpy(x0), label, r.certified_radius, norm, 4, 60, gen)
+        c = torch.from_numpy(x0)
+        hit = _pgd(f, c, label, r.certified_radius, norm, 4, 60, gen, _targets(f, c, label))
         assert hit is None
+
+
+def test_attack_radius_follows_a_class_the_untargeted_loss_cannot_see() -> None:
+    """Class 1 is nearest at the centre but cannot move (its logit is constant), class 2
+    flips the label once x_0 > 0.1: the untargeted max-margin loss has a zero gradient at
+    the centre (its max is class 1's), the targeted run finds the flip at the true radius."""
+    def f(x: torch.Tensor) -> torch.Tensor:
+        x0 = x.reshape(-1)[0]
+        return torch.stack([torch.ones_like(x0), 0.9 * torch.ones_like(x0), 10.0 * x0])
+    c = torch.zeros(1, 3, 2, dtype=torch.float64)
+    assert _targets(f, c, 0) == [1, 2]
+    gen = torch.Generator().manual_seed(0)
+    assert _pgd(f, c, 0, 0.105, "inf", 1, 40, gen) is None  # the untargeted loss alone
+    for norm in ("inf", "2"):
+        r = attack_radius(f, c.numpy(), 0, norm, restarts=1)
+        assert r is not None and 0.1 <= r <= 0.1 * 1.001
 
 
 def test_robustness_takes_the_larger_route_and_names_it(tmp_path: Path) -> None:

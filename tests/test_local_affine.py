@@ -444,3 +444,26 @@ def test_affine_walk_through_attention_masks_encloses_every_tensor(key: str, nor
             with torch.no_grad():
                 return module.run_env(torch.from_numpy(x0) + d.reshape(x0.shape))[name]
         _check(run, f, ball, rng, n_w=2)
+
+
+def test_split_lin_memo_matches_a_fresh_computation_and_is_read_only() -> None:
+    """split_lin's memo (keyed by the coefficient array's identity, held weakly) gives what a
+    fresh computation gives, for the same form, a form over new arrays of the same shape (ids
+    reused after a release) and another ball; its arrays cannot be written."""
+    rng = np.random.default_rng(3)
+    ball = Ball(np.zeros((2, 3)), 0.1, "inf")
+
+    def form() -> Aff:
+        a = rng.standard_normal((2, 3, 6 + 5))
+        z = np.zeros((2, 3))
+        return Aff(z, z, z, a, z)
+    for _ in range(40):  # new arrays, many at freed addresses
+        x = form()
+        for b in (ball, Ball(np.zeros((2, 3)), 0.2, "2")):
+            li, ls = affine.split_lin(x, b)
+            li0, ls0 = affine._split_lin(x, b)
+            assert np.array_equal(li, li0) and np.array_equal(ls, ls0)
+            assert affine.split_lin(x, b)[0] is li  # the memo's hit
+        with pytest.raises(ValueError):
+            li[0, 0] = 1.0
+        del x

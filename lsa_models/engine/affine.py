@@ -23,6 +23,7 @@ bound the classification margins on a ball, the certified radius's second route 
 from __future__ import annotations
 
 import functools
+import weakref
 from contextvars import ContextVar
 from dataclasses import dataclass
 
@@ -100,8 +101,30 @@ def quad_size(p: int) -> int:
     return p * (p + 1) // 2
 
 
+# split_lin's last results by the identity of the form's coefficient array (held weakly, so a
+# released form is not kept alive) and the ball: a product reads each operand's sizes twice
+# (its own and through `dev`), and the forms are never written in place. Read-only arrays.
+_LIN_MEMO: dict[tuple[int, float, str, int, int | None],
+                tuple[weakref.ref[np.ndarray], np.ndarray, np.ndarray]] = {}
+_LIN_MEMO_SIZE = 16
+
+
 def split_lin(x: Aff, ball: Ball) -> tuple[np.ndarray, np.ndarray]:
     """(>= |a_in d| over the ball, >= sum_q |a_q| over the symbols), entrywise."""
+    key = (id(x.a), float(ball.eps), ball.norm, ball.size, QUAD.get())
+    hit = _LIN_MEMO.get(key)
+    if hit is not None and hit[0]() is x.a:
+        return hit[1], hit[2]
+    li, ls = _split_lin(x, ball)
+    li.flags.writeable = False
+    ls.flags.writeable = False
+    if len(_LIN_MEMO) >= _LIN_MEMO_SIZE:
+        _LIN_MEMO.pop(next(iter(_LIN_MEMO)), None)
+    _LIN_MEMO[key] = (weakref.ref(x.a), li, ls)
+    return li, ls
+
+
+def _split_lin(x: Aff, ball: Ball) -> tuple[np.ndarray, np.ndarray]:
     p = ball.size
     li = _up(ball.eps * dual_row_norms(np.abs(x.a[..., :p]), ball.norm), 2)
     if x.a.shape[-1] > p:

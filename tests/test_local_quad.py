@@ -40,12 +40,15 @@ P = 5
 
 @contextlib.contextmanager
 def _quad(ball: Ball) -> Iterator[None]:
-    """The symbol budget of a walk with second-order symbols (affine_rules.walk(quad=True))."""
+    """The symbol budget of a walk with second-order symbols (affine_rules.walk(quad=True)),
+    the products' l1 groups recorded (affine.GROUPS, as margin_lower_bounds does)."""
     t = quad_size(ball.size)
-    tokens = (affine.SPACE.set([ball.size, t, t]), affine.QUAD.set(ball.size))
+    tokens = (affine.SPACE.set([ball.size, t, t]), affine.QUAD.set(ball.size),
+              affine.GROUPS.set([]))
     try:
         yield
     finally:
+        affine.GROUPS.reset(tokens[2])
         affine.QUAD.reset(tokens[1])
         affine.SPACE.reset(tokens[0])
 
@@ -61,14 +64,15 @@ def sigma(d: np.ndarray, eps: float) -> np.ndarray:
 
 def _range_at(f: Aff, w: np.ndarray, ball: Ball, d: np.ndarray) -> tuple[float, float]:
     """The range of w . (T(X0 + d) - T(X0)) the form gives with the input's change d and
-    the second-order symbols at their values for d; the other symbols anywhere in [-1, 1]."""
+    the second-order symbols at their values for d; the other symbols anywhere in [-1, 1]
+    within their groups' l1 budgets (affine.GROUPS, where set: `sym_sum`'s knapsack)."""
     k, p, t = f.c.size, ball.size, quad_size(ball.size)
     a = (w.reshape(k, 1) * f.a.reshape(k, -1)).sum(axis=0)
     a = np.concatenate([a, np.zeros(max(0, p + t - a.size))])
     s = sigma(d, ball.eps)
     assert np.all(np.abs(s) <= 1 + 1e-12)
     mid = float((w * f.o).sum()) + float(a[:p] @ d) + float(a[p:p + t] @ s)
-    r = float(np.abs(a[p + t:]).sum()) + float((np.abs(w) * (f.b + f.m)).sum())
+    r = float(affine.sym_sum(a[None], p + t, a.size)[0]) + float((np.abs(w) * (f.b + f.m)).sum())
     pad = 1e-11 * (abs(mid) + r + float(np.abs(a[:p + t]).sum()) * ball.eps) + 1e-14
     return mid - r - pad, mid + r + pad
 
@@ -199,18 +203,30 @@ def test_quad_walk_encloses_every_tensor_of_the_issue_transformers(kind: str,
     rng = np.random.default_rng(1)
     for norm, eps in (("inf", 0.06), ("inf", 0.12), ("2", 0.3), ("2", 0.6)):
         ball = Ball(x0, eps, norm)
-        forms = affine_rules.walk(list(module.runtime_nodes), om.spec.input_name, env, ball,
-                                  chains, inside, quad=True)
-        assert om.spec.output_name in forms
-        names = [n for n in forms if n != om.spec.input_name]
-        picked = list(rng.choice(names, 5, replace=False)) + [om.spec.output_name]
-        for name in picked:
-            f = forms[name]
+        groups: list[tuple[int, int, np.ndarray]] = []
+        token = affine.GROUPS.set(groups)  # the checks read the walk's groups
+        try:
+            _check_walk(module, om, env, x0, ball, chains, inside, rng)
+            assert groups  # the products' cross terms made some
+        finally:
+            affine.GROUPS.reset(token)
 
-            def run(d: torch.Tensor, name: str = name) -> torch.Tensor:
-                with torch.no_grad():
-                    return module.run_env(torch.from_numpy(x0) + d.reshape(x0.shape))[name]
-            _check(run, f, Ball(np.zeros(x0.size), eps, norm), rng, n_w=2)
+
+def _check_walk(module: torch.nn.Module, om: OnnxModel, env: dict[str, torch.Tensor],
+                x0: np.ndarray, ball: Ball, chains: dict, inside: set[str],
+                rng: np.random.Generator) -> None:
+    forms = affine_rules.walk(list(module.runtime_nodes), om.spec.input_name, env, ball,
+                              chains, inside, quad=True)
+    assert om.spec.output_name in forms
+    names = [n for n in forms if n != om.spec.input_name]
+    picked = list(rng.choice(names, 5, replace=False)) + [om.spec.output_name]
+    for name in picked:
+        f = forms[name]
+
+        def run(d: torch.Tensor, name: str = name) -> torch.Tensor:
+            with torch.no_grad():
+                return module.run_env(torch.from_numpy(x0) + d.reshape(x0.shape))[name]
+        _check(run, f, Ball(np.zeros(x0.size), ball.eps, ball.norm), rng, n_w=2)
 
 
 @pytest.mark.parametrize(("kind", "norm", "eps"), [("tf1", "inf", 0.065), ("tf2", "inf", 0.047),
@@ -290,3 +306,69 @@ def test_quad_lockstep_tightens_the_two_ball(transformers: dict) -> None:
     plain = local_jacobian(transformers["tf1"], x0, 0.2, "2").upper()
     quad = local_jacobian(transformers["tf1"], x0, 0.2, "2", quad=True).upper()
     assert quad < 0.85 * plain
+
+
+@settings(max_examples=300, deadline=None)
+@given(seed=st.integers(0, 10**6), eps=EPS, norm=NORM,
+       kind=st.sampled_from(["mul", "broadcast", "matmul"]), q=st.integers(0, 12))
+def test_cross_budget_bounds_the_sum_of_the_cross_terms(seed: int, eps: float, norm: str,
+                                                        kind: str, q: int) -> None:
+    """The l1 budget a product records for its cross terms (affine_rules._cross_budget) is
+    at least sum_i |Ix_i Sy_i + Sx_i Iy_i + Sx_i Sy_i| at points of the ball (extreme points
+    of the input parts' largest directions, random corners, sphere points) with the noise
+    symbols at corners of their box and the second-order ones at their values."""
+    rng = np.random.default_rng(seed)
+    ball = Ball(np.zeros(P), eps, norm)
+    t = quad_size(P)
+    shapes = {"mul": ((3, 4), (3, 4)), "broadcast": ((3, 4), (3, 1)),
+              "matmul": ((2, 3, 4), (2, 4, 2))}[kind]
+
+    def form(shape: tuple[int, ...]) -> Aff:
+        a = np.concatenate([rng.standard_normal((*shape, P)),
+                            rng.standard_normal((*shape, t)) * rng.uniform(0, 0.3),
+                            rng.standard_normal((*shape, q)) * rng.uniform(0, 2)], axis=-1)
+        z = np.zeros(shape)
+        return Aff(z, z, z, a, z)
+    with _quad(ball):
+        x, y = form(shapes[0]), form(shapes[1])
+        lix, lsx = affine.split_lin(x, ball)
+        liy, lsy = affine.split_lin(y, ball)
+        budget = affine_rules._cross_budget(x, y, lix, liy, lsx, lsy, ball, kind == "matmul")
+    mul = np.matmul if kind == "matmul" else np.multiply
+    dirs = [rng.standard_normal(P) for _ in range(2)] + \
+        [np.linalg.svd(f.a[..., :P].reshape(-1, P))[2][0] for f in (x, y)]
+    for d in _points(rng, ball, dirs):
+        s = sigma(d, eps)
+        for _ in range(4):
+            eta = rng.choice([-1.0, 1.0], size=q)
+            ix, iy = x.a[..., :P] @ d, y.a[..., :P] @ d
+            sx = x.a[..., P:P + t] @ s + x.a[..., P + t:] @ eta
+            sy = y.a[..., P:P + t] @ s + y.a[..., P + t:] @ eta
+            total = float(np.abs(mul(ix, sy) + mul(sx, iy) + mul(sx, sy)).sum())
+            assert total <= budget * (1 + 1e-9) + 1e-300, (total, budget)
+
+
+@settings(max_examples=300, deadline=None)
+@given(seed=st.integers(0, 10**6), n=st.integers(1, 9))
+def test_knapsack_is_the_largest_sum_within_the_group_budget(seed: int, n: int) -> None:
+    """affine.knapsack(c, w) = max sum c_q t_q over 0 <= t <= 1, sum w_q t_q <= 1: no
+    feasible t (random ones scaled into the budget, and all 0/1 vectors that fit) does
+    better, and the greedy t it describes is feasible and reaches it."""
+    rng = np.random.default_rng(seed)
+    c = np.abs(rng.standard_normal(n)) * np.exp(rng.uniform(-3, 3))
+    w = np.abs(rng.standard_normal(n)) * np.exp(rng.uniform(-2, 2)) + 1e-3
+    best = float(affine.knapsack(c[None], w)[0])
+    for _ in range(50):
+        tt = rng.uniform(0, 1, n)
+        tt /= max(1.0, float(w @ tt))
+        assert float(c @ tt) <= best
+    for bits in range(2 ** n):
+        tt = np.array([(bits >> i) & 1 for i in range(n)], dtype=float)
+        if float(w @ tt) <= 1:
+            assert float(c @ tt) <= best
+    order = np.argsort(-c / w)
+    tt, room = np.zeros(n), 1.0
+    for i in order:
+        tt[i] = min(1.0, room / w[i])
+        room -= tt[i] * w[i]
+    assert float(w @ tt) <= 1 + 1e-12 and best <= float(c @ tt) * (1 + 1e-9)

@@ -96,6 +96,46 @@ PAIRS: ContextVar[tuple[int, int] | None] = ContextVar("pair_symbols", default=N
 QUAD: ContextVar[int | None] = ContextVar("quad_symbols", default=None)
 
 
+# l1 groups of noise symbols (the 2-ball): an op whose errors e_i = err_i eta_i (one symbol per
+# entry, |eta_i| <= 1) also satisfy sum_i |e_i| <= S (second-order errors: Cauchy-Schwarz over
+# the whole tensor) records (first column, end column, w_i = err_i / S): the symbols then lie in
+# {|eta_i| <= 1, sum_i w_i |eta_i| <= 1}, a subset of the box, so a rule that ignores the group
+# stays sound, and sizes bound sum_i |c_i| |eta_i| over it by the fractional knapsack.
+GROUPS: ContextVar[list[tuple[int, int, np.ndarray]] | None] = ContextVar(
+    "symbol_groups", default=None)
+
+
+def knapsack(c: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """max sum_q c_q t_q over 0 <= t_q <= 1, sum_q w_q t_q <= 1 for c (..., n) >= 0, w (n,) > 0:
+    the items by c / w, largest first, the last one taken in part (an upper bound: 1e-10
+    relative added for the sums' rounding)."""
+    order = np.argsort(-(c / w), axis=-1)
+    cs = np.take_along_axis(c, order, axis=-1)
+    ws = w[order]
+    before = np.cumsum(ws, axis=-1) - ws
+    frac = np.clip((1.0 - before) / ws, 0.0, 1.0)
+    return (cs * frac).sum(axis=-1) * (1 + 1e-10)
+
+
+def sym_sum(a: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """>= sum_q |a_q| |eta_q| over columns [lo, hi): the plain sum, each whole group inside
+    the range by the smaller of its sum and its knapsack."""
+    groups = GROUPS.get()
+    hi = min(hi, a.shape[-1])
+    if not groups:
+        return np.abs(a[..., lo:hi]).sum(axis=-1)
+    total = np.zeros(a.shape[:-1])
+    cur = lo
+    for g0, g1, w in groups:
+        if g0 < cur or g1 > hi:
+            continue
+        total = total + np.abs(a[..., cur:g0]).sum(axis=-1)
+        blk = np.abs(a[..., g0:g1])
+        total = total + np.minimum(blk.sum(axis=-1), knapsack(blk, w))
+        cur = g1
+    return total + np.abs(a[..., cur:hi]).sum(axis=-1)
+
+
 def quad_size(p: int) -> int:
     """Columns of the second-order symbols for an input of p entries."""
     return p * (p + 1) // 2
@@ -104,14 +144,16 @@ def quad_size(p: int) -> int:
 # split_lin's last results by the identity of the form's coefficient array (held weakly, so a
 # released form is not kept alive) and the ball: a product reads each operand's sizes twice
 # (its own and through `dev`), and the forms are never written in place. Read-only arrays.
-_LIN_MEMO: dict[tuple[int, float, str, int, int | None],
+_LIN_MEMO: dict[tuple[int, float, str, int, int | None, tuple[int, int] | None],
                 tuple[weakref.ref[np.ndarray], np.ndarray, np.ndarray]] = {}
 _LIN_MEMO_SIZE = 16
 
 
 def split_lin(x: Aff, ball: Ball) -> tuple[np.ndarray, np.ndarray]:
     """(>= |a_in d| over the ball, >= sum_q |a_q| over the symbols), entrywise."""
-    key = (id(x.a), float(ball.eps), ball.norm, ball.size, QUAD.get())
+    groups = GROUPS.get()
+    key = (id(x.a), float(ball.eps), ball.norm, ball.size, QUAD.get(),
+           None if groups is None else (id(groups), len(groups)))
     hit = _LIN_MEMO.get(key)
     if hit is not None and hit[0]() is x.a:
         return hit[1], hit[2]
@@ -132,10 +174,9 @@ def _split_lin(x: Aff, ball: Ball) -> tuple[np.ndarray, np.ndarray]:
         if base is not None and ball.norm == "2" and x.a.shape[-1] > base:
             t = quad_size(p)
             c = x.a[..., base:base + t]
-            rest = np.abs(x.a[..., p:base]).sum(axis=-1) + \
-                np.abs(x.a[..., base + t:]).sum(axis=-1)
+            rest = sym_sum(x.a, p, base) + sym_sum(x.a, base + t, x.a.shape[-1])
             return li, _up(rest + quad_two(c, p), x.a.shape[-1] - p + 2)
-        return li, _up(np.abs(x.a[..., p:]).sum(axis=-1), x.a.shape[-1] - p + 2)
+        return li, _up(sym_sum(x.a, p, x.a.shape[-1]), x.a.shape[-1] - p + 2)
     return li, np.zeros_like(li)
 
 
@@ -176,7 +217,8 @@ def _width(*xs: Aff) -> int:
     return max(x.a.shape[-1] for x in xs)
 
 
-def fresh(a: np.ndarray, b: np.ndarray, err: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def fresh(a: np.ndarray, b: np.ndarray, err: np.ndarray, budget: float | None = None
+          ) -> tuple[np.ndarray, np.ndarray]:
     """Adds the nonnegative errors err (*S,) as new symbols to the form (a, b): one column per
     entry with err > 0 (or to the box b when the symbol budget is spent)."""
     space = SPACE.get()
@@ -192,6 +234,11 @@ def fresh(a: np.ndarray, b: np.ndarray, err: np.ndarray) -> tuple[np.ndarray, np
     out = np.zeros((b.size, w))
     out[:, :a.shape[-1]] = a.reshape(b.size, -1)
     out[nz, p + used + np.arange(nz.size)] = err.reshape(-1)[nz]
+    groups = GROUPS.get()
+    if groups is not None and budget is not None and 0 < budget < float(err.sum()):
+        # `budget` >= sum_i |e_i|: the weights rounded down keep the constraint implied
+        wts = err.reshape(-1)[nz] / budget * (1 - 1e-12)
+        groups.append((p + used, p + used + nz.size, wts))
     space[1] = used + nz.size
     return out.reshape(*b.shape, w), b
 
@@ -288,6 +335,28 @@ def margins(out: Aff, label: int, ball: Ball) -> dict[int, float]:
     return res
 
 
+def _sym_two(a: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """>= sup ||sum_q a_q eta_q||_2 per token over the symbols of columns [lo, hi) (a: (..., D,
+    Q)): `box_to_two` of them all, or where groups lie inside the range the smaller of that
+    and `box_to_two` of the other columns plus, per group, the knapsack of its columns'
+    norms (the triangle inequality: ||sum_q a_q eta_q|| <= sum_q ||a_q|| |eta_q|)."""
+    hi = min(hi, a.shape[-1])
+    if hi <= lo:
+        return np.zeros(a.shape[:-2])
+    inside = [(g0, g1, w) for g0, g1, w in GROUPS.get() or [] if lo <= g0 and g1 <= hi]
+    if not inside:
+        return box_to_two(a[..., lo:hi])
+    keep = np.ones(hi - lo, dtype=bool)
+    total = np.zeros(a.shape[:-2])
+    for g0, g1, w in inside:
+        cn = np.sqrt(_up(np.square(a[..., g0:g1]).sum(axis=-2), a.shape[-2])) * (1 + 4 * U)
+        total = total + knapsack(cn, w)
+        keep[g0 - lo:g1 - lo] = False
+    rest = a[..., lo:hi][..., keep]
+    split = _up(total + (box_to_two(rest) if rest.shape[-1] else 0.0), 2)
+    return np.minimum(box_to_two(a[..., lo:hi]), split)
+
+
 def token_radius(x: Aff, ball: Ball) -> np.ndarray:
     """A bound on ||T_t(X) - T_t(X0)||_2 per token t (the last axis), (*S[:-1], 1):
     ||o_t|| + sup ||a_in,t d|| + sup ||a_sym,t e|| + ||b_t||: on the 2-ball the first sup is
@@ -310,10 +379,9 @@ def token_radius(x: Aff, ball: Ball) -> np.ndarray:
         t = quad_size(p)
         qe = quad_two(x.a[..., base:base + t], p)  # (..., D)
         qn = np.sqrt(_up(np.square(qe).sum(axis=-1), d + 2)) * (1 + 4 * U)
-        rest = np.concatenate([x.a[..., p:base], x.a[..., base + t:]], axis=-1)
-        sym = _up(qn + (box_to_two(rest) if rest.shape[-1] else 0.0), 2)
+        sym = _up(qn + _sym_two(x.a, p, base) + _sym_two(x.a, base + t, x.a.shape[-1]), 2)
     elif x.a.shape[-1] > p:
-        sym = box_to_two(x.a[..., p:])
+        sym = _sym_two(x.a, p, x.a.shape[-1])
 
     def norm2(v: np.ndarray) -> np.ndarray:
         return np.sqrt(_up(np.square(v).sum(axis=-1), d)) * (1 + 4 * U)

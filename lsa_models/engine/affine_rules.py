@@ -14,7 +14,7 @@ import torch
 
 from ..bounds.numerics import U
 from ..onnx.ops import FLOAT_TYPES, OPS, Node, RunContext, decimal_attr
-from . import fused
+from . import affine, fused
 from .affine import (
     _REL,
     COLLAPSE,
@@ -43,7 +43,7 @@ from .affine import (
 from .internal_ops import GUARDS, RELU_GRAD
 from .primitives import _softmax_ranges, probability_ranges
 from .rules import _abs_node, linear_consts, run_tangents
-from .values import Ball, center_margin, gamma
+from .values import Ball, box_to_two, center_margin, gamma
 
 CTX = RunContext(torch.float64)
 
@@ -375,6 +375,71 @@ def _put_quad(a: np.ndarray, o: np.ndarray, m: np.ndarray, base: int, ball: Ball
     return a, o + off, err + _REL * np.abs(a[..., base:base + t]).sum(axis=-1)
 
 
+def _cross_budget(x: Aff, y: Aff, lix: np.ndarray, liy: np.ndarray, lsx: np.ndarray,
+                  lsy: np.ndarray, ball: Ball, matmul: bool) -> float:
+    """>= the sum over a product's entries of |Ix Sy + Sx Iy + Sx Sy| (I the input parts, S
+    the noise symbols' parts; |I| <= li, |S| <= ls entrywise): each of the three terms the
+    smaller of its entries' sizes summed (what the box pays) and Cauchy-Schwarz over the
+    whole (broadcast) tensors with ||I||_F <= `_input_norm` and ||S||_F <= `_symbol_norm`.
+    Elementwise: sum_i |Ix_i Sy_i| <= ||Ix|| ||Sy||. MatMul (n, k) @ (k, m):
+    sum_ij |sum_k Ix_ik Sy_kj| <= sum_ik |Ix_ik| c_k (c_k = sum_j ls_y,kj) <= sqrt(n) ||c||
+    ||Ix||, and <= sum_ij ||Ix_i:|| ||Sy_:j|| <= sqrt(n m) ||Ix|| ||Sy||; likewise the others;
+    batches by Cauchy-Schwarz once more."""
+    if matmul:
+        batch = np.broadcast_shapes(x.c.shape[:-2], y.c.shape[:-2])
+        xs = (*batch, *x.c.shape[-2:])
+        ys = (*batch, *y.c.shape[-2:])
+    else:
+        xs = ys = np.broadcast_shapes(x.c.shape, y.c.shape)
+    bx, by = np.broadcast_to(lsx, xs), np.broadcast_to(lsy, ys)
+    ix, iy = _input_norm(x, xs, ball), _input_norm(y, ys, ball)
+    sx, sy = _symbol_norm(x, xs, bx, ball), _symbol_norm(y, ys, by, ball)
+    if matmul:
+        n, m = xs[-2], ys[-1]
+        nm = math.sqrt(n * m)
+        t1 = min(float((lix @ lsy).sum()), math.sqrt(n) * _norm2(by.sum(axis=-1)) * ix,
+                 nm * ix * sy)
+        t2 = min(float((lsx @ liy).sum()), math.sqrt(m) * _norm2(bx.sum(axis=-2)) * iy,
+                 nm * sx * iy)
+        t3 = min(float((bx @ by).sum()), nm * sx * sy)
+    else:
+        t1 = min(float((lix * lsy).sum()), ix * sy)
+        t2 = min(float((lsx * liy).sum()), sx * iy)
+        t3 = min(float((bx * by).sum()), sx * sy)
+    return _up(np.asarray(t1 + t2 + t3), 4).item() * (1 + 1e-10)
+
+
+def _norm2(v: np.ndarray) -> float:
+    """>= the Frobenius norm of v."""
+    return float(np.sqrt(_up(np.square(v).sum(), v.size + 2))) * (1 + 4 * U)
+
+
+def _input_norm(f: Aff, shape: tuple[int, ...], ball: Ball) -> float:
+    """>= sup ||I(X)||_F over the ball for f's input part broadcast to `shape`: eps
+    sigma_max of its rows on the 2-ball (LAPACK's, plus 64 (n + P) u ||.||_F), eps
+    `box_to_two` on the inf-ball."""
+    p = ball.size
+    rows = np.broadcast_to(f.a[..., :p], (*shape, p)).reshape(1, -1, p)
+    if ball.norm == "inf":
+        return float(_up(ball.eps * box_to_two(rows), 2)[0])
+    fro = float(np.sqrt(np.square(rows).sum()))
+    sig = float(np.linalg.norm(rows[0], ord=2)) if rows.size else 0.0
+    return float(_up(np.asarray(ball.eps * (sig * (1 + 1e-12)
+                                            + 64 * (rows.shape[1] + p) * U * fro)), 4))
+
+
+def _symbol_norm(f: Aff, shape: tuple[int, ...], ls: np.ndarray, ball: Ball) -> float:
+    """>= sup ||S||_F for f's symbols' part broadcast to `shape`: the smaller of the root
+    sum of the entries' sizes `ls` and `affine.token_radius`'s symbol bound of the whole
+    tensor as one token."""
+    p = ball.size
+    flat = np.broadcast_to(f.a, (*shape, f.a.shape[-1])).reshape(1, -1, f.a.shape[-1])
+    z = np.zeros((1, flat.shape[1]))
+    whole = Aff(z, z, z, np.concatenate([np.zeros((1, flat.shape[1], p)), flat[..., p:]],
+                                         axis=-1), z)
+    return min(_norm2(ls), float(token_radius(whole, ball).reshape(-1)[0]))
+
+
 def _rank_one(x: Aff, y: Aff, ball: Ball, lx: np.ndarray, ly: np.ndarray
               ) -> tuple[np.ndarray, np.ndarray]:
     """An enclosure of Lx Ly = (ax . z)(ay . z) over the ball and the symbols, entrywise
@@ -495,6 +560,7 @@ def product(x: Aff, y: Aff, ball: Ball, matmul: bool, out_c: np.ndarray | None =
     aox, aoy = np.abs(x.o), np.abs(y.o)
     g = gamma(k + 3)
     quad = None
+    budget: float | None = None
     pp = ball.size
     qbase = QUAD.get()
     qm = None if qbase is None else _quad_matrix(x.a[..., :pp], y.a[..., :pp], matmul)
@@ -516,6 +582,8 @@ def product(x: Aff, y: Aff, ball: Ball, matmul: bool, out_c: np.ndarray | None =
         a, o, qerr = _put_quad(a, o, qm, qbase, ball, mul(lix, liy), k)
         qmid = np.zeros_like(qerr)
         err = qerr + mul(lix, lsy) + mul(lsx, liy) + mul(lsx, lsy)
+        if affine.GROUPS.get() is not None:
+            budget = float(qerr.sum()) + _cross_budget(x, y, lix, liy, lsx, lsy, ball, matmul)
     elif quad is None and not matmul:  # the whole linear parts, symbols included
         lo, hi = _rank_one(x, y, ball, lx, ly)
         qmid = 0.5 * (lo + hi)
@@ -535,7 +603,7 @@ def product(x: Aff, y: Aff, ball: Ball, matmul: bool, out_c: np.ndarray | None =
     b = b + g * (mul(acx + aox, ly) + mul(lx, acy + aoy) + mul(acx, aoy) + mul(aox, acy)
                  + mul(aox, aoy)) + g * np.abs(o)
     b = _up(b, k + 4)
-    a, b = fresh(a, b, _up(err, k + 4))  # Lx Ly: a symbol per output entry
+    a, b = fresh(a, b, _up(err, k + 4), budget)  # Lx Ly: a symbol per output entry
     if out_c is None:
         out_c = mul(x.c, y.c)
         out_m = _up(mul(acx, y.m) + mul(x.m, np.abs(y.c)) + mul(x.m, y.m)

@@ -214,6 +214,11 @@ class Centre:
         MARGIN.reset(self._tokens[0])
 
 
+# the affine route's products record their cross terms' l1 budgets (affine.GROUPS; session 15:
+# tf1's 2-ball radius 0.302 -> 0.317, inf 0.0658 -> 0.0666)
+SYMBOL_GROUPS = True
+
+
 def margin_lower_bounds(model: OnnxModel, x0: np.ndarray, eps: float, norm: str, label: int,
                         centre: Centre | None = None, quad: bool = False
                         ) -> dict[int, float] | None:
@@ -222,6 +227,17 @@ def margin_lower_bounds(model: OnnxModel, x0: np.ndarray, eps: float, norm: str,
     _check_eps(eps)
     x = check_center(model, x0)
     ctr = centre if centre is not None else Centre(model, x)
+    # the products' cross terms as l1 groups of symbols (affine.GROUPS) for this walk and its
+    # margins
+    token_g = affine.GROUPS.set([] if SYMBOL_GROUPS else None)
+    try:
+        return _margin_lower_bounds(model, x, eps, norm, label, ctr, quad)
+    finally:
+        affine.GROUPS.reset(token_g)
+
+
+def _margin_lower_bounds(model: OnnxModel, x: np.ndarray, eps: float, norm: str, label: int,
+                         ctr: Centre, quad: bool) -> dict[int, float] | None:
     with ctr:
         ball = Ball(x, float(eps), norm)
         chains, inside = _chains(model, ctr.module, ctr.env)
@@ -229,19 +245,22 @@ def margin_lower_bounds(model: OnnxModel, x0: np.ndarray, eps: float, norm: str,
         tail = deferred.find_tail(nodes, model.spec.output_name, ctr.env) if DEFER else None
         capture: dict[str, affine.Aff | None] = {} if tail is None else {
             tail[0].inputs[0]: None}
+        space: list[int] = []
         forms = affine_rules.walk(nodes, model.spec.input_name, ctr.env, ball, chains, inside,
                                   model.spec.output_name, everything=False, capture=capture,
-                                  quad=quad)
+                                  space=space, quad=quad)
         out = forms.get(model.spec.output_name)
         if out is None:
             return None
         # the margins' ranges and the deferred head's products read the walk's second-order
-        # symbols, when it had them
+        # symbols, when it had them; the head's errors get symbols after the walk's
         token_q = affine.QUAD.set(ball.size if quad else None)
+        token_s = affine.SPACE.set(list(space) if space else None)
         try:
             return _margins_of_forms(nodes, model.spec.output_name, ctr.env, ball, out,
                                      label, tail, capture)
         finally:
+            affine.SPACE.reset(token_s)
             affine.QUAD.reset(token_q)
 
 

@@ -467,3 +467,24 @@ def test_split_lin_memo_matches_a_fresh_computation_and_is_read_only() -> None:
         with pytest.raises(ValueError):
             li[0, 0] = 1.0
         del x
+
+
+def test_split_lin_memo_under_threads_gives_each_form_its_own_sizes() -> None:
+    """The service walks in several threads at once: split_lin from 4 threads over forms
+    made and dropped concurrently gives every one what a fresh computation gives, and no
+    thread fails on the shared memo."""
+    from concurrent.futures import ThreadPoolExecutor
+    ball = Ball(np.zeros((2, 3)), 0.1, "2")
+
+    def work(seed: int) -> bool:
+        rng = np.random.default_rng(seed)
+        for _ in range(200):
+            z = np.zeros((2, 3))
+            x = Aff(z, z, z, rng.standard_normal((2, 3, 9)), z)
+            li, ls = affine.split_lin(x, ball)
+            li0, ls0 = affine._split_lin(x, ball)
+            if not (np.array_equal(li, li0) and np.array_equal(ls, ls0)):
+                return False
+        return True
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(work, range(8)))

@@ -23,6 +23,7 @@ bound the classification margins on a ball, the certified radius's second route 
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -147,6 +148,7 @@ def quad_size(p: int) -> int:
 _LIN_MEMO: dict[tuple[int, float, str, int, int | None, tuple[int, int] | None],
                 tuple[weakref.ref[np.ndarray], np.ndarray, np.ndarray]] = {}
 _LIN_MEMO_SIZE = 16
+_LIN_LOCK = threading.Lock()  # the service walks in several threads at once
 
 
 def split_lin(x: Aff, ball: Ball) -> tuple[np.ndarray, np.ndarray]:
@@ -154,15 +156,17 @@ def split_lin(x: Aff, ball: Ball) -> tuple[np.ndarray, np.ndarray]:
     groups = GROUPS.get()
     key = (id(x.a), float(ball.eps), ball.norm, ball.size, QUAD.get(),
            None if groups is None else (id(groups), len(groups)))
-    hit = _LIN_MEMO.get(key)
+    with _LIN_LOCK:
+        hit = _LIN_MEMO.get(key)
     if hit is not None and hit[0]() is x.a:
         return hit[1], hit[2]
     li, ls = _split_lin(x, ball)
     li.flags.writeable = False
     ls.flags.writeable = False
-    if len(_LIN_MEMO) >= _LIN_MEMO_SIZE:
-        _LIN_MEMO.pop(next(iter(_LIN_MEMO)), None)
-    _LIN_MEMO[key] = (weakref.ref(x.a), li, ls)
+    with _LIN_LOCK:
+        if len(_LIN_MEMO) >= _LIN_MEMO_SIZE:
+            _LIN_MEMO.pop(next(iter(_LIN_MEMO)), None)
+        _LIN_MEMO[key] = (weakref.ref(x.a), li, ls)
     return li, ls
 
 

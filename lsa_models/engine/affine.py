@@ -97,7 +97,8 @@ PAIRS: ContextVar[tuple[int, int] | None] = ContextVar("pair_symbols", default=N
 QUAD: ContextVar[int | None] = ContextVar("quad_symbols", default=None)
 
 
-# l1 groups of noise symbols (the 2-ball): an op whose errors e_i = err_i eta_i (one symbol per
+# l1 groups of noise symbols (session 15; the products of the second-order walks, set by
+# driver.margin_lower_bounds, either ball): an op whose errors e_i = err_i eta_i (one symbol per
 # entry, |eta_i| <= 1) also satisfy sum_i |e_i| <= S (second-order errors: Cauchy-Schwarz over
 # the whole tensor) records (first column, end column, w_i = err_i / S): the symbols then lie in
 # {|eta_i| <= 1, sum_i w_i |eta_i| <= 1}, a subset of the box, so a rule that ignores the group

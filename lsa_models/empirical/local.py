@@ -149,9 +149,10 @@ def _pgd(f: Callable[[Tensor], Tensor], c: Tensor, label: int, r: float, norm: s
     """A point of the ball of radius r around c where the label is flipped, or None. The first
     run (from the centre) goes once per target (`_targets`; default: the untargeted loss
     alone), the random restarts on the first target only."""
+    runs = targets or [None]
     for k in range(restarts):
         # every target from the centre; the random restarts on the nearest one only
-        for target in (targets or [None]) if k == 0 else (targets or [None])[:1]:
+        for target in runs if k == 0 else runs[:1]:
             if k == 0:
                 x = c.clone()
             elif norm == "inf":

@@ -362,33 +362,42 @@ def _sym_two(a: np.ndarray, lo: int, hi: int) -> np.ndarray:
     return np.minimum(box_to_two(a[..., lo:hi]), split)
 
 
+def input_radius(ain: np.ndarray, ball: Ball) -> np.ndarray:
+    """>= sup ||ain d||_2 over the ball for every (..., D, P) block: eps sigma_max(ain) on the
+    2-ball (LAPACK's SVD, exact for a matrix within c P u ||A||_F: 64 (P + D) u ||A||_F added),
+    eps `box_to_two(ain)` on the inf-ball (d in eps [-1, 1]^P)."""
+    d, p = ain.shape[-2], ain.shape[-1]
+    if ball.norm == "inf":
+        return _up(ball.eps * box_to_two(ain), 2)
+    sig = np.linalg.norm(ain, ord=2, axis=(-2, -1))
+    fro = np.sqrt(np.square(ain).sum(axis=(-2, -1)))
+    return _up(ball.eps * (sig * (1 + 1e-12) + 64 * (p + d) * U * fro), 4)
+
+
+def symbol_radius(a: np.ndarray, ball: Ball) -> np.ndarray:
+    """>= sup ||a_sym e||_2 over the symbols (columns P on) for every (..., D, Q) block: on the
+    2-ball the second-order symbols' part by its bound per entry (quad_two), whose root sum of
+    squares bounds the block's; the other symbols by `_sym_two` (box_to_two, the groups)."""
+    d, p = a.shape[-2], ball.size
+    base = QUAD.get()
+    if base is not None and ball.norm == "2" and a.shape[-1] > base:
+        t = quad_size(p)
+        qe = quad_two(a[..., base:base + t], p)  # (..., D)
+        qn = np.sqrt(_up(np.square(qe).sum(axis=-1), d + 2)) * (1 + 4 * U)
+        return _up(qn + _sym_two(a, p, base) + _sym_two(a, base + t, a.shape[-1]), 2)
+    if a.shape[-1] > p:
+        return _sym_two(a, p, a.shape[-1])
+    return np.zeros(a.shape[:-2])
+
+
 def token_radius(x: Aff, ball: Ball) -> np.ndarray:
     """A bound on ||T_t(X) - T_t(X0)||_2 per token t (the last axis), (*S[:-1], 1):
-    ||o_t|| + sup ||a_in,t d|| + sup ||a_sym,t e|| + ||b_t||: on the 2-ball the first sup is
-    eps sigma_max(a_in,t) (LAPACK's SVD, exact for a matrix within c P u ||A||_F: 64 P u ||A||_F
-    added), on the inf-ball eps `box_to_two(a_in,t)`; the symbols' by `values.box_to_two`."""
-    d, p = x.shape[-1], ball.size
-    ain = x.a[..., :p]  # (..., D, P)
-    if ball.norm == "inf":  # d in eps [-1, 1]^P: the box's bound
-        lin_in = _up(ball.eps * box_to_two(ain), 2)
-    else:
-        sig = np.linalg.norm(ain, ord=2, axis=(-2, -1))
-        fro = np.sqrt(np.square(ain).sum(axis=(-2, -1)))
-        lin_in = _up(ball.eps * (sig * (1 + 1e-12) + 64 * (p + d) * U * fro), 4)
-    sig = lin_in
-    sym = np.zeros_like(sig)
-    base = QUAD.get()
-    if base is not None and ball.norm == "2" and x.a.shape[-1] > base:
-        # the second-order symbols' part by its 2-ball bound per entry (quad_two), whose
-        # root sum of squares bounds the token's; the other symbols by box_to_two
-        t = quad_size(p)
-        qe = quad_two(x.a[..., base:base + t], p)  # (..., D)
-        qn = np.sqrt(_up(np.square(qe).sum(axis=-1), d + 2)) * (1 + 4 * U)
-        sym = _up(qn + _sym_two(x.a, p, base) + _sym_two(x.a, base + t, x.a.shape[-1]), 2)
-    elif x.a.shape[-1] > p:
-        sym = _sym_two(x.a, p, x.a.shape[-1])
+    ||o_t|| + sup ||a_in,t d|| (`input_radius`) + sup ||a_sym,t e|| (`symbol_radius`) +
+    ||b_t||."""
+    d = x.shape[-1]
 
     def norm2(v: np.ndarray) -> np.ndarray:
         return np.sqrt(_up(np.square(v).sum(axis=-1), d)) * (1 + 4 * U)
-    out = _up(norm2(x.o) + lin_in + sym + norm2(x.b), 4)
+    out = _up(norm2(x.o) + input_radius(x.a[..., :ball.size], ball)
+              + symbol_radius(x.a, ball) + norm2(x.b), 4)
     return out[..., None]

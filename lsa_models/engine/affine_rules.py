@@ -14,10 +14,11 @@ import torch
 
 from ..bounds.numerics import U
 from ..onnx.ops import FLOAT_TYPES, OPS, Node, RunContext, decimal_attr
-from . import affine, fused
+from . import fused
 from .affine import (
     _REL,
     COLLAPSE,
+    GROUPS,
     PAIRS,
     QUAD,
     SPACE,
@@ -30,6 +31,7 @@ from .affine import (
     dev,
     fresh,
     input_form,
+    input_radius,
     interval,
     lin,
     narrow,
@@ -38,12 +40,13 @@ from .affine import (
     ranges,
     select,
     split_lin,
+    symbol_radius,
     token_radius,
 )
 from .internal_ops import GUARDS, RELU_GRAD
 from .primitives import _softmax_ranges, probability_ranges
 from .rules import _abs_node, linear_consts, run_tangents
-from .values import Ball, box_to_two, center_margin, gamma
+from .values import Ball, center_margin, gamma
 
 CTX = RunContext(torch.float64)
 
@@ -415,29 +418,19 @@ def _norm2(v: np.ndarray) -> float:
 
 
 def _input_norm(f: Aff, shape: tuple[int, ...], ball: Ball) -> float:
-    """>= sup ||I(X)||_F over the ball for f's input part broadcast to `shape`: eps
-    sigma_max of its rows on the 2-ball (LAPACK's, plus 64 (n + P) u ||.||_F), eps
-    `box_to_two` on the inf-ball."""
+    """>= sup ||I(X)||_F over the ball for f's input part broadcast to `shape`
+    (`affine.input_radius` of all its rows as one block)."""
     p = ball.size
     rows = np.broadcast_to(f.a[..., :p], (*shape, p)).reshape(1, -1, p)
-    if ball.norm == "inf":
-        return float(_up(ball.eps * box_to_two(rows), 2)[0])
-    fro = float(np.sqrt(np.square(rows).sum()))
-    sig = float(np.linalg.norm(rows[0], ord=2)) if rows.size else 0.0
-    return float(_up(np.asarray(ball.eps * (sig * (1 + 1e-12)
-                                            + 64 * (rows.shape[1] + p) * U * fro)), 4))
+    return float(input_radius(rows, ball)[0])
 
 
 def _symbol_norm(f: Aff, shape: tuple[int, ...], ls: np.ndarray, ball: Ball) -> float:
     """>= sup ||S||_F for f's symbols' part broadcast to `shape`: the smaller of the root
-    sum of the entries' sizes `ls` and `affine.token_radius`'s symbol bound of the whole
-    tensor as one token."""
-    p = ball.size
+    sum of the entries' sizes `ls` and `affine.symbol_radius` of the whole tensor as one
+    block."""
     flat = np.broadcast_to(f.a, (*shape, f.a.shape[-1])).reshape(1, -1, f.a.shape[-1])
-    z = np.zeros((1, flat.shape[1]))
-    whole = Aff(z, z, z, np.concatenate([np.zeros((1, flat.shape[1], p)), flat[..., p:]],
-                                         axis=-1), z)
-    return min(_norm2(ls), float(token_radius(whole, ball).reshape(-1)[0]))
+    return min(_norm2(ls), float(symbol_radius(flat, ball)[0]))
 
 
 def _rank_one(x: Aff, y: Aff, ball: Ball, lx: np.ndarray, ly: np.ndarray
@@ -582,7 +575,7 @@ def product(x: Aff, y: Aff, ball: Ball, matmul: bool, out_c: np.ndarray | None =
         a, o, qerr = _put_quad(a, o, qm, qbase, ball, mul(lix, liy), k)
         qmid = np.zeros_like(qerr)
         err = qerr + mul(lix, lsy) + mul(lsx, liy) + mul(lsx, lsy)
-        if affine.GROUPS.get() is not None:
+        if GROUPS.get() is not None:
             budget = float(qerr.sum()) + _cross_budget(x, y, lix, liy, lsx, lsy, ball, matmul)
     elif quad is None and not matmul:  # the whole linear parts, symbols included
         lo, hi = _rank_one(x, y, ball, lx, ly)

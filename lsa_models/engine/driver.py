@@ -215,7 +215,7 @@ class Centre:
 
 
 # the affine route's products record their cross terms' l1 budgets (affine.GROUPS; session 15:
-# tf1's 2-ball radius 0.302 -> 0.317, inf 0.0658 -> 0.0666)
+# tf1's 2-ball radius 0.302 -> 0.318, inf 0.0658 -> 0.0665)
 SYMBOL_GROUPS = True
 
 

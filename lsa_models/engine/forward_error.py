@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from ..onnx.ops import OPS, Node, RunContext, decimal_attr
+from . import forward_ball
 from .internal_ops import GUARDS, RELU_GRAD
 from .layernorm import _bounds_of_s, jacobian_ranges
 from .primitives import _softmax_ranges, value_range
@@ -200,11 +201,57 @@ def check(nodes: list[Node], input_name: str, x: np.ndarray,
           env: dict[str, torch.Tensor], errors: dict[str, np.ndarray] | None = None
           ) -> tuple[float | None, str]:
     """(m, detail): the smallest margin m with |T(X0) - c_T| <= m |c_T| + m max|c_T| proven
-    for every input-dependent tensor T (at least FORWARD_MARGIN), or None when an op has no
-    forward-error rule (then the engine keeps FORWARD_MARGIN as a stated assumption).
-    `errors`, when given, receives every tensor's proven entrywise error."""
-    iv: dict[str, Iv] = {input_name: (x, x)}
+    for every input-dependent tensor T (at least FORWARD_MARGIN), or None when neither the
+    interval evaluation nor the ball arithmetic (forward_ball.py) has a rule for every op
+    (then the engine keeps FORWARD_MARGIN as a stated assumption). Where the interval bound
+    is above BALL_BELOW, the ball arithmetic's is computed too and the smaller one kept per
+    entry. `errors`, when given, receives every tensor's proven entrywise error."""
+    errs, why = _interval_errors(nodes, input_name, x, env)
+    how = "op by op"
+    if errs is None or _need(errs, env) > BALL_BELOW:
+        balls = forward_ball.errors(nodes, input_name, x, env)
+        if balls is not None and (errs is None or set(errs) <= set(balls)):
+            # both are proven: the smaller per entry
+            errs = {n: e if errs is None else np.minimum(e, errs.get(n, e))
+                    for n, e in balls.items()}
+            how = "by ball arithmetic"
+    if errs is None:
+        return None, why
+    need = _need(errs, env)
+    if errors is not None:
+        errors.update({n: e * (1 + 1e-9) + 1e-300 for n, e in errs.items()})
+    if need > PROVEN_CAP:
+        return None, (f"the interval bound on the forward error ({need:.3g} relative) is too "
+                      f"wide to use; FORWARD_MARGIN {FORWARD_MARGIN:g} is assumed")
+    return need, f"forward error proven {how}: margin {need:.3g}"
+
+
+# the interval bound's relative forward error above which the ball arithmetic runs as well
+# (the issue-15 classifiers: below it; x-transformers' 4 sublayers: 0.085)
+BALL_BELOW = 1e-12
+
+
+def _need(errs: dict[str, np.ndarray], env: dict[str, torch.Tensor]) -> float:
+    """The smallest m with every err <= m |c| + m max|c| (at least FORWARD_MARGIN)."""
     need = max(FORWARD_MARGIN, FORWARD_FLOOR)
+    for name, err in errs.items():
+        c = env[name].detach().numpy()
+        if c.size:
+            # (an all-zero tensor, a tangent at the centre (tangent.py), has errors of the
+            # order of the TINY paddings only: 1e-280 keeps them out of the relative margin)
+            cf = np.abs(np.where(np.isneginf(c) & (err == 0), 0.0, c))
+            need = max(need, float(np.max(err / (cf + float(np.max(cf)) + 1e-280)))
+                       * (1 + 1e-6))
+    return need
+
+
+def _interval_errors(nodes: list[Node], input_name: str, x: np.ndarray,
+                     env: dict[str, torch.Tensor]
+                     ) -> tuple[dict[str, np.ndarray] | None, str]:
+    """Every input-dependent tensor's entrywise error bound by one interval evaluation at
+    X0, or (None, why)."""
+    iv: dict[str, Iv] = {input_name: (x, x)}
+    errs: dict[str, np.ndarray] = {}
     for node in nodes:
         if node.op_type in ("Shape", "Size") or not any(a in iv for a in node.inputs if a):
             continue
@@ -228,16 +275,6 @@ def check(nodes: list[Node], input_name: str, x: np.ndarray,
             err = np.where(exact, 0.0, np.maximum(out[1] - c, c - out[0]))
         if not np.all(np.isfinite(err)):
             return None, f"{node.op_type} node {node.name}: the forward error is not finite"
-        if c.size:
-            # (an all-zero tensor, a tangent at the centre (tangent.py), has errors of the
-            # order of the TINY paddings only: 1e-280 keeps them out of the relative margin)
-            cf = np.abs(np.where(exact, 0.0, c))
-            need = max(need, float(np.max(err / (cf + float(np.max(cf)) + 1e-280)))
-                       * (1 + 1e-6))
-        if errors is not None:
-            errors[name] = err * (1 + 1e-9) + 1e-300
+        errs[name] = err
         iv[name] = (np.minimum(out[0], c), np.maximum(out[1], c))
-    if need > PROVEN_CAP:
-        return None, (f"the interval bound on the forward error ({need:.3g} relative) is too "
-                      f"wide to use; FORWARD_MARGIN {FORWARD_MARGIN:g} is assumed")
-    return need, f"forward error proven op by op: margin {need:.3g}"
+    return errs, ""

@@ -149,11 +149,39 @@ def test_sweep_stops_once_it_cannot_pass_the_other_routes_radius(mlp_path: Path)
                if j != label}
     full, runs_full, _ = _sweep(om, x0, "inf", label, margins, 30)
     # a floor past the first-order radius: the probe at 0.75 of it spends a margin at once
-    cut, runs_cut, _ = _sweep(om, x0, "inf", label, margins, 30, floor=10.0)
-    assert (cut, runs_cut) == (0.0, 2) and runs_full > 2
+    flags: list[bool] = []
+    cut, runs_cut, _ = _sweep(om, x0, "inf", label, margins, 30, floor=10.0, cut=flags)
+    assert (cut, runs_cut) == (0.0, 2) and runs_full > 2 and flags == [True]
     # a floor below every piece: the probe costs one run, the radius is the same
-    same, runs_same, _ = _sweep(om, x0, "inf", label, margins, 30, floor=1e-9)
-    assert (same, runs_same) == (full, runs_full + 1)
+    flags = []
+    same, runs_same, _ = _sweep(om, x0, "inf", label, margins, 30, floor=1e-9, cut=flags)
+    assert (same, runs_same) == (full, runs_full + 1) and flags == []
+
+
+def test_robustness_skips_the_adjoint_sweep_after_a_cut_off_one(
+        mlp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a graph with attention the inf-ball's enclosure sweep runs first and the adjoint
+    graph's sweep after it, unless the first one stopped because it cannot pass the affine
+    radius (x-transformers' 4 sublayers: ~50 s per enclosure run, and the second sweep, which
+    also stops there, doubled the job)."""
+    om = load_onnx(mlp_path.read_bytes())
+    x0 = center(5).numpy().astype(np.float64)
+    label = int(om.module.with_dtype(torch.float64)(torch.from_numpy(x0)).argmax())
+    monkeypatch.setattr(local, "_has_attention", lambda om: True)
+    monkeypatch.setattr(local, "_use_quad", lambda om, x: False)
+    monkeypatch.setattr(local, "affine_radius", lambda *a, **k: (0.02, 3))
+    for stop, calls in ((True, 1), (False, 2)):
+        seen: list[float] = []
+
+        def fake(*a: object, cut: list[bool] | None = None, stop: bool = stop,
+                 seen: list[float] = seen, **k: object) -> tuple[float, int, dict]:
+            seen.append(1.0)
+            if cut is not None and stop:
+                cut.append(True)
+            return 0.01, 3, {}
+        monkeypatch.setattr(local, "_sweep", fake)
+        r = robustness(om, x0, label, "inf")
+        assert len(seen) == calls and r.certified_radius == 0.02 and r.certified_by == "affine"
 
 
 def test_sweep_near_a_decision_boundary_takes_few_pieces_and_stops_at_the_attack(

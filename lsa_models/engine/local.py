@@ -562,8 +562,8 @@ def _first_order_radius(f64: torch.nn.Module, x: np.ndarray, label: int,
 
 def _sweep(om: OnnxModel, x: np.ndarray, norm: str, label: int, margins: dict[int, float],
            steps: int, progress: Callable[[str, float], None] | None = None,
-           floor: float = 0.0, adjoint: bool = True, cap: float = math.inf
-           ) -> tuple[float, int, dict[int, float]]:
+           floor: float = 0.0, adjoint: bool = True, cap: float = math.inf,
+           cut: list[bool] | None = None) -> tuple[float, int, dict[int, float]]:
     """The certified radius by the integrated mean value theorem (docs/local-bounds.md,
     "Certified robustness radius"): for radii 0 = rho_0 < rho_1 < ... and X with
     ||X - X0|| <= rho_n, every point of the segment at distance in (rho_{i-1}, rho_i] lies in
@@ -574,7 +574,8 @@ def _sweep(om: OnnxModel, x: np.ndarray, norm: str, label: int, margins: dict[in
     SWEEP_SHRINK as wide. Returns (radius, engine runs, L at the last certified piece).
     `floor`: a radius certified otherwise (reported in the progress as certified so far);
     `cap`: a radius known to flip the label (the attack's): the sweep stops within
-    SWEEP_CAP_TOL of it."""
+    SWEEP_CAP_TOL of it. `cut`, when given, gets True appended where the sweep stopped
+    because it cannot pass `floor`."""
     turns = _EnclosureTurns()
     c0 = _constants_at(om, x, 0.0, norm, label, turns, adjoint)
     _tick(progress, 1, steps, floor)
@@ -592,7 +593,7 @@ def _sweep(om: OnnxModel, x: np.ndarray, norm: str, label: int, margins: dict[in
         _tick(progress, 2, steps, floor)
         if cp is not None and any(margins[j] <= (1 - SWEEP_PROBE) * floor * cp[j]
                                   for j in cp):
-            _stopped(progress, floor)
+            _stopped(progress, floor, cut)
             return 0.0, 2, {}
         probe = None if cp is None else (SWEEP_PROBE * floor, cp)
     first = min(margins[j] / max(c0[j], 1e-300) for j in c0)
@@ -647,7 +648,7 @@ def _sweep(om: OnnxModel, x: np.ndarray, norm: str, label: int, margins: dict[in
             # the margins left carry the sweep at most this far at the constants of the last
             # certified ball, and the constants grow with the radius: it will not pass the
             # other route's radius (a cutoff for time only: either radius is sound)
-            _stopped(progress, max(best, floor))
+            _stopped(progress, max(best, floor), cut)
             break
     return best, runs, consts
 
@@ -683,7 +684,10 @@ def _predicted_width(prev: float, last_ok: dict[int, float],
     return lo * SWEEP_PREDICT if lo > 0 else None
 
 
-def _stopped(progress: Callable[[str, float], None] | None, certified: float) -> None:
+def _stopped(progress: Callable[[str, float], None] | None, certified: float,
+             cut: list[bool] | None = None) -> None:
+    if cut is not None:
+        cut.append(True)
     if progress is not None:
         progress(f"radius sweep stopped: it cannot pass the affine radius, certified "
                  f"{certified:.3g}", 1.0)
@@ -743,10 +747,12 @@ def robustness(model: Any, at: np.ndarray, label: int, norm: NormName,
         # in it from the start (cheap there: the MLP's inf job 4.0 s -> 1.3 s, radius 0.0714 ->
         # 0.0709); elsewhere the enclosure's sweep first (see below)
         one = norm in ADJOINT_NORMS and not attention
+        cut: list[bool] = []
         lo, n_steps, consts = _sweep(om, x, norm, label, margins, steps,
                                      _scaled_progress(progress, AFFINE_SHARE, 1.0), aff,
-                                     adjoint=one, cap=cap)
-        if 0 < lo < cap * (1 - SWEEP_CAP_TOL) and norm in ADJOINT_NORMS and not one:
+                                     adjoint=one, cap=cap, cut=cut)
+        if 0 < lo < cap * (1 - SWEEP_CAP_TOL) and norm in ADJOINT_NORMS and not one \
+                and not cut:
             # the sweep again with the adjoint graph's constants too, where the enclosure's
             # sweep was not cut off by the affine radius (a choice of time: on tf1's inf-ball
             # the enclosure's sweep stops at its probe in 2 runs, and the adjoint's would

@@ -120,6 +120,29 @@ def test_forward_ball_computes_each_ops_function(tmp_path: Path) -> None:
     assert need is not None and need < 1e-8, detail
 
 
+def test_forward_ball_takes_einsum_as_written() -> None:
+    """An Einsum of the input with a constant and of the result with itself (hand-written
+    ONNX: torch's exporters spell most einsums as MatMuls): within rounding of the runtime."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = np.random.default_rng(0).standard_normal((4, 5)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Einsum", ["x", "w"], ["h"], equation="bnd,de->bne"),
+         helper.make_node("Einsum", ["h", "h"], ["s"], equation="bne,bme->bnm"),
+         helper.make_node("Tanh", ["s"], ["y"])],
+        "einsum", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3, 3])],
+        [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    om = load_onnx(model.SerializeToString(), "einsum.onnx")
+    x = np.random.default_rng(1).standard_normal((1, 3, 4))
+    nodes, env = _env(om, x)
+    errs = forward_ball.errors(nodes, om.spec.input_name, x, env)
+    assert errs is not None and set(errs) >= {"h", "s", "y"}
+    for name, e in errs.items():
+        assert float(e.max()) <= 1e-13 * (1.0 + float(env[name].abs().max())), name
+
+
 def test_forward_error_proves_the_x_transformers_margin() -> None:
     """x-transformers' pre-norm encoder (4 sublayers, D = 32): the interval evaluation's bound
     is 0.085 relative, too wide to use; the balls prove the float64 pass within 1e-9."""

@@ -210,6 +210,11 @@ def _node(arb: Any, node: Node, vals: dict[str, Balls], env: dict[str, torch.Ten
         return [np.asarray(np.matmul(ball(args[0]), ball(args[1])), dtype=object)]
     if t == "Gemm":
         return [_gemm(arb, node, ball)]
+    if t == "Einsum":  # ONNX's equations are numpy's (letters, "->", "...")
+        eq = node.attrs.get("equation", b"")
+        eq = eq.decode() if isinstance(eq, bytes) else str(eq)
+        return [np.asarray(np.einsum(eq.replace(" ", ""), *[ball(a) for a in args]),
+                           dtype=object)]
     if t == "Conv" and fixed:
         return [_conv(arb, node, ball(args[0]), const(args[1]),
                       const(args[2]) if len(args) > 2 and args[2] else None)]

@@ -21,7 +21,6 @@ forward_error.check keeps the smaller one per entry.
 
 from __future__ import annotations
 
-import math
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -203,7 +202,7 @@ def _node(arb: Any, node: Node, vals: dict[str, Balls], env: dict[str, torch.Ten
     t, args = node.op_type, node.inputs
     fixed = all(a not in vals for a in args[1:] if a)  # every input past the first constant
     if t in _LAYOUT or (t == "Cast" and const(node.outputs[0]).dtype == np.float64):
-        return _layout(node, vals, env, const)
+        return _layout(node, vals, env, ball)
     if t in ("Add", "Sub", "Mul", "Div"):
         a, b = ball(args[0]), ball(args[1])
         res = a + b if t == "Add" else a - b if t == "Sub" else a * b if t == "Mul" else a / b
@@ -218,8 +217,8 @@ def _node(arb: Any, node: Node, vals: dict[str, Balls], env: dict[str, torch.Ten
         return [np.asarray(np.einsum(eq.replace(" ", ""), *[ball(a) for a in args]),
                            dtype=object)]
     if t == "Conv" and fixed:
-        return [_conv(arb, node, ball(args[0]), const(args[1]),
-                      const(args[2]) if len(args) > 2 and args[2] else None)]
+        return [_conv(arb, node, ball(args[0]), ball(args[1]),
+                      ball(args[2]) if len(args) > 2 and args[2] else None)]
     if t in ("ReduceMean", "ReduceSum"):
         return [_reduce(arb, node, ball(args[0]), const)]
     if t == "Where" and args[0] not in vals:
@@ -291,7 +290,7 @@ def _layernorm(arb: Any, node: Node, ball: Callable[[str], Balls]) -> Balls:
     return np.asarray(y, dtype=object)
 
 
-def _conv(arb: Any, node: Node, x: Balls, w: np.ndarray, b: np.ndarray | None) -> Balls:
+def _conv(arb: Any, node: Node, x: Balls, w: Balls, b: Balls | None) -> Balls:
     """A 2-D convolution with constant kernel and bias (one group): the input's patches
     gathered by their indices (torch's unfold of an index image; padding reads a zero),
     times the kernel as a matrix."""
@@ -311,17 +310,16 @@ def _conv(arb: Any, node: Node, x: Balls, w: np.ndarray, b: np.ndarray | None) -
                                       padding=(pads[0], pads[1]), stride=tuple(st))
     flat = np.concatenate([np.asarray([arb(0)], dtype=object), x.reshape(-1)])
     patches = flat[cols.numpy().astype(np.int64)]  # (N, C kh kw, L)
-    k = np.frompyfunc(_exact, 1, 1)(w.reshape(w.shape[0], -1))  # (O, C kh kw)
-    y = np.matmul(k, patches)  # (N, O, L)
+    y = np.matmul(w.reshape(w.shape[0], -1), patches)  # (O, C kh kw) @ -> (N, O, L)
     if b is not None:
-        y = y + np.frompyfunc(_exact, 1, 1)(b)[None, :, None]
+        y = y + b[None, :, None]
     oh = (h + 2 * pads[0] - dl[0] * (kh - 1) - 1) // st[0] + 1
     ow = (wd + 2 * pads[1] - dl[1] * (kw - 1) - 1) // st[1] + 1
     return np.asarray(y, dtype=object).reshape(n, w.shape[0], oh, ow)
 
 
 def _layout(node: Node, vals: dict[str, Balls], env: dict[str, torch.Tensor],
-            const: Callable[[str], np.ndarray]) -> list[Balls]:
+            ball: Callable[[str], Balls]) -> list[Balls]:
     """An op that only moves entries: run on the entries' indices (float64, exact below
     2^53), the balls gathered by them."""
     table: list[Balls] = []
@@ -333,7 +331,7 @@ def _layout(node: Node, vals: dict[str, Balls], env: dict[str, torch.Tensor],
             continue
         c = env[a].detach()
         if a in vals or c.is_floating_point():
-            b = vals[a] if a in vals else np.frompyfunc(_exact, 1, 1)(c.numpy())
+            b = ball(a)
             table.append(np.asarray(b, dtype=object).reshape(-1))
             ids = np.arange(start, start + b.size, dtype=np.float64).reshape(b.shape)
             start += b.size
@@ -351,11 +349,3 @@ def _layout(node: Node, vals: dict[str, Balls], env: dict[str, torch.Tensor],
             raise _Unknown(f"{node.op_type} changed the entries' values")
         outs.append(flat[ids.astype(np.int64)].reshape(ids.shape))
     return outs
-
-
-def _exact(v: float) -> object:
-    import flint
-
-    if not math.isfinite(float(v)):
-        raise _Unknown("a constant is not finite")
-    return flint.arb(float(v))

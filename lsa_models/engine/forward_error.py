@@ -208,20 +208,20 @@ def check(nodes: list[Node], input_name: str, x: np.ndarray,
     entry. `errors`, when given, receives every tensor's proven entrywise error."""
     errs, why = _interval_errors(nodes, input_name, x, env)
     how = "op by op"
-    if errs is None or _need(errs, env) > BALL_BELOW:
+    need = None if errs is None else _need(errs, env)
+    if need is None or need > BALL_BELOW:
         balls = forward_ball.errors(nodes, input_name, x, env)
         if balls is not None and (errs is None or set(errs) <= set(balls)):
             # both are proven: the smaller per entry
             errs = {n: e if errs is None else np.minimum(e, errs.get(n, e))
                     for n, e in balls.items()}
-            how = "by ball arithmetic"
-    if errs is None:
+            need, how = _need(errs, env), "by ball arithmetic"
+    if errs is None or need is None:
         return None, why
-    need = _need(errs, env)
     if errors is not None:
         errors.update({n: e * (1 + 1e-9) + 1e-300 for n, e in errs.items()})
     if need > PROVEN_CAP:
-        return None, (f"the interval bound on the forward error ({need:.3g} relative) is too "
+        return None, (f"the bound on the forward error ({need:.3g} relative, {how}) is too "
                       f"wide to use; FORWARD_MARGIN {FORWARD_MARGIN:g} is assumed")
     return need, f"forward error proven {how}: margin {need:.3g}"
 

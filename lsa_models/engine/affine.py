@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..bounds.numerics import U
-from .values import Ball, box_to_two, dual_row_norms, widen_up
+from .values import Ball, box_to_two, dual_row_norms, gamma, widen_up
 
 # relative outward allowance of libm values (exp, erf, tanh) and of a handful of roundings
 _REL = 1e-12
@@ -205,6 +205,166 @@ def quad_two(c: np.ndarray, p: int) -> np.ndarray:
     return _up(fro * (1 + 4 * U) + np.abs(cd.sum(axis=-1)), p + 2)
 
 
+# The margins' lower bounds read the input's linear part and the second-order symbols together
+# (`quad_low`, session 17): both are functions of the one change d, and bounding them apart
+# (`li` + the quadratic part's own bound) gives each its worst d. Forms up to this many input
+# entries (one symmetric eigenproblem of that size per margin).
+JOINT_MAX_P = 1024
+JOINT_STEPS = 200
+
+
+def _quad_matrix(c: np.ndarray, p: int) -> np.ndarray:
+    """Q with sum_k c_k sigma_k = z^T Q z - sum_p c_pp for z = d / eps (`QUAD`'s symbols:
+    sigma_pq = z_p z_q, sigma_pp = 2 z_p^2 - 1): Q_pp = 2 c_pp, Q_pq = Q_qp = c_pq / 2, exact
+    (scalings by powers of two)."""
+    flat, diag = quad_cols(p)
+    q = np.zeros(p * p)
+    q[flat] = 0.5 * c
+    m = q.reshape(p, p)
+    m = m + m.T  # the diagonal's c_pp / 2 twice: c_pp, set to 2 c_pp below
+    idx = np.arange(p)
+    m[idx, idx] = 2.0 * c[diag]
+    return m
+
+
+def _box_minimiser(g: np.ndarray, q: np.ndarray, mu: float, top: float) -> np.ndarray:
+    """An approximate minimiser of g . z + z^T (Q + mu I) z over the box [-1, 1]^P (convex):
+    FISTA from the corner -sign(g), gradient g + 2 M z, step 1 / (2 lambda_max(M))."""
+    step = 0.99 / max(2.0 * top, TINY)
+    z = -np.sign(g)
+    yk, tk = z, 1.0
+    for _ in range(JOINT_STEPS):
+        zn = np.clip(yk - step * (g + 2.0 * (q @ yk + mu * yk)), -1.0, 1.0)
+        tn = 0.5 * (1.0 + np.sqrt(1.0 + 4.0 * tk * tk))
+        yk = zn + ((tk - 1.0) / tn) * (zn - z)
+        z, tk = zn, tn
+    return z
+
+
+def _sphere_minimiser(g: np.ndarray, lam: np.ndarray, vecs: np.ndarray, mu0: float
+                      ) -> tuple[float, np.ndarray]:
+    """The trust-region problem min g . z + z^T Q z over |z| <= 1 (Q = V diag(lam) V^T): the
+    multiplier nu >= mu0 (>= -lambda_min) with |z(nu)| = 1, z(nu) = -(Q + nu I)^-1 g / 2, by
+    bisection (|z(nu)| decreases in nu; nu = mu0 when z(mu0) is inside), and z(nu). At that
+    nu the dual value of `quad_low` is the problem's minimum (the S-lemma); the bound holds
+    for any nu >= mu0 and any y, so the numerics only set how close it is."""
+    gh = vecs.T @ g
+
+    def norm_z(nu: float) -> float:
+        den = 2.0 * (lam + nu)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return float(np.sqrt(np.square(np.where(den > 0, gh / den, np.inf)).sum()))
+    lo = mu0
+    if norm_z(lo) > 1.0:
+        hi = max(mu0, 0.5 * float(np.linalg.norm(g)) - float(lam[0])) * 2.0 + TINY
+        for _ in range(100):
+            mid = 0.5 * (lo + hi)
+            if norm_z(mid) > 1.0:
+                lo = mid
+            else:
+                hi = mid
+        lo = hi  # |z(hi)| <= 1
+    den = 2.0 * (lam + lo)
+    z = vecs @ -np.where(den > 0, gh / np.where(den > 0, den, 1.0), 0.0)
+    return lo, z
+
+
+def _dual_value(g: np.ndarray, q: np.ndarray, mu: float, y: np.ndarray, box: bool) -> float:
+    """||g + 2 M y||_dual + y^T M y + mu R for M = Q + mu I, rounded up (each computed
+    quantity widened by gamma of its number of terms; g's own rounding, one product, too)."""
+    p = g.size
+    ay = np.abs(y)
+    qy = q @ y
+    aqy = np.abs(q) @ ay
+    w = g + 2.0 * (qy + mu * y)
+    werr = gamma(p + 4) * (np.abs(g) + 2.0 * (aqy + mu * ay)) + U * np.abs(g)
+    aw = np.abs(w) + werr
+    wn = float(_up(np.array(aw.sum() if box else np.sqrt(np.square(aw).sum())), p + 4))
+    yy = float(y @ y)
+    ymy = float(y @ qy) + mu * yy + gamma(2 * p + 4) * (float(ay @ aqy) + mu * yy)
+    big_r = float(p) if box else 1.0
+    return float(_up(np.array(wn + max(ymy, 0.0) + mu * big_r * (1 + 2 * U)), 4))
+
+
+def quad_low(lin_in: np.ndarray, c: np.ndarray, ball: Ball) -> float | None:
+    """A lower bound on min over the ball of l . d + sum_k c_k sigma_k (the input's linear part
+    l = lin_in and the second-order symbols' coefficients c of one form entry), or None.
+
+    With z = d / eps (the unit box or ball), g = eps l and Q from `_quad_matrix`, the quantity
+    is g . z + z^T Q z - sum_p c_pp. For mu >= 0 with M = Q + mu I positive semidefinite and
+    any y, (z - y)^T M (z - y) >= 0 gives z^T M z >= 2 y^T M z - y^T M y, so
+        g . z + z^T Q z = g . z + z^T M z - mu |z|^2 >= (g + 2 M y) . z - y^T M y - mu R
+                        >= -||g + 2 M y||_dual - y^T M y - mu R
+    (R = max |z|^2: P on the box, 1 on the ball; the dual norm l1 / l2). This is the Lagrangian
+    dual of the problem (the box's or ball's constraints |z_p|^2 <= 1 or |z|^2 <= 1 with one
+    multiplier mu), and with y the minimiser of the convex g . z + z^T M z over the domain it
+    equals that convex minimum less mu R: exact where the minimiser lies on a corner of the
+    box or on the sphere, as the margins' do (the linear part dominates). mu: the computed
+    smallest eigenvalue less LAPACK's error allowance 64 P u ||Q||_F (as `input_radius`), so M
+    is PSD (on the ball the trust-region multiplier, `_sphere_minimiser`, which is at least
+    that); y: the convex problem's minimiser (`_box_minimiser`, `_sphere_minimiser`; any y is
+    sound, it only sets the value). Every computed quantity is widened by its rounding (gamma
+    of its number of terms)."""
+    p = lin_in.size
+    if p > JOINT_MAX_P or c.size != quad_size(p):
+        return None
+    q = _quad_matrix(c, p)
+    cd = c[quad_cols(p)[1]]
+    g = ball.eps * lin_in
+    if not (np.all(np.isfinite(q)) and np.all(np.isfinite(g))):
+        return None
+    lam, vecs = np.linalg.eigh(q)
+    fro = float(np.sqrt(np.square(q).sum()))
+    shift = float(_up(np.array(64 * p * U * fro + TINY), 4)) - float(lam[0])
+    mu = 0.0 if shift <= 0 else float(_up(np.array(shift), 2))
+    box = ball.norm == "inf"
+    if box:
+        y = _box_minimiser(g, q, mu, float(lam[-1]) + mu)
+    else:
+        mu, y = _sphere_minimiser(g, lam, vecs, mu)
+    total = _dual_value(g, q, mu, y, box)
+    # - sum_p c_pp, rounded down
+    trc = float(cd.sum())
+    trc_up = trc + gamma(p) * float(np.abs(cd).sum())
+    low = -total - trc_up
+    low -= _REL * (abs(low) + total + abs(trc)) + TINY
+    return low if np.isfinite(low) else None
+
+
+def dev_low(x: Aff, ball: Ball) -> np.ndarray:
+    """A lower bound on T(X) - T0 over the ball, per entry: `dev`'s, or, where the form has
+    second-order symbols (a `QUAD` walk's), the larger of that and o - rest - b + the input's
+    linear part and the quadratic part bounded together (`quad_low`)."""
+    lo, hi = dev(x, ball)
+    base = QUAD.get()
+    p = ball.size
+    if base is None or x.a.shape[-1] <= base or p > JOINT_MAX_P:
+        return lo
+    t = quad_size(p)
+    a = _cols(x.a, base + t).reshape(x.c.size, -1)
+    o = x.o.reshape(-1)
+    b = x.b.reshape(-1)
+    out = lo.reshape(-1).copy()
+    for i in range(x.c.size):
+        ql = quad_low(a[i, :p], a[i, base:base + t], ball)
+        if ql is None:
+            continue
+        rest = float(_up(sym_sum(a[i], p, base) + sym_sum(a[i], base + t, a.shape[-1])
+                         + b[i], a.shape[-1] + 2))
+        low = o[i] + ql - rest
+        low -= _REL * (abs(o[i]) + abs(ql) + rest) + TINY
+        out[i] = max(out[i], low)
+    return out.reshape(lo.shape)
+
+
+def range_low(x: Aff, ball: Ball) -> np.ndarray:
+    """`ranges`' lower end, from `dev_low`."""
+    lo = dev_low(x, ball)
+    _, hi = dev(x, ball)
+    pad = _REL * (np.abs(x.c) + x.m + np.abs(lo) + np.abs(hi)) + TINY
+    return x.c - x.m + lo - pad
+
+
 def lin(x: Aff, ball: Ball) -> np.ndarray:
     """>= |a d| + sum |a_q| over the ball and the symbols, entrywise."""
     li, ls = split_lin(x, ball)
@@ -334,7 +494,7 @@ def margins(out: Aff, label: int, ball: Ball) -> dict[int, float]:
         diff = Aff(np.array([c[label] - c[j]]), np.array([m[label] + m[j]]),
                    np.array([o[label] - o[j]]), (a[label] - a[j])[None],
                    np.array([b[label] + b[j]]))
-        lo, _ = ranges(diff, ball)
+        lo = range_low(diff, ball)
         # the centre difference c_l - c_j is itself rounded: one more unit roundoff of it
         res[j] = float(lo[0] - 2 * U * abs(c[label] - c[j]) - TINY)
     return res

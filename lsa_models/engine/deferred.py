@@ -145,7 +145,7 @@ def margins(nodes: list[Node], output: str, env: dict[str, torch.Tensor], ball: 
         w = (a_hat[label] - a_hat[j]).reshape(shape) * gam  # C_ti gamma_i
         s = weighted_sum(u, w, ball)  # (..., T, 1): s_t = sum_i w_ti u_ti
         ch = product(s, r, ball, matmul=False)  # s_t r_t - s0_t r0_t
-        lo, _ = affine.dev(_combine_all(ch, ball), ball)  # summed over the tokens
+        lo = affine.dev_low(_combine_all(ch, ball), ball)  # summed over the tokens
         # the coefficients used, W = fl(fl(a_l - a_j) gamma), against the exact C gamma:
         # |C - fl(a_l - a_j)| <= err_l + err_j + u |a_l - a_j|, and u |W| for the product,
         # each times |n_ti(X) - n_ti(X0)| <= 2 sqrt(D - 1)

@@ -146,7 +146,7 @@ def quad_size(p: int) -> int:
 # split_lin's last results by the identity of the form's coefficient array (held weakly, so a
 # released form is not kept alive) and the ball: a product reads each operand's sizes twice
 # (its own and through `dev`), and the forms are never written in place. Read-only arrays.
-_LIN_MEMO: dict[tuple[int, float, str, int, int | None, tuple[int, int] | None],
+_LIN_MEMO: dict[tuple[int, float, str, int, int | None, bool, tuple[int, int] | None],
                 tuple[weakref.ref[np.ndarray], np.ndarray, np.ndarray]] = {}
 _LIN_MEMO_SIZE = 16
 _LIN_LOCK = threading.Lock()  # the service walks in several threads at once
@@ -155,7 +155,7 @@ _LIN_LOCK = threading.Lock()  # the service walks in several threads at once
 def split_lin(x: Aff, ball: Ball) -> tuple[np.ndarray, np.ndarray]:
     """(>= |a_in d| over the ball, >= sum_q |a_q| over the symbols), entrywise."""
     groups = GROUPS.get()
-    key = (id(x.a), float(ball.eps), ball.norm, ball.size, QUAD.get(),
+    key = (id(x.a), float(ball.eps), ball.norm, ball.size, QUAD.get(), QUAD_EIG.get(),
            None if groups is None else (id(groups), len(groups)))
     with _LIN_LOCK:
         hit = _LIN_MEMO.get(key)
@@ -180,7 +180,10 @@ def _split_lin(x: Aff, ball: Ball) -> tuple[np.ndarray, np.ndarray]:
             t = quad_size(p)
             c = x.a[..., base:base + t]
             rest = sym_sum(x.a, p, base) + sym_sum(x.a, base + t, x.a.shape[-1])
-            return li, _up(rest + quad_two(c, p), x.a.shape[-1] - p + 2)
+            qt = quad_two(c, p)
+            if QUAD_EIG.get():
+                qt = quad_two_best(c, p, li + rest + qt)
+            return li, _up(rest + qt, x.a.shape[-1] - p + 2)
         return li, _up(sym_sum(x.a, p, x.a.shape[-1]), x.a.shape[-1] - p + 2)
     return li, np.zeros_like(li)
 
@@ -366,6 +369,61 @@ def range_low(x: Aff, ball: Ball) -> np.ndarray:
     _, hi = dev(x, ball)
     pad = _REL * (np.abs(x.c) + x.m + np.abs(lo) + np.abs(hi)) + TINY
     return x.c - x.m + lo - pad
+
+
+# The 2-ball's second-order part by the quadratic form's eigenvalues (`quad_two_eig`; session
+# 17), in the walks that set QUAD_EIG (the radius search's last stage, local.py), for the
+# entries whose Frobenius bound is at least QUAD_EIG_SHARE of their whole size: one P x P
+# eigenvalue problem per entry makes a walk ~4x slower (tf1: 0.8 -> 3 s).
+QUAD_EIG: ContextVar[bool] = ContextVar("quad_eig", default=False)
+QUAD_EIG_SHARE = 0.02
+QUAD_EIG_BATCH = 512
+
+
+def quad_two_eig(c: np.ndarray, p: int) -> np.ndarray:
+    """On the 2-ball, >= |sum c_pq sigma_pq| for coefficient rows c (n, P(P+1)/2), from the
+    quadratic form's extreme eigenvalues: the sum is z^T Q z - tr (z = d / eps, |z| <= 1,
+    tr = sum_p c_pp), and z^T Q z lies in [min(lam_min, 0), max(lam_max, 0)], so
+    |sum| <= max(|min(lam_min, 0) - tr|, |max(lam_max, 0) - tr|): at most `quad_two`'s
+    ||Q||_F + |tr|, and a fraction of it where the eigenvalues spread on both sides of tr / P.
+    LAPACK's eigenvalues are those of a matrix within 64 P u ||Q||_F of Q (as `input_radius`
+    allows), so each end is moved out by that; the trace by gamma_P sum |c_pp|."""
+    flat, diag = quad_cols(p)
+    out = np.empty(c.shape[0])
+    for s0 in range(0, c.shape[0], QUAD_EIG_BATCH):
+        cc = c[s0:s0 + QUAD_EIG_BATCH]
+        n = cc.shape[0]
+        q = np.zeros((n, p * p))
+        q[:, flat] = 0.5 * cc
+        m = q.reshape(n, p, p)
+        m = m + np.swapaxes(m, 1, 2)
+        cd = cc[:, diag]
+        idx = np.arange(p)
+        m[:, idx, idx] = 2.0 * cd
+        lam = np.linalg.eigvalsh(m)
+        fro = np.sqrt(np.square(m).sum(axis=(1, 2)))
+        err = _up(64 * p * U * fro, 4) + TINY
+        tr = cd.sum(axis=1)
+        tr_err = gamma(p) * np.abs(cd).sum(axis=1)
+        lo = np.minimum(lam[:, 0] - err, 0.0) - tr
+        hi = np.maximum(lam[:, -1] + err, 0.0) - tr
+        out[s0:s0 + n] = _up(np.maximum(np.abs(lo), np.abs(hi)) + tr_err, 4)
+    return out
+
+
+def quad_two_best(c: np.ndarray, p: int, size: np.ndarray) -> np.ndarray:
+    """`quad_two` (qt), and the smaller of it and `quad_two_eig` on the entries where qt is at
+    least QUAD_EIG_SHARE of `size` (the entry's whole size, qt included)."""
+    qt = quad_two(c, p)
+    pick = (qt >= QUAD_EIG_SHARE * size) & (qt > 0)
+    if not np.any(pick):
+        return qt
+    out = np.array(qt, dtype=np.float64, copy=True)
+    rows = c.reshape(-1, c.shape[-1])
+    flat_pick = pick.reshape(-1)
+    eig = quad_two_eig(rows[flat_pick], p)
+    out.reshape(-1)[flat_pick] = np.minimum(out.reshape(-1)[flat_pick], eig)
+    return out
 
 
 def lin(x: Aff, ball: Ball) -> np.ndarray:

@@ -220,19 +220,23 @@ SYMBOL_GROUPS = True
 
 
 def margin_lower_bounds(model: OnnxModel, x0: np.ndarray, eps: float, norm: str, label: int,
-                        centre: Centre | None = None, quad: bool = False
+                        centre: Centre | None = None, quad: bool = False, eig: bool = False
                         ) -> dict[int, float] | None:
     """Lower bounds of the margins f_label - f_j over the ball, from the affine forms alone
-    (affine.py: no Jacobian enclosure); None when the forms do not reach the output."""
+    (affine.py: no Jacobian enclosure); None when the forms do not reach the output. `eig`:
+    with `quad` on the 2-ball, the second-order parts of the entries' sizes by their
+    quadratic forms' eigenvalues (affine.QUAD_EIG: tighter, ~4x the time)."""
     _check_eps(eps)
     x = check_center(model, x0)
     ctr = centre if centre is not None else Centre(model, x)
     # the products' cross terms as l1 groups of symbols (affine.GROUPS) for this walk and its
     # margins
     token_g = affine.GROUPS.set([] if SYMBOL_GROUPS else None)
+    token_e = affine.QUAD_EIG.set(eig and quad)
     try:
         return _margin_lower_bounds(model, x, eps, norm, label, ctr, quad)
     finally:
+        affine.QUAD_EIG.reset(token_e)
         affine.GROUPS.reset(token_g)
 
 

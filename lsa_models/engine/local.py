@@ -453,7 +453,7 @@ def _scaled_progress(progress: Callable[[str, float], None] | None, lo: float, h
 def affine_radius(om: OnnxModel, x: np.ndarray, norm: str, label: int, start: float,
                   progress: Callable[[str, float], None] | None = None, quad: bool = False,
                   floor: float = 0.0, growth: float = AFFINE_GROWTH,
-                  tol: float = AFFINE_TOL) -> tuple[float, int]:
+                  tol: float = AFFINE_TOL, eig: bool = False) -> tuple[float, int]:
     """The largest radius (to a relative `tol`) whose margin lower bounds from the affine forms
     are all positive, searched from `start` > 0; (radius, walks). A radius r certifies the
     whole ball of radius r, so no integration is needed: this route and the sweep are
@@ -462,7 +462,8 @@ def affine_radius(om: OnnxModel, x: np.ndarray, norm: str, label: int, start: fl
     bound (Illinois' variant, each step kept inside the bracket's middle 90%; bisection where
     a walk failed): the bound is smooth in the radius, so this takes fewer walks than
     bisection. Only radii whose walk certified are reported. `quad`: the walks with
-    second-order symbols (affine.QUAD); `floor`: a radius certified already (another walk's),
+    second-order symbols (affine.QUAD); `eig`: those walks with the symbols' 2-ball sizes by
+    eigenvalues (affine.QUAD_EIG); `floor`: a radius certified already (another walk's),
     the bracket's low end when `start` does not certify (no search below it)."""
     ctr = Centre(om, x)
     walks = 0
@@ -472,14 +473,15 @@ def affine_radius(om: OnnxModel, x: np.ndarray, norm: str, label: int, start: fl
         nonlocal walks
         walks += 1
         try:
-            low = margin_lower_bounds(om, x, r, norm, label, ctr, quad=quad)
+            low = margin_lower_bounds(om, x, r, norm, label, ctr, quad=quad, eig=eig)
         except (LocalNotCertified, FloatingPointError, ValueError):
             low = None
         v = -math.inf if not low else min(low.values())
         if not math.isfinite(v):
             v = -math.inf
         if progress is not None:
-            kind = "second-order affine" if quad else "affine"
+            kind = ("second-order affine (eigenvalues)" if eig else "second-order affine") \
+                if quad else "affine"
             progress(f"{kind} radius: tried {r:.3g}, {'certified' if v > 0 else 'not'}",
                      min(1.0, walks / AFFINE_WALKS))
         return v
@@ -544,6 +546,12 @@ QUAD_GROWTH = 1.15
 # gives it a start, and each of its walks costs 4 plain ones (tf1's 2-ball job: 7 + 7 -> 5 +
 # 5 walks, the radius 0.3% lower at most)
 QUAD_PLAIN_TOL, QUAD_TOL = 1e-2, 1e-2
+# the third search on these balls: the second-order walks with the symbols' sizes by the
+# quadratic forms' eigenvalues (affine.QUAD_EIG, ~4x a second-order walk's time), from
+# EIG_GROWTH past the second-order radius (tf1's 2-ball 0.3206 -> 0.342)
+EIG_NORMS: tuple[str, ...] = ("2",)
+EIG_GROWTH = 1.04
+EIG_TOL = 2e-2
 
 
 def _first_order_radius(f64: torch.nn.Module, x: np.ndarray, label: int,
@@ -743,6 +751,10 @@ def robustness(model: Any, at: np.ndarray, label: int, norm: NormName,
                                    _scaled_progress(progress, AFFINE_SHARE / 2, AFFINE_SHARE),
                                    quad=True, floor=aff, growth=QUAD_GROWTH, tol=QUAD_TOL)
             aff, walks = max(aff, aq), walks + wq
+            if aff > 0 and norm in EIG_NORMS:
+                ae, we = affine_radius(om, x, norm, label, aff * EIG_GROWTH, None, quad=True,
+                                       floor=aff, growth=EIG_GROWTH, tol=EIG_TOL, eig=True)
+                aff, walks = max(aff, ae), walks + we
         # attention-free graphs (no Softmax: MLPs): one sweep, the adjoint graph's constants
         # in it from the start (cheap there: the MLP's inf job 4.0 s -> 1.3 s, radius 0.0714 ->
         # 0.0709); elsewhere the enclosure's sweep first (see below)

@@ -522,3 +522,26 @@ def test_quad_eig_margins_hold_against_pgd_and_beat_the_frobenius_walk(
         d = d * (eps / float(d.norm()))
         for m in descend_margin(f, torch.from_numpy(x0), label, j, eps, "2", d):
             assert m >= bound - 1e-12
+
+
+def test_quad_eig_robustness_radius_of_the_one_layer_transformer_on_the_two_ball(
+        tmp_path: Path) -> None:
+    """Issue 15's 1-layer Transformer on the 2-ball: the radius search's last stage (the
+    second-order walks with the sizes by eigenvalues) takes the certified radius from 0.300
+    to 0.321 of the attack's (0.3206 -> 0.3430), reports its walks as progress, and PGD finds
+    no flip inside it."""
+    om = _model("tf1", tmp_path)
+    x0 = center().numpy().astype(np.float64)
+    f = om.module.with_dtype(torch.float64)
+    label = int(f(torch.from_numpy(x0)).argmax())
+    stages: list[tuple[str, float]] = []
+    r = robustness(om, x0, label, "2", progress=lambda s, p: stages.append((s, p)))
+    assert r.attack_radius is not None and r.certified_by == "affine"
+    assert 0.315 * r.attack_radius <= r.certified_radius <= r.attack_radius
+    eig = [p for s, p in stages if s.startswith("second-order affine (eigenvalues) radius")]
+    assert eig and [p for _, p in stages] == sorted(p for _, p in stages)
+    from lsa_models.empirical.local import _pgd, _targets
+    gen = torch.Generator().manual_seed(0)
+    c = torch.from_numpy(x0)
+    assert _pgd(f, c, label, r.certified_radius, "2", 4, 60, gen, _targets(f, c, label)) \
+        is None

@@ -182,7 +182,7 @@ def _split_lin(x: Aff, ball: Ball) -> tuple[np.ndarray, np.ndarray]:
             rest = sym_sum(x.a, p, base) + sym_sum(x.a, base + t, x.a.shape[-1])
             qt = quad_two(c, p)
             if QUAD_EIG.get():
-                qt = quad_two_best(c, p, li + rest + qt)
+                qt = quad_two_best(c, p, li + rest + qt, qt)
             return li, _up(rest + qt, x.a.shape[-1] - p + 2)
         return li, _up(sym_sum(x.a, p, x.a.shape[-1]), x.a.shape[-1] - p + 2)
     return li, np.zeros_like(li)
@@ -411,10 +411,9 @@ def quad_two_eig(c: np.ndarray, p: int) -> np.ndarray:
     return out
 
 
-def quad_two_best(c: np.ndarray, p: int, size: np.ndarray) -> np.ndarray:
-    """`quad_two` (qt), and the smaller of it and `quad_two_eig` on the entries where qt is at
-    least QUAD_EIG_SHARE of `size` (the entry's whole size, qt included)."""
-    qt = quad_two(c, p)
+def quad_two_best(c: np.ndarray, p: int, size: np.ndarray, qt: np.ndarray) -> np.ndarray:
+    """qt = `quad_two(c, p)`, and the smaller of it and `quad_two_eig` on the entries where qt
+    is at least QUAD_EIG_SHARE of `size` (the entry's whole size, qt included)."""
     pick = (qt >= QUAD_EIG_SHARE * size) & (qt > 0)
     if not np.any(pick):
         return qt

@@ -237,7 +237,8 @@ def test_matmul_signed_bounds_the_adjoint_weights(
         seed: int, n: int, kk: int, m: int, h: int, eps: float, adj: float,
         norm: str) -> None:
     """A(e), B(e) = c + M e + Q (e * e) / 2 (P = 4), y = A @ B: the signed weights of the
-    term on J_A (sum_m G_nm dB_km) and on J_B (sum_n G_nm dA_nk) against exact values."""
+    term on J_A (sum_m G_nm dB_km) and on J_B (sum_n G_nm dA_nk) against exact values, the
+    same with the adjoint rows taken one at a time."""
     from lsa_models.engine import primitives as pr
     from lsa_models.engine.signed import SignedTerm
     rng = np.random.default_rng(seed)
@@ -255,11 +256,21 @@ def test_matmul_signed_bounds_the_adjoint_weights(
     b, bc, bm, bq = operand((h, kk, m))
     y = pr.product(a, b, ac @ bc, ball, matmul=True)
     assert isinstance(y.term, SignedTerm)
-    z = 2
+    z = 3
     g = rng.standard_normal((z, h, n, m))
     ga = np.abs(g) * (1 + adj) + adj * np.abs(g).max()
     got = y.term.signed(g, ga)
     assert isinstance(got, list)
+    # the rows one at a time (the chunks a large adjoint takes) give the same weights
+    saved = pr.SIGNED_CHUNK_ENTRIES
+    pr.SIGNED_CHUNK_ENTRIES = 1
+    try:
+        rowwise = y.term.signed(g, ga)
+    finally:
+        pr.SIGNED_CHUNK_ENTRIES = saved
+    assert isinstance(rowwise, list)
+    for full, rows in zip(got, rowwise, strict=True):
+        np.testing.assert_allclose(rows, full, rtol=1e-12, atol=1e-300)
     c_a, c_b = got[0].reshape(z, h, n, kk), got[1].reshape(z, h, kk, m)
     for _ in range(12):
         e = _ball_point(rng, norm, p, eps)

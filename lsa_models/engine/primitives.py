@@ -400,6 +400,11 @@ def _mul_opnorm(a: LocalValue | np.ndarray, b: LocalValue | np.ndarray,
     return fn
 
 
+# entries of the largest intermediate (rows x ... x k x P) one chunk of `_matmul_signed`'s
+# adjoint rows may hold (~4 MB: x-transformers one row at a time, 20x faster than all 128)
+SIGNED_CHUNK_ENTRIES = 500_000
+
+
 def _matmul_signed(a: LocalValue, b: LocalValue, br2: np.ndarray, ar2: np.ndarray,
                    ball: Ball) -> SignedFn:
     """The signed bound for a product y = A B of two input-dependent tensors
@@ -424,6 +429,19 @@ def _matmul_signed(a: LocalValue, b: LocalValue, br2: np.ndarray, ar2: np.ndarra
     ajn = a.jc.reshape(*a.shape[:-1], ka * pdim)
 
     def signed(g: np.ndarray, ga: np.ndarray) -> list[np.ndarray]:
+        # the adjoint rows in chunks: each row's bound is computed alone, and the (rows, ...,
+        # k, P) intermediates of a whole batch are memory-bound (x-transformers' attention:
+        # 128 rows -> 268 MB per product)
+        k = g.shape[0]
+        batch = int(np.prod(g.shape[1:-2]))
+        per_row = batch * max(g.shape[-2] * kb, g.shape[-1] * ka) * pdim  # lin_a, lin_b
+        step = max(1, SIGNED_CHUNK_ENTRIES // max(per_row, 1))
+        if k <= step:
+            return one(g, ga)
+        parts = [one(g[i:i + step], ga[i:i + step]) for i in range(0, k, step)]
+        return [np.concatenate([p[j] for p in parts]) for j in range(2)]
+
+    def one(g: np.ndarray, ga: np.ndarray) -> list[np.ndarray]:
         k = g.shape[0]
         ag = np.abs(g)
         e = np.maximum(ga - ag, 0.0)

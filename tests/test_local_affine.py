@@ -488,3 +488,51 @@ def test_split_lin_memo_under_threads_gives_each_form_its_own_sizes() -> None:
         return True
     with ThreadPoolExecutor(4) as pool:
         assert all(pool.map(work, range(8)))
+
+
+@settings(max_examples=50, deadline=None)
+@given(seed=st.integers(0, 10**6), rows=st.integers(1, 40), cols=st.integers(1, 300),
+       block=st.sampled_from([1, 7, 64, 1 << 18]))
+def test_abs_sum_in_blocks_gives_the_plain_sums(seed: int, rows: int, cols: int,
+                                                block: int) -> None:
+    """`affine.abs_sum` (blocks of rows through one buffer) gives exactly the numbers of
+    np.abs(a[..., lo:hi]).sum(axis=-1), for any block size and column range."""
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((rows, 2, cols)) * (rng.random((rows, 2, cols)) < 0.7)
+    lo = int(rng.integers(0, cols))
+    hi = int(rng.integers(lo, cols + 5))
+    saved = affine.ABS_SUM_BLOCK
+    affine.ABS_SUM_BLOCK = block
+    try:
+        got = affine.abs_sum(a, lo, hi)
+    finally:
+        affine.ABS_SUM_BLOCK = saved
+    assert np.array_equal(got, np.abs(a[..., lo:hi]).sum(axis=-1))
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10**6), lead=st.sampled_from([(), (3,), (2, 3)]),
+       k=st.integers(1, 5), m=st.integers(1, 5), p=st.integers(1, 7),
+       side=st.sampled_from([0, 1]))
+def test_matmul_tangents_match_the_vmapped_op(seed: int, lead: tuple[int, ...], k: int,
+                                              m: int, p: int, side: int) -> None:
+    """`rules.run_tangents` of a MatMul by a constant matrix (the direct BLAS product) gives
+    the op vmapped over the tangents' last axis (X W and C X, vectors and batches)."""
+    from lsa_models.engine import rules
+    rng = np.random.default_rng(seed)
+    nd = Node("mm", "MatMul", ["a", "b"], ["y"], {}, "")
+    shape = (*lead, k)  # X (..., k) for X W; for C X, X (..., k, m) with C (m, k)
+    w = torch.from_numpy(rng.standard_normal((k, m) if side == 0 else (m, k)))
+    xshape = shape if side == 0 else (*shape, m)
+    x = rng.standard_normal((*xshape, p))
+    fixed: list[torch.Tensor | None] = [None, w] if side == 0 else [w, None]
+    fast = rules._matmul_tangents(nd, fixed, [side], [x])
+    assert fast is not None
+
+    def f(t: torch.Tensor) -> torch.Tensor:
+        ins = list(fixed)
+        ins[side] = t
+        return rules.OPS["MatMul"].run(nd, ins, rules.CTX)[0]
+    ref = torch.func.vmap(f, in_dims=-1, out_dims=-1)(torch.from_numpy(x)).numpy()
+    assert fast.shape == ref.shape
+    np.testing.assert_allclose(fast, ref, rtol=1e-12, atol=1e-12 * float(np.abs(ref).max() + 1))

@@ -242,17 +242,23 @@ JOINT_STEPS = 200
 
 
 def _quad_matrix(c: np.ndarray, p: int) -> np.ndarray:
-    """Q with sum_k c_k sigma_k = z^T Q z - sum_p c_pp for z = d / eps (`QUAD`'s symbols:
-    sigma_pq = z_p z_q, sigma_pp = 2 z_p^2 - 1): Q_pp = 2 c_pp, Q_pq = Q_qp = c_pq / 2, exact
-    (scalings by powers of two)."""
+    """Q (..., P, P) with sum_k c_k sigma_k = z^T Q z - sum_p c_pp for z = d / eps (`QUAD`'s
+    symbols: sigma_pq = z_p z_q, sigma_pp = 2 z_p^2 - 1) for coefficients c (..., P(P+1)/2):
+    Q_pp = 2 c_pp, Q_pq = Q_qp = c_pq / 2, exact (scalings by powers of two)."""
     flat, diag = quad_cols(p)
-    q = np.zeros(p * p)
-    q[flat] = 0.5 * c
-    m = q.reshape(p, p)
-    m = m + m.T  # the diagonal's c_pp / 2 twice: c_pp, set to 2 c_pp below
+    q = np.zeros((*c.shape[:-1], p * p))
+    q[..., flat] = 0.5 * c
+    m = q.reshape(*c.shape[:-1], p, p)
+    m = m + np.swapaxes(m, -1, -2)  # the diagonal's c_pp / 2 twice: c_pp, set to 2 c_pp below
     idx = np.arange(p)
-    m[idx, idx] = 2.0 * c[diag]
+    m[..., idx, idx] = 2.0 * c[..., diag]
     return m
+
+
+def _eig_allowance(fro: np.ndarray | float, p: int) -> np.ndarray:
+    """LAPACK's symmetric eigenvalues are those of a matrix within 64 P u ||Q||_F of Q (the
+    allowance `input_radius` takes too): each computed eigenvalue is within this of Q's."""
+    return _up(np.asarray(64 * p * U * np.asarray(fro)), 4) + TINY
 
 
 def _box_minimiser(g: np.ndarray, q: np.ndarray, mu: float, top: float) -> np.ndarray:
@@ -343,7 +349,7 @@ def quad_low(lin_in: np.ndarray, c: np.ndarray, ball: Ball) -> float | None:
         return None
     lam, vecs = np.linalg.eigh(q)
     fro = float(np.sqrt(np.square(q).sum()))
-    shift = float(_up(np.array(64 * p * U * fro + TINY), 4)) - float(lam[0])
+    shift = float(_eig_allowance(fro, p)) - float(lam[0])
     mu = 0.0 if shift <= 0 else float(_up(np.array(shift), 2))
     box = ball.norm == "inf"
     if box:
@@ -363,7 +369,11 @@ def dev_low(x: Aff, ball: Ball) -> np.ndarray:
     """A lower bound on T(X) - T0 over the ball, per entry: `dev`'s, or, where the form has
     second-order symbols (a `QUAD` walk's), the larger of that and o - rest - b + the input's
     linear part and the quadratic part bounded together (`quad_low`)."""
-    lo, hi = dev(x, ball)
+    return _joint_low(x, ball, dev(x, ball)[0])
+
+
+def _joint_low(x: Aff, ball: Ball, lo: np.ndarray) -> np.ndarray:
+    """`dev_low` from `dev`'s lower end lo."""
     base = QUAD.get()
     p = ball.size
     if base is None or x.a.shape[-1] <= base or p > JOINT_MAX_P:
@@ -390,8 +400,8 @@ def dev_low(x: Aff, ball: Ball) -> np.ndarray:
 
 def range_low(x: Aff, ball: Ball) -> np.ndarray:
     """`ranges`' lower end, from `dev_low`."""
-    lo = dev_low(x, ball)
-    _, hi = dev(x, ball)
+    lo, hi = dev(x, ball)
+    lo = _joint_low(x, ball, lo)
     pad = _REL * (np.abs(x.c) + x.m + np.abs(lo) + np.abs(hi)) + TINY
     return x.c - x.m + lo - pad
 
@@ -413,21 +423,15 @@ def quad_two_eig(c: np.ndarray, p: int) -> np.ndarray:
     ||Q||_F + |tr|, and a fraction of it where the eigenvalues spread on both sides of tr / P.
     LAPACK's eigenvalues are those of a matrix within 64 P u ||Q||_F of Q (as `input_radius`
     allows), so each end is moved out by that; the trace by gamma_P sum |c_pp|."""
-    flat, diag = quad_cols(p)
+    diag = quad_cols(p)[1]
     out = np.empty(c.shape[0])
     for s0 in range(0, c.shape[0], QUAD_EIG_BATCH):
         cc = c[s0:s0 + QUAD_EIG_BATCH]
         n = cc.shape[0]
-        q = np.zeros((n, p * p))
-        q[:, flat] = 0.5 * cc
-        m = q.reshape(n, p, p)
-        m = m + np.swapaxes(m, 1, 2)
+        m = _quad_matrix(cc, p)
         cd = cc[:, diag]
-        idx = np.arange(p)
-        m[:, idx, idx] = 2.0 * cd
         lam = np.linalg.eigvalsh(m)
-        fro = np.sqrt(np.square(m).sum(axis=(1, 2)))
-        err = _up(64 * p * U * fro, 4) + TINY
+        err = _eig_allowance(np.sqrt(np.square(m).sum(axis=(1, 2))), p)
         tr = cd.sum(axis=1)
         tr_err = gamma(p) * np.abs(cd).sum(axis=1)
         lo = np.minimum(lam[:, 0] - err, 0.0) - tr

@@ -29,7 +29,7 @@ def descend_margin(f: Callable[[torch.Tensor], torch.Tensor], x0: torch.Tensor, 
         d.requires_grad_(True)
         out = f(x0 + d).reshape(-1)
         m = out[label] - out[j]
-        yield float(m)
+        yield float(m.detach())
         (gd,) = torch.autograd.grad(m, d)
         with torch.no_grad():
             if norm == "inf":

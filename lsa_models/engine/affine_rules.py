@@ -873,7 +873,8 @@ def _softmax_or_interval(x: Aff, ax: int, c0: np.ndarray, m0: np.ndarray, ball: 
 
 LAYOUT = ("Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Slice",
           "Gather", "Concat", "Split", "Expand", "Dropout", "Tile")
-LINEAR = ("Add", "Sub", "Neg", "Mul", "Div", "MatMul", "Gemm", "ReduceMean", "ReduceSum")
+LINEAR = ("Add", "Sub", "Neg", "Mul", "Div", "MatMul", "Gemm", "ReduceMean", "ReduceSum",
+          "Conv")
 SINGLE = ("Tanh", "Erf", "Sigmoid")
 _POW = {2.0: SQUARE, 0.5: SQRT, -1.0: RECIPROCAL, -0.5: RSQRT}
 
@@ -1089,8 +1090,8 @@ def _step(node: Node, args: list, centers: list[np.ndarray | None], ball: Ball,
     if t == "Div" and 1 in var:
         return [_divide(args, var, c0, m0, ball, ranges_of(1))]
     if t in LINEAR:
-        if t == "Gemm" and var != [0]:
-            raise NotAffine("Gemm of a variable weight")
+        if t in ("Gemm", "Conv") and var != [0]:
+            raise NotAffine(f"{t} node {node.name}: a variable weight or bias")
         return [linear(node, args, var, c0, m0, ball)]
     if t in SINGLE:
         ch = fused.Chain(node.inputs[0], node.outputs[0], [node])

@@ -190,17 +190,17 @@ def linear_consts(node: Node, args: list, absolute: bool, variable: type
                   ) -> list[torch.Tensor | None]:
     """The fixed operands of a linear op run on changes or tangents (shared with the affine
     rules): None at the input-dependent ones (instances of `variable`), constant addends
-    zeroed (Add/Sub, Gemm's C: they cancel in differences), float constants in float64, their
-    absolute values with `absolute` (the op |L|)."""
+    zeroed (Add/Sub, Gemm's C, Conv's bias: they cancel in differences), float constants in
+    float64, their absolute values with `absolute` (the op |L|)."""
     t = node.op_type
-    additive = t in ("Add", "Sub", "Gemm")
+    additive = t in ("Add", "Sub", "Gemm", "Conv")
     out: list[torch.Tensor | None] = []
     for i, a in enumerate(args):
         if a is None or isinstance(a, variable):
             out.append(None)
         elif not np.issubdtype(a.dtype, np.floating):
             out.append(_torch(a))
-        elif additive and (t != "Gemm" or i == 2):
+        elif additive and (t not in ("Gemm", "Conv") or i == 2):
             out.append(_torch(np.zeros_like(a, dtype=np.float64)))
         else:
             out.append(_torch((np.abs(a) if absolute else a).astype(np.float64)))

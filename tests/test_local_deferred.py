@@ -12,13 +12,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
-from lsa_models.engine import deferred, driver
+from lsa_models.engine import affine_rules, deferred, driver
 from lsa_models.engine.driver import Centre, margin_lower_bounds
+from lsa_models.engine.values import Ball
 from lsa_models.onnx import load_onnx
 from lsa_models.onnx.loading import OnnxModel
 from tests.margins import descend_margin
+from tests.test_local_affine import _points, _source, _symbols
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from local_models import build, center, export  # noqa: E402
@@ -128,3 +132,79 @@ def test_deferred_margins_are_tighter_on_the_transformer(tmp_path: Path) -> None
     assert all(with_[j] >= without[j] for j in with_)
     worst = min(with_, key=lambda j: without[j])
     assert with_[worst] >= 1.3 * max(without[worst], 1e-3)
+
+
+# --- one token's margin by its sign (deferred.signed_margin) --------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 10**6), eps=st.sampled_from([1e-3, 1e-2, 0.1, 0.5]),
+       norm=st.sampled_from(["2", "inf"]), k0=st.sampled_from([-2.0, -0.1, 0.0, 0.1, 2.0]),
+       scale=st.sampled_from([0.05, 1.0, 5.0]), ln_eps=st.sampled_from([1e-12, 1e-5, 0.1]))
+def test_signed_margin_is_below_the_margin_everywhere_on_the_ball(
+        seed: int, eps: float, norm: str, k0: float, scale: float, ln_eps: float) -> None:
+    """m(X) = k0 + s(X) r(X) - s(X0) r(X0) for one token x = tanh(c + A d) (D = 6, c of
+    the given scale: small centred norms make the LayerNorm's curvature large), s = w . u, u
+    the centred token, r = (|u|^2 / D + eps)^-1/2: signed_margin's value is below m at the
+    extreme points of s's linear part, random points of the ball, and the ends of projected
+    descent on m (both signs of k0: the tangent-plane and the second-order branch). A bound
+    that drops the second-order term (K < 0) or uses K's upper end fails it."""
+    rng = np.random.default_rng(seed)
+    p, dd = 4, 6
+    ball = Ball(rng.standard_normal(p), eps, norm)
+    with _symbols(ball):
+        x, fx = _source(rng, (1, dd), ball, scale)
+        u, r = deferred.ln_parts(x, ln_eps, ball)
+        w = rng.standard_normal((1, dd))
+        low = deferred.signed_margin(u, r, w, k0, dd, ln_eps, ball)
+    assert low is not None
+    wt = torch.from_numpy(w.reshape(-1))
+
+    def margin(d: torch.Tensor) -> torch.Tensor:
+        t = fx(d).reshape(-1)
+        uu = t - t.mean()
+        return wt @ uu * torch.rsqrt(uu @ uu / dd + ln_eps)
+
+    m0 = float(margin(torch.zeros(p, dtype=torch.float64)))
+    a_s = (w.reshape(dd, 1) * affine_rules._cols(u.a, p).reshape(dd, -1)[:, :p]).sum(0)
+    pts = [torch.from_numpy(d) for d in _points(rng, ball, [a_s])]
+    for start in pts[:3]:  # projected descent on m from a few of them
+        d = start.clone()
+        for _ in range(30):
+            d.requires_grad_(True)
+            (g,) = torch.autograd.grad(margin(d), d)
+            with torch.no_grad():
+                step = -torch.sign(g) if norm == "inf" else -g / max(float(g.norm()), 1e-300)
+                d = d + eps / 8 * step
+                d = d.clamp(-eps, eps) if norm == "inf" else d * min(1.0, eps / float(d.norm()))
+            pts.append(d.detach())
+    for d in pts:
+        m = k0 + float(margin(d)) - m0
+        assert m >= low - 1e-12 * (1 + abs(low)), (m, low)
+
+
+@pytest.mark.parametrize("norm", ["inf", "2"])
+def test_signed_margin_lifts_the_cls_margins(norm: str, tmp_path: Path) -> None:
+    """On the CLS-token tail the margins read one token: the signed bound is used and is at
+    least the product's (deferred.margins keeps the larger), and PGD stays above it."""
+    om = _tail_model("cls", tmp_path)
+    x0 = np.random.default_rng(3).standard_normal((1, N, D))
+    f = om.module.with_dtype(torch.float64)
+    with torch.no_grad():
+        label = int(f(torch.from_numpy(x0)).reshape(-1).argmax())
+    eps = 0.08 if norm == "inf" else 0.3
+    calls: list[float] = []
+    real = deferred.signed_margin
+
+    def spy(*args, **kw):  # type: ignore[no-untyped-def]
+        v = real(*args, **kw)
+        calls.append(v)
+        return v
+    deferred.signed_margin = spy  # type: ignore[assignment]
+    try:
+        low = margin_lower_bounds(om, x0, eps, norm, label)
+    finally:
+        deferred.signed_margin = real  # type: ignore[assignment]
+    assert low is not None and len(calls) == len(low)
+    for j, bound in low.items():
+        assert _pgd_min(om, x0, label, j, eps, norm, seed=j) >= bound - 1e-12

@@ -15,6 +15,8 @@ with |C_ti gamma_i| (the affine route's largest loss on the issue-15 Transformer
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -129,13 +131,7 @@ def margins(nodes: list[Node], output: str, env: dict[str, torch.Tensor], ball: 
     # |y_ti(X) - y_ti(X0)| <= 2 |gamma_i| sqrt(D - 1): both within beta_i +- |gamma_i| sqrt(D-1)
     dy = 2.0 * np.abs(gam) * np.sqrt(d - 1) * (1 + 1e-12)
     ln_eps = decimal_attr(float(ln.attrs.get("epsilon", 1e-5)))
-    mu = _reduce(x, d, True, ball)
-    u = _add(x, Aff(-mu.c, mu.m, -mu.o, -mu.a, mu.b), ball)  # (..., T, D)
-    q = elementwise(u, SQUARE, ball)
-    v = _shift(_reduce(q, d, True, ball), np.asarray(ln_eps))  # (..., T, 1)
-    v = select(v, variance(u, v, ball), ball)
-    vlo = np.full(v.shape, ln_eps * (1 - 1e-12))
-    r = elementwise(v, RSQRT, ball, vlo, np.full(v.shape, np.inf))
+    u, r = ln_parts(x, ln_eps, ball)
     c = out.c.reshape(k)
     m = out.m.reshape(k)
     res: dict[int, float] = {}
@@ -155,7 +151,111 @@ def margins(nodes: list[Node], output: str, env: dict[str, torch.Tensor], ball: 
         base = float(c[label] - c[j] - (m[label] + m[j])
                      - 2 * U * abs(c[label] - c[j]))
         res[j] = base + float(lo.reshape(-1)[0]) - slack - affine.TINY
+        one = _one_token(w, (err[label] + err[j]).reshape(shape))
+        if one is not None:
+            alt = signed_margin(_token(u, one), _token(r, one), _token_w(w, one),
+                                 base - slack, d, ln_eps, ball)
+            if alt is not None and alt > res[j]:
+                res[j] = alt
     return res
+
+
+def ln_parts(x: Aff, ln_eps: float, ball: Ball) -> tuple[Aff, Aff]:
+    """The forms of a LayerNorm's centred input u = x - mean x (..., T, D) and r = (mean u^2 +
+    eps)^-1/2 (..., T, 1)."""
+    d = x.shape[-1]
+    mu = _reduce(x, d, True, ball)
+    u = _add(x, Aff(-mu.c, mu.m, -mu.o, -mu.a, mu.b), ball)  # (..., T, D)
+    q = elementwise(u, SQUARE, ball)
+    v = _shift(_reduce(q, d, True, ball), np.asarray(ln_eps))  # (..., T, 1)
+    v = select(v, variance(u, v, ball), ball)
+    vlo = np.full(v.shape, ln_eps * (1 - 1e-12))
+    r = elementwise(v, RSQRT, ball, vlo, np.full(v.shape, np.inf))
+    return u, r
+
+
+def _one_token(w: np.ndarray, err: np.ndarray) -> int | None:
+    """The flat index of the one token (over the leading axes and T) the margin reads, or
+    None where it reads several (mean pooling) or none."""
+    rows = (np.any(w != 0, axis=-1) | np.any(err != 0, axis=-1)).reshape(-1)
+    idx = np.flatnonzero(rows)
+    return int(idx[0]) if idx.size == 1 else None
+
+
+def _token(x: Aff, t: int) -> Aff:
+    """Token t (a flat index over the leading axes and T) of a (..., T, D) form, (1, D)."""
+    d = x.shape[-1]
+    return Aff(x.c.reshape(-1, d)[t:t + 1], x.m.reshape(-1, d)[t:t + 1],
+               x.o.reshape(-1, d)[t:t + 1], x.a.reshape(-1, d, x.a.shape[-1])[t:t + 1],
+               x.b.reshape(-1, d)[t:t + 1])
+
+
+def _token_w(w: np.ndarray, t: int) -> np.ndarray:
+    return w.reshape(-1, w.shape[-1])[t:t + 1]
+
+
+def signed_margin(u: Aff, r: Aff, w: np.ndarray, k0: float, d: int, ln_eps: float,
+                   ball: Ball) -> float | None:
+    """A lower bound of a margin that reads the final LayerNorm at one token only (a CLS or
+    last token): with s = w . u (u the centred token, w = C gamma) and r = (|u|^2/D +
+    eps)^-1/2 > 0, m(X) >= K + s(X) r(X) for K = k0 - sup s0 r0 (k0 a lower bound of
+    m(X0) less the coefficients' slack), and K + s r = r (s + K f(u)) with f(u) = sqrt(|u|^2
+    / D + eps): the sign of the margin is that of g = s + K f, and f is convex, so
+    K >= 0: f(u) >= p . u / sqrt(D) + q sqrt(eps) for any |(p, q)| <= 1 (f is the norm of
+        (u / sqrt(D), sqrt(eps))): g is bounded below by a LINEAR form of u (no product, no
+        rsqrt: the LayerNorm's nonlinearity is gone from the margin);
+    K < 0: f(c + D) <= f(c) + f'(c) . D + |D|^2 / (2 D f_min) (f's Hessian is at most
+        I / (D f), f >= f_min on the segment), so g >= s + K (f(c) + f'(c) . D) + K
+        rho^2 / (2 D f_min) with rho >= |u(X) - c|: linear in u, one second-order term.
+    Then m >= r_lo g_lo (g_lo >= 0) or r_hi g_lo. None where a quantity is not finite.
+    (docs/local-bounds.md, "One token's margin by its sign")"""
+    cu = u.c.reshape(-1)
+    nrm2 = float(np.dot(cu, cu))
+    fc = math.sqrt(nrm2 / d + ln_eps)  # f at the computed centre c
+    if not (fc > 0 and math.isfinite(fc)):
+        return None
+    # sup s0 r0: s0 within s.c +- s.m, r0 within r.c +- r.m (the forms' centres)
+    s = weighted_sum(u, w, ball)
+    s_c, s_m = float(s.c.reshape(-1)[0]), float(s.m.reshape(-1)[0])
+    r_c, r_m = float(r.c.reshape(-1)[0]), float(r.m.reshape(-1)[0])
+    prod = max((s_c + e1 * s_m) * (r_c + e2 * r_m) for e1 in (-1, 1) for e2 in (-1, 1))
+    kk = k0 - prod - 4 * U * abs(prod) - affine.TINY
+    if kk >= 0:
+        # (p, q) = (c / sqrt(D), sqrt(eps)) / f(c), shrunk so that |(p, q)| <= 1 after rounding
+        shrink = 1 - 64 * (d + 4) * U
+        p = cu / (math.sqrt(d) * fc) * shrink
+        q = math.sqrt(ln_eps) / fc * shrink
+        coef = p / math.sqrt(d)  # K f >= K (coef . u + q sqrt(eps))
+        const = kk * q * math.sqrt(ln_eps) * (1 - 8 * U)
+        second = 0.0
+    else:
+        # f'(c) = c / (D f(c)); K (f(c) - f'(c) . c) = K eps / f(c); rho >= |u(X) - c|
+        coef = cu / (d * fc)
+        rho = float(affine.token_radius(u, ball).reshape(-1)[0]) + \
+            math.sqrt(float(np.dot(u.m.reshape(-1), u.m.reshape(-1)))) * (1 + 4 * U)
+        fmin = math.sqrt(max(0.0, math.sqrt(nrm2) * (1 - (d + 8) * U) - rho) ** 2 / d
+                         + ln_eps) * (1 - 8 * U)
+        const = kk * ln_eps / fc * (1 + 64 * (d + 4) * U)
+        second = -kk * rho * rho / (2 * d * fmin) * (1 + 16 * U) if fmin > 0 else math.inf
+    # the computed w' = fl(w + K coef) against the exact w + K f'(c) (or + K p / sqrt(D)):
+    # within 4u |w'| + (2D + 32) u |K coef| entrywise (coef's own rounding: f(c)'s is (D/2 +
+    # 2) u relative), times |u_i(X)| <= its range's magnitude
+    wk = w.reshape(-1) + kk * coef
+    lo_u, hi_u = affine.ranges(u, ball)
+    umax = np.maximum(np.abs(lo_u), np.abs(hi_u)).reshape(-1)
+    werr = float(((4 * U * np.abs(wk) + (2 * d + 32) * U * np.abs(kk * coef)) * umax).sum()) \
+        * (1 + 1e-9)
+    g = weighted_sum(u, wk.reshape(1, -1), ball)
+    g_lo = float(g.c.reshape(-1)[0] - g.m.reshape(-1)[0]
+                 + affine.dev_low(g, ball).reshape(-1)[0])
+    g_lo = (g_lo + const - second - werr) * (1 - 4 * U) - 4 * U * abs(const) - affine.TINY \
+        if g_lo + const - second - werr >= 0 else \
+        (g_lo + const - second - werr) * (1 + 4 * U) - 4 * U * abs(const) - affine.TINY
+    r_lo, r_hi = affine.ranges(r, ball)
+    rl, rh = float(r_lo.reshape(-1)[0]), float(r_hi.reshape(-1)[0])
+    if not (math.isfinite(g_lo) and math.isfinite(rh)):
+        return None
+    return g_lo * max(rl, 0.0) * (1 - 4 * U) if g_lo >= 0 else g_lo * rh * (1 + 4 * U)
 
 
 def _combine_all(x: Aff, ball: Ball) -> Aff:

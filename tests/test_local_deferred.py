@@ -208,3 +208,105 @@ def test_signed_margin_lifts_the_cls_margins(norm: str, tmp_path: Path) -> None:
     assert low is not None and len(calls) == len(low)
     for j, bound in low.items():
         assert _pgd_min(om, x0, label, j, eps, norm, seed=j) >= bound - 1e-12
+
+
+# --- RMSNorm tails spelled out (deferred.rms_node; LLaMA, T5, Mistral) -----------------------
+
+
+class RMSTail(nn.Module):
+    """An attention block, then an RMSNorm in one of the spellings researchers use, and a head
+    reading the last token (`last`: the signed bound applies) or the mean of the tokens."""
+
+    def __init__(self, spelling: str, pool: str) -> None:
+        super().__init__()
+        self.spelling, self.pool = spelling, pool
+        self.qkv = nn.Linear(D, 3 * D)
+        self.weight = nn.Parameter(1.0 + 0.3 * torch.randn(D))
+        self.head = nn.Linear(D, 3)
+
+    def norm(self, x: torch.Tensor) -> torch.Tensor:  # (B, N, D)
+        eps = 1e-6
+        if self.spelling == "rsqrt":  # HF LLaMA: x * torch.rsqrt(x.pow(2).mean(-1) + eps)
+            y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        elif self.spelling == "div":  # x / sqrt(mean(x * x) + eps)
+            y = x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps)
+        else:  # "pow": x * (mean x^2 + eps)^-1/2
+            y = x * (x.pow(2).mean(-1, keepdim=True) + eps).pow(-0.5)
+        return self.weight * y.float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, N, D) -> (B, 3)
+        q, k, v = self.qkv(x).split(D, dim=-1)
+        x = x + torch.softmax(q @ k.transpose(-1, -2) / D**0.5, dim=-1) @ v
+        y = self.head(self.norm(x))  # (B, N, 3)
+        return y[:, -1] if self.pool == "last" else y.mean(1)
+
+
+def _rms_model(spelling: str, pool: str, tmp: Path) -> OnnxModel:
+    torch.manual_seed(2)
+    path = tmp / f"rms-{spelling}-{pool}.onnx"
+    torch.onnx.export(RMSTail(spelling, pool).eval(), (torch.randn(1, N, D),), str(path),
+                      dynamo=False, opset_version=17, input_names=["x"],
+                      output_names=["logits"])
+    return load_onnx(path.read_bytes())
+
+
+@pytest.mark.parametrize(("spelling", "pool", "norm", "eps"),
+                         [("rsqrt", "last", "2", 0.4), ("div", "mean", "inf", 0.08),
+                          ("pow", "last", "inf", 0.08), ("rsqrt", "mean", "2", 0.4)])
+def test_rms_tails_are_found_and_their_margins_hold_against_pgd(
+        spelling: str, pool: str, norm: str, eps: float, tmp_path: Path) -> None:
+    """find_tail(rms=True) takes the spelled-out RMSNorm (with HF's Cast and the weight's Mul
+    in the tail); the margins' lower bounds (u = x, no centring; the signed bound on the last
+    token) stay below the margins PGD reaches and above the plain walk's."""
+    om = _rms_model(spelling, pool, tmp_path)
+    # tokens with a large mean: an RMSNorm read as a LayerNorm (centred) is far off there
+    x0 = np.random.default_rng(4).standard_normal((1, N, D)) + 2.0
+    ctr = Centre(om, x0)
+    with ctr:
+        tail = deferred.find_tail(list(ctr.module.runtime_nodes), om.spec.output_name,
+                                  ctr.env, rms=True, input_name=om.spec.input_name)
+        plain = deferred.find_tail(list(ctr.module.runtime_nodes), om.spec.output_name,
+                                   ctr.env)
+    assert plain is None  # not a LayerNorm: without rms the tail stops at the product
+    assert tail is not None and tail[0].op_type == deferred.RMS_NORM
+    assert tail[0].attrs["epsilon"] == pytest.approx(1e-6)
+    f = om.module.with_dtype(torch.float64)
+    with torch.no_grad():
+        label = int(f(torch.from_numpy(x0)).reshape(-1).argmax())
+    low = margin_lower_bounds(om, x0, eps, norm, label)
+    token = driver.DEFER
+    driver.DEFER = False
+    try:
+        without = margin_lower_bounds(om, x0, eps, norm, label)
+    finally:
+        driver.DEFER = token
+    assert low is not None and without is not None
+    assert all(low[j] >= without[j] for j in low)
+    # and it pays (an RMSNorm read as a LayerNorm, centred, gains nothing in three of these)
+    assert sum(low[j] - without[j] for j in low) >= 0.01
+    for j, bound in low.items():
+        assert _pgd_min(om, x0, label, j, eps, norm, seed=j) >= bound - 1e-12
+
+
+def test_rms_node_refuses_what_is_not_an_rmsnorm(tmp_path: Path) -> None:
+    """x * rsqrt(mean(x^2) + eps) over another tensor's statistics, or over the first axis,
+    or with a variable eps, is no RMSNorm of x."""
+    class Other(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, N, D) -> (B, 3)
+            z = torch.tanh(x)
+            y = x * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + 1e-6)  # z's statistics
+            w = x * torch.rsqrt(x.pow(2).mean(1, keepdim=True) + 1e-6)  # over the tokens
+            return (y + w)[:, 0, :3]
+    path = tmp_path / "other.onnx"
+    torch.onnx.export(Other().eval(), (torch.randn(1, N, D),), str(path), dynamo=False,
+                      opset_version=17, input_names=["x"], output_names=["logits"])
+    om = load_onnx(path.read_bytes())
+    ctr = Centre(om, np.random.default_rng(0).standard_normal((1, N, D)))
+    with ctr:
+        nodes = list(ctr.module.runtime_nodes)
+        producer = {o: n for n in nodes for o in n.outputs if o}
+        muls = [n for n in nodes if n.op_type == "Mul"]
+        # the two candidates: a Mul by a reciprocal square root
+        assert sum(any(i in producer and producer[i].op_type in ("Div", "Reciprocal")
+                       for i in n.inputs) for n in muls) == 2
+        assert all(deferred.rms_node(n, producer, ctr.env) is None for n in muls)

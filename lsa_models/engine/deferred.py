@@ -25,6 +25,7 @@ from ..onnx.ops import Node, decimal_attr
 from . import affine
 from .affine import Aff, select
 from .affine_rules import (
+    FLOAT_TYPES,
     LAYOUT,
     RSQRT,
     SQUARE,
@@ -47,18 +48,35 @@ class _Var:
     """Marks the input-dependent operand for `linear_consts`."""
 
 
-def find_tail(nodes: list[Node], output: str, env: dict[str, torch.Tensor]
+def _dynamic(nodes: list[Node], input_name: str | None) -> set[str]:
+    """The input-dependent tensors: those computed from `input_name`, or without it every
+    node's output."""
+    if input_name is None:
+        return {o for n in nodes for o in n.outputs if o}
+    dynamic = {input_name}
+    for n in nodes:
+        if any(i in dynamic for i in n.inputs if i):
+            dynamic.update(o for o in n.outputs if o)
+    return dynamic
+
+
+def find_tail(nodes: list[Node], output: str, env: dict[str, torch.Tensor],
+              rms: bool = False, input_name: str | None = None
               ) -> tuple[Node, list[Node]] | None:
     """The LayerNorm (last axis) whose output reaches the graph's output through linear ops
     only, each with one input-dependent operand and read by the next op alone; (the
-    LayerNorm, the tail in graph order) or None."""
+    LayerNorm, the tail in graph order) or None. With `rms`, an RMSNorm spelled out
+    (`x * (mean x^2 + eps)^-1/2` or `x / sqrt(mean x^2 + eps)`, `rms_node`) ends a tail too,
+    as a node of type RMS_NORM (inputs [x], output the normalised x, its eps). `input_name`:
+    the graph's input, whose dependents alone count as input-dependent (else every node's
+    output does, Constant nodes' included)."""
     producer = {o: n for n in nodes for o in n.outputs if o}
     readers: dict[str, int] = {}
     for n in nodes:
         for i in n.inputs:
             if i:
                 readers[i] = readers.get(i, 0) + 1
-    dynamic = {o for n in nodes for o in n.outputs if o}
+    dynamic = _dynamic(nodes, input_name)
     tail: list[Node] = []
     name = output
     while True:
@@ -72,7 +90,12 @@ def find_tail(nodes: list[Node], output: str, env: dict[str, torch.Tensor]
                 return None
             return node, tail[::-1]
         dep = [i for i, x in enumerate(node.inputs) if x and x in dynamic]
-        ok_op = node.op_type in LAYOUT or node.op_type in _TAIL_LINEAR
+        if rms and tail and len(dep) == 2 and node.op_type in ("Mul", "Div"):
+            norm = rms_node(node, producer, env)
+            if norm is not None:
+                return norm, tail[::-1]
+        ok_op = node.op_type in LAYOUT or node.op_type in _TAIL_LINEAR or \
+            node.op_type == "Cast" and int(node.attrs.get("to", 0)) in FLOAT_TYPES
         if not ok_op or len(dep) != 1 or len([o for o in node.outputs if o]) != 1:
             return None
         if node.op_type == "Gemm" and dep != [0] or node.op_type == "Div" and dep != [0]:
@@ -82,6 +105,92 @@ def find_tail(nodes: list[Node], output: str, env: dict[str, torch.Tensor]
             return None
         tail.append(node)
         name = src
+
+
+RMS_NORM = "RMSNorm"  # the pseudo-op find_tail(rms=True) returns for a spelled-out RMSNorm
+
+
+def _scalar(env: dict[str, torch.Tensor], name: str) -> float | None:
+    t = env.get(name)
+    if t is None or t.numel() != 1 or not t.is_floating_point():
+        return None
+    return float(t.reshape(()))
+
+
+def _last_axis_mean(node: Node, env: dict[str, torch.Tensor]) -> bool:
+    """A ReduceMean over the last axis alone, the axis kept."""
+    if node.op_type != "ReduceMean" or int(node.attrs.get("keepdims", 1)) != 1:
+        return False
+    rank = env[node.inputs[0]].dim()
+    axes = node.attrs.get("axes")
+    if axes is None and len(node.inputs) > 1 and node.inputs[1]:
+        axes = [int(a) for a in env[node.inputs[1]].reshape(-1).tolist()]
+    return axes is not None and [int(a) % rank for a in axes] == [rank - 1]
+
+
+_Graph = tuple[dict[str, Node], dict[str, torch.Tensor]]  # producers, centre values
+
+
+def _rms_var(name: str, g: _Graph) -> tuple[str, float] | None:
+    """m = mean(x^2) + eps produced at `name` (Pow(x, 2) or Mul(x, x), ReduceMean over the
+    last axis, Add of a constant eps >= 0): (x, eps), or None."""
+    producer, env = g
+    add = producer.get(name)
+    if add is None or add.op_type != "Add" or len(add.inputs) != 2:
+        return None
+    for i in (0, 1):
+        eps = _scalar(env, add.inputs[1 - i])
+        mean = producer.get(add.inputs[i])
+        if eps is None or eps < 0 or mean is None or not _last_axis_mean(mean, env):
+            continue
+        sq = producer.get(mean.inputs[0])
+        if sq is not None and (sq.op_type == "Pow" and _scalar(env, sq.inputs[1]) == 2.0
+                               or sq.op_type == "Mul" and sq.inputs[0] == sq.inputs[1]):
+            return sq.inputs[0], eps
+    return None
+
+
+def _rms_sqrt(name: str, g: _Graph) -> tuple[str, float] | None:
+    """sqrt(m) produced at `name`."""
+    sq = g[0].get(name)
+    return _rms_var(sq.inputs[0], g) if sq is not None and sq.op_type == "Sqrt" else None
+
+
+def _rms_rsqrt(name: str, g: _Graph) -> tuple[str, float] | None:
+    """m^-1/2 produced at `name`: Div(1, sqrt m), Reciprocal(sqrt m) or Pow(m, -0.5)."""
+    producer, env = g
+    r = producer.get(name)
+    if r is None:
+        return None
+    if r.op_type == "Div" and _scalar(env, r.inputs[0]) == 1.0:
+        return _rms_sqrt(r.inputs[1], g)
+    if r.op_type == "Reciprocal":
+        return _rms_sqrt(r.inputs[0], g)
+    if r.op_type == "Pow" and _scalar(env, r.inputs[1]) == -0.5:
+        return _rms_var(r.inputs[0], g)
+    return None
+
+
+def rms_node(node: Node, producer: dict[str, Node], env: dict[str, torch.Tensor]
+             ) -> Node | None:
+    """`node` as the product of an RMSNorm over the last axis, spelled Mul(x, r) with r =
+    1 / sqrt(m) (Div of 1, or Reciprocal) or m^-0.5 (Pow), or Div(x, sqrt(m)); m = mean(x^2)
+    + eps: a node of type RMS_NORM (inputs [x], outputs node's, attribute epsilon) or None."""
+    g = (producer, env)
+    a, b = node.inputs[0], node.inputs[1]
+    found: tuple[str, float] | None = None
+    if node.op_type == "Div":
+        hit = _rms_sqrt(b, g)
+        found = hit if hit is not None and hit[0] == a else None
+    else:
+        for x, r in ((a, b), (b, a)):
+            hit = _rms_rsqrt(r, g)
+            if hit is not None and hit[0] == x:
+                found = hit
+                break
+    if found is None:
+        return None
+    return Node(node.name, RMS_NORM, [found[0]], list(node.outputs), {"epsilon": found[1]})
 
 
 def push_linear(tail: list[Node], env: dict[str, torch.Tensor], start: str, cols: np.ndarray,
@@ -126,12 +235,20 @@ def margins(nodes: list[Node], output: str, env: dict[str, torch.Tensor], ball: 
     shape = tuple(env[ln.outputs[0]].shape)
     a_hat, err = tail_matrix(nodes_tail, env, ln.outputs[0])
     k = a_hat.shape[0]
-    gam = np.broadcast_to(np.asarray(env[ln.inputs[1]].detach().numpy(), np.float64), shape)
     d = shape[-1]
-    # |y_ti(X) - y_ti(X0)| <= 2 |gamma_i| sqrt(D - 1): both within beta_i +- |gamma_i| sqrt(D-1)
-    dy = 2.0 * np.abs(gam) * np.sqrt(d - 1) * (1 + 1e-12)
-    ln_eps = decimal_attr(float(ln.attrs.get("epsilon", 1e-5)))
-    u, r = ln_parts(x, ln_eps, ball)
+    rms = ln.op_type == RMS_NORM
+    if rms:  # y = x r: gamma is a Mul of the tail, no centring, |y_ti| < sqrt(D)
+        gam = np.ones(shape)
+        dy = 2.0 * np.sqrt(d) * np.ones(shape) * (1 + 1e-12)
+        ln_eps = float(ln.attrs["epsilon"])
+    else:
+        gam = np.broadcast_to(np.asarray(env[ln.inputs[1]].detach().numpy(), np.float64),
+                              shape)
+        # |y_ti(X) - y_ti(X0)| <= 2 |gamma_i| sqrt(D - 1): both within beta_i +- |gamma_i|
+        # sqrt(D - 1)
+        dy = 2.0 * np.abs(gam) * np.sqrt(d - 1) * (1 + 1e-12)
+        ln_eps = decimal_attr(float(ln.attrs.get("epsilon", 1e-5)))
+    u, r = ln_parts(x, ln_eps, ball, centre=not rms)
     c = out.c.reshape(k)
     m = out.m.reshape(k)
     res: dict[int, float] = {}
@@ -147,7 +264,7 @@ def margins(nodes: list[Node], output: str, env: dict[str, torch.Tensor], ball: 
         # each times |n_ti(X) - n_ti(X0)| <= 2 sqrt(D - 1)
         cdiff = np.abs(a_hat[label] - a_hat[j]).reshape(shape)
         coef = (err[label] + err[j]).reshape(shape) + 2 * U * cdiff
-        slack = float((coef * dy + 2 * U * np.abs(w) * 2 * np.sqrt(d - 1)).sum()) * (1 + 1e-9)
+        slack = float((coef * dy + 2 * U * np.abs(w) * 2 * np.sqrt(d)).sum()) * (1 + 1e-9)
         base = float(c[label] - c[j] - (m[label] + m[j])
                      - 2 * U * abs(c[label] - c[j]))
         res[j] = base + float(lo.reshape(-1)[0]) - slack - affine.TINY
@@ -160,12 +277,15 @@ def margins(nodes: list[Node], output: str, env: dict[str, torch.Tensor], ball: 
     return res
 
 
-def ln_parts(x: Aff, ln_eps: float, ball: Ball) -> tuple[Aff, Aff]:
-    """The forms of a LayerNorm's centred input u = x - mean x (..., T, D) and r = (mean u^2 +
-    eps)^-1/2 (..., T, 1)."""
+def ln_parts(x: Aff, ln_eps: float, ball: Ball, centre: bool = True) -> tuple[Aff, Aff]:
+    """The forms of a LayerNorm's centred input u = x - mean x (..., T, D) (an RMSNorm's:
+    u = x, `centre` False) and r = (mean u^2 + eps)^-1/2 (..., T, 1)."""
     d = x.shape[-1]
-    mu = _reduce(x, d, True, ball)
-    u = _add(x, Aff(-mu.c, mu.m, -mu.o, -mu.a, mu.b), ball)  # (..., T, D)
+    if centre:
+        mu = _reduce(x, d, True, ball)
+        u = _add(x, Aff(-mu.c, mu.m, -mu.o, -mu.a, mu.b), ball)  # (..., T, D)
+    else:
+        u = x
     q = elementwise(u, SQUARE, ball)
     v = _shift(_reduce(q, d, True, ball), np.asarray(ln_eps))  # (..., T, 1)
     v = select(v, variance(u, v, ball), ball)

@@ -246,7 +246,8 @@ def _margin_lower_bounds(model: OnnxModel, x: np.ndarray, eps: float, norm: str,
         ball = Ball(x, float(eps), norm)
         chains, inside = _chains(model, ctr.module, ctr.env)
         nodes: list[Node] = list(ctr.module.runtime_nodes)  # type: ignore[arg-type]
-        tail = deferred.find_tail(nodes, model.spec.output_name, ctr.env) if DEFER else None
+        tail = deferred.find_tail(nodes, model.spec.output_name, ctr.env, rms=True,
+                                  input_name=model.spec.input_name) if DEFER else None
         capture: dict[str, affine.Aff | None] = {} if tail is None else {
             tail[0].inputs[0]: None}
         space: list[int] = []

@@ -286,7 +286,7 @@ def _sphere_minimiser(g: np.ndarray, lam: np.ndarray, vecs: np.ndarray, mu0: flo
 
     def norm_z(nu: float) -> float:
         den = 2.0 * (lam + nu)
-        with np.errstate(divide="ignore", invalid="ignore"):
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             return float(np.sqrt(np.square(np.where(den > 0, gh / den, np.inf)).sum()))
     lo = mu0
     if norm_z(lo) > 1.0:

@@ -240,6 +240,7 @@ def margins(nodes: list[Node], output: str, env: dict[str, torch.Tensor], ball: 
     if rms:  # y = x r: gamma is a Mul of the tail, no centring, |y_ti| < sqrt(D)
         gam = np.ones(shape)
         dy = 2.0 * np.sqrt(d) * np.ones(shape) * (1 + 1e-12)
+        nmax = 2 * math.sqrt(d)  # |n_ti(X) - n_ti(X0)|
         ln_eps = float(ln.attrs["epsilon"])
     else:
         gam = np.broadcast_to(np.asarray(env[ln.inputs[1]].detach().numpy(), np.float64),
@@ -247,6 +248,7 @@ def margins(nodes: list[Node], output: str, env: dict[str, torch.Tensor], ball: 
         # |y_ti(X) - y_ti(X0)| <= 2 |gamma_i| sqrt(D - 1): both within beta_i +- |gamma_i|
         # sqrt(D - 1)
         dy = 2.0 * np.abs(gam) * np.sqrt(d - 1) * (1 + 1e-12)
+        nmax = 2 * math.sqrt(d - 1)
         ln_eps = decimal_attr(float(ln.attrs.get("epsilon", 1e-5)))
     u, r = ln_parts(x, ln_eps, ball, centre=not rms)
     c = out.c.reshape(k)
@@ -264,7 +266,7 @@ def margins(nodes: list[Node], output: str, env: dict[str, torch.Tensor], ball: 
         # each times |n_ti(X) - n_ti(X0)| <= 2 sqrt(D - 1)
         cdiff = np.abs(a_hat[label] - a_hat[j]).reshape(shape)
         coef = (err[label] + err[j]).reshape(shape) + 2 * U * cdiff
-        slack = float((coef * dy + 2 * U * np.abs(w) * 2 * np.sqrt(d)).sum()) * (1 + 1e-9)
+        slack = float((coef * dy + 2 * U * np.abs(w) * nmax).sum()) * (1 + 1e-9)
         base = float(c[label] - c[j] - (m[label] + m[j])
                      - 2 * U * abs(c[label] - c[j]))
         res[j] = base + float(lo.reshape(-1)[0]) - slack - affine.TINY

@@ -29,7 +29,7 @@ from ..bounds.numerics import (
 )
 from ..onnx.loading import OnnxModel
 from ..onnx.ops import Node, decimal_attr
-from . import affine, affine_rules, deferred, forward_error, fused, second, signed
+from . import affine, affine_rules, deferred, forward_error, fused, relu_head, second, signed
 from .opnorm import integrated_tokens, rows_bound, set_token_radius
 from .primitives import LIBM_REL, derivative, elementwise
 from .rules import LOCAL_RULES, LocalRule, exact
@@ -250,6 +250,13 @@ def _margin_lower_bounds(model: OnnxModel, x: np.ndarray, eps: float, norm: str,
                                   input_name=model.spec.input_name) if DEFER else None
         capture: dict[str, affine.Aff | None] = {} if tail is None else {
             tail[0].inputs[0]: None}
+        relu = None
+        if tail is None and DEFER:
+            # a ReLU head instead: its input's and output's forms (relu_head.py)
+            relu = deferred.find_tail(nodes, model.spec.output_name, ctr.env, relu=True,
+                                      input_name=model.spec.input_name)
+            if relu is not None:
+                capture = {relu[0].inputs[0]: None, relu[0].outputs[0]: None}
         space: list[int] = []
         forms = affine_rules.walk(nodes, model.spec.input_name, ctr.env, ball, chains, inside,
                                   model.spec.output_name, everything=False, capture=capture,
@@ -262,11 +269,30 @@ def _margin_lower_bounds(model: OnnxModel, x: np.ndarray, eps: float, norm: str,
         token_q = affine.QUAD.set(ball.size if quad else None)
         token_s = affine.SPACE.set(list(space) if space else None)
         try:
+            if relu is not None:
+                return _relu_margins(ctr.env, ball, out, label, relu, capture)
             return _margins_of_forms(nodes, model.spec.output_name, ctr.env, ball, out,
                                      label, tail, capture)
         finally:
             affine.SPACE.reset(token_s)
             affine.QUAD.reset(token_q)
+
+
+def _relu_margins(env: dict[str, torch.Tensor], ball: Ball, out: affine.Aff, label: int,
+                  relu: tuple[Node, list[Node]], capture: dict[str, affine.Aff | None]
+                  ) -> dict[int, float]:
+    """The plain margins and those with the head's ReLU relaxed per margin (relu_head.py):
+    both lower bounds of the same margins, the larger stands."""
+    res = affine.margins(out, label, ball)
+    z, y = capture.get(relu[0].inputs[0]), capture.get(relu[0].outputs[0])
+    if z is None or y is None:
+        return res
+    try:
+        low = relu_head.margins(relu[1], env, ball, relu[0], z, y, out, label)
+    except (affine.NotAffine, FloatingPointError, ValueError, RuntimeError, KeyError,
+            IndexError, TypeError):
+        return res  # an optional refinement: the plain margins stand
+    return {j: max(v, low.get(j, v)) for j, v in res.items()}
 
 
 def _margins_of_forms(nodes: list[Node], output: str, env: dict[str, torch.Tensor],

@@ -593,14 +593,18 @@ def _sweep(om: OnnxModel, x: np.ndarray, norm: str, label: int, margins: dict[in
     probe: tuple[float, dict[int, float]] | None = None  # a ball walked already
     if floor > 0:
         runs0 = 2
-        # one probe of the other route's radius: the integral up to `floor` is at least
-        # (1 - SWEEP_PROBE) floor L_j(SWEEP_PROBE floor) (the constants grow with the radius),
-        # so where that already spends a margin the sweep cannot pass `floor` (time only)
+        # one probe of the other route's radius: the sweep's sum up to `floor` is at least
+        # (1 - SWEEP_PROBE) floor L_j(SWEEP_PROBE floor) (the constants grow with the
+        # radius), and over [0, SWEEP_PROBE floor] its pieces, each at its outer ball's
+        # constant (a right sum of growing constants), spend about the trapezoid of L_j(0)
+        # and the probe's; where that spends a margin the sweep will not pass `floor` (a
+        # cutoff for time only: x-transformers' inf job 99 -> 50 s, the same radius)
         # (both engines, outside the sweep's turns: the pieces do not depend on the probe)
         cp = _constants_at(om, x, SWEEP_PROBE * floor, norm, label, adjoint=adjoint)
         _tick(progress, 2, steps, floor)
-        if cp is not None and any(margins[j] <= (1 - SWEEP_PROBE) * floor * cp[j]
-                                  for j in cp):
+        if cp is not None and any(
+                margins[j] <= SWEEP_PROBE * floor * 0.5 * (c0.get(j, 0.0) + cp[j])
+                + (1 - SWEEP_PROBE) * floor * cp[j] for j in cp):
             _stopped(progress, floor, cut)
             return 0.0, 2, {}
         probe = None if cp is None else (SWEEP_PROBE * floor, cp)

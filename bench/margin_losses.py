@@ -22,7 +22,6 @@ import argparse
 import json
 import sys
 import tempfile
-import warnings
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -52,17 +51,7 @@ def _load(name: str, tmp: Path) -> tuple[Any, np.ndarray]:
         return om, center(1).numpy().astype(np.float64)
     import robustness_zoo as zoo
 
-    from service.local import model_input
-    from tests.onnx_export import export_to
-
-    make, shape = zoo.MODELS[name]
-    torch.manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = make().eval()
-        x = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
-        om = load_onnx(export_to(model, x, tmp / f"{name}.onnx", dynamo=False).read_bytes())
-    return om, model_input(zoo._Loaded(om), x.numpy().astype(np.float64))
+    return zoo.load(name, tmp)
 
 
 @contextmanager

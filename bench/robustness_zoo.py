@@ -144,7 +144,8 @@ class _Loaded:
         self.onnx = om
 
 
-def run(name: str, norms: list[str], baseline: bool, tmp: Path) -> list[dict[str, Any]]:
+def load(name: str, tmp: Path) -> tuple[Any, np.ndarray]:
+    """The model exported to ONNX and loaded, and its centre input (pixels as patches)."""
     make, shape = MODELS[name]
     torch.manual_seed(0)
     with warnings.catch_warnings():
@@ -152,7 +153,11 @@ def run(name: str, norms: list[str], baseline: bool, tmp: Path) -> list[dict[str
         model = make().eval()
         x = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
         om = load_onnx(export_to(model, x, tmp / f"{name}.onnx", dynamo=False).read_bytes())
-    x0 = model_input(_Loaded(om), x.numpy().astype(np.float64))  # pixels -> patches
+    return om, model_input(_Loaded(om), x.numpy().astype(np.float64))  # pixels -> patches
+
+
+def run(name: str, norms: list[str], baseline: bool, tmp: Path) -> list[dict[str, Any]]:
+    om, x0 = load(name, tmp)
     f64 = om.module.with_dtype(torch.float64)
     with torch.no_grad():
         label = int(f64(torch.from_numpy(x0)).argmax())

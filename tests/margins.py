@@ -40,3 +40,21 @@ def descend_margin(f: Callable[[torch.Tensor], torch.Tensor], x0: torch.Tensor, 
     with torch.no_grad():
         out = f(x0 + d).reshape(-1)
     yield float(out[label] - out[j])
+
+
+def with_and_without_heads(om: object, x0: np.ndarray, eps: float, norm: str, label: int
+                           ) -> tuple[dict[int, float], dict[int, float]]:
+    """The margins' lower bounds with the heads' refinements (deferred LayerNorm / RMSNorm
+    product, one-token sign, ReLU head) and with the plain output form alone
+    (driver.DEFER off)."""
+    from lsa_models.engine import driver
+
+    low = driver.margin_lower_bounds(om, x0, eps, norm, label)  # type: ignore[arg-type]
+    token = driver.DEFER
+    driver.DEFER = False
+    try:
+        plain = driver.margin_lower_bounds(om, x0, eps, norm, label)  # type: ignore[arg-type]
+    finally:
+        driver.DEFER = token
+    assert low is not None and plain is not None
+    return low, plain

@@ -5,6 +5,7 @@ in-ball lower bound and the global bound; a pixel classifier gets a robustness r
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +49,28 @@ def _ball_points(x0: np.ndarray, eps: float, norm: str, rng: np.random.Generator
     return pts
 
 
+def _conv_case(scale: float, k: int, stride: int, dilation: int, pad_lo: int, pad_hi: int,
+               groups: int, seed: int, spatial: int
+               ) -> tuple[Node, Tensor, Tensor, tuple[int, ...], Callable[[Tensor], Tensor]]:
+    """A Conv node with random kernel and bias, the input shape (1, C, *size) it takes, and
+    the exact float64 Conv (padding, stride, dilation, groups as the node's attributes)."""
+    gen = torch.Generator().manual_seed(seed)
+    c_in, out = 2 * groups, 2 * groups
+    kern = (k,) * spatial
+    w = scale * torch.randn(out, c_in // groups, *kern, generator=gen, dtype=torch.float64)
+    b = torch.randn(out, generator=gen, dtype=torch.float64)
+    size = (1 + dilation * (k - 1) + stride,) * spatial
+    pads = [pad_lo] * spatial + [pad_hi] * spatial  # ONNX: begins, then ends
+    attrs = {"kernel_shape": list(kern), "strides": [stride] * spatial,
+             "dilations": [dilation] * spatial, "pads": pads, "group": groups}
+    node = Node("c", "Conv", ["x", "w", "b"], ["y"], attrs)
+
+    def conv(z: Tensor) -> Tensor:
+        zp = F.pad(z, [p for i in reversed(range(spatial)) for p in (pads[i], pads[i + spatial])])
+        return _CONV[spatial](zp, w, b, stride=stride, dilation=dilation, groups=groups)
+    return node, w, b, (1, c_in, *size), conv
+
+
 @settings(max_examples=60, deadline=None)
 @given(scale=st.sampled_from([1e-3, 1.0, 1e3]), k=st.integers(1, 3), stride=st.integers(1, 3),
        dilation=st.integers(1, 2), pad_lo=st.integers(0, 2), pad_hi=st.integers(0, 2),
@@ -60,22 +83,13 @@ def test_local_conv_enclosure_holds_exact_jacobians_in_the_ball(
     """Y = Conv(tanh(X)) + b: the tanh gives the Conv's input a nonzero Jacobian radius; at
     the centre and at corners / sphere points, the exact float64 Jacobian of Y lies in
     jc +- jr and Y in [lo, hi]."""
-    gen = torch.Generator().manual_seed(seed)
-    c_in, out = 2 * groups, 2 * groups
-    kern = (k,) * spatial
-    w = scale * torch.randn(out, c_in // groups, *kern, generator=gen, dtype=torch.float64)
-    b = torch.randn(out, generator=gen, dtype=torch.float64)
-    size = (1 + dilation * (k - 1) + stride,) * spatial
-    x0 = torch.randn(1, c_in, *size, generator=gen, dtype=torch.float64)  # (1, C, *size)
-    pads = [pad_lo] * spatial + [pad_hi] * spatial  # ONNX: begins, then ends
-    attrs = {"kernel_shape": list(kern), "strides": [stride] * spatial,
-             "dilations": [dilation] * spatial, "pads": pads, "group": groups}
-    node = Node("c", "Conv", ["x", "w", "b"], ["y"], attrs)
+    node, w, b, shape, conv = _conv_case(scale, k, stride, dilation, pad_lo, pad_hi, groups,
+                                         seed, spatial)
+    gen = torch.Generator().manual_seed(seed + 1)
+    x0 = torch.randn(*shape, generator=gen, dtype=torch.float64)  # (1, C, *size)
 
     def f(z: Tensor) -> Tensor:
-        zp = F.pad(torch.tanh(z), [p for i in reversed(range(spatial))
-                                   for p in (pads[i], pads[i + spatial])])
-        return _CONV[spatial](zp, w, b, stride=stride, dilation=dilation, groups=groups)
+        return conv(torch.tanh(z))
 
     ball = Ball(x0.numpy(), eps, norm)
     t = pr.elementwise(input_value(ball), "tanh", np.tanh(x0.numpy()), ball)
@@ -202,22 +216,8 @@ def test_affine_conv_form_encloses_every_functional(
     float64 Y - Y(X0) lies in the range the form gives it, at the extreme points of its linear
     part and random points of the ball (the bias cancels in the change; the kernel acts on the
     offset and every symbol's column, |K| on the box)."""
-    gen = torch.Generator().manual_seed(seed)
-    c_in, out = 2 * groups, 2 * groups
-    kern = (k,) * spatial
-    w = scale * torch.randn(out, c_in // groups, *kern, generator=gen, dtype=torch.float64)
-    b = torch.randn(out, generator=gen, dtype=torch.float64)
-    size = (1 + dilation * (k - 1) + stride,) * spatial
-    shape = (1, c_in, *size)
-    pads = [pad_lo] * spatial + [pad_hi] * spatial
-    attrs = {"kernel_shape": list(kern), "strides": [stride] * spatial,
-             "dilations": [dilation] * spatial, "pads": pads, "group": groups}
-    node = Node("c", "Conv", ["x", "w", "b"], ["y"], attrs)
-
-    def conv(z: Tensor) -> Tensor:
-        zp = F.pad(z, [p for i in reversed(range(spatial)) for p in (pads[i], pads[i + spatial])])
-        return _CONV[spatial](zp, w, b, stride=stride, dilation=dilation, groups=groups)
-
+    node, w, b, shape, conv = _conv_case(scale, k, stride, dilation, pad_lo, pad_hi, groups,
+                                         seed, spatial)
     rng = np.random.default_rng(seed)
     ball = Ball(rng.standard_normal(4), eps, norm)  # d: 4 input entries
     with _symbols(ball):

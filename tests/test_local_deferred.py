@@ -21,7 +21,7 @@ from lsa_models.engine.driver import Centre, margin_lower_bounds
 from lsa_models.engine.values import Ball
 from lsa_models.onnx import load_onnx
 from lsa_models.onnx.loading import OnnxModel
-from tests.margins import descend_margin
+from tests.margins import descend_margin, with_and_without_heads
 from tests.test_local_affine import _points, _source, _symbols
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -273,14 +273,7 @@ def test_rms_tails_are_found_and_their_margins_hold_against_pgd(
     f = om.module.with_dtype(torch.float64)
     with torch.no_grad():
         label = int(f(torch.from_numpy(x0)).reshape(-1).argmax())
-    low = margin_lower_bounds(om, x0, eps, norm, label)
-    token = driver.DEFER
-    driver.DEFER = False
-    try:
-        without = margin_lower_bounds(om, x0, eps, norm, label)
-    finally:
-        driver.DEFER = token
-    assert low is not None and without is not None
+    low, without = with_and_without_heads(om, x0, eps, norm, label)
     assert all(low[j] >= without[j] for j in low)
     # and it pays (an RMSNorm read as a LayerNorm, centred, gains nothing in three of these)
     assert sum(low[j] - without[j] for j in low) >= 0.01

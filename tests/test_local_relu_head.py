@@ -16,12 +16,12 @@ from hypothesis import strategies as st
 from torch import nn
 
 from lsa_models.engine import affine, affine_rules, deferred, driver, relu_head
-from lsa_models.engine.driver import margin_lower_bounds
 from lsa_models.engine.values import Ball
 from lsa_models.onnx import load_onnx
 from lsa_models.onnx.loading import OnnxModel
 from lsa_models.onnx.ops import Node
 
+from .margins import with_and_without_heads
 from .test_local_affine import _points, _source, _symbols
 from .test_local_deferred import _pgd_min
 
@@ -135,14 +135,7 @@ def test_relu_head_margins_hold_against_pgd_and_lift_the_plain_ones(
     f = om.module.with_dtype(torch.float64)
     with torch.no_grad():
         label = int(f(torch.from_numpy(x0)).reshape(-1).argmax())
-    low = margin_lower_bounds(om, x0, eps, norm, label)
-    token = driver.DEFER
-    driver.DEFER = False
-    try:
-        plain = margin_lower_bounds(om, x0, eps, norm, label)
-    finally:
-        driver.DEFER = token
-    assert low is not None and plain is not None
+    low, plain = with_and_without_heads(om, x0, eps, norm, label)
     assert all(low[j] >= plain[j] for j in low) and any(low[j] > plain[j] for j in low)
     for j, bound in low.items():
         assert _pgd_min(om, x0, label, j, eps, norm, seed=j) >= bound - 1e-12

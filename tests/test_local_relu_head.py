@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from lsa_models.engine import affine, affine_rules, deferred, driver, relu_head
+from lsa_models.engine import affine, affine_rules, driver, relu_head
 from lsa_models.engine.values import Ball
 from lsa_models.onnx import load_onnx
 from lsa_models.onnx.loading import OnnxModel
@@ -113,25 +113,52 @@ def _distil(tmp: Path) -> OnnxModel:
     return load_onnx(path.read_bytes())
 
 
+class TorchPreNorm(nn.Module):
+    """torch's own pre-norm encoder layer (ReLU FFN, no final norm), a mean-pooled head: the
+    ReLU reaches the output through the residual Add (a side: the attention branch)."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(d, 2, 2 * d, dropout=0.0, batch_first=True,
+                                           norm_first=True)
+        self.body = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, N, D) -> (B, 3)
+        return self.head(self.body(x).mean(dim=1))
+
+
+def _torch_prenorm(tmp: Path) -> OnnxModel:
+    torch.manual_seed(7)
+    path = tmp / "prenorm.onnx"
+    torch.onnx.export(TorchPreNorm().eval(), (torch.randn(1, 4, 8),), str(path), dynamo=False,
+                      opset_version=17, input_names=["x"], output_names=["logits"])
+    return load_onnx(path.read_bytes())
+
+
 @pytest.mark.parametrize(("kind", "norm", "eps"),
                          [("relu-mlp", "inf", 0.05), ("relu-mlp", "2", 0.6),
-                          ("distil", "inf", 0.1), ("distil", "2", 0.4)])
+                          ("distil", "inf", 0.1), ("distil", "2", 0.4),
+                          ("torch-prenorm", "inf", 0.03), ("torch-prenorm", "2", 0.15)])
 def test_relu_head_margins_hold_against_pgd_and_lift_the_plain_ones(
         kind: str, norm: str, eps: float, tmp_path: Path) -> None:
     """The ReLU head is found behind the linear classifier (an MLP's last hidden layer; a
-    DistilBERT-style pre-classifier on the first token); PGD on each margin stays above its
-    bound, which is at least the plain forms' and above it somewhere."""
+    DistilBERT-style pre-classifier on the first token; torch's pre-norm layer's FFN through
+    the residual Add, the attention branch a side); PGD on each margin stays above its bound,
+    which is at least the plain forms' and above it somewhere."""
     if kind == "relu-mlp":
         om = load_onnx(export(relu_mlp(), tmp_path / "relu.onnx").read_bytes())
         x0 = center(1).numpy().astype(np.float64)
     else:
-        om = _distil(tmp_path)
+        om = _distil(tmp_path) if kind == "distil" else _torch_prenorm(tmp_path)
         x0 = np.random.default_rng(6).standard_normal((1, 4, 8))
     ctr = driver.Centre(om, x0)
     with ctr:
-        found = deferred.find_tail(list(ctr.module.runtime_nodes), om.spec.output_name,
-                                   ctr.env, relu=True, input_name=om.spec.input_name)
+        found = relu_head.find_relu_tail(list(ctr.module.runtime_nodes), om.spec.output_name,
+                                         ctr.env, om.spec.input_name)
     assert found is not None and found[0].op_type == "Relu"
+    # the residual join is a side (torch's layer); the others have none
+    assert len(found[2]) == (1 if kind == "torch-prenorm" else 0)
     f = om.module.with_dtype(torch.float64)
     with torch.no_grad():
         label = int(f(torch.from_numpy(x0)).reshape(-1).argmax())

@@ -61,7 +61,7 @@ def _dynamic(nodes: list[Node], input_name: str | None) -> set[str]:
 
 
 def find_tail(nodes: list[Node], output: str, env: dict[str, torch.Tensor],
-              rms: bool = False, input_name: str | None = None, relu: bool = False
+              rms: bool = False, input_name: str | None = None
               ) -> tuple[Node, list[Node]] | None:
     """The LayerNorm (last axis) whose output reaches the graph's output through linear ops
     only, each with one input-dependent operand and read by the next op alone; (the
@@ -69,8 +69,7 @@ def find_tail(nodes: list[Node], output: str, env: dict[str, torch.Tensor],
     (`x * (mean x^2 + eps)^-1/2` or `x / sqrt(mean x^2 + eps)`, `rms_node`) ends a tail too,
     as a node of type RMS_NORM (inputs [x], output the normalised x, its eps). `input_name`:
     the graph's input, whose dependents alone count as input-dependent (else every node's
-    output does, Constant nodes' included). With `relu`, the tail ends at a Relu instead
-    (relu_head.py) and normalisations end nothing."""
+    output does, Constant nodes' included)."""
     producer = {o: n for n in nodes for o in n.outputs if o}
     readers: dict[str, int] = {}
     for n in nodes:
@@ -84,17 +83,14 @@ def find_tail(nodes: list[Node], output: str, env: dict[str, torch.Tensor],
         node = producer.get(name)
         if node is None:
             return None
-        if relu:
-            if node.op_type == "Relu":
-                return (node, tail[::-1]) if tail else None
-        elif node.op_type == "LayerNormalization":
+        if node.op_type == "LayerNormalization":
             rank = env[node.inputs[0]].dim()
             if not tail or int(node.attrs.get("axis", -1)) % rank != rank - 1 or \
                     any(i in dynamic for i in node.inputs[1:] if i):
                 return None
             return node, tail[::-1]
         dep = [i for i, x in enumerate(node.inputs) if x and x in dynamic]
-        if rms and not relu and tail and len(dep) == 2 and node.op_type in ("Mul", "Div"):
+        if rms and tail and len(dep) == 2 and node.op_type in ("Mul", "Div"):
             norm = rms_node(node, producer, env)
             if norm is not None:
                 return norm, tail[::-1]

@@ -253,10 +253,11 @@ def _margin_lower_bounds(model: OnnxModel, x: np.ndarray, eps: float, norm: str,
         relu = None
         if tail is None and DEFER:
             # a ReLU head instead: its input's and output's forms (relu_head.py)
-            relu = deferred.find_tail(nodes, model.spec.output_name, ctr.env, relu=True,
-                                      input_name=model.spec.input_name)
+            relu = relu_head.find_relu_tail(nodes, model.spec.output_name, ctr.env,
+                                            model.spec.input_name)
             if relu is not None:
                 capture = {relu[0].inputs[0]: None, relu[0].outputs[0]: None}
+                capture.update({name: None for name, _ in relu[2]})
         space: list[int] = []
         forms = affine_rules.walk(nodes, model.spec.input_name, ctr.env, ball, chains, inside,
                                   model.spec.output_name, everything=False, capture=capture,
@@ -279,16 +280,18 @@ def _margin_lower_bounds(model: OnnxModel, x: np.ndarray, eps: float, norm: str,
 
 
 def _relu_margins(env: dict[str, torch.Tensor], ball: Ball, out: affine.Aff, label: int,
-                  relu: tuple[Node, list[Node]], capture: dict[str, affine.Aff | None]
+                  relu: relu_head.Tail, capture: dict[str, affine.Aff | None]
                   ) -> dict[int, float]:
     """The plain margins and those with the head's ReLU relaxed per margin (relu_head.py):
     both lower bounds of the same margins, the larger stands."""
     res = affine.margins(out, label, ball)
     z, y = capture.get(relu[0].inputs[0]), capture.get(relu[0].outputs[0])
-    if z is None or y is None:
+    sides = [(name, pos, capture.get(name)) for name, pos in relu[2]]
+    if z is None or y is None or any(f is None for _, _, f in sides):
         return res
     try:
-        low = relu_head.margins(relu[1], env, ball, relu[0], z, y, out, label)
+        low = relu_head.margins(relu[1], env, ball, relu[0], z, y, out, label,
+                                sides)  # type: ignore[arg-type]
     except (affine.NotAffine, FloatingPointError, ValueError, RuntimeError, KeyError,
             IndexError, TypeError):
         return res  # an optional refinement: the plain margins stand

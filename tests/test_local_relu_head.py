@@ -105,10 +105,11 @@ class DistilHead(nn.Module):
         return self.cls(torch.relu(self.pre(x[:, 0])))
 
 
-def _distil(tmp: Path) -> OnnxModel:
-    torch.manual_seed(5)
-    path = tmp / "distil.onnx"
-    torch.onnx.export(DistilHead().eval(), (torch.randn(1, 4, 8),), str(path), dynamo=False,
+def _exported(make: type[nn.Module], seed: int, tmp: Path) -> OnnxModel:
+    """make() with weights from `seed`, exported on a (1, 4, 8) input and loaded."""
+    torch.manual_seed(seed)
+    path = tmp / f"{make.__name__}.onnx"
+    torch.onnx.export(make().eval(), (torch.randn(1, 4, 8),), str(path), dynamo=False,
                       opset_version=17, input_names=["x"], output_names=["logits"])
     return load_onnx(path.read_bytes())
 
@@ -128,14 +129,6 @@ class TorchPreNorm(nn.Module):
         return self.head(self.body(x).mean(dim=1))
 
 
-def _torch_prenorm(tmp: Path) -> OnnxModel:
-    torch.manual_seed(7)
-    path = tmp / "prenorm.onnx"
-    torch.onnx.export(TorchPreNorm().eval(), (torch.randn(1, 4, 8),), str(path), dynamo=False,
-                      opset_version=17, input_names=["x"], output_names=["logits"])
-    return load_onnx(path.read_bytes())
-
-
 @pytest.mark.parametrize(("kind", "norm", "eps"),
                          [("relu-mlp", "inf", 0.05), ("relu-mlp", "2", 0.6),
                           ("distil", "inf", 0.1), ("distil", "2", 0.4),
@@ -150,7 +143,8 @@ def test_relu_head_margins_hold_against_pgd_and_lift_the_plain_ones(
         om = load_onnx(export(relu_mlp(), tmp_path / "relu.onnx").read_bytes())
         x0 = center(1).numpy().astype(np.float64)
     else:
-        om = _distil(tmp_path) if kind == "distil" else _torch_prenorm(tmp_path)
+        om = _exported(DistilHead, 5, tmp_path) if kind == "distil" else \
+            _exported(TorchPreNorm, 7, tmp_path)
         x0 = np.random.default_rng(6).standard_normal((1, 4, 8))
     ctr = driver.Centre(om, x0)
     with ctr:

@@ -60,6 +60,19 @@ def _dynamic(nodes: list[Node], input_name: str | None) -> set[str]:
     return dynamic
 
 
+def graph_index(nodes: list[Node], input_name: str | None
+                ) -> tuple[dict[str, Node], dict[str, int], set[str]]:
+    """(each tensor's producing node, each tensor's number of readers, the input-dependent
+    tensors `_dynamic` finds)."""
+    producer = {o: n for n in nodes for o in n.outputs if o}
+    readers: dict[str, int] = {}
+    for n in nodes:
+        for i in n.inputs:
+            if i:
+                readers[i] = readers.get(i, 0) + 1
+    return producer, readers, _dynamic(nodes, input_name)
+
+
 def find_tail(nodes: list[Node], output: str, env: dict[str, torch.Tensor],
               rms: bool = False, input_name: str | None = None
               ) -> tuple[Node, list[Node]] | None:
@@ -70,13 +83,7 @@ def find_tail(nodes: list[Node], output: str, env: dict[str, torch.Tensor],
     as a node of type RMS_NORM (inputs [x], output the normalised x, its eps). `input_name`:
     the graph's input, whose dependents alone count as input-dependent (else every node's
     output does, Constant nodes' included)."""
-    producer = {o: n for n in nodes for o in n.outputs if o}
-    readers: dict[str, int] = {}
-    for n in nodes:
-        for i in n.inputs:
-            if i:
-                readers[i] = readers.get(i, 0) + 1
-    dynamic = _dynamic(nodes, input_name)
+    producer, readers, dynamic = graph_index(nodes, input_name)
     tail: list[Node] = []
     name = output
     while True:
@@ -94,17 +101,25 @@ def find_tail(nodes: list[Node], output: str, env: dict[str, torch.Tensor],
             norm = rms_node(node, producer, env)
             if norm is not None:
                 return norm, tail[::-1]
-        ok_op = node.op_type in LAYOUT or node.op_type in _TAIL_LINEAR or \
-            node.op_type == "Cast" and int(node.attrs.get("to", 0)) in FLOAT_TYPES
-        if not ok_op or len(dep) != 1 or len([o for o in node.outputs if o]) != 1:
-            return None
-        if node.op_type == "Gemm" and dep != [0] or node.op_type == "Div" and dep != [0]:
-            return None
-        src = node.inputs[dep[0]]
-        if readers.get(src, 0) != 1:
+        src = step_back(node, dep, readers)
+        if src is None:
             return None
         tail.append(node)
         name = src
+
+
+def step_back(node: Node, dep: list[int], readers: dict[str, int]) -> str | None:
+    """The input a tail passes `node` by (its one input-dependent operand, read by it alone)
+    where the node is linear in it (layout, a float Cast, `_TAIL_LINEAR` with a constant
+    weight), else None; `dep`: the node's input-dependent operands."""
+    ok_op = node.op_type in LAYOUT or node.op_type in _TAIL_LINEAR or \
+        node.op_type == "Cast" and int(node.attrs.get("to", 0)) in FLOAT_TYPES
+    if not ok_op or len(dep) != 1 or len([o for o in node.outputs if o]) != 1:
+        return None
+    if node.op_type in ("Gemm", "Div") and dep != [0]:
+        return None
+    src = node.inputs[dep[0]]
+    return src if readers.get(src, 0) == 1 else None
 
 
 RMS_NORM = "RMSNorm"  # the pseudo-op find_tail(rms=True) returns for a spelled-out RMSNorm

@@ -21,11 +21,11 @@ import numpy as np
 import torch
 
 from ..bounds.numerics import U
-from ..onnx.ops import FLOAT_TYPES, Node
+from ..onnx.ops import Node
 from . import affine
 from .affine import Aff, _up
-from .affine_rules import LAYOUT, weighted_sum
-from .deferred import _TAIL_LINEAR, _dynamic, tail_matrix
+from .affine_rules import weighted_sum
+from .deferred import graph_index, step_back, tail_matrix
 from .values import Ball, gamma
 
 # supergradient steps on each margin's alphas (H-vector products of the forms: cheap)
@@ -43,13 +43,7 @@ def find_relu_tail(nodes: list[Node], output: str, env: dict[str, torch.Tensor],
     of two input-dependent tensors is passed along the branch that leads to the Relu, the
     other branch becoming a side; (the Relu, the tail in graph order, [(side tensor, index
     of its Add in the tail)]) or None."""
-    producer = {o: n for n in nodes for o in n.outputs if o}
-    readers: dict[str, int] = {}
-    for n in nodes:
-        for i in n.inputs:
-            if i:
-                readers[i] = readers.get(i, 0) + 1
-    dynamic = _dynamic(nodes, input_name)
+    producer, readers, dynamic = graph_index(nodes, input_name)
     got = _walk_back(output, producer, readers, dynamic, 0)
     if got is None:
         return None
@@ -75,24 +69,18 @@ def _walk_back(name: str, producer: dict[str, Node], readers: dict[str, int],
             return None
         if node.op_type in ("Add", "Sub") and len(dep) == 2 and depth < MAX_SIDES:
             for k in (0, 1):
-                src, other = node.inputs[dep[k]], node.inputs[dep[1 - k]]
-                if src == other or readers.get(src, 0) != 1:
+                branch, other = node.inputs[dep[k]], node.inputs[dep[1 - k]]
+                if branch == other or readers.get(branch, 0) != 1:
                     continue
-                sub = _walk_back(src, producer, readers, dynamic, depth + 1)
+                sub = _walk_back(branch, producer, readers, dynamic, depth + 1)
                 if sub is not None:
                     relu, rest, sides = sub
                     at = len(back)
                     return relu, back + [node] + rest, \
                         [(other, at)] + [(n, p + at + 1) for n, p in sides]
             return None
-        ok_op = node.op_type in LAYOUT or node.op_type in _TAIL_LINEAR or \
-            node.op_type == "Cast" and int(node.attrs.get("to", 0)) in FLOAT_TYPES
-        if not ok_op or len(dep) != 1:
-            return None
-        if node.op_type in ("Gemm", "Div") and dep != [0]:
-            return None
-        src = node.inputs[dep[0]]
-        if readers.get(src, 0) != 1:
+        src = step_back(node, dep, readers)
+        if src is None:
             return None
         back.append(node)
         name = src

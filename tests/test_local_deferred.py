@@ -154,7 +154,7 @@ def test_signed_margin_is_below_the_margin_everywhere_on_the_ball(
     ball = Ball(rng.standard_normal(p), eps, norm)
     with _symbols(ball):
         x, fx = _source(rng, (1, dd), ball, scale)
-        u, r = deferred.ln_parts(x, ln_eps, ball)
+        u, r = affine_rules.norm_parts(x, ln_eps, ball)
         w = rng.standard_normal((1, dd))
         low = deferred.signed_margin(u, r, w, k0, dd, ln_eps, ball)
     assert low is not None

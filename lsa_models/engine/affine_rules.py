@@ -738,6 +738,22 @@ def variance(u: Aff, v: Aff, ball: Ball) -> Aff:
     return Aff(v.c, v.m, lo_ + 0.5 * quad, a, b)
 
 
+def norm_parts(x: Aff, ln_eps: float, ball: Ball, centre: bool = True) -> tuple[Aff, Aff]:
+    """The forms of a LayerNorm's centred input u = x - mean x (..., D) (an RMSNorm's: u = x,
+    `centre` False) and r = (mean u^2 + eps)^-1/2 (..., 1) over the last axis."""
+    d = x.shape[-1]
+    u = x
+    if centre:
+        mu = _reduce(x, d, True, ball)
+        u = _add(x, Aff(-mu.c, mu.m, -mu.o, -mu.a, mu.b), ball)  # (..., D)
+    q = elementwise(u, SQUARE, ball)
+    v = _shift(_reduce(q, d, True, ball), np.asarray(ln_eps))
+    v = select(v, variance(u, v, ball), ball)
+    vlo = np.full(v.shape, ln_eps * (1 - 1e-12))  # the mean of squares is >= 0
+    r = elementwise(v, RSQRT, ball, vlo, np.full(v.shape, np.inf))
+    return u, r
+
+
 def layernorm(x: Aff, gamma_: np.ndarray, beta: np.ndarray | None, ln_eps: float,
               out_c: np.ndarray, ball: Ball, xlo: np.ndarray | None = None,
               xhi: np.ndarray | None = None) -> Aff:
@@ -745,14 +761,7 @@ def layernorm(x: Aff, gamma_: np.ndarray, beta: np.ndarray | None, ln_eps: float
     d = x.shape[-1]
     if xlo is not None and xhi is not None:
         x = narrow(x, xlo, xhi, ball)
-    mu = _reduce(x, d, True, ball)
-    neg = Aff(-mu.c, mu.m, -mu.o, -mu.a, mu.b)
-    u = _add(x, neg, ball)  # (..., D)
-    q = elementwise(u, SQUARE, ball)
-    v = _shift(_reduce(q, d, True, ball), np.asarray(ln_eps))
-    v = select(v, variance(u, v, ball), ball)
-    vlo = np.full(v.shape, ln_eps * (1 - 1e-12))  # the mean of squares is >= 0
-    r = elementwise(v, RSQRT, ball, vlo, np.full(v.shape, np.inf))
+    u, r = norm_parts(x, ln_eps, ball)
     w = product(u, r, ball, matmul=False)
     out_m = center_margin(out_c)
     y = _scale_const(w, gamma_, out_c, out_m, ball)

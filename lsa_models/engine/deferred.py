@@ -23,20 +23,15 @@ import torch
 from ..bounds.numerics import U
 from ..onnx.ops import Node, decimal_attr
 from . import affine
-from .affine import Aff, select
+from .affine import Aff
 from .affine_rules import (
     FLOAT_TYPES,
     LAYOUT,
-    RSQRT,
-    SQUARE,
-    _add,
-    _reduce,
-    _shift,
-    elementwise,
+    norm_parts,
     product,
-    variance,
     weighted_sum,
 )
+from .fused import scalar
 from .rules import _abs_node, linear_consts, run_tangents
 from .values import Ball, gamma
 
@@ -125,13 +120,6 @@ def step_back(node: Node, dep: list[int], readers: dict[str, int]) -> str | None
 RMS_NORM = "RMSNorm"  # the pseudo-op find_tail(rms=True) returns for a spelled-out RMSNorm
 
 
-def _scalar(env: dict[str, torch.Tensor], name: str) -> float | None:
-    t = env.get(name)
-    if t is None or t.numel() != 1 or not t.is_floating_point():
-        return None
-    return float(t.reshape(()))
-
-
 def _last_axis_mean(node: Node, env: dict[str, torch.Tensor]) -> bool:
     """A ReduceMean over the last axis alone, the axis kept."""
     if node.op_type != "ReduceMean" or int(node.attrs.get("keepdims", 1)) != 1:
@@ -154,12 +142,12 @@ def _rms_var(name: str, g: _Graph) -> tuple[str, float] | None:
     if add is None or add.op_type != "Add" or len(add.inputs) != 2:
         return None
     for i in (0, 1):
-        eps = _scalar(env, add.inputs[1 - i])
+        eps = scalar(env, add.inputs[1 - i])
         mean = producer.get(add.inputs[i])
         if eps is None or eps < 0 or mean is None or not _last_axis_mean(mean, env):
             continue
         sq = producer.get(mean.inputs[0])
-        if sq is not None and (sq.op_type == "Pow" and _scalar(env, sq.inputs[1]) == 2.0
+        if sq is not None and (sq.op_type == "Pow" and scalar(env, sq.inputs[1]) == 2.0
                                or sq.op_type == "Mul" and sq.inputs[0] == sq.inputs[1]):
             return sq.inputs[0], eps
     return None
@@ -177,11 +165,11 @@ def _rms_rsqrt(name: str, g: _Graph) -> tuple[str, float] | None:
     r = producer.get(name)
     if r is None:
         return None
-    if r.op_type == "Div" and _scalar(env, r.inputs[0]) == 1.0:
+    if r.op_type == "Div" and scalar(env, r.inputs[0]) == 1.0:
         return _rms_sqrt(r.inputs[1], g)
     if r.op_type == "Reciprocal":
         return _rms_sqrt(r.inputs[0], g)
-    if r.op_type == "Pow" and _scalar(env, r.inputs[1]) == -0.5:
+    if r.op_type == "Pow" and scalar(env, r.inputs[1]) == -0.5:
         return _rms_var(r.inputs[0], g)
     return None
 
@@ -265,7 +253,7 @@ def margins(nodes: list[Node], output: str, env: dict[str, torch.Tensor], ball: 
         dy = 2.0 * np.abs(gam) * np.sqrt(d - 1) * (1 + 1e-12)
         nmax = 2 * math.sqrt(d - 1)
         ln_eps = decimal_attr(float(ln.attrs.get("epsilon", 1e-5)))
-    u, r = ln_parts(x, ln_eps, ball, centre=not rms)
+    u, r = norm_parts(x, ln_eps, ball, centre=not rms)
     c = out.c.reshape(k)
     m = out.m.reshape(k)
     res: dict[int, float] = {}
@@ -292,23 +280,6 @@ def margins(nodes: list[Node], output: str, env: dict[str, torch.Tensor], ball: 
             if alt is not None and alt > res[j]:
                 res[j] = alt
     return res
-
-
-def ln_parts(x: Aff, ln_eps: float, ball: Ball, centre: bool = True) -> tuple[Aff, Aff]:
-    """The forms of a LayerNorm's centred input u = x - mean x (..., T, D) (an RMSNorm's:
-    u = x, `centre` False) and r = (mean u^2 + eps)^-1/2 (..., T, 1)."""
-    d = x.shape[-1]
-    if centre:
-        mu = _reduce(x, d, True, ball)
-        u = _add(x, Aff(-mu.c, mu.m, -mu.o, -mu.a, mu.b), ball)  # (..., T, D)
-    else:
-        u = x
-    q = elementwise(u, SQUARE, ball)
-    v = _shift(_reduce(q, d, True, ball), np.asarray(ln_eps))  # (..., T, 1)
-    v = select(v, variance(u, v, ball), ball)
-    vlo = np.full(v.shape, ln_eps * (1 - 1e-12))
-    r = elementwise(v, RSQRT, ball, vlo, np.full(v.shape, np.inf))
-    return u, r
 
 
 def _one_token(w: np.ndarray, err: np.ndarray) -> int | None:
@@ -385,9 +356,8 @@ def signed_margin(u: Aff, r: Aff, w: np.ndarray, k0: float, d: int, ln_eps: floa
     g = weighted_sum(u, wk.reshape(1, -1), ball)
     g_lo = float(g.c.reshape(-1)[0] - g.m.reshape(-1)[0]
                  + affine.dev_low(g, ball).reshape(-1)[0])
-    g_lo = (g_lo + const - second - werr) * (1 - 4 * U) - 4 * U * abs(const) - affine.TINY \
-        if g_lo + const - second - werr >= 0 else \
-        (g_lo + const - second - werr) * (1 + 4 * U) - 4 * U * abs(const) - affine.TINY
+    total = g_lo + const - second - werr
+    g_lo = total * (1 - 4 * U if total >= 0 else 1 + 4 * U) - 4 * U * abs(const) - affine.TINY
     r_lo, r_hi = affine.ranges(r, ball)
     rl, rh = float(r_lo.reshape(-1)[0]), float(r_hi.reshape(-1)[0])
     if not (math.isfinite(g_lo) and math.isfinite(rh)):

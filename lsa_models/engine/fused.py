@@ -237,7 +237,8 @@ def ranges(chain: Chain, consts: dict[str, float], lo: np.ndarray, hi: np.ndarra
     return (v[0].min(axis=0), v[1].max(axis=0)), (d[0].min(axis=0), d[1].max(axis=0))
 
 
-def _scalar(env: dict, name: str) -> float | None:
+def scalar(env: dict, name: str) -> float | None:
+    """The value of a one-entry floating-point constant in env, else None."""
     t = env.get(name)
     if t is None or t.numel() != 1 or not t.is_floating_point():
         return None
@@ -264,7 +265,7 @@ def find_chains(nodes: list[Node], env: dict, variable: set[str], outputs: set[s
             if i in variable:
                 roots.add(origin.get(i, i))
             else:
-                c = _scalar(env, i)
+                c = scalar(env, i)
                 ok = ok and c is not None and not (nd.op_type == "Div" and (k == 0 or c == 0))
                 ok = ok and not (nd.op_type == "Pow" and (k != 1 or c not in (2.0, 3.0)))
         if nd.op_type == "Pow" and len(nd.inputs) > 1 and nd.inputs[1] in variable:

@@ -501,6 +501,38 @@ def test_quad_two_eig_bounds_the_symbols_and_is_attained(seed: int, p: int, eps:
     assert bound <= float(affine.quad_two(c, p)) + allowance + 1e-300
 
 
+@settings(max_examples=100, deadline=None)
+@given(seed=st.integers(0, 10**6), p=st.integers(2, 9), n=st.integers(1, 12))
+def test_quad_two_eig_of_a_batch_reads_each_row_on_its_support(seed: int, p: int,
+                                                               n: int) -> None:
+    """A batch whose rows vanish outside index subsets (an entry that reads one token's
+    inputs) gets, row by row, the bound of the same row alone on its full P x P matrix, and
+    each row's bound holds at its quadratic form's extreme eigenvectors: solving each
+    support's block only (session 19) changes no number, and no row borrows another's
+    support (rows sharing a support are solved together)."""
+    rng = np.random.default_rng(seed)
+    iu, ju = np.triu_indices(p)
+    rows = []
+    for _ in range(n):
+        keep = rng.random(p) < rng.choice([0.3, 0.6, 1.0])
+        if rng.random() < 0.2:
+            keep[:] = False  # Q = 0
+        c = rng.standard_normal(iu.size) * np.exp(rng.uniform(-3, 3))
+        rows.append(np.where(keep[iu] & keep[ju], c, 0.0))
+    c = np.stack(rows)
+    batch = affine.quad_two_eig(c, p)
+    for i in range(n):
+        q = affine._quad_matrix(c[i], p)
+        lam = np.linalg.eigvalsh(q)
+        tr = float(c[i][iu == ju].sum())
+        exact = max(abs(min(lam[0], 0.0) - tr), abs(max(lam[-1], 0.0) - tr))
+        # (and the upward rounding's floor, ~1e-104, where Q = 0)
+        allowance = 4 * 64 * p * 2.0**-53 * float(np.sqrt(np.square(q).sum())) + 1e-100
+        assert exact <= batch[i] <= exact * (1 + 1e-12) + allowance
+        assert batch[i] == pytest.approx(float(affine.quad_two_eig(c[i:i + 1], p)[0]),
+                                         rel=1e-12, abs=1e-300)
+
+
 @pytest.mark.parametrize(("kind", "eps"), [("tf1", 0.335), ("tf2", 0.232)])
 def test_quad_eig_margins_hold_against_pgd_and_beat_the_frobenius_walk(
         kind: str, eps: float, tmp_path: Path) -> None:

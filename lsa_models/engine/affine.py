@@ -241,18 +241,56 @@ JOINT_MAX_P = 1024
 JOINT_STEPS = 200
 
 
+def _quad_upper(c: np.ndarray, p: int) -> np.ndarray:
+    """Q's upper triangle (..., P, P), zeros below the diagonal (see `_quad_matrix`): LAPACK's
+    symmetric solvers read one triangle (`UPLO="U"`). Row by row from the row-major upper
+    triangle of c: contiguous copies (a scatter through flat indices into a zeroed P x P
+    array took 30x longer, the largest cost of the 2-ball's eigenvalue stage)."""
+    lead = c.shape[:-1]
+    m = np.zeros((*lead, p, p))
+    off = 0
+    for i in range(p):
+        m[..., i, i:] = c[..., off:off + p - i]
+        off += p - i
+    m *= 0.5  # exact: a power of two
+    idx = np.arange(p)
+    m[..., idx, idx] = 2.0 * c[..., quad_cols(p)[1]]
+    return m
+
+
 def _quad_matrix(c: np.ndarray, p: int) -> np.ndarray:
     """Q (..., P, P) with sum_k c_k sigma_k = z^T Q z - sum_p c_pp for z = d / eps (`QUAD`'s
     symbols: sigma_pq = z_p z_q, sigma_pp = 2 z_p^2 - 1) for coefficients c (..., P(P+1)/2):
     Q_pp = 2 c_pp, Q_pq = Q_qp = c_pq / 2, exact (scalings by powers of two)."""
-    flat, diag = quad_cols(p)
-    q = np.zeros((*c.shape[:-1], p * p))
-    q[..., flat] = 0.5 * c
-    m = q.reshape(*c.shape[:-1], p, p)
-    m = m + np.swapaxes(m, -1, -2)  # the diagonal's c_pp / 2 twice: c_pp, set to 2 c_pp below
+    m = _quad_upper(c, p)
     idx = np.arange(p)
-    m[..., idx, idx] = 2.0 * c[..., diag]
+    d = m[..., idx, idx].copy()
+    m = m + np.swapaxes(m, -1, -2)  # the diagonal twice, set back below
+    m[..., idx, idx] = d
     return m
+
+
+def _quad_fro(c: np.ndarray, p: int) -> np.ndarray:
+    """>= ||Q||_F from the coefficients: ||Q||_F^2 = 4 sum c_pp^2 + 2 sum_{p<q} (c_pq / 2)^2 =
+    3.5 sum c_pp^2 + 0.5 sum_all c^2 (as `quad_two`), rounded up."""
+    cd = c[..., quad_cols(p)[1]]
+    sd = np.square(cd).sum(axis=-1)
+    sa = np.einsum("...i,...i->...", c, c)
+    return np.asarray(_up(np.sqrt(_up(3.5 * sd + 0.5 * sa, c.shape[-1] + 2)), 1))
+
+
+def _support_groups(m: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Rows of a stack of upper triangles (n, P, P) grouped by their support (the indices p
+    whose row or column holds a nonzero): [(rows, support indices)], support ascending. A
+    matrix that vanishes outside S x S has the eigenvalues of its S x S block and zeros."""
+    nz = m != 0
+    supp = nz.any(axis=-1) | nz.any(axis=-2)  # (n, P)
+    keys = np.packbits(supp, axis=-1)
+    _, inverse = np.unique(keys, axis=0, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    return [(rows, np.flatnonzero(supp[rows[0]]))
+            for g in range(int(inverse.max()) + 1 if inverse.size else 0)
+            for rows in (np.flatnonzero(inverse == g),)]
 
 
 def _eig_allowance(fro: np.ndarray | float, p: int) -> np.ndarray:
@@ -428,14 +466,23 @@ def quad_two_eig(c: np.ndarray, p: int) -> np.ndarray:
     for s0 in range(0, c.shape[0], QUAD_EIG_BATCH):
         cc = c[s0:s0 + QUAD_EIG_BATCH]
         n = cc.shape[0]
-        m = _quad_matrix(cc, p)
+        m = _quad_upper(cc, p)
+        lam_lo, lam_hi = np.zeros(n), np.zeros(n)
+        # per support: the issue's Transformers' entries before attention mixes the tokens
+        # read one or two tokens' inputs (16 or 32 of 128 on tf1, a third of the entries),
+        # and an eigenproblem costs P^3
+        for rows, sup in _support_groups(m):
+            if sup.size == 0:
+                continue  # Q = 0: both ends 0
+            sub = m[rows] if sup.size == p else m[np.ix_(rows, sup, sup)]
+            lam = np.linalg.eigvalsh(sub, UPLO="U")
+            lam_lo[rows], lam_hi[rows] = lam[:, 0], lam[:, -1]
+        err = _eig_allowance(_quad_fro(cc, p), p)
         cd = cc[:, diag]
-        lam = np.linalg.eigvalsh(m)
-        err = _eig_allowance(np.sqrt(np.square(m).sum(axis=(1, 2))), p)
         tr = cd.sum(axis=1)
         tr_err = gamma(p) * np.abs(cd).sum(axis=1)
-        lo = np.minimum(lam[:, 0] - err, 0.0) - tr
-        hi = np.maximum(lam[:, -1] + err, 0.0) - tr
+        lo = np.minimum(lam_lo - err, 0.0) - tr
+        hi = np.maximum(lam_hi + err, 0.0) - tr
         out[s0:s0 + n] = _up(np.maximum(np.abs(lo), np.abs(hi)) + tr_err, 4)
     return out
 

@@ -517,6 +517,11 @@ def _regula_falsi(value: Callable[[float], float], lo: float, flo: float, hi: fl
         width = hi - lo
         if math.isfinite(fhi) and math.isfinite(flo) and flo > fhi:
             r = hi - fhi * width / (fhi - flo)
+            if side == -1 and r < lo + 0.05 * width:
+                # the secant at the low clamp again after lo moved: the bound falls far
+                # faster near hi than the line says (tf2's 2-ball: -1e2 at 4x the radius),
+                # and Illinois' halvings of fhi would take one walk each: the middle
+                r = math.sqrt(lo * hi) if lo > 0 else lo + 0.5 * width
             r = min(max(r, lo + 0.05 * width), hi - 0.05 * width)
         else:
             r = lo + 0.5 * width

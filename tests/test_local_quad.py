@@ -533,6 +533,40 @@ def test_quad_two_eig_of_a_batch_reads_each_row_on_its_support(seed: int, p: int
                                          rel=1e-12, abs=1e-300)
 
 
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10**6), p=st.integers(2, 6), eps=EPS)
+def test_rough_lin_is_lin_or_above_it_without_eigenproblems(seed: int, p: int,
+                                                           eps: float) -> None:
+    """`rough_lin` (the sizes a rounding allowance scales) in an eigenvalue walk: never below
+    `lin`'s sizes, equal to them once they are known (the memo), and otherwise the
+    Frobenius sizes (no eigenproblem solved)."""
+    rng = np.random.default_rng(seed)
+    ball = Ball(np.zeros(p), eps, "2")
+    t = quad_size(p)
+    shape = (3, 2)
+    a = np.concatenate([rng.standard_normal((*shape, p)), rng.standard_normal((*shape, 2)),
+                        rng.standard_normal((*shape, t))], axis=-1)
+    f = Aff(np.zeros(shape), np.zeros(shape), np.zeros(shape), a, np.zeros(shape))
+    tokens = (affine.QUAD.set(p + 2), affine.QUAD_EIG.set(True))
+    calls: list[int] = []
+    real = affine.quad_two_eig
+    try:
+        affine.quad_two_eig = lambda c, pp: (calls.append(1), real(c, pp))[1]
+        rough = affine.rough_lin(f, ball)
+        assert not calls
+        frob_token = affine.QUAD_EIG.set(False)
+        frob = affine.lin(f, ball)
+        affine.QUAD_EIG.reset(frob_token)
+        assert np.array_equal(rough, frob)
+        exact = affine.lin(f, ball)
+        assert calls and np.all(rough >= exact)
+        assert np.array_equal(affine.rough_lin(f, ball), exact)
+    finally:
+        affine.quad_two_eig = real
+        affine.QUAD_EIG.reset(tokens[1])
+        affine.QUAD.reset(tokens[0])
+
+
 @pytest.mark.parametrize(("kind", "eps"), [("tf1", 0.335), ("tf2", 0.232)])
 def test_quad_eig_margins_hold_against_pgd_and_beat_the_frobenius_walk(
         kind: str, eps: float, tmp_path: Path) -> None:

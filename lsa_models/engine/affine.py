@@ -177,15 +177,27 @@ _LIN_MEMO_SIZE = 16
 _LIN_LOCK = threading.Lock()  # the service walks in several threads at once
 
 
-def split_lin(x: Aff, ball: Ball) -> tuple[np.ndarray, np.ndarray]:
-    """(>= |a_in d| over the ball, >= sum_q |a_q| over the symbols), entrywise."""
+def _lin_key(x: Aff, ball: Ball) -> tuple[int, float, str, int, int | None, bool,
+                                          tuple[int, int] | None]:
     groups = GROUPS.get()
-    key = (id(x.a), float(ball.eps), ball.norm, ball.size, QUAD.get(), QUAD_EIG.get(),
-           None if groups is None else (id(groups), len(groups)))
+    return (id(x.a), float(ball.eps), ball.norm, ball.size, QUAD.get(), QUAD_EIG.get(),
+            None if groups is None else (id(groups), len(groups)))
+
+
+def _lin_memo(x: Aff, key: tuple) -> tuple[np.ndarray, np.ndarray] | None:
     with _LIN_LOCK:
         hit = _LIN_MEMO.get(key)
     if hit is not None and hit[0]() is x.a:
         return hit[1], hit[2]
+    return None
+
+
+def split_lin(x: Aff, ball: Ball) -> tuple[np.ndarray, np.ndarray]:
+    """(>= |a_in d| over the ball, >= sum_q |a_q| over the symbols), entrywise."""
+    key = _lin_key(x, ball)
+    hit = _lin_memo(x, key)
+    if hit is not None:
+        return hit
     li, ls = _split_lin(x, ball)
     li.flags.writeable = False
     ls.flags.writeable = False
@@ -505,6 +517,20 @@ def lin(x: Aff, ball: Ball) -> np.ndarray:
     """>= |a d| + sum |a_q| over the ball and the symbols, entrywise."""
     li, ls = split_lin(x, ball)
     return _up(li + ls, 2)
+
+
+def rough_lin(x: Aff, ball: Ball) -> np.ndarray:
+    """`lin` for a term that only scales a rounding allowance (gamma_k times it): the sizes
+    already computed when there are some, else without the eigenvalue stage (QUAD_EIG: any
+    upper bound is sound there, and the eigenproblems of an entry read by linear ops alone
+    were a third of an eigenvalue walk's time on tf1; session 19)."""
+    if not QUAD_EIG.get() or _lin_memo(x, _lin_key(x, ball)) is not None:
+        return lin(x, ball)
+    token = QUAD_EIG.set(False)
+    try:
+        return lin(x, ball)
+    finally:
+        QUAD_EIG.reset(token)
 
 
 def _cols(a: np.ndarray, n: int) -> np.ndarray:

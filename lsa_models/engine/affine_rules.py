@@ -38,6 +38,7 @@ from .affine import (
     quad_cols,
     quad_size,
     ranges,
+    rough_lin,
     select,
     split_lin,
     symbol_radius,
@@ -359,7 +360,14 @@ def _to_quad(m: np.ndarray, ball: Ball, bound: np.ndarray, k: int
     e2 = ball.eps * ball.eps
     flat, diag = quad_cols(p)
     sym = m + np.swapaxes(m, -1, -2)  # (M_pq + M_qp); the diagonal holds 2 M_pp
-    coef = sym.reshape(*sym.shape[:-2], p * p)[..., flat] * e2  # p < q: eps^2 (M_pq + M_qp)
+    # p < q: eps^2 (M_pq + M_qp), the row-major upper triangle row by row (contiguous
+    # copies: a gather through flat indices took 10x longer)
+    coef = np.empty((*sym.shape[:-2], flat.size))
+    off0 = 0
+    for i in range(p):
+        coef[..., off0:off0 + p - i] = sym[..., i, i:]
+        off0 += p - i
+    coef *= e2
     coef[..., diag] *= 0.25  # p = q: eps^2 M_pp / 2 = (eps^2 2 M_pp) / 4
     off = 0.5 * e2 * np.trace(m, axis1=-2, axis2=-1)
     err = gamma(k + 2) * bound + _REL * (np.abs(off) + np.abs(coef).sum(axis=-1))
@@ -630,7 +638,8 @@ def linear(node: Node, args: list, var: list[int], out_c: np.ndarray, out_m: np.
     a = run_tangents(node, fixed, var, [_cols(v.a, w) for v in vals])
     k = max(int(np.prod(v.shape)) if v is not None else 1 for v in args)
     g = gamma(k)
-    spread = run(absn, fixed_abs, [v.b + g * (np.abs(v.o) + lin(v, ball)) for v in vals])
+    spread = run(absn, fixed_abs, [v.b + g * (np.abs(v.o) + rough_lin(v, ball))
+                                   for v in vals])
     b = _up(np.broadcast_to(spread, out_c.shape) + g * np.abs(o), k + 4)
     return Aff(out_c, out_m, np.broadcast_to(o, out_c.shape).copy(),
                np.broadcast_to(a, (*out_c.shape, a.shape[-1])).copy(), b)
@@ -678,7 +687,7 @@ def _reduce(x: Aff, n: int, mean: bool, ball: Ball) -> Aff:
     o = x.o.sum(axis=-1, keepdims=True) * s
     a = x.a.sum(axis=-2, keepdims=True) * s
     g = gamma(n + 1)
-    b = _up((x.b + g * (np.abs(x.o) + lin(x, ball))).sum(axis=-1, keepdims=True) * s
+    b = _up((x.b + g * (np.abs(x.o) + rough_lin(x, ball))).sum(axis=-1, keepdims=True) * s
             + g * np.abs(o), n + 4)
     c = x.c.sum(axis=-1, keepdims=True) * s
     m = _up((x.m + g * np.abs(x.c)).sum(axis=-1, keepdims=True) * s, n + 4) + TINY
@@ -698,7 +707,7 @@ def _scale_const(x: Aff, k: np.ndarray, out_c: np.ndarray, out_m: np.ndarray,
     return _scaled(Aff(x.c, x.m, np.broadcast_to(x.o, out_c.shape),
                        np.broadcast_to(x.a, (*out_c.shape, x.a.shape[-1])),
                        np.broadcast_to(x.b, out_c.shape)), kk, np.zeros(out_c.shape),
-                   out_c, out_m, np.broadcast_to(lin(x, ball), out_c.shape))
+                   out_c, out_m, np.broadcast_to(rough_lin(x, ball), out_c.shape))
 
 
 def weighted_sum(x: Aff, w: np.ndarray, ball: Ball) -> Aff:
@@ -709,7 +718,7 @@ def weighted_sum(x: Aff, w: np.ndarray, ball: Ball) -> Aff:
     aw = np.abs(w)
     o = (w * x.o).sum(axis=-1, keepdims=True)
     a = (w[..., None] * x.a).sum(axis=-2, keepdims=True)
-    b = _up((aw * (x.b + g * (np.abs(x.o) + lin(x, ball)))).sum(axis=-1, keepdims=True)
+    b = _up((aw * (x.b + g * (np.abs(x.o) + rough_lin(x, ball)))).sum(axis=-1, keepdims=True)
             + g * np.abs(o), n + 4)
     c = (w * x.c).sum(axis=-1, keepdims=True)
     m = _up((aw * (x.m + g * np.abs(x.c))).sum(axis=-1, keepdims=True) + g * np.abs(c),
@@ -778,7 +787,7 @@ def _add(x: Aff, y: Aff, ball: Ball) -> Aff:
     a = _cols(x.a, n) + _cols(y.a, n)
     c = x.c + y.c
     g = 2 * U
-    b = _up(x.b + y.b + g * (np.abs(o) + lin(x, ball) + lin(y, ball)), 4)
+    b = _up(x.b + y.b + g * (np.abs(o) + rough_lin(x, ball) + rough_lin(y, ball)), 4)
     m = _up(x.m + y.m + g * np.abs(c), 2) + TINY
     return Aff(c, m, o, a, b)
 
@@ -837,7 +846,7 @@ def _softmax_taylor(x: Aff, oc: np.ndarray, ball: Ball, lo: np.ndarray, hi: np.n
     a = np.einsum("...ij,...jp->...ip", sc, x.a)
     asc = np.abs(sc)
     g = gamma(n + 2)
-    b = _up(np.einsum("...ij,...j->...i", asc, x.b + g * (np.abs(x.o) + lin(x, ball)))
+    b = _up(np.einsum("...ij,...j->...i", asc, x.b + g * (np.abs(x.o) + rough_lin(x, ball)))
             + g * np.abs(o), n + 4)
     err = _up(np.einsum("...ij,...j->...i", sr, dmax), n + 2) + TINY
     a, b = fresh(a, b, err)

@@ -281,3 +281,28 @@ def test_two_ball_sweep_constants_without_halvings_hold_at_ball_points(tf1: Onnx
                 d = (d * min(1.0, r / float(d.norm()))).requires_grad_(True)
     assert all(worst[j] <= consts[j] for j in consts)
     assert max(worst[j] / consts[j] for j in consts) > 0.2  # the points reach the ball's size
+
+
+@pytest.mark.parametrize("steep", [5.0, 20.0, 60.0])
+def test_regula_falsi_reaches_a_cliff_root_without_creeping(steep: float) -> None:
+    """The radius search's bracket on a lower bound that falls ever faster past its root (as
+    the margins' lower bounds do: tf2's 2-ball is -1e2 at 4x its radius): the returned end
+    certifies (value > 0), lies within the tolerance of the root, and the geometric step
+    keeps the walks few where Illinois' halvings alone took one walk per 5% of the bracket
+    (the secant from the certified side sticks at the low clamp)."""
+    root = 0.2
+
+    def value(r: float) -> float:
+        calls.append(r)
+        return 1.0 - float(np.exp(steep * (r / root - 1.0)))
+
+    calls: list[float] = []
+    lo, hi = root / 4, root * 4
+    flo, fhi = value(lo), value(hi)
+    calls.clear()
+    got = local._regula_falsi(value, lo, flo, hi, fhi, lambda: len(calls) < 60, tol=1e-3)
+    walks = len(calls)
+    assert value(got) > 0
+    assert root * (1 - 1e-3) <= got < root
+    # Illinois alone: 10 / 12 / 16 walks for steep 5 / 20 / 60
+    assert walks <= {5.0: 10, 20.0: 12, 60.0: 14}[steep], calls

@@ -6,6 +6,7 @@ never below the plain forms' bounds."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -31,14 +32,18 @@ from local_models import center, export, relu_mlp  # noqa: E402
 
 @settings(max_examples=150, deadline=None)
 @given(seed=st.integers(0, 10**6), eps=st.sampled_from([1e-2, 0.1, 0.5]),
-       norm=st.sampled_from(["2", "inf"]), shift=st.sampled_from([-1.0, 0.0, 1.0]))
+       norm=st.sampled_from(["2", "inf"]), shift=st.sampled_from([-1.0, 0.0, 1.0]),
+       tied=st.booleans())
 def test_relu_head_margins_are_below_the_margins_everywhere(
-        seed: int, eps: float, norm: str, shift: float) -> None:
+        seed: int, eps: float, norm: str, shift: float, tied: bool) -> None:
     """logits = W2 ReLU(z) + b2, z = shift + tanh(c + A d) (H = 6 units, most of them
     unstable on the larger balls): relu_head.margins' values lie below the exact margins at
     the extreme points of every unit's and every margin's linear part, random points, and
-    projected-descent ends. Dropping the chord's offset, or alphas up to 5 instead of 1, fails
-    it."""
+    projected-descent ends. `tied`: the units in equal pairs (z_h = z_h+3), so that a unit
+    with a positive coefficient can be active at the minimiser, pulled there by its twin's
+    negative one (distinct units put it where the unit is off, and there any alpha's line
+    lies below ReLU). Dropping the chord's offset, or alphas up to 5 instead of 1, fails it,
+    and with `tied` alphas up to 1.2 do."""
     rng = np.random.default_rng(seed)
     p, h, k = 4, 6, 3
     ball = Ball(rng.standard_normal(p), eps, norm)
@@ -48,7 +53,17 @@ def test_relu_head_margins_are_below_the_margins_everywhere(
     gemm = Node("g", "Gemm", ["y", "W", "B"], ["out"], {"transB": 1})
     relu = Node("r", "Relu", ["z"], ["y"], {})
     with _symbols(ball):
-        t, ft = _source(rng, (1, h), ball)
+        if tied:
+            half, fh = _source(rng, (1, h // 2), ball)
+            t = affine.Aff(*(np.concatenate([v, v], axis=1)
+                             for v in (half.c, half.m, half.o, half.a, half.b)))
+
+            def ft(d: torch.Tensor, fh: Callable[[torch.Tensor], torch.Tensor] = fh
+                   ) -> torch.Tensor:
+                v = fh(d)
+                return torch.cat([v, v], dim=-1)
+        else:
+            t, ft = _source(rng, (1, h), ball)
         z = Aff_shift(t, shift)
         y = affine_rules.elementwise(z, affine_rules.RELU, ball,
                                      out_c=np.maximum(z.c, 0.0), out_m=np.zeros((1, h)))

@@ -239,10 +239,7 @@ def quad_two(c: np.ndarray, p: int) -> np.ndarray:
     Q_pq = Q_qp = c_pq / 2, and |d^T Q d| <= ||Q||_2 ||d||^2 <= ||Q||_F eps^2, where
     ||Q||_F^2 = 4 sum c_pp^2 + 2 sum_{p<q} (c_pq / 2)^2 = 3.5 sum c_pp^2 + 0.5 sum_all c^2."""
     cd = c[..., quad_cols(p)[1]]
-    sd = np.square(cd).sum(axis=-1)
-    sa = np.einsum("...i,...i->...", c, c)
-    fro = np.sqrt(_up(3.5 * sd + 0.5 * sa, c.shape[-1] + 2))
-    return _up(fro * (1 + 4 * U) + np.abs(cd.sum(axis=-1)), p + 2)
+    return _up(_quad_fro(c, p) + np.abs(cd.sum(axis=-1)), p + 2)
 
 
 # The margins' lower bounds read the input's linear part and the second-order symbols together
@@ -253,11 +250,24 @@ JOINT_MAX_P = 1024
 JOINT_STEPS = 200
 
 
+def triu_pack(m: np.ndarray) -> np.ndarray:
+    """The row-major upper triangle of (..., P, P) as (..., P(P+1)/2) (`quad_cols`' order),
+    row by row: contiguous copies (a gather through flat indices took 10x longer)."""
+    p = m.shape[-1]
+    out = np.empty((*m.shape[:-2], quad_size(p)))
+    off = 0
+    for i in range(p):
+        out[..., off:off + p - i] = m[..., i, i:]
+        off += p - i
+    return out
+
+
 def _quad_upper(c: np.ndarray, p: int) -> np.ndarray:
     """Q's upper triangle (..., P, P), zeros below the diagonal (see `_quad_matrix`): LAPACK's
     symmetric solvers read one triangle (`UPLO="U"`). Row by row from the row-major upper
-    triangle of c: contiguous copies (a scatter through flat indices into a zeroed P x P
-    array took 30x longer, the largest cost of the 2-ball's eigenvalue stage)."""
+    triangle of c (`triu_pack`'s inverse): contiguous copies (a scatter through flat indices
+    into a zeroed P x P array took 30x longer, the largest cost of the 2-ball's eigenvalue
+    stage)."""
     lead = c.shape[:-1]
     m = np.zeros((*lead, p, p))
     off = 0
@@ -284,11 +294,11 @@ def _quad_matrix(c: np.ndarray, p: int) -> np.ndarray:
 
 def _quad_fro(c: np.ndarray, p: int) -> np.ndarray:
     """>= ||Q||_F from the coefficients: ||Q||_F^2 = 4 sum c_pp^2 + 2 sum_{p<q} (c_pq / 2)^2 =
-    3.5 sum c_pp^2 + 0.5 sum_all c^2 (as `quad_two`), rounded up."""
+    3.5 sum c_pp^2 + 0.5 sum_all c^2, rounded up."""
     cd = c[..., quad_cols(p)[1]]
     sd = np.square(cd).sum(axis=-1)
     sa = np.einsum("...i,...i->...", c, c)
-    return np.asarray(_up(np.sqrt(_up(3.5 * sd + 0.5 * sa, c.shape[-1] + 2)), 1))
+    return np.sqrt(_up(3.5 * sd + 0.5 * sa, c.shape[-1] + 2)) * (1 + 4 * U)
 
 
 def _support_groups(m: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:

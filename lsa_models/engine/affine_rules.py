@@ -43,6 +43,7 @@ from .affine import (
     split_lin,
     symbol_radius,
     token_radius,
+    triu_pack,
 )
 from .internal_ops import GUARDS, RELU_GRAD
 from .primitives import _softmax_ranges, probability_ranges
@@ -358,16 +359,9 @@ def _to_quad(m: np.ndarray, ball: Ball, bound: np.ndarray, k: int
     sum_j li_x li_y) plus 1e-12 of the coefficients' and offset's magnitudes (the scalings)."""
     p = m.shape[-1]
     e2 = ball.eps * ball.eps
-    flat, diag = quad_cols(p)
+    diag = quad_cols(p)[1]
     sym = m + np.swapaxes(m, -1, -2)  # (M_pq + M_qp); the diagonal holds 2 M_pp
-    # p < q: eps^2 (M_pq + M_qp), the row-major upper triangle row by row (contiguous
-    # copies: a gather through flat indices took 10x longer)
-    coef = np.empty((*sym.shape[:-2], flat.size))
-    off0 = 0
-    for i in range(p):
-        coef[..., off0:off0 + p - i] = sym[..., i, i:]
-        off0 += p - i
-    coef *= e2
+    coef = triu_pack(sym) * e2  # p < q: eps^2 (M_pq + M_qp)
     coef[..., diag] *= 0.25  # p = q: eps^2 M_pp / 2 = (eps^2 2 M_pp) / 4
     off = 0.5 * e2 * np.trace(m, axis1=-2, axis2=-1)
     err = gamma(k + 2) * bound + _REL * (np.abs(off) + np.abs(coef).sum(axis=-1))

@@ -593,9 +593,11 @@ def test_quad_eig_margins_hold_against_pgd_and_beat_the_frobenius_walk(
 def test_quad_eig_robustness_radius_of_the_one_layer_transformer_on_the_two_ball(
         tmp_path: Path) -> None:
     """Issue 15's 1-layer Transformer on the 2-ball: the radius search's last stage (the
-    second-order walks with the sizes by eigenvalues) takes the certified radius from 0.300
-    to 0.320 of the attack's (0.3206 -> 0.3417), reports its walks as progress, and PGD finds
-    no flip inside it."""
+    second-order walks with the sizes by eigenvalues) takes the certified radius past every
+    radius the second-order stage certified (0.300 -> 0.315-0.320 of the attack's: the stage
+    stops within EIG_TOL = 5%, so where it ends depends on its walks' last bits, 0.3417 on
+    one machine and 0.3366 on another), reports its walks as progress, and PGD finds no flip
+    inside it."""
     om = _model("tf1", tmp_path)
     x0 = center().numpy().astype(np.float64)
     f = om.module.with_dtype(torch.float64)
@@ -603,7 +605,10 @@ def test_quad_eig_robustness_radius_of_the_one_layer_transformer_on_the_two_ball
     stages: list[tuple[str, float]] = []
     r = robustness(om, x0, label, "2", progress=lambda s, p: stages.append((s, p)))
     assert r.attack_radius is not None and r.certified_by == "affine"
-    assert 0.315 * r.attack_radius <= r.certified_radius <= r.attack_radius
+    assert 0.305 * r.attack_radius <= r.certified_radius <= r.attack_radius
+    frob = [float(s.split("tried ")[1].split(",")[0]) for s, _ in stages
+            if s.startswith("second-order affine radius") and s.endswith("certified")]
+    assert frob and r.certified_radius > max(frob) * 1.02
     eig = [p for s, p in stages if s.startswith("second-order affine (eigenvalues) radius")]
     assert eig and [p for _, p in stages] == sorted(p for _, p in stages)
     from lsa_models.empirical.local import _pgd, _targets

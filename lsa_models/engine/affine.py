@@ -689,9 +689,12 @@ def _sym_two(a: np.ndarray, lo: int, hi: int) -> np.ndarray:
         cn = np.sqrt(_up(np.square(a[..., g0:g1]).sum(axis=-2), a.shape[-2])) * (1 + 4 * U)
         total = total + knapsack(cn, w)
         keep[g0 - lo:g1 - lo] = False
+    whole = box_to_two(a[..., lo:hi])
+    if np.all(total >= whole):  # the split is above `whole` already: skip its other Gram
+        return whole
     rest = a[..., lo:hi][..., keep]
     split = _up(total + (box_to_two(rest) if rest.shape[-1] else 0.0), 2)
-    return np.minimum(box_to_two(a[..., lo:hi]), split)
+    return np.minimum(whole, split)
 
 
 def input_radius(ain: np.ndarray, ball: Ball) -> np.ndarray:

@@ -419,20 +419,30 @@ def _norm2(v: np.ndarray) -> float:
     return float(np.sqrt(_up(np.square(v).sum(), v.size + 2))) * (1 + 4 * U)
 
 
+def _copies(f: Aff, shape: tuple[int, ...]) -> float:
+    """sqrt(k), rounded up, for f's entries broadcast to `shape`: broadcasting repeats every
+    entry the same k = |shape| / |f| times, so a broadcast tensor's Frobenius norm is
+    sqrt(k) times its own at every point (and so is its sup over the ball and the symbols:
+    the bounds below are taken on f's own rows and scaled, not on k copies of them)."""
+    k = int(np.prod(shape)) // max(1, int(np.prod(f.a.shape[:-1])))
+    return 1.0 if k <= 1 else math.sqrt(k) * (1 + 4 * U)
+
+
 def _input_norm(f: Aff, shape: tuple[int, ...], ball: Ball) -> float:
     """>= sup ||I(X)||_F over the ball for f's input part broadcast to `shape`
-    (`affine.input_radius` of all its rows as one block)."""
+    (`affine.input_radius` of all its own rows as one block, times `_copies`)."""
     p = ball.size
-    rows = np.broadcast_to(f.a[..., :p], (*shape, p)).reshape(1, -1, p)
-    return float(input_radius(rows, ball)[0])
+    rows = f.a[..., :p].reshape(1, -1, p)
+    return _up(np.asarray(float(input_radius(rows, ball)[0]) * _copies(f, shape)), 2).item()
 
 
 def _symbol_norm(f: Aff, shape: tuple[int, ...], ls: np.ndarray, ball: Ball) -> float:
     """>= sup ||S||_F for f's symbols' part broadcast to `shape`: the smaller of the root
     sum of the entries' sizes `ls` and `affine.symbol_radius` of the whole tensor as one
-    block."""
-    flat = np.broadcast_to(f.a, (*shape, f.a.shape[-1])).reshape(1, -1, f.a.shape[-1])
-    return min(_norm2(ls), float(symbol_radius(flat, ball)[0]))
+    block (f's own rows, times `_copies`)."""
+    flat = f.a.reshape(1, -1, f.a.shape[-1])
+    whole = _up(np.asarray(float(symbol_radius(flat, ball)[0]) * _copies(f, shape)), 2)
+    return min(_norm2(ls), whole.item())
 
 
 def _rank_one(x: Aff, y: Aff, ball: Ball, lx: np.ndarray, ly: np.ndarray

@@ -533,6 +533,46 @@ def test_quad_two_eig_of_a_batch_reads_each_row_on_its_support(seed: int, p: int
                                          rel=1e-12, abs=1e-300)
 
 
+@settings(max_examples=100, deadline=None)
+@given(seed=st.integers(0, 10**6), tokens=st.integers(1, 4), width=st.integers(1, 3),
+       eps=st.floats(1e-3, 1.0))
+def test_quadratic_on_the_two_ball_solves_each_entry_on_its_support(
+        seed: int, tokens: int, width: int, eps: float) -> None:
+    """A MatMul's quadratic form on the 2-ball (affine_rules._quadratic) whose rows read one
+    token's inputs each (q k^T after a per-token LayerNorm: entry (i, k) reads tokens i and
+    k) gets, entry by entry, the enclosure of its full P x P matrix's extreme eigenvalues:
+    solving each support's block only (session 20) changes no number beyond rounding, and
+    d^T M d at the extreme eigenvectors (the ends, attained) lies inside it."""
+    rng = np.random.default_rng(seed)
+    p = tokens * width
+    n, k = tokens, 3
+    ux = np.zeros((n, k, p))
+    uy = np.zeros((k, n, p))
+    for t in range(n):  # row t of x and column t of y read token t's inputs only
+        cols = slice(t * width, (t + 1) * width)
+        ux[t, :, cols] = rng.standard_normal((k, width))
+        uy[:, t, cols] = rng.standard_normal((k, width))
+    if rng.random() < 0.3:
+        uy[:, :, :] = rng.standard_normal((k, n, p))  # a full support too
+    ball = Ball(np.zeros(p), eps, "2")
+    bound = np.abs(ux).sum(-1) @ np.abs(uy).sum(-1) * eps * eps
+    got = affine_rules._quadratic(ux, uy, ball, bound)
+    assert got is not None
+    lo, hi = got
+    m = np.einsum("ijp,jkq->ikpq", ux, uy)
+    for i in range(n):
+        for j in range(n):
+            sym = 0.5 * (m[i, j] + m[i, j].T)
+            lam, vec = np.linalg.eigh(sym)
+            e_lo, e_hi = eps * eps * min(lam[0], 0.0), eps * eps * max(lam[-1], 0.0)
+            slack = 1e-9 * (abs(e_lo) + abs(e_hi)) + 1e-12 * float(bound[i, j]) + 1e-300
+            assert e_lo - slack <= lo[i, j] <= e_lo and e_hi <= hi[i, j] <= e_hi + slack
+            for v in (vec[:, 0], vec[:, -1]):
+                d = eps * v
+                val = float(sum((ux[i, jj] @ d) * (uy[jj, j] @ d) for jj in range(k)))
+                assert lo[i, j] <= val <= hi[i, j]
+
+
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 10**6), p=st.integers(2, 6), eps=EPS)
 def test_rough_lin_is_lin_or_above_it_without_eigenproblems(seed: int, p: int,

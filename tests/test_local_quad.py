@@ -533,6 +533,18 @@ def test_quad_two_eig_of_a_batch_reads_each_row_on_its_support(seed: int, p: int
                                          rel=1e-12, abs=1e-300)
 
 
+def test_triu_pack_sym_is_the_upper_triangle_of_the_symmetrised_matrix() -> None:
+    """affine.triu_pack_sym(m) lists (m + m^T)_pq for p <= q row by row (quad_cols' order),
+    the layout `_quad_upper` reads back, bit for bit."""
+    rng = np.random.default_rng(0)
+    m = rng.standard_normal((2, 3, 5, 5))
+    iu, ju = np.triu_indices(5)
+    assert np.array_equal(affine.triu_pack_sym(m), (m + np.swapaxes(m, -1, -2))[..., iu, ju])
+    c = affine.triu_pack_sym(m)
+    assert np.array_equal(np.triu(affine._quad_upper(c, 5))[..., iu, ju] * np.where(
+        iu == ju, 0.5, 2.0), c)
+
+
 @settings(max_examples=100, deadline=None)
 @given(seed=st.integers(0, 10**6), tokens=st.integers(1, 4), width=st.integers(1, 3),
        eps=st.floats(1e-3, 1.0))

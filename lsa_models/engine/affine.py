@@ -250,14 +250,15 @@ JOINT_MAX_P = 1024
 JOINT_STEPS = 200
 
 
-def triu_pack(m: np.ndarray) -> np.ndarray:
-    """The row-major upper triangle of (..., P, P) as (..., P(P+1)/2) (`quad_cols`' order),
-    row by row: contiguous copies (a gather through flat indices took 10x longer)."""
+def triu_pack_sym(m: np.ndarray) -> np.ndarray:
+    """The row-major upper triangle of m + m^T (..., P(P+1)/2) (`quad_cols`' order; the
+    diagonal holds 2 m_ii), row by row without forming m + m^T: row i is m[i, i:] +
+    m[i:, i] (contiguous copies: a gather through flat indices took 10x longer)."""
     p = m.shape[-1]
     out = np.empty((*m.shape[:-2], quad_size(p)))
     off = 0
     for i in range(p):
-        out[..., off:off + p - i] = m[..., i, i:]
+        np.add(m[..., i, i:], m[..., i:, i], out=out[..., off:off + p - i])
         off += p - i
     return out
 
@@ -265,9 +266,9 @@ def triu_pack(m: np.ndarray) -> np.ndarray:
 def _quad_upper(c: np.ndarray, p: int) -> np.ndarray:
     """Q's upper triangle (..., P, P), zeros below the diagonal (see `_quad_matrix`): LAPACK's
     symmetric solvers read one triangle (`UPLO="U"`). Row by row from the row-major upper
-    triangle of c (`triu_pack`'s inverse): contiguous copies (a scatter through flat indices
-    into a zeroed P x P array took 30x longer, the largest cost of the 2-ball's eigenvalue
-    stage)."""
+    triangle of c (the layout `triu_pack_sym` writes): contiguous copies (a scatter through
+    flat indices into a zeroed P x P array took 30x longer, the largest cost of the 2-ball's
+    eigenvalue stage)."""
     lead = c.shape[:-1]
     m = np.zeros((*lead, p, p))
     off = 0

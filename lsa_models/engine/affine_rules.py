@@ -44,7 +44,7 @@ from .affine import (
     split_lin,
     symbol_radius,
     token_radius,
-    triu_pack,
+    triu_pack_sym,
 )
 from .internal_ops import GUARDS, RELU_GRAD
 from .primitives import _softmax_ranges, probability_ranges
@@ -371,8 +371,8 @@ def _to_quad(m: np.ndarray, ball: Ball, bound: np.ndarray, k: int
     p = m.shape[-1]
     e2 = ball.eps * ball.eps
     diag = quad_cols(p)[1]
-    sym = m + np.swapaxes(m, -1, -2)  # (M_pq + M_qp); the diagonal holds 2 M_pp
-    coef = triu_pack(sym) * e2  # p < q: eps^2 (M_pq + M_qp)
+    coef = triu_pack_sym(m)  # (M_pq + M_qp) for p <= q; the diagonal holds 2 M_pp
+    coef *= e2  # p < q: eps^2 (M_pq + M_qp)
     coef[..., diag] *= 0.25  # p = q: eps^2 M_pp / 2 = (eps^2 2 M_pp) / 4
     off = 0.5 * e2 * np.trace(m, axis1=-2, axis2=-1)
     err = gamma(k + 2) * bound + _REL * (np.abs(off) + np.abs(coef).sum(axis=-1))

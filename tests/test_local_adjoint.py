@@ -185,24 +185,17 @@ def test_sweep_constants_are_the_smaller_of_adjoint_and_enclosure(models, monkey
     assert min(enclosure[j] / both[j] for j in both) > 3  # 18.9 vs 3.3 measured
 
 
-def test_sweep_probe_with_attention_walks_the_adjoint_graph_alone(models, monkeypatch) -> None:
-    """The enclosure's sweep on a graph with attention probes the affine radius with the
-    adjoint graph's constants alone (`probe_adjoint`, session 20): they are the ones the
-    probe compares (not the smaller of both engines'), the enclosure walks only the centre's
-    ball, and on tf1's inf-ball they still say the sweep cannot pass its affine radius
-    (0.0679), as the enclosure's did (8.3 against 1065 at the probe)."""
-    om, x0 = models["tf1"]
+def test_sweep_probe_walks_the_engines_of_the_next_piece(monkeypatch) -> None:
+    """The sweep's probe of the affine radius walks the engines its next piece would (a copy
+    of the sweep's turns, session 20): on the MLP's inf-ball the adjoint graph beat the
+    enclosure at the centre, so the probe walks the adjoint graph alone, and the pieces walk
+    the enclosure on the same schedule as without the probe (every ENCLOSURE_EVERY-th)."""
+    om, x0 = _models()["mlp"]
     f = om.module.with_dtype(torch.float64)
     logits = f(torch.from_numpy(x0)).reshape(-1).detach()
     label = int(logits.argmax())
     margins = {j: float(logits[label] - logits[j]) - 1e-6 for j in range(logits.numel())
                if j != label}
-    floor = 0.0679
-    alone = local._constants_at(om, x0, local.SWEEP_PROBE * floor, "inf", label,
-                                enclosure=False)
-    adj = local._adjoint_constants(om, x0, local.SWEEP_PROBE * floor, "inf", label)
-    assert alone is not None and adj is not None
-    assert alone == {j: v * (1 + 1e-12) for j, v in adj.items()}
     radii: list[float] = []
     real = local.local_jacobian
 
@@ -210,15 +203,15 @@ def test_sweep_probe_with_attention_walks_the_adjoint_graph_alone(models, monkey
         radii.append(r)
         return real(om_, x_, r, *a, **k)
     monkeypatch.setattr(local, "local_jacobian", counted)
-    flags: list[bool] = []
-    best, runs, _ = local._sweep(om, x0, "inf", label, margins, 30, floor=floor,
-                                 adjoint=False, cut=flags, probe_adjoint=True)
-    assert (best, runs, flags) == (0.0, 2, [True]) and radii == [0.0]
-    # without it the probe walks the enclosure (and stops there too)
+    free, runs_free, _ = local._sweep(om, x0, "inf", label, margins, 30)
+    without = list(radii)
     radii.clear()
-    flags = []
-    local._sweep(om, x0, "inf", label, margins, 30, floor=floor, adjoint=False, cut=flags)
-    assert flags == [True] and radii == [0.0, local.SWEEP_PROBE * floor]
+    floor = 1e-9  # below every piece: the probe does not end the sweep
+    probed, runs_probed, _ = local._sweep(om, x0, "inf", label, margins, 30, floor=floor)
+    assert (probed, runs_probed) == (free, runs_free + 1)
+    # the enclosure at the centre and every ENCLOSURE_EVERY-th piece, not at the probe
+    assert radii == without and local.SWEEP_PROBE * floor not in radii
+    assert radii[0] == 0.0 and len(radii) == 1 + (runs_free - 1) // local.ENCLOSURE_EVERY
 
 
 class SplitHeads(nn.Module):

@@ -311,20 +311,18 @@ class _EnclosureTurns:
 
 
 def _constants_at(om: OnnxModel, x: np.ndarray, r: float, norm: str, label: int,
-                  turns: _EnclosureTurns | None = None, adjoint: bool = True,
-                  enclosure: bool = True) -> dict[int, float] | None:
+                  turns: _EnclosureTurns | None = None, adjoint: bool = True
+                  ) -> dict[int, float] | None:
     """L_j(r) >= sup ||grad (f_label - f_j)||_dual over the ball of radius r; None when the
     engine cannot enclose that ball. The smaller of the adjoint graph's (ADJOINT_NORMS) and
     the enclosure's per margin; with `turns` (a sweep's), the enclosure is skipped after the
     adjoint graph beat it on every margin at the last ball both ran on, and run again every
     ENCLOSURE_EVERY-th ball (a choice of time only; by counts within the sweep, not clocks
-    or earlier calls, so radii are reproducible); `enclosure=False`: the adjoint graph's
-    alone (None where it has none)."""
+    or earlier calls, so radii are reproducible)."""
     adj = _adjoint_constants(om, x, r, norm, label) if adjoint and norm in ADJOINT_NORMS \
         else None
     consts: dict[int, float] = {}
-    walk = adj is None or turns is None or turns.won or turns.skipped + 1 >= ENCLOSURE_EVERY
-    if enclosure and walk:
+    if adj is None or turns is None or turns.won or turns.skipped + 1 >= ENCLOSURE_EVERY:
         try:
             lj = local_jacobian(om, x, r, norm, margins_of=label,
                                 halvings=SWEEP_HALVINGS, whole=False)
@@ -336,7 +334,7 @@ def _constants_at(om: OnnxModel, x: np.ndarray, r: float, norm: str, label: int,
             turns.won = any(consts.get(j, math.inf) < ENCLOSURE_WINS * v
                             for j, v in adj.items())
             turns.skipped = 0
-    elif enclosure and turns is not None:
+    elif turns is not None:
         turns.skipped += 1
     if adj is not None:  # the smaller of the two, per margin
         consts = {j: min(v, consts.get(j, math.inf)) for j, v in adj.items()}
@@ -358,9 +356,6 @@ SWEEP_HALVINGS = 0
 # the time, so it is off
 ADJOINT_NORMS: tuple[str, ...] = ("inf",)
 ENCLOSURE_EVERY = 8
-# graphs with attention: the enclosure's sweep probes the affine radius with the adjoint
-# graph's constants (see `robustness`)
-PROBE_ADJOINT = True
 # the enclosure "won" at a ball where it was below this fraction of the adjoint constant
 ENCLOSURE_WINS = 0.99
 _ADJ_CACHE: dict[tuple, tuple[OnnxModel, dict[int, AdjointGraph]]] = {}
@@ -581,8 +576,7 @@ def _first_order_radius(f64: torch.nn.Module, x: np.ndarray, label: int,
 def _sweep(om: OnnxModel, x: np.ndarray, norm: str, label: int, margins: dict[int, float],
            steps: int, progress: Callable[[str, float], None] | None = None,
            floor: float = 0.0, adjoint: bool = True, cap: float = math.inf,
-           cut: list[bool] | None = None, probe_adjoint: bool = False
-           ) -> tuple[float, int, dict[int, float]]:
+           cut: list[bool] | None = None) -> tuple[float, int, dict[int, float]]:
     """The certified radius by the integrated mean value theorem (docs/local-bounds.md,
     "Certified robustness radius"): for radii 0 = rho_0 < rho_1 < ... and X with
     ||X - X0|| <= rho_n, every point of the segment at distance in (rho_{i-1}, rho_i] lies in
@@ -594,8 +588,7 @@ def _sweep(om: OnnxModel, x: np.ndarray, norm: str, label: int, margins: dict[in
     `floor`: a radius certified otherwise (reported in the progress as certified so far);
     `cap`: a radius known to flip the label (the attack's): the sweep stops within
     SWEEP_CAP_TOL of it. `cut`, when given, gets True appended where the sweep stopped
-    because it cannot pass `floor`. `probe_adjoint`: the probe of `floor` walks the adjoint
-    graph alone (where it has one)."""
+    because it cannot pass `floor`."""
     turns = _EnclosureTurns()
     c0 = _constants_at(om, x, 0.0, norm, label, turns, adjoint)
     _tick(progress, 1, steps, floor)
@@ -611,10 +604,12 @@ def _sweep(om: OnnxModel, x: np.ndarray, norm: str, label: int, margins: dict[in
         # constant (a right sum of growing constants), spend about the trapezoid of L_j(0)
         # and the probe's; where that spends a margin the sweep will not pass `floor` (a
         # cutoff for time only: x-transformers' inf job 99 -> 50 s, the same radius)
-        # (`_probe_constants`: the engines the next piece would walk, or with `probe_adjoint`
-        # the adjoint graph's alone, see `robustness`)
-        cp = _probe_constants(om, x, SWEEP_PROBE * floor, norm, label, adjoint,
-                              probe_adjoint, turns)
+        # (the engines the next piece would walk, by a copy of the sweep's turns, so the
+        # pieces' schedule does not depend on the probe: the MLP's inf-ball, where the
+        # adjoint graph beat the enclosure at the centre, probes with it alone: its job
+        # 0.94 -> 0.87 s, session 20; on the Transformers' inf-balls the first sweep walks
+        # the enclosure alone, and so does its probe, see `robustness`)
+        cp = _constants_at(om, x, SWEEP_PROBE * floor, norm, label, replace(turns), adjoint)
         _tick(progress, 2, steps, floor)
         if cp is not None and any(
                 margins[j] <= SWEEP_PROBE * floor * 0.5 * (c0.get(j, 0.0) + cp[j])
@@ -677,20 +672,6 @@ def _sweep(om: OnnxModel, x: np.ndarray, norm: str, label: int, margins: dict[in
             _stopped(progress, max(best, floor), cut)
             break
     return best, runs, consts
-
-
-def _probe_constants(om: OnnxModel, x: np.ndarray, r: float, norm: str, label: int,
-                     adjoint: bool, probe_adjoint: bool, turns: _EnclosureTurns
-                     ) -> dict[int, float] | None:
-    """The sweep's probe: the adjoint graph's constants alone with `probe_adjoint` (where it
-    has them), else the engines the sweep's next piece would walk (a copy of its turns, so
-    the pieces' schedule does not depend on the probe: the MLP's inf-ball, where the adjoint
-    graph beat the enclosure at the centre, probes with it alone, 0.44 -> 0.05 s)."""
-    if probe_adjoint and norm in ADJOINT_NORMS:
-        cp = _constants_at(om, x, r, norm, label, enclosure=False)
-        if cp is not None:
-            return cp
-    return _constants_at(om, x, r, norm, label, replace(turns), adjoint)
 
 
 # the sweep's next width after a failed ball: this fraction of the width the interpolated
@@ -798,15 +779,9 @@ def robustness(model: Any, at: np.ndarray, label: int, norm: NormName,
         # 0.0709); elsewhere the enclosure's sweep first (see below)
         one = norm in ADJOINT_NORMS and not attention
         cut: list[bool] = []
-        # with attention the enclosure's sweep probes the affine radius with the adjoint
-        # graph's constants: tighter there (tf1's inf-ball at the probe 8.3 against 1065,
-        # tf2's 37 against 1.2e5) and cheaper (1.1 s against 2.3, 3.0 against 5.1), and
-        # where they say the sweep cannot pass the affine radius neither sweep runs
-        # (session 20: a choice of time; the issue-15 and zoo radii unchanged)
         lo, n_steps, consts = _sweep(om, x, norm, label, margins, steps,
                                      _scaled_progress(progress, AFFINE_SHARE, 1.0), aff,
-                                     adjoint=one, cap=cap, cut=cut,
-                                     probe_adjoint=PROBE_ADJOINT and attention)
+                                     adjoint=one, cap=cap, cut=cut)
         if 0 < lo < cap * (1 - SWEEP_CAP_TOL) and norm in ADJOINT_NORMS and not one \
                 and not cut:
             # the sweep again with the adjoint graph's constants too, where the enclosure's

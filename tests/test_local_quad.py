@@ -646,10 +646,11 @@ def test_quad_eig_robustness_radius_of_the_one_layer_transformer_on_the_two_ball
         tmp_path: Path) -> None:
     """Issue 15's 1-layer Transformer on the 2-ball: the radius search's last stage (the
     second-order walks with the sizes by eigenvalues) takes the certified radius past every
-    radius the second-order stage certified (0.300 -> 0.315-0.320 of the attack's: the stage
-    stops within EIG_TOL = 5%, so where it ends depends on its walks' last bits, 0.3417 on
-    one machine and 0.3366 on another), reports its walks as progress, and PGD finds no flip
-    inside it."""
+    radius the second-order stage certified (0.300 -> 0.315 of the attack's, 0.3206 ->
+    0.3366: the stage stops within EIG_TOL = 5%, and the bracket its first growth step
+    leaves is exactly that wide; until session 20 its rounding decided whether a third walk
+    ran, 0.3417 on one machine), reports its walks as progress, and PGD finds no flip inside
+    it."""
     om = _model("tf1", tmp_path)
     x0 = center().numpy().astype(np.float64)
     f = om.module.with_dtype(torch.float64)

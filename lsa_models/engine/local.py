@@ -550,6 +550,11 @@ AFFINE_START = 0.25  # of the first-order radius: where the affine search starts
 # nothing; it starts QUAD_GROWTH past the plain radius and steps by that factor
 QUAD_NORMS: tuple[str, ...] = ("inf", "2")
 QUAD_GROWTH = 1.15
+# its growth steps past that start per norm: on the inf-ball the second-order radius is
+# 1.18-1.22x the plain one (tf1, tf2), so steps of 1.08 leave a bracket half as wide as
+# 1.15's (tf1's inf job 7 -> 6 second-order walks, tf2's 7 -> 5; session 20); on the
+# 2-ball it is 1.28x and 1.08 takes more steps (tf1 5 -> 9)
+QUAD_STEP: dict[str, float] = {"inf": 1.08, "2": QUAD_GROWTH}
 # the searches' relative tolerances where the second-order one follows: the plain one only
 # gives it a start, and each of its walks costs 4 plain ones (tf1's 2-ball job: 7 + 7 -> 5 +
 # 5 walks, the radius 0.3% lower at most)
@@ -767,7 +772,7 @@ def robustness(model: Any, at: np.ndarray, label: int, norm: NormName,
             mid = AFFINE_SHARE * (0.75 if eig else 1.0)
             aq, wq = affine_radius(om, x, norm, label, aff * QUAD_GROWTH,
                                    _scaled_progress(progress, AFFINE_SHARE / 2, mid),
-                                   quad=True, floor=aff, growth=QUAD_GROWTH, tol=QUAD_TOL)
+                                   quad=True, floor=aff, growth=QUAD_STEP[norm], tol=QUAD_TOL)
             aff, walks = max(aff, aq), walks + wq
             if aff > 0 and eig:
                 # and those with the 2-ball's sizes by eigenvalues (~3.5x a second-order

@@ -1,0 +1,140 @@
+"""Replay the certified-radius search (lsa_models.engine.local.affine_radius: the plain,
+second-order and eigenvalue stages) on recorded margin lower bounds, to tune its constants
+without walking the engine: `record` walks each stage of the issue-15 Transformers at a grid
+of radii once (minutes) and writes the margins' lower bounds; `replay` runs the real search
+code with the walks replaced by interpolation on that grid (milliseconds) and prints each
+stage's radius and walks. The replay reproduces the real searches' walk counts (session 20:
+tf1/tf2, both norms); a choice it suggests must still be measured on real walks.
+
+    .venv/bin/python bench/radius_search_replay.py record   # bench/out/radius_search_grid.json
+    .venv/bin/python bench/radius_search_replay.py replay [--quad-step-inf 1.08] [...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.local_models import build, center, export  # noqa: E402
+from lsa_models.engine import local  # noqa: E402
+from lsa_models.engine.driver import Centre, margin_lower_bounds  # noqa: E402
+from lsa_models.onnx import load_onnx  # noqa: E402
+
+GRID = Path(__file__).resolve().parent / "out" / "radius_search_grid.json"
+# per (model, norm): each stage's radius range, wide enough for every radius its search tries
+STAGES: dict[tuple[str, str], dict[str, tuple[float, float]]] = {
+    ("tf1", "inf"): {"plain": (0.02, 0.12), "quad": (0.055, 0.085)},
+    ("tf1", "2"): {"plain": (0.06, 0.30), "quad": (0.24, 0.40), "eig": (0.30, 0.40)},
+    ("tf2", "inf"): {"plain": (0.01, 0.05), "quad": (0.038, 0.06)},
+    ("tf2", "2"): {"plain": (0.08, 0.35), "quad": (0.17, 0.27), "eig": (0.22, 0.28)},
+}
+POINTS = 30
+
+
+def _setup(kind: str) -> tuple[Any, np.ndarray, int, dict[int, float]]:
+    om = load_onnx(export(build(kind, 0), Path(tempfile.mkdtemp()) / "m.onnx").read_bytes())
+    x0 = center(1).numpy().astype(np.float64)
+    with torch.no_grad():
+        out = om.module.with_dtype(torch.float64)(torch.from_numpy(x0)).reshape(-1)
+    label = int(out.argmax())
+    margins = {j: float(out[label] - out[j]) for j in range(out.numel()) if j != label}
+    return om, x0, label, margins
+
+
+def record() -> None:
+    grid: dict[str, Any] = {}
+    for (kind, norm), stages in STAGES.items():
+        om, x0, label, margins = _setup(kind)
+        ctr = Centre(om, x0)
+        start = local._first_order_radius(om.module.with_dtype(torch.float64), x0, label,
+                                          margins, norm) * local.AFFINE_START
+        for stage, (a, b) in stages.items():
+            rs = np.geomspace(a, b, POINTS)
+            vals = []
+            for r in rs:
+                v = margin_lower_bounds(om, x0, float(r), norm, label, ctr,
+                                        quad=stage != "plain", eig=stage == "eig")
+                vals.append(None if v is None else {str(j): x for j, x in v.items()})
+            grid[f"{kind}/{norm}/{stage}"] = {"start": start, "r": rs.tolist(), "v": vals}
+            print(kind, norm, stage, flush=True)
+    GRID.parent.mkdir(parents=True, exist_ok=True)
+    GRID.write_text(json.dumps(grid))
+
+
+class _Replay:
+    """margin_lower_bounds' stand-in: each margin interpolated on one stage's grid."""
+
+    def __init__(self, entry: dict[str, Any]) -> None:
+        self.r = np.array(entry["r"])
+        rows = entry["v"]
+        if any(v is None for v in rows):
+            raise ValueError("a recorded walk failed: narrow the stage's range")
+        self.v = {int(j): np.array([v[j] for v in rows]) for j in rows[0]}
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict[int, float]:
+        r = float(args[2])
+        return {j: float(np.interp(r, self.r, ys)) for j, ys in self.v.items()}
+
+
+class _NoCentre:
+    def __init__(self, *args: Any) -> None:
+        pass
+
+
+def replay(args: argparse.Namespace) -> None:
+    grid = json.loads(GRID.read_text())
+    local.QUAD_STEP["inf"], local.QUAD_STEP["2"] = args.quad_step_inf, args.quad_step_2
+    saved = local.margin_lower_bounds, local.Centre
+    local.Centre = _NoCentre  # type: ignore[misc,assignment]
+    try:
+        for kind, norm in STAGES:
+            key = f"{kind}/{norm}"
+            out = []
+            local.margin_lower_bounds = _Replay(grid[f"{key}/plain"])  # type: ignore[assignment]
+            quad = f"{key}/quad" in grid
+            aff, w = local.affine_radius(None, None, norm, 0,  # type: ignore[arg-type]
+                                         grid[f"{key}/plain"]["start"],
+                                         tol=local.QUAD_PLAIN_TOL if quad else local.AFFINE_TOL)
+            out.append(f"plain {aff:.5g} ({w} walks)")
+            if quad:
+                local.margin_lower_bounds = _Replay(grid[f"{key}/quad"])  # type: ignore[assignment]
+                aq, wq = local.affine_radius(None, None, norm, 0,  # type: ignore[arg-type]
+                                             aff * local.QUAD_GROWTH, quad=True, floor=aff,
+                                             growth=local.QUAD_STEP[norm], tol=local.QUAD_TOL)
+                aff = max(aff, aq)
+                out.append(f"second-order {aq:.5g} ({wq})")
+            if f"{key}/eig" in grid:
+                local.margin_lower_bounds = _Replay(grid[f"{key}/eig"])  # type: ignore[assignment]
+                ae, we = local.affine_radius(None, None, norm, 0,  # type: ignore[arg-type]
+                                             aff * local.EIG_GROWTH, quad=True, floor=aff,
+                                             growth=local.EIG_GROWTH, tol=local.EIG_TOL,
+                                             eig=True)
+                out.append(f"eigenvalues {ae:.5g} ({we})")
+            print(f"{kind} {norm:3s} " + ", ".join(out))
+    finally:
+        local.margin_lower_bounds, local.Centre = saved  # type: ignore[misc]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("mode", choices=["record", "replay"])
+    ap.add_argument("--quad-step-inf", type=float, default=local.QUAD_STEP["inf"])
+    ap.add_argument("--quad-step-2", type=float, default=local.QUAD_STEP["2"])
+    args = ap.parse_args()
+    if args.mode == "record":
+        record()
+    else:
+        replay(args)
+
+
+if __name__ == "__main__":
+    main()

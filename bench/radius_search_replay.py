@@ -71,18 +71,34 @@ def record() -> None:
 
 
 class _Replay:
-    """margin_lower_bounds' stand-in: each margin interpolated on one stage's grid."""
+    """margin_lower_bounds' stand-in: each margin interpolated on the grid of the stage its
+    call asks for (plain, `quad`, `quad` and `eig`); counts each stage's walks and keeps the
+    largest radius it certified."""
 
-    def __init__(self, entry: dict[str, Any]) -> None:
-        self.r = np.array(entry["r"])
-        rows = entry["v"]
-        if any(v is None for v in rows):
-            raise ValueError("a recorded walk failed: narrow the stage's range")
-        self.v = {int(j): np.array([v[j] for v in rows]) for j in rows[0]}
+    def __init__(self, grid: dict[str, Any], key: str) -> None:
+        self.stages: dict[str, tuple[np.ndarray, dict[int, np.ndarray]]] = {}
+        for stage in ("plain", "quad", "eig"):
+            entry = grid.get(f"{key}/{stage}")
+            if entry is None:
+                continue
+            rows = entry["v"]
+            if any(v is None for v in rows):
+                raise ValueError(f"a recorded {stage} walk failed: narrow its range")
+            self.stages[stage] = (np.array(entry["r"]),
+                                  {int(j): np.array([v[j] for v in rows]) for j in rows[0]})
+        self.walks = dict.fromkeys(self.stages, 0)
+        self.best = dict.fromkeys(self.stages, 0.0)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> dict[int, float]:
+    def __call__(self, *args: Any, quad: bool = False, eig: bool = False, **kwargs: Any
+                 ) -> dict[int, float]:
+        stage = "eig" if eig else "quad" if quad else "plain"
+        rs, margins = self.stages[stage]
         r = float(args[2])
-        return {j: float(np.interp(r, self.r, ys)) for j, ys in self.v.items()}
+        out = {j: float(np.interp(r, rs, ys)) for j, ys in margins.items()}
+        self.walks[stage] += 1
+        if min(out.values()) > 0:
+            self.best[stage] = max(self.best[stage], r)
+        return out
 
 
 class _NoCentre:
@@ -91,6 +107,7 @@ class _NoCentre:
 
 
 def replay(args: argparse.Namespace) -> None:
+    """The real `local.affine_route` (the three stages) on each model's recorded margins."""
     grid = json.loads(GRID.read_text())
     local.QUAD_STEP["inf"], local.QUAD_STEP["2"] = args.quad_step_inf, args.quad_step_2
     saved = local.margin_lower_bounds, local.Centre
@@ -98,28 +115,14 @@ def replay(args: argparse.Namespace) -> None:
     try:
         for kind, norm in STAGES:
             key = f"{kind}/{norm}"
-            out = []
-            local.margin_lower_bounds = _Replay(grid[f"{key}/plain"])  # type: ignore[assignment]
-            quad = f"{key}/quad" in grid
-            aff, w = local.affine_radius(None, None, norm, 0,  # type: ignore[arg-type]
-                                         grid[f"{key}/plain"]["start"],
-                                         tol=local.QUAD_PLAIN_TOL if quad else local.AFFINE_TOL)
-            out.append(f"plain {aff:.5g} ({w} walks)")
-            if quad:
-                local.margin_lower_bounds = _Replay(grid[f"{key}/quad"])  # type: ignore[assignment]
-                aq, wq = local.affine_radius(None, None, norm, 0,  # type: ignore[arg-type]
-                                             aff * local.QUAD_GROWTH, quad=True, floor=aff,
-                                             growth=local.QUAD_STEP[norm], tol=local.QUAD_TOL)
-                aff = max(aff, aq)
-                out.append(f"second-order {aq:.5g} ({wq})")
-            if f"{key}/eig" in grid:
-                local.margin_lower_bounds = _Replay(grid[f"{key}/eig"])  # type: ignore[assignment]
-                ae, we = local.affine_radius(None, None, norm, 0,  # type: ignore[arg-type]
-                                             aff * local.EIG_GROWTH, quad=True, floor=aff,
-                                             growth=local.EIG_GROWTH, tol=local.EIG_TOL,
-                                             eig=True)
-                out.append(f"eigenvalues {ae:.5g} ({we})")
-            print(f"{kind} {norm:3s} " + ", ".join(out))
+            oracle = _Replay(grid, key)
+            local.margin_lower_bounds = oracle  # type: ignore[assignment]
+            aff, walks = local.affine_route(None, None, norm, 0,  # type: ignore[arg-type]
+                                            grid[f"{key}/plain"]["start"],
+                                            quad="quad" in oracle.stages)
+            stages = ", ".join(f"{s} {oracle.best[s]:.5g} ({n} walks)"
+                               for s, n in oracle.walks.items() if n)
+            print(f"{kind} {norm:3s} radius {aff:.5g} in {walks} walks: {stages}")
     finally:
         local.margin_lower_bounds, local.Centre = saved  # type: ignore[misc]
 

@@ -27,6 +27,7 @@ import threading
 import weakref
 from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
@@ -316,6 +317,24 @@ def _support_groups(m: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
             for rows in (np.flatnonzero(inverse == g),)]
 
 
+def extreme_eigs(m: np.ndarray, uplo: Literal["L", "U"] = "L"
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """The smallest and largest eigenvalues (LAPACK's) of each symmetric matrix in a stack
+    (n, P, P) (`uplo`: the triangle LAPACK reads), each solved on its support
+    (`_support_groups`): a matrix that vanishes outside S x S has the eigenvalues of its
+    S x S block and zeros, and a zero matrix both ends 0; the callers clip the ends at 0, so
+    the zeros never matter. An eigenproblem costs P^3, and before attention mixes the tokens
+    an entry reads one or two tokens' inputs (16 or 32 of the issue's tf1's 128)."""
+    lam_lo, lam_hi = np.zeros(m.shape[0]), np.zeros(m.shape[0])
+    for rows, sup in _support_groups(m):
+        if sup.size == 0:
+            continue
+        sub = m[rows] if sup.size == m.shape[-1] else m[np.ix_(rows, sup, sup)]
+        lam = np.linalg.eigvalsh(sub, UPLO=uplo)
+        lam_lo[rows], lam_hi[rows] = lam[:, 0], lam[:, -1]
+    return lam_lo, lam_hi
+
+
 def _eig_allowance(fro: np.ndarray | float, p: int) -> np.ndarray:
     """LAPACK's symmetric eigenvalues are those of a matrix within 64 P u ||Q||_F of Q (the
     allowance `input_radius` takes too): each computed eigenvalue is within this of Q's."""
@@ -489,17 +508,8 @@ def quad_two_eig(c: np.ndarray, p: int) -> np.ndarray:
     for s0 in range(0, c.shape[0], QUAD_EIG_BATCH):
         cc = c[s0:s0 + QUAD_EIG_BATCH]
         n = cc.shape[0]
-        m = _quad_upper(cc, p)
-        lam_lo, lam_hi = np.zeros(n), np.zeros(n)
-        # per support: the issue's Transformers' entries before attention mixes the tokens
-        # read one or two tokens' inputs (16 or 32 of 128 on tf1, a third of the entries),
-        # and an eigenproblem costs P^3
-        for rows, sup in _support_groups(m):
-            if sup.size == 0:
-                continue  # Q = 0: both ends 0
-            sub = m[rows] if sup.size == p else m[np.ix_(rows, sup, sup)]
-            lam = np.linalg.eigvalsh(sub, UPLO="U")
-            lam_lo[rows], lam_hi[rows] = lam[:, 0], lam[:, -1]
+        # per support (a third of tf1's entries read one or two tokens' inputs)
+        lam_lo, lam_hi = extreme_eigs(_quad_upper(cc, p), "U")
         err = _eig_allowance(_quad_fro(cc, p), p)
         cd = cc[:, diag]
         tr = cd.sum(axis=1)

@@ -26,10 +26,10 @@ from .affine import (
     Aff,
     NotAffine,
     _cols,
-    _support_groups,
     _up,
     _width,
     dev,
+    extreme_eigs,
     fresh,
     input_form,
     input_radius,
@@ -328,17 +328,8 @@ def _quadratic(ux: np.ndarray, uy: np.ndarray, ball: Ball, bound: np.ndarray
         slack = _REL * (np.abs(lo) + np.abs(hi)) + gamma(k + p * p) * bound
     else:
         sym = 0.5 * (m + np.swapaxes(m, -1, -2))
-        flat = sym.reshape(-1, p, p)
-        w_lo, w_hi = np.zeros(flat.shape[0]), np.zeros(flat.shape[0])
-        # per support (affine.quad_two_eig's grouping): a matrix that vanishes outside S x S
-        # has the eigenvalues of its S x S block and zeros (and the ends are clipped at 0);
-        # the first attention's q k^T entries read two tokens' inputs, 32 of tf1's 128
-        for rows, sup in _support_groups(flat):
-            if sup.size == 0:
-                continue
-            sub = flat[rows] if sup.size == p else flat[np.ix_(rows, sup, sup)]
-            w = np.linalg.eigvalsh(sub)
-            w_lo[rows], w_hi[rows] = w[:, 0], w[:, -1]
+        # per support: the first attention's q k^T entries read two tokens' inputs
+        w_lo, w_hi = extreme_eigs(sym.reshape(-1, p, p))
         fro = np.sqrt(np.square(sym).sum(axis=(-2, -1)))
         lo = e2 * np.minimum(w_lo.reshape(sym.shape[:-2]), 0.0)
         hi = e2 * np.maximum(w_hi.reshape(sym.shape[:-2]), 0.0)
@@ -430,30 +421,30 @@ def _norm2(v: np.ndarray) -> float:
     return float(np.sqrt(_up(np.square(v).sum(), v.size + 2))) * (1 + 4 * U)
 
 
-def _copies(f: Aff, shape: tuple[int, ...]) -> float:
-    """sqrt(k), rounded up, for f's entries broadcast to `shape`: broadcasting repeats every
-    entry the same k = |shape| / |f| times, so a broadcast tensor's Frobenius norm is
-    sqrt(k) times its own at every point (and so is its sup over the ball and the symbols:
-    the bounds below are taken on f's own rows and scaled, not on k copies of them)."""
+def _copies(v: float, f: Aff, shape: tuple[int, ...]) -> float:
+    """v, a Frobenius-norm bound of f's own entries, for f broadcast to `shape` (rounded up):
+    broadcasting repeats every entry the same k = |shape| / |f| times, so a broadcast
+    tensor's Frobenius norm is sqrt(k) times its own at every point (and so is its sup over
+    the ball and the symbols: the bounds are taken on f's own rows and scaled, not on k
+    copies of them)."""
     k = int(np.prod(shape)) // max(1, int(np.prod(f.a.shape[:-1])))
-    return 1.0 if k <= 1 else math.sqrt(k) * (1 + 4 * U)
+    scale = 1.0 if k <= 1 else math.sqrt(k) * (1 + 4 * U)
+    return _up(np.asarray(v * scale), 2).item()
 
 
 def _input_norm(f: Aff, shape: tuple[int, ...], ball: Ball) -> float:
     """>= sup ||I(X)||_F over the ball for f's input part broadcast to `shape`
     (`affine.input_radius` of all its own rows as one block, times `_copies`)."""
     p = ball.size
-    rows = f.a[..., :p].reshape(1, -1, p)
-    return _up(np.asarray(float(input_radius(rows, ball)[0]) * _copies(f, shape)), 2).item()
+    return _copies(float(input_radius(f.a[..., :p].reshape(1, -1, p), ball)[0]), f, shape)
 
 
 def _symbol_norm(f: Aff, shape: tuple[int, ...], ls: np.ndarray, ball: Ball) -> float:
     """>= sup ||S||_F for f's symbols' part broadcast to `shape`: the smaller of the root
     sum of the entries' sizes `ls` and `affine.symbol_radius` of the whole tensor as one
     block (f's own rows, times `_copies`)."""
-    flat = f.a.reshape(1, -1, f.a.shape[-1])
-    whole = _up(np.asarray(float(symbol_radius(flat, ball)[0]) * _copies(f, shape)), 2)
-    return min(_norm2(ls), whole.item())
+    whole = float(symbol_radius(f.a.reshape(1, -1, f.a.shape[-1]), ball)[0])
+    return min(_norm2(ls), _copies(whole, f, shape))
 
 
 def _rank_one(x: Aff, y: Aff, ball: Ball, lx: np.ndarray, ly: np.ndarray

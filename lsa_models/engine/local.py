@@ -567,6 +567,36 @@ EIG_GROWTH = 1.05
 EIG_TOL = 5e-2
 
 
+def affine_route(om: OnnxModel, x: np.ndarray, norm: str, label: int, start: float,
+                 quad: bool, progress: Callable[[str, float], None] | None = None
+                 ) -> tuple[float, int]:
+    """The affine route's radius and walks: the plain search from `start`, then with `quad`
+    the second-order one from just past it and, on EIG_NORMS, the eigenvalue one (each
+    stage's walks only, through `margin_lower_bounds`; bench/radius_search_replay.py runs
+    this on recorded margins). Its progress fills the first AFFINE_SHARE of a radius job."""
+    aff, walks = affine_radius(om, x, norm, label, max(start, 1e-12),
+                               _scaled_progress(progress, 0.0, AFFINE_SHARE),
+                               tol=QUAD_PLAIN_TOL if quad else AFFINE_TOL)
+    if aff > 0 and quad:
+        # then the walks with second-order symbols, from just past it (4x a plain walk's
+        # time; tf1's inf radius 0.0574 -> 0.0659)
+        eig = norm in EIG_NORMS
+        mid = AFFINE_SHARE * (0.75 if eig else 1.0)
+        aq, wq = affine_radius(om, x, norm, label, aff * QUAD_GROWTH,
+                               _scaled_progress(progress, AFFINE_SHARE / 2, mid),
+                               quad=True, floor=aff, growth=QUAD_STEP[norm], tol=QUAD_TOL)
+        aff, walks = max(aff, aq), walks + wq
+        if aff > 0 and eig:
+            # and those with the 2-ball's sizes by eigenvalues (~3.5x a second-order walk;
+            # tf1's 2-ball 0.3206 -> 0.3366)
+            ae, we = affine_radius(om, x, norm, label, aff * EIG_GROWTH,
+                                   _scaled_progress(progress, mid, AFFINE_SHARE),
+                                   quad=True, floor=aff, growth=EIG_GROWTH, tol=EIG_TOL,
+                                   eig=True)
+            aff, walks = max(aff, ae), walks + we
+    return aff, walks
+
+
 def _first_order_radius(f64: torch.nn.Module, x: np.ndarray, label: int,
                         margins: dict[int, float], norm: str) -> float:
     """min_j m_j / ||grad m_j(X0)||_dual by autograd (a starting guess only)."""
@@ -759,29 +789,9 @@ def robustness(model: Any, at: np.ndarray, label: int, norm: NormName,
         # the affine route first (cheap: no Jacobians), from a quarter of the first-order
         # radius min_j m_j / ||grad m_j(X0)||_dual (a guess: any start is sound)
         start = _first_order_radius(f64, x, label, margins, norm) * AFFINE_START
-        # progress: the affine route's walks fill the first AFFINE_SHARE, the sweep the rest
         quad = norm in QUAD_NORMS and _use_quad(om, x)
-        aff, walks = affine_radius(om, x, norm, label, max(start, 1e-12),
-                                   _scaled_progress(progress, 0.0, AFFINE_SHARE),
-                                   tol=QUAD_PLAIN_TOL if quad else AFFINE_TOL)
+        aff, walks = affine_route(om, x, norm, label, start, quad, progress)
         attention = _has_attention(om)
-        if aff > 0 and quad:
-            # then the walks with second-order symbols, from just past it (4x a plain walk's
-            # time; tf1's inf radius 0.0574 -> 0.0659)
-            eig = norm in EIG_NORMS
-            mid = AFFINE_SHARE * (0.75 if eig else 1.0)
-            aq, wq = affine_radius(om, x, norm, label, aff * QUAD_GROWTH,
-                                   _scaled_progress(progress, AFFINE_SHARE / 2, mid),
-                                   quad=True, floor=aff, growth=QUAD_STEP[norm], tol=QUAD_TOL)
-            aff, walks = max(aff, aq), walks + wq
-            if aff > 0 and eig:
-                # and those with the 2-ball's sizes by eigenvalues (~3.5x a second-order
-                # walk; tf1's 2-ball 0.3206 -> 0.3366)
-                ae, we = affine_radius(om, x, norm, label, aff * EIG_GROWTH,
-                                       _scaled_progress(progress, mid, AFFINE_SHARE),
-                                       quad=True, floor=aff, growth=EIG_GROWTH, tol=EIG_TOL,
-                                       eig=True)
-                aff, walks = max(aff, ae), walks + we
         # attention-free graphs (no Softmax: MLPs): one sweep, the adjoint graph's constants
         # in it from the start (cheap there: the MLP's inf job 4.0 s -> 1.3 s, radius 0.0714 ->
         # 0.0709); elsewhere the enclosure's sweep first (see below)

@@ -144,6 +144,47 @@ def robustness_of(loaded: Any, sha256: str, x0: np.ndarray, label: int, norm: st
     }
 
 
+def verdict_json(v: Any) -> dict[str, Any]:
+    """One input's verdict at a radius (lsa_models.engine.at_radius.Verdict) as JSON."""
+    return {"label": v.label, "predicted": v.predicted, "status": v.status,
+            "certified_by": v.certified_by, "margin_lower": v.margin_lower,
+            "flip_distance": v.flip_distance, "flip_class": v.flip_class,
+            "center_sha256": v.center_sha256, "affine_walks": v.walks,
+            "sweep_runs": v.sweep_runs, "seconds": v.seconds}
+
+
+def verdicts_of(loaded: Any, sha256: str, inputs: np.ndarray, labels: np.ndarray, norm: str,
+                radius: float, *, progress: Callable[[int, int, Any], None] | None = None
+                ) -> dict[str, Any]:
+    """Every (inputs[i], labels[i]) decided at `radius` (certified / attacked / unknown /
+    misclassified, lsa_models.engine.at_radius), as the JSON object `lsa robustness --inputs
+    --labels --radius --json` prints; a pixel upload's images are cut into their patches
+    first. Raises ValueError for bad inputs, labels, norm or radius."""
+    from lsa_models.engine.at_radius import STATUSES, decide_all  # deferred: torch
+    from lsa_models.engine.values import LocalNotCertified
+
+    if norm not in ("2", "inf"):
+        raise ValueError(f"norm must be 2 or inf, got {norm!r}")
+    if inputs.ndim < 2:
+        raise ValueError(f"inputs: shape {tuple(inputs.shape)}; give the inputs stacked "
+                         "along a first axis, (S, N, D) (on a pixel upload (S, C, H, W))")
+    if labels.ndim == 1 and labels.shape[0] == inputs.shape[0]:
+        inputs = np.stack([model_input(loaded, inputs[i], field=f"inputs[{i}]")
+                           for i in range(inputs.shape[0])])
+    try:
+        rep = decide_all(loaded, inputs, labels, norm, radius, progress)
+    except LocalNotCertified as exc:
+        raise ValueError(f"no certified verdict for this model: {exc} (the robustness "
+                         "verdicts need a local rule for every op of the graph)") from None
+    return {
+        "model_sha256": sha256, "norm": rep.norm, "radius": rep.radius,
+        "n": len(rep.verdicts), "counts": {s: rep.count(s) for s in STATUSES},
+        "clean_accuracy": rep.clean_accuracy, "certified_accuracy": rep.certified_accuracy,
+        "attack_accuracy": rep.attack_accuracy, "seconds": rep.seconds,
+        "samples": [{"index": i, **verdict_json(v)} for i, v in enumerate(rep.verdicts)],
+    }
+
+
 # ---- the service: POST /bound with at/eps, POST /certify with at/label/min_radius ------------
 
 

@@ -173,6 +173,21 @@ def _pgd(f: Callable[[Tensor], Tensor], c: Tensor, label: int, r: float, norm: s
     return None
 
 
+def attack_at(f: Callable[[Tensor], Tensor], x0: np.ndarray, label: int, norm: str,
+              radius: float, restarts: int = 3, steps: int = 40, seed: int = 0
+              ) -> np.ndarray | None:
+    """A point of the ball of `radius` around x0 where `label` is no longer the largest
+    output (checked in float64), found by PGD with the losses of `attack_radius`; None when
+    none is found (which proves nothing)."""
+    c = torch.from_numpy(np.asarray(x0, dtype=np.float64))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        if float(_margin(f, c, label)) > 0:
+            return c.numpy().copy()
+    found = _pgd(f, c, label, radius, norm, restarts, steps, gen, _targets(f, c, label))
+    return None if found is None else found.numpy()
+
+
 def attack_radius(f: Callable[[Tensor], Tensor], x0: np.ndarray, label: int, norm: str,
                   restarts: int = 3, steps: int = 40, seed: int = 0,
                   max_radius: float = 1e3, iters: int = 10) -> float | None:

@@ -752,13 +752,11 @@ def _stopped(progress: Callable[[str, float], None] | None, certified: float,
                  f"{certified:.3g}", 1.0)
 
 
-def robustness(model: Any, at: np.ndarray, label: int, norm: NormName,
-               steps: int = 30, attack_restarts: int = 3, seed: int = 0,
-               progress: Callable[[str, float], None] | None = None) -> RobustnessResult:
-    """Certified robustness radius of `label` at `at` (a sweep of radii with per-pair margin
-    constants on each ball, integrated along the segment) and the smallest label-flipping
-    perturbation PGD finds. `steps` caps the engine runs; `progress(stage, fraction)` is
-    called once per engine run with the radius certified so far (it may raise to stop)."""
+def centre_margins(model: Any, at: np.ndarray, label: int, norm: str
+                   ) -> tuple[OnnxModel, np.ndarray, torch.nn.Module, dict[int, float], int]:
+    """(the graph, the checked centre X0, the float64 module, the margins f_label - f_j at X0
+    less an allowance for the forward pass's rounding, the predicted class). ValueError for a
+    bad norm, input or label."""
     if norm not in ("2", "inf"):
         raise ValueError(f"unknown norm {norm!r}; use '2' or 'inf'")
     om = as_onnx(model, np.asarray(at).shape[-2] if np.asarray(at).ndim >= 2 else None)
@@ -770,11 +768,20 @@ def robustness(model: Any, at: np.ndarray, label: int, norm: NormName,
     if not (0 <= label < k):
         raise ValueError(f"label must be in 0..{k - 1} (the model has {k} outputs), got "
                          f"{label}")
-    # margins at the centre, less an allowance for the forward pass's rounding
     scale = float(np.abs(logits).max())
     margins = {j: float(logits[label] - logits[j]) - 1e-9 * (1 + scale)
                for j in range(k) if j != label}
-    predicted = int(np.argmax(logits))
+    return om, x, f64, margins, int(np.argmax(logits))
+
+
+def robustness(model: Any, at: np.ndarray, label: int, norm: NormName,
+               steps: int = 30, attack_restarts: int = 3, seed: int = 0,
+               progress: Callable[[str, float], None] | None = None) -> RobustnessResult:
+    """Certified robustness radius of `label` at `at` (a sweep of radii with per-pair margin
+    constants on each ball, integrated along the segment) and the smallest label-flipping
+    perturbation PGD finds. `steps` caps the engine runs; `progress(stage, fraction)` is
+    called once per engine run with the radius certified so far (it may raise to stop)."""
+    om, x, f64, margins, predicted = centre_margins(model, at, label, norm)
     # the attack first: the true radius is at most its radius, where the sweeps stop
     if progress is not None:
         progress("attack: searching for the smallest label flip (PGD)", 0.0)

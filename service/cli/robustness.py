@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -15,18 +16,23 @@ from rich.console import Console
 from api_schemas import BoundReport
 
 from ..local import local_report_of, model_input, robustness_of
-from .common import app, fail, set_threads
+from .common import EXIT_FAILED, app, fail, set_threads
 
 
-def load_center(path: Path) -> np.ndarray:
-    """X0 from a .npy file (no pickles: object arrays are refused)."""
+def _load_npy(path: Path, option: str, holds: str) -> np.ndarray:
+    """An array from a .npy file (no pickles: object arrays are refused)."""
     if not path.is_file():
-        raise ValueError(f"{path}: no such file (--at takes a .npy file holding one input)")
+        raise ValueError(f"{path}: no such file ({option} takes a .npy file holding {holds})")
     try:
-        x = np.load(path, allow_pickle=False)
+        return np.asarray(np.load(path, allow_pickle=False))
     except (ValueError, OSError) as exc:
         raise ValueError(f"{path}: not a readable .npy array ({exc}); write it with "
                          "numpy.save") from None
+
+
+def load_center(path: Path, option: str = "--at", holds: str = "one input") -> np.ndarray:
+    """X0 from a .npy file, as float64."""
+    x = _load_npy(path, option, holds)
     if not (np.issubdtype(x.dtype, np.floating) or np.issubdtype(x.dtype, np.integer)):
         raise ValueError(f"{path}: the array has dtype {x.dtype}; a float array is needed")
     return np.asarray(x, dtype=np.float64)
@@ -71,27 +77,148 @@ def robustness_json(path: Path, at: Path, label: int, norm: str) -> dict[str, An
                          norm)
 
 
+def check_radius(radius: float) -> float:
+    if not (math.isfinite(radius) and radius > 0):
+        raise ValueError(f"--radius must be finite and > 0, got {radius}")
+    return radius
+
+
+def load_labels(path: Path) -> np.ndarray:
+    """The labels from a .npy file: one integer class index per input (integral floats are
+    accepted)."""
+    y = _load_npy(path, "--labels", "one integer label per input")
+    if not np.issubdtype(y.dtype, np.integer):
+        if not (np.issubdtype(y.dtype, np.floating) and np.all(np.isfinite(y))
+                and np.all(y == np.round(y))):
+            raise ValueError(f"{path}: labels must be integer class indices, got dtype "
+                             f"{y.dtype}")
+        y = y.astype(np.int64)
+    if y.ndim != 1:
+        raise ValueError(f"{path}: labels must be a 1-D array (one per input), got shape "
+                         f"{tuple(y.shape)}")
+    return y
+
+
+def verdicts_json(path: Path, inputs: Path, labels: Path, norm: str, radius: float,
+                  progress: Any = None) -> dict[str, Any]:
+    from ..local import verdicts_of
+
+    if norm not in ("2", "inf"):
+        raise ValueError(f"--norm must be 2 or inf, got {norm!r}")
+    r = check_radius(radius)
+    xs = load_center(inputs, "--inputs", "the inputs stacked along a first axis")
+    ys = load_labels(labels)
+    if xs.ndim < 2 or xs.shape[0] != ys.shape[0]:
+        raise ValueError(f"--inputs holds shape {tuple(xs.shape)} and --labels {ys.shape[0]} "
+                         "labels: give the inputs stacked along a first axis, one label each")
+    loaded = load_model(path)
+    return verdicts_of(loaded, loaded.sha256, xs, ys, norm, r, progress=progress)
+
+
+def verdict_one_json(path: Path, at: Path, label: int, norm: str, radius: float
+                     ) -> dict[str, Any]:
+    from lsa_models.engine.at_radius import decide
+
+    from ..local import verdict_json
+
+    if norm not in ("2", "inf"):
+        raise ValueError(f"--norm must be 2 or inf, got {norm!r}")
+    r = check_radius(radius)
+    x0 = load_center(at)
+    loaded = load_model(path)
+    v = decide(loaded, model_input(loaded, x0, field="--at"), label, norm, r)
+    return {"model_sha256": loaded.sha256, "norm": norm, "radius": r, **verdict_json(v)}
+
+
+def _print_radius(out: dict[str, Any]) -> None:
+    c = Console()
+    c.print(f"label {out['label']} (predicted {out['predicted']}), {out['norm']}-norm, radius "
+            f"{out['radius']:.6g}: {out['status']}"
+            + (f" (by the {out['certified_by']} route)" if out["certified_by"] else "")
+            + (f", label flipped to {out['flip_class']} at distance "
+               f"{out['flip_distance']:.6g}" if out["status"] == "attacked" else ""))
+
+
+def _print_set(out: dict[str, Any], gate: float | None) -> None:
+    c = Console()
+    n, k = out["n"], out["counts"]
+    c.print(f"{n} inputs, {out['norm']}-norm, radius {out['radius']:.6g}: certified "
+            f"{k['certified']}, attacked {k['attacked']}, unknown {k['unknown']}, "
+            f"misclassified {k['misclassified']}")
+    c.print(f"certified accuracy {out['certified_accuracy']:.4f} <= robust accuracy <= "
+            f"{out['attack_accuracy']:.4f} (clean accuracy {out['clean_accuracy']:.4f}); "
+            f"{out['seconds']:.1f} s")
+    if gate is not None:
+        c.print(f"{'passed' if out['passed'] else 'failed'}: certified accuracy "
+                f"{'>=' if out['passed'] else '<'} {gate:g}")
+
+
+def _set_progress(i: int, n: int, v: Any) -> None:
+    print(f"input {i + 1}/{n}: {v.status}" + (f" ({v.certified_by})" if v.certified_by else "")
+          + f", {v.seconds:.1f} s", file=sys.stderr, flush=True)
+
+
 @app.command("robustness")
 def robustness_cmd(
     path: Annotated[Path, typer.Argument(help="Model file: .onnx/.zip or native .safetensors")],
-    at: Annotated[Path, typer.Option("--at", help="The input: .npy of shape (N, D) or "
-                                     "(1, N, D); on a pixel upload the image (C, H, W) or "
-                                     "(1, C, H, W)")],
-    label: Annotated[int, typer.Option("--label", help="The class whose margins must stay "
-                                       "positive")],
+    at: Annotated[Path | None, typer.Option("--at", help="The input: .npy of shape (N, D) or "
+                                            "(1, N, D); on a pixel upload the image (C, H, "
+                                            "W) or (1, C, H, W)")] = None,
+    label: Annotated[int | None, typer.Option("--label", help="The class whose margins must "
+                                              "stay positive")] = None,
+    inputs: Annotated[Path | None, typer.Option("--inputs", help="Several inputs: .npy, "
+                                                "stacked along a first axis, (S, N, D) (pixel "
+                                                "uploads: (S, C, H, W)); needs --labels and "
+                                                "--radius")] = None,
+    labels: Annotated[Path | None, typer.Option("--labels", help=".npy of S integer labels, "
+                                                "one per input")] = None,
+    radius: Annotated[float | None, typer.Option("--radius", help="Decide at this radius "
+                                                 "(certified / attacked / unknown / "
+                                                 "misclassified) instead of searching the "
+                                                 "largest certified one")] = None,
+    min_certified_accuracy: Annotated[float | None, typer.Option(
+        "--min-certified-accuracy", help="With --inputs: exit 1 unless at least this "
+        "fraction of the inputs is certified at the radius (a CI gate)")] = None,
     norm: Annotated[str, typer.Option("--norm", help="Perturbation norm: 2 (Frobenius) or "
                                       "inf")] = "2",
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
 ) -> None:
     """Certified robustness radius of a label around an input (every margin f_Y - f_j stays
-    positive on the ball), beside the smallest label flip PGD finds."""
+    positive on the ball), beside the smallest label flip PGD finds; with --radius, the
+    verdict at that radius; with --inputs/--labels/--radius, the verdicts of a set of inputs
+    and its certified accuracy (exit 0 passed or no gate, 1 below --min-certified-accuracy, 2
+    bad input)."""
     set_threads()
     try:
-        out = robustness_json(path, at, label, norm)
+        mode = _mode(at, label, inputs, labels, radius, min_certified_accuracy)
+        if mode == "set":
+            assert inputs is not None and labels is not None and radius is not None
+            out = verdicts_json(path, inputs, labels, norm, radius,
+                                progress=None if json_out else _set_progress)
+        elif mode == "one-radius":
+            assert at is not None and label is not None and radius is not None
+            out = verdict_one_json(path, at, label, norm, radius)
+        else:
+            assert at is not None and label is not None
+            out = robustness_json(path, at, label, norm)
     except (ValueError, TypeError, OSError) as exc:
         fail(str(exc))
+    if mode == "set":
+        gate = min_certified_accuracy
+        out["min_certified_accuracy"] = gate
+        out["passed"] = None if gate is None else out["certified_accuracy"] >= gate
+        if json_out:
+            typer.echo(json.dumps(out))
+        else:
+            _print_set(out, gate)
+        if out["passed"] is False:
+            raise typer.Exit(EXIT_FAILED)
+        return
     if json_out:
         typer.echo(json.dumps(out))
+        return
+    if mode == "one-radius":
+        _print_radius(out)
         return
     c = Console()
     c.print(f"label {out['label']} (predicted {out['predicted']}), {norm}-norm")
@@ -102,3 +229,27 @@ def robustness_cmd(
     c.print("margins: " + ", ".join(f"{j}: {m:.4g}" for j, m in out["margins"].items()))
     c.print(f"seconds: certify {out['seconds']['certify']:.2f}, attack "
             f"{out['seconds']['attack']:.2f}")
+
+
+def _mode(at: Path | None, label: int | None, inputs: Path | None, labels: Path | None,
+          radius: float | None, gate: float | None) -> str:
+    """"one" (the radii of one input), "one-radius" (its verdict at --radius) or "set";
+    ValueError naming the options that do not go together."""
+    if inputs is not None or labels is not None:
+        if at is not None or label is not None:
+            raise ValueError("give either --at with --label (one input) or --inputs with "
+                             "--labels (several), not both")
+        if inputs is None or labels is None:
+            raise ValueError("--inputs and --labels go together: the inputs stacked along a "
+                             "first axis and one integer label each")
+        if radius is None:
+            raise ValueError("--inputs needs --radius R: the verdicts are taken at one radius")
+        if gate is not None and not (math.isfinite(gate) and 0 <= gate <= 1):
+            raise ValueError(f"--min-certified-accuracy must be in [0, 1], got {gate}")
+        return "set"
+    if gate is not None:
+        raise ValueError("--min-certified-accuracy needs --inputs, --labels and --radius")
+    if at is None or label is None:
+        raise ValueError("give --at X0.npy with --label Y (or --inputs X.npy with --labels "
+                         "Y.npy and --radius R)")
+    return "one" if radius is None else "one-radius"

@@ -1,0 +1,226 @@
+"""Robustness at a given radius: for each (input, label), is every point of the ball of radius
+r around the input classified as the label? The decision a CI gate or a certified-accuracy
+table needs (docs/local-bounds.md, "Certified accuracy at a radius"): cheaper than the
+radius search of `local.robustness`, which brackets the largest radius.
+
+Per input, in order of cost, each step only where the ones before decided nothing:
+  misclassified: some margin f_label - f_j is not positive at the centre itself;
+  certified:     the affine forms' margin lower bounds are positive on the whole ball
+                 (plain walk, then with second-order symbols, then with the 2-ball's
+                 eigenvalue sizes: the three stages of `local.affine_route`), or else the
+                 radius sweep (margin constants integrated along the segment) reaches r;
+  attacked:      PGD found a point of the ball whose largest output is not the label (the
+                 point is returned: a counterexample, checked in float64);
+  unknown:       neither.
+Both certified routes are the ones `robustness` reports radii with, so a certified verdict
+at r is exactly as sound as a certified radius >= r.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from ..empirical.local import attack_at
+from ..onnx.loading import OnnxModel
+from .driver import Centre, center_sha256, margin_lower_bounds
+from .local import (
+    ADJOINT_NORMS,
+    EIG_NORMS,
+    QUAD_NORMS,
+    SWEEP_CAP_TOL,
+    _has_attention,
+    _sweep,
+    _use_quad,
+    centre_margins,
+)
+from .values import LocalNotCertified
+
+Status = Literal["certified", "attacked", "unknown", "misclassified"]
+STATUSES: tuple[Status, ...] = ("certified", "attacked", "unknown", "misclassified")
+
+# engine runs the sweep may take per input (local.robustness's default)
+SWEEP_STEPS = 30
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What is known about one input at the radius."""
+
+    label: int
+    predicted: int
+    status: Status
+    # the route that certified: "affine", "affine (second order)", "affine (eigenvalues)",
+    # "sweep"; None unless certified
+    certified_by: str | None
+    # the smallest margin lower bound of the last affine walk (> 0: certified by it)
+    margin_lower: float | None
+    # attacked: the counterexample's distance from the centre (<= radius) and its class
+    flip_distance: float | None
+    flip_class: int | None
+    center_sha256: str
+    walks: int  # affine walks
+    sweep_runs: int  # engine runs of the sweep
+    seconds: float
+    flip: np.ndarray | None = field(default=None, repr=False, compare=False)
+
+
+def _affine_stages(om: OnnxModel, x: np.ndarray, norm: str) -> list[tuple[str, bool, bool]]:
+    """(name, quad, eig) of the affine walks to try, cheapest first (local.affine_route's
+    stages)."""
+    stages = [("affine", False, False)]
+    if norm in QUAD_NORMS and _use_quad(om, x):
+        stages.append(("affine (second order)", True, False))
+        if norm in EIG_NORMS:
+            stages.append(("affine (eigenvalues)", True, True))
+    return stages
+
+
+def _affine(om: OnnxModel, x: np.ndarray, norm: str, label: int, radius: float
+            ) -> tuple[str | None, float | None, int]:
+    """(the stage that certified or None, the last smallest margin lower bound, walks)."""
+    ctr = Centre(om, x)
+    low_min: float | None = None
+    walks = 0
+    for name, quad, eig in _affine_stages(om, x, norm):
+        walks += 1
+        try:
+            low = margin_lower_bounds(om, x, radius, norm, label, ctr, quad=quad, eig=eig)
+        except (LocalNotCertified, FloatingPointError, ValueError):
+            low = None
+        if not low:
+            continue
+        v = min(low.values())
+        low_min = v if math.isfinite(v) else None
+        if low_min is not None and low_min > 0:
+            return name, low_min, walks
+    return None, low_min, walks
+
+
+def _within(flip: np.ndarray, x: np.ndarray, radius: float, norm: str,
+            f64: torch.nn.Module, label: int) -> tuple[np.ndarray, float, int] | None:
+    """(the point, its distance, the class) when `flip` lies in the ball and some class's
+    output (float64) exceeds the label's there; a point the projection's rounding left just
+    outside is pulled in once."""
+    d = flip - x
+    for _ in range(2):
+        dist = float(np.abs(d).max()) if norm == "inf" else float(np.linalg.norm(d))
+        if dist <= radius:
+            point = x + d
+            with torch.no_grad():
+                y = f64(torch.from_numpy(point)).reshape(-1).numpy()
+            others = y.copy()
+            others[label] = -np.inf
+            j = int(np.argmax(others))
+            return (point, dist, j) if y[j] > y[label] else None
+        d = d * (radius / dist) * (1 - 1e-12)
+    return None
+
+
+def decide(model: Any, at: np.ndarray, label: int, norm: str, radius: float, *,
+           attack_restarts: int = 3, seed: int = 0, sweep: bool = True) -> Verdict:
+    """The verdict for one input (module docstring). ValueError for a bad input, label, norm
+    or radius."""
+    if not (isinstance(radius, float | int) and math.isfinite(radius) and radius > 0):
+        raise ValueError(f"radius must be finite and > 0, got {radius}")
+    radius = float(radius)
+    t0 = time.monotonic()
+    om, x, f64, margins, predicted = centre_margins(model, at, label, norm)
+    sha = center_sha256(x)
+
+    def verdict(status: Status, **kw: Any) -> Verdict:
+        base: dict[str, Any] = dict(certified_by=None, margin_lower=None, flip_distance=None,
+                                    flip_class=None, walks=0, sweep_runs=0, flip=None)
+        base.update(kw)
+        return Verdict(label, predicted, status, center_sha256=sha,
+                       seconds=time.monotonic() - t0, **base)
+
+    if min(margins.values()) <= 0:
+        return verdict("misclassified")
+    by, low, walks = _affine(om, x, norm, label, radius)
+    if by is not None:
+        return verdict("certified", certified_by=by, margin_lower=low, walks=walks)
+    flip = attack_at(f64, x, label, norm, radius, restarts=attack_restarts, seed=seed)
+    hit = None if flip is None else _within(flip, x, radius, norm, f64, label)
+    if hit is not None:
+        return verdict("attacked", margin_lower=low, walks=walks, flip=hit[0],
+                       flip_distance=hit[1], flip_class=hit[2])
+    runs = 0
+    if sweep:
+        # the sweep as in `robustness`, with the radius as its floor (its probe gives up
+        # where it cannot pass it) and, divided by 1 - SWEEP_CAP_TOL, as its cap (it stops
+        # once it reaches the radius)
+        cap = radius / (1 - SWEEP_CAP_TOL)
+        one = norm in ADJOINT_NORMS and not _has_attention(om)
+        cut: list[bool] = []
+        best, runs, _ = _sweep(om, x, norm, label, margins, SWEEP_STEPS, floor=radius,
+                               adjoint=one, cap=cap, cut=cut)
+        if best < radius and norm in ADJOINT_NORMS and not one and not cut:
+            # the adjoint graph's constants too, as in `robustness`'s second pass
+            best2, runs2, _ = _sweep(om, x, norm, label, margins, SWEEP_STEPS,
+                                     floor=radius, cap=cap)
+            best, runs = max(best, best2), runs + runs2
+        if best >= radius:
+            return verdict("certified", certified_by="sweep", margin_lower=low, walks=walks,
+                           sweep_runs=runs)
+    return verdict("unknown", margin_lower=low, walks=walks, sweep_runs=runs)
+
+
+@dataclass(frozen=True)
+class SetReport:
+    """Verdicts for a set of inputs at one radius. certified <= robust <= not attacked:
+    `certified_accuracy` is a lower bound on the fraction of inputs robust at the radius,
+    `attack_accuracy` (correct at the centre and no counterexample found) an upper bound."""
+
+    norm: str
+    radius: float
+    verdicts: list[Verdict]
+    seconds: float
+
+    def count(self, status: Status) -> int:
+        return sum(v.status == status for v in self.verdicts)
+
+    @property
+    def clean_accuracy(self) -> float:
+        return 1.0 - self.count("misclassified") / max(1, len(self.verdicts))
+
+    @property
+    def certified_accuracy(self) -> float:
+        return self.count("certified") / max(1, len(self.verdicts))
+
+    @property
+    def attack_accuracy(self) -> float:
+        n = len(self.verdicts)
+        return (n - self.count("misclassified") - self.count("attacked")) / max(1, n)
+
+
+def decide_all(model: Any, inputs: np.ndarray, labels: np.ndarray, norm: str, radius: float,
+               progress: Callable[[int, int, Verdict], None] | None = None, *,
+               seed: int = 0, sweep: bool = True) -> SetReport:
+    """`decide` for every (inputs[i], labels[i]) (inputs: a stack along the first axis);
+    `progress(i, n, verdict)` after each. ValueError for mismatched inputs and labels."""
+    inputs = np.asarray(inputs)
+    labels = np.asarray(labels)
+    if not np.issubdtype(labels.dtype, np.integer):
+        raise ValueError(f"labels must be integers (class indices), got dtype {labels.dtype}")
+    if labels.ndim != 1 or inputs.ndim < 2 or inputs.shape[0] != labels.shape[0]:
+        got = labels.shape[0] if labels.ndim == 1 else tuple(labels.shape)
+        raise ValueError(f"labels must be one integer per input: {got} labels for inputs of "
+                         f"shape {tuple(inputs.shape)} (the inputs stacked along the first "
+                         "axis)")
+    if labels.shape[0] == 0:
+        raise ValueError("no inputs: give at least one")
+    t0 = time.monotonic()
+    out: list[Verdict] = []
+    for i in range(labels.shape[0]):
+        v = decide(model, inputs[i], int(labels[i]), norm, radius, seed=seed, sweep=sweep)
+        out.append(v)
+        if progress is not None:
+            progress(i, labels.shape[0], v)
+    return SetReport(norm, float(radius), out, time.monotonic() - t0)

@@ -1,0 +1,192 @@
+"""Verdicts at a given radius (lsa_models.engine.at_radius): certified / attacked / unknown /
+misclassified, consistent with the radius search and with attacks; the CLI's set mode, its
+certified accuracy and its CI gate."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from bench.local_models import build, center, export, relu_mlp
+from lsa_models.empirical.local import _pgd, _targets
+from lsa_models.engine import at_radius
+from lsa_models.engine.at_radius import decide, decide_all
+from lsa_models.engine.local import robustness
+from lsa_models.onnx import OnnxModel, load_onnx
+from service.cli import app
+from tests.margins import boundary_point
+
+
+@pytest.fixture(scope="module")
+def mlp(tmp_path_factory: pytest.TempPathFactory) -> tuple[OnnxModel, Path]:
+    path = export(build("mlp", seed=4), tmp_path_factory.mktemp("atr") / "mlp.onnx")
+    return load_onnx(path.read_bytes()), path
+
+
+def _label(om: OnnxModel, x0: np.ndarray) -> int:
+    with torch.no_grad():
+        return int(om.module.with_dtype(torch.float64)(torch.from_numpy(x0)).argmax())
+
+
+def _holds(om: OnnxModel, x0: np.ndarray, label: int, radius: float, norm: str) -> None:
+    """Nothing in the ball flips the label: 50 boundary points (corners, sphere points) and
+    a stronger PGD than the verdict's (6 restarts x 80 steps per runner-up class)."""
+    f = om.module.with_dtype(torch.float64)
+    rng = np.random.default_rng(1)
+    for _ in range(50):
+        d = boundary_point(rng, x0.shape, radius, norm)
+        with torch.no_grad():
+            assert int(f(torch.from_numpy(x0 + d)).argmax()) == label
+    c = torch.from_numpy(x0)
+    gen = torch.Generator().manual_seed(3)
+    assert _pgd(f, c, label, radius, norm, 6, 80, gen, _targets(f, c, label)) is None
+
+
+@pytest.mark.parametrize("norm", ["2", "inf"])
+def test_decide_agrees_with_the_radius_search(mlp: tuple[OnnxModel, Path], norm: str) -> None:
+    """Below the certified radius: certified (and nothing in the ball flips the label);
+    past the attack radius: attacked, with a counterexample inside the ball whose largest
+    output is another class; a certified verdict never comes with a radius PGD flips."""
+    om, _ = mlp
+    x0 = center(5).numpy().astype(np.float64)
+    label = _label(om, x0)
+    r = robustness(om, x0, label, norm)
+    assert r.attack_radius is not None
+    inside = decide(om, x0, label, norm, 0.9 * r.certified_radius)
+    assert inside.status == "certified" and inside.certified_by is not None
+    assert inside.predicted == label and inside.center_sha256 == r.center_sha256
+    _holds(om, x0, label, 0.9 * r.certified_radius, norm)
+    past = 1.05 * r.attack_radius
+    out = decide(om, x0, label, norm, past)
+    assert out.status == "attacked" and out.flip is not None and out.flip_class != label
+    assert out.flip_distance is not None and out.flip_distance <= past
+    d = out.flip - x0
+    assert (np.abs(d).max() if norm == "inf" else np.linalg.norm(d)) <= past
+    with torch.no_grad():
+        y = om.module.with_dtype(torch.float64)(torch.from_numpy(out.flip)).reshape(-1)
+    assert float(y[out.flip_class]) > float(y[label])
+
+
+def test_decide_names_the_stage_that_certified(tmp_path: Path) -> None:
+    """On an attention model the affine walks go plain -> second order (-> eigenvalues on the
+    2-ball): a radius only the second-order walk certifies is certified by it, and the
+    verdict holds against boundary points and PGD."""
+    om = load_onnx(export(build("tf1", seed=0), tmp_path / "tf1.onnx").read_bytes())
+    x0 = center(1).numpy().astype(np.float64)
+    label = _label(om, x0)
+    # issue-15's tf1: plain radius 0.0574, second order 0.0679 (docs/local-bounds.md)
+    v = decide(om, x0, label, "inf", 0.0640)
+    assert v.status == "certified" and v.certified_by == "affine (second order)"
+    assert v.walks == 2 and v.margin_lower is not None and v.margin_lower > 0
+    _holds(om, x0, label, 0.0640, "inf")
+
+
+def test_decide_misclassified_and_bad_radius(mlp: tuple[OnnxModel, Path]) -> None:
+    om, _ = mlp
+    x0 = center(5).numpy().astype(np.float64)
+    label = _label(om, x0)
+    wrong = (label + 1) % 4
+    v = decide(om, x0, wrong, "inf", 0.01)
+    assert v.status == "misclassified" and v.predicted == label and v.walks == 0
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="radius must be finite and > 0"):
+            decide(om, x0, label, "inf", bad)
+    with pytest.raises(ValueError, match="label must be in 0..3"):
+        decide(om, x0, 9, "inf", 0.01)
+
+
+def test_decide_unknown_when_neither_side_decides(mlp: tuple[OnnxModel, Path],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between the certified and the attack radius with an attack that finds nothing (no
+    restarts at all): unknown, never certified past the true radius."""
+    om, _ = mlp
+    x0 = center(5).numpy().astype(np.float64)
+    label = _label(om, x0)
+    r = robustness(om, x0, label, "inf")
+    assert r.attack_radius is not None
+    mid = 0.5 * (r.certified_radius + r.attack_radius)
+    monkeypatch.setattr(at_radius, "attack_at", lambda *a, **k: None)
+    v = decide(om, x0, label, "inf", mid)
+    assert v.status == "unknown" and v.flip is None and v.sweep_runs >= 1
+    assert decide(om, x0, label, "inf", 1.05 * r.attack_radius).status == "unknown"
+
+
+def test_decide_all_counts_and_accuracies(tmp_path: Path) -> None:
+    """certified accuracy <= attack accuracy <= clean accuracy, counts add up, one verdict
+    per input in order; labels that do not match the inputs are refused."""
+    om = load_onnx(export(relu_mlp(), tmp_path / "relu.onnx").read_bytes())
+    xs = np.stack([center(s).numpy().astype(np.float64) for s in range(1, 7)])
+    f = om.module.with_dtype(torch.float64)
+    with torch.no_grad():
+        pred = np.array([int(f(torch.from_numpy(x)).argmax()) for x in xs])
+    labels = pred.copy()
+    labels[0] = (pred[0] + 1) % 4  # one wrong label
+    seen: list[int] = []
+    rep = decide_all(om, xs, labels, "2", 0.05, progress=lambda i, n, v: seen.append(i))
+    assert seen == list(range(6)) and len(rep.verdicts) == 6
+    assert rep.verdicts[0].status == "misclassified"
+    assert sum(rep.count(s) for s in at_radius.STATUSES) == 6
+    assert rep.certified_accuracy <= rep.attack_accuracy <= rep.clean_accuracy == 5 / 6
+    for v, x in zip(rep.verdicts, xs, strict=True):
+        if v.status == "certified":
+            _holds(om, x, v.label, 0.05, "2")
+    with pytest.raises(ValueError, match="one integer per input"):
+        decide_all(om, xs, labels[:3], "2", 0.05)
+    with pytest.raises(ValueError, match="labels must be integers"):
+        decide_all(om, xs, labels.astype(np.float64), "2", 0.05)
+
+
+def test_robustness_cli_set_mode_gate_and_errors(mlp: tuple[OnnxModel, Path],
+                                                 tmp_path: Path) -> None:
+    """--inputs/--labels/--radius: the JSON's counts and accuracies; exit 1 below
+    --min-certified-accuracy, 0 at or above it; exit 2 naming the option for bad input."""
+    om, path = mlp
+    xs = np.stack([center(s).numpy().astype(np.float32).reshape(8, 16) for s in (5, 6, 7)])
+    labels = np.array([_label(om, x[None].astype(np.float64)) for x in xs])
+    xi, yi = tmp_path / "xs.npy", tmp_path / "ys.npy"
+    np.save(xi, xs)
+    np.save(yi, labels)
+    runner = CliRunner()
+    base = ["robustness", str(path), "--inputs", str(xi), "--labels", str(yi), "--norm", "inf",
+            "--radius", "0.02", "--json"]
+    res = runner.invoke(app, base)
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert out["n"] == 3 and sum(out["counts"].values()) == 3 and out["passed"] is None
+    assert out["certified_accuracy"] <= out["attack_accuracy"] <= out["clean_accuracy"] == 1.0
+    assert [s["label"] for s in out["samples"]] == labels.tolist()
+    acc = out["certified_accuracy"]
+    ok = runner.invoke(app, [*base, "--min-certified-accuracy", str(acc)])
+    assert ok.exit_code == 0 and json.loads(ok.stdout)["passed"] is True
+    if acc < 1:
+        low = runner.invoke(app, [*base, "--min-certified-accuracy", "1"])
+        assert low.exit_code == 1 and json.loads(low.stdout)["passed"] is False
+    one = runner.invoke(app, ["robustness", str(path), "--at", str(tmp_path / "x0.npy"),
+                              "--label", "0"])
+    assert one.exit_code == 2 and "no such file" in one.stderr
+    np.save(tmp_path / "x0.npy", xs[0])
+    one = runner.invoke(app, ["robustness", str(path), "--at", str(tmp_path / "x0.npy"),
+                              "--label", str(labels[0]), "--radius", "0.001", "--json"])
+    assert one.exit_code == 0 and json.loads(one.stdout)["status"] == "certified"
+    for args, msg in [
+        (["--inputs", str(xi), "--labels", str(yi)], "--inputs needs --radius"),
+        (["--inputs", str(xi), "--radius", "0.1"], "--inputs and --labels go together"),
+        (["--at", str(xi), "--label", "0", "--labels", str(yi), "--radius", "0.1"],
+         "not both"),
+        (["--inputs", str(xi), "--labels", str(yi), "--radius", "-1"], "--radius must be"),
+        (["--inputs", str(xi), "--labels", str(yi), "--radius", "0.1",
+          "--min-certified-accuracy", "2"], "in [0, 1]"),
+        (["--at", str(tmp_path / "x0.npy"), "--label", "0", "--min-certified-accuracy",
+          "0.5"], "needs --inputs"),
+        (["--inputs", str(xi), "--labels", str(xi), "--radius", "0.1"], "integer class"),
+    ]:
+        bad = runner.invoke(app, ["robustness", str(path), *args])
+        assert bad.exit_code == 2 and msg in bad.stderr, (args, bad.stderr)
+    np.save(yi, labels[:2])
+    bad = runner.invoke(app, base)
+    assert bad.exit_code == 2 and "one label each" in bad.stderr

@@ -12,6 +12,13 @@ Builds the same classifier (bench/local_models.py, same seed) and prints one JSO
     JacobianOP + GradNorm(1) per output, the largest over outputs: the same quantity as lsa's
     inf-norm constant, max_i sum_j |J_ij| over the ball) and seconds, or the error it raised.
 auto_LiRPA's Jacobian bounds are run on the L_inf ball only (its maintainers call L2 loose).
+
+For bench/certified_accuracy.py:
+
+    ... alirpa_runner.py --verified KIND SEED XS.npy YS.npy NORM METHOD RADIUS...
+
+prints, per radius, which of the inputs (stacked (S, 1, N, D)) METHOD (CROWN or alpha-CROWN)
+verifies and its seconds.
 """
 
 from __future__ import annotations
@@ -108,7 +115,50 @@ def jacobian_constants(model: nn.Module, x0: torch.Tensor, eps_list: list[float]
     return rows
 
 
+def verified(kind: str, seed: int, xs: np.ndarray, labels: np.ndarray, norm: float,
+             radii: list[float], method: str) -> dict[str, Any]:
+    """Per radius, which inputs `method` ("CROWN" or "alpha-CROWN") verifies (every margin's
+    lower bound positive on the ball) and its seconds: one bounded model per input, built
+    once and reused across the radii."""
+    from auto_LiRPA import BoundedModule, BoundedTensor, PerturbationLpNorm
+
+    model = build(kind, seed)
+    out: dict[str, Any] = {"method": method,
+                           "radii": {str(r): {"verified": [], "seconds": 0.0} for r in radii}}
+    for x, label in zip(xs, labels, strict=True):
+        x0 = torch.from_numpy(x).float().reshape(1, *x.shape[-2:])
+        others = [j for j in range(CLASSES) if j != int(label)]
+        c = torch.zeros(1, len(others), CLASSES)
+        for i, j in enumerate(others):
+            c[0, i, int(label)], c[0, i, j] = 1.0, -1.0
+        bm = BoundedModule(model, torch.zeros_like(x0), device="cpu",
+                           bound_opts={"verbosity": 0})
+        for r in radii:
+            t0 = time.monotonic()
+            try:
+                bx = BoundedTensor(x0, PerturbationLpNorm(norm=norm, eps=r))
+                lb, _ = bm.compute_bounds(x=(bx,), C=c, method=method)
+                ok = bool((lb > 0).all())
+            except Exception as exc:  # the baseline's own failure is a result
+                out.setdefault("errors", []).append(_error(exc))
+                ok = False
+            row = out["radii"][str(r)]
+            row["verified"].append(ok)
+            row["seconds"] += time.monotonic() - t0
+    return out
+
+
 def main() -> None:
+    if sys.argv[1] == "--verified":
+        # --verified KIND SEED XS.npy YS.npy NORM METHOD RADIUS...
+        kind, seed, method = sys.argv[2], int(sys.argv[3]), sys.argv[7]
+        torch.set_num_threads(1)
+        xs = np.load(sys.argv[4], allow_pickle=False)
+        ys = np.load(sys.argv[5], allow_pickle=False)
+        norm = np.inf if sys.argv[6] == "inf" else 2.0
+        print(json.dumps(verified(kind, seed, xs, ys, norm, [float(r) for r in sys.argv[8:]],
+                                  method)))
+        return
     kind, seed, x0_path, label = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
     eps_list = [float(e) for e in sys.argv[5:]]
     torch.set_num_threads(1)

@@ -10,6 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
 from typer.testing import CliRunner
 
 from bench.local_models import build, center, export, relu_mlp
@@ -190,3 +193,88 @@ def test_robustness_cli_set_mode_gate_and_errors(mlp: tuple[OnnxModel, Path],
     np.save(yi, labels[:2])
     bad = runner.invoke(app, base)
     assert bad.exit_code == 2 and "one label each" in bad.stderr
+
+
+class _Tiny(nn.Module):
+    """A small attention classifier (one head, LayerNorm, GELU head) in plain torch ops, its
+    weights scaled by `gain`: random models for the property below."""
+
+    def __init__(self, seed: int, gain: float) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.ln = nn.LayerNorm(4)
+        self.qkv = nn.Linear(4, 12)
+        self.head = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 3))
+        with torch.no_grad():
+            for p in self.parameters():
+                p.mul_(gain)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (1, 3, 4)
+        q, k, v = self.qkv(self.ln(x)).split(4, dim=-1)  # (1, 3, 4) each
+        p = torch.softmax(q @ k.transpose(-1, -2) / 2.0, dim=-1)  # (1, 3, 3)
+        h = x + p @ v  # (1, 3, 4)
+        return self.head(h.mean(dim=1))  # (1, 3)
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 10_000), gain=st.floats(0.5, 2.0),
+       frac=st.floats(0.05, 1.0), norm=st.sampled_from(["2", "inf"]))
+def test_decide_certified_never_flips_on_random_models(tmp_path_factory: pytest.TempPathFactory,
+                                                       seed: int, gain: float, frac: float,
+                                                       norm: str) -> None:
+    """On random small attention classifiers and radii (a fraction of the first-order radius
+    m / ||grad m||, where flips begin to be possible): a certified verdict has no flip among
+    boundary points and PGD's; an attacked one carries a float64-checked flip in the ball."""
+    model = _Tiny(seed, gain).eval()
+    path = tmp_path_factory.mktemp("tiny") / "tiny.onnx"
+    x = torch.randn(1, 3, 4, generator=torch.Generator().manual_seed(seed))
+    torch.onnx.export(model, (x,), str(path), dynamo=False, opset_version=18,
+                      input_names=["x"], output_names=["logits"])
+    om = load_onnx(path.read_bytes())
+    x0 = x.double().numpy()
+    label = _label(om, x0)
+    f = om.module.with_dtype(torch.float64)
+    t = torch.from_numpy(x0).requires_grad_(True)
+    y = f(t).reshape(-1)
+    first = min(float(y[label] - y[j]) / max(float(g.abs().sum() if norm == "inf"
+                                                   else g.norm()), 1e-12)
+                for j in range(3) if j != label
+                for (g,) in [torch.autograd.grad(y[label] - y[j], t, retain_graph=True)])
+    r = max(frac * first, 1e-4)
+    v = decide(om, x0, label, norm, r)
+    if v.status == "certified":
+        _holds(om, x0, label, r, norm)
+    elif v.status == "attacked":
+        assert v.flip is not None and v.flip_distance is not None and v.flip_distance <= r
+        with torch.no_grad():
+            out = f(torch.from_numpy(v.flip)).reshape(-1)
+        assert float(out[v.flip_class]) > float(out[label])
+
+
+def test_robustness_cli_set_mode_cuts_images_into_patches(tmp_path: Path) -> None:
+    """On an upload on pixels the inputs are images (S, C, H, W), each cut into the patches
+    the graph is analysed on (service.local.model_input); an image of another shape is
+    refused naming its index."""
+    from tests.test_local_conv import _PixelNet
+    from tests.test_onnx_recognition import _export
+
+    m = _PixelNet().eval()
+    path = tmp_path / "px.onnx"
+    path.write_bytes(_export(m, torch.randn(1, 2, 4, 4), tmp_path / "px0.onnx", False))
+    imgs = np.random.default_rng(3).standard_normal((4, 2, 4, 4))
+    with torch.no_grad():
+        labels = m(torch.from_numpy(imgs).float()).argmax(-1).numpy()
+    xi, yi = tmp_path / "imgs.npy", tmp_path / "ys.npy"
+    np.save(xi, imgs)
+    np.save(yi, labels)
+    runner = CliRunner()
+    res = runner.invoke(app, ["robustness", str(path), "--inputs", str(xi), "--labels",
+                              str(yi), "--radius", "0.01", "--norm", "2", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert out["n"] == 4 and out["counts"]["misclassified"] == 0
+    assert out["counts"]["certified"] >= 1
+    np.save(xi, imgs[:, :, :3])
+    bad = runner.invoke(app, ["robustness", str(path), "--inputs", str(xi), "--labels",
+                              str(yi), "--radius", "0.01"])
+    assert bad.exit_code == 2 and "inputs[0]: shape (2, 3, 4)" in bad.stderr

@@ -145,12 +145,13 @@ def _targets(f: Callable[[Tensor], Tensor], c: Tensor, label: int) -> list[int |
 
 def _pgd(f: Callable[[Tensor], Tensor], c: Tensor, label: int, r: float, norm: str,
          restarts: int, steps: int, gen: torch.Generator,
-         targets: list[int | None] | None = None) -> Tensor | None:
+         targets: list[int | None] | None = None, first: int = 0) -> Tensor | None:
     """A point of the ball of radius r around c where the label is flipped, or None. The first
     run (from the centre) goes once per target (`_targets`; default: the untargeted loss
-    alone), the random restarts on the first target only."""
+    alone), the random restarts on the first target only. `first`: the run to start from (1:
+    the random restarts alone, the same points as in a call from 0)."""
     runs = targets or [None]
-    for k in range(restarts):
+    for k in range(first, restarts):
         # every target from the centre; the random restarts on the nearest one only
         for target in runs if k == 0 else runs[:1]:
             if k == 0:
@@ -174,17 +175,19 @@ def _pgd(f: Callable[[Tensor], Tensor], c: Tensor, label: int, r: float, norm: s
 
 
 def attack_at(f: Callable[[Tensor], Tensor], x0: np.ndarray, label: int, norm: str,
-              radius: float, restarts: int = 3, steps: int = 40, seed: int = 0
-              ) -> np.ndarray | None:
+              radius: float, restarts: int = 3, steps: int = 40, seed: int = 0,
+              first: int = 0) -> np.ndarray | None:
     """A point of the ball of `radius` around x0 where `label` is no longer the largest
-    output (checked in float64), found by PGD with the losses of `attack_radius`; None when
-    none is found (which proves nothing)."""
+    output (checked in float64), found by PGD with the losses of `attack_radius` (`first`:
+    as `_pgd`'s, 1 skips the runs from the centre); None when none is found (which proves
+    nothing)."""
     c = torch.from_numpy(np.asarray(x0, dtype=np.float64))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         if float(_margin(f, c, label)) > 0:
             return c.numpy().copy()
-    found = _pgd(f, c, label, radius, norm, restarts, steps, gen, _targets(f, c, label))
+    found = _pgd(f, c, label, radius, norm, restarts, steps, gen, _targets(f, c, label),
+                 first)
     return None if found is None else found.numpy()
 
 

@@ -3,7 +3,8 @@ r around the input classified as the label? The decision a CI gate or a certifie
 table needs (docs/local-bounds.md, "Certified accuracy at a radius"): cheaper than the
 radius search of `local.robustness`, which brackets the largest radius.
 
-Per input, in order of cost, each step only where the ones before decided nothing:
+Per input, each step only where the ones before decided nothing (the order, cheapest
+first, is in `decide`):
   misclassified: some margin f_label - f_j is not positive at the centre itself;
   certified:     the affine forms' margin lower bounds are positive on the whole ball
                  (plain walk, then with second-order symbols, then with the 2-ball's
@@ -82,13 +83,12 @@ def _affine_stages(om: OnnxModel, x: np.ndarray, norm: str) -> list[tuple[str, b
     return stages
 
 
-def _affine(om: OnnxModel, x: np.ndarray, norm: str, label: int, radius: float
-            ) -> tuple[str | None, float | None, int]:
+def _affine(om: OnnxModel, x: np.ndarray, norm: str, label: int, radius: float, ctr: Centre,
+            stages: list[tuple[str, bool, bool]]) -> tuple[str | None, float | None, int]:
     """(the stage that certified or None, the last smallest margin lower bound, walks)."""
-    ctr = Centre(om, x)
     low_min: float | None = None
     walks = 0
-    for name, quad, eig in _affine_stages(om, x, norm):
+    for name, quad, eig in stages:
         walks += 1
         try:
             low = margin_lower_bounds(om, x, radius, norm, label, ctr, quad=quad, eig=eig)
@@ -143,14 +143,24 @@ def decide(model: Any, at: np.ndarray, label: int, norm: str, radius: float, *,
 
     if min(margins.values()) <= 0:
         return verdict("misclassified")
-    by, low, walks = _affine(om, x, norm, label, radius)
-    if by is not None:
-        return verdict("certified", certified_by=by, margin_lower=low, walks=walks)
-    flip = attack_at(f64, x, label, norm, radius, restarts=attack_restarts, seed=seed)
-    hit = None if flip is None else _within(flip, x, radius, norm, f64, label)
-    if hit is not None:
-        return verdict("attacked", margin_lower=low, walks=walks, flip=hit[0],
-                       flip_distance=hit[1], flip_class=hit[2])
+    # cheapest first: the plain walk, the attack's runs from the centre (where most flips
+    # are found), the costlier walks, the attack's random restarts, then the sweep
+    ctr = Centre(om, x)
+    stages = _affine_stages(om, x, norm)
+    low: float | None = None
+    walks = 0
+    for part, first in ((stages[:1], 0), (stages[1:], 1)):
+        by, low_part, w = _affine(om, x, norm, label, radius, ctr, part)
+        walks += w
+        low = low if low_part is None else low_part
+        if by is not None:
+            return verdict("certified", certified_by=by, margin_lower=low, walks=walks)
+        flip = attack_at(f64, x, label, norm, radius, restarts=1 if first == 0
+                         else attack_restarts, seed=seed, first=first)
+        hit = None if flip is None else _within(flip, x, radius, norm, f64, label)
+        if hit is not None:
+            return verdict("attacked", margin_lower=low, walks=walks, flip=hit[0],
+                           flip_distance=hit[1], flip_class=hit[2])
     runs = 0
     if sweep:
         # the sweep as in `robustness`, with the radius as its floor (its probe gives up

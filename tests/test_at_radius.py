@@ -278,3 +278,22 @@ def test_robustness_cli_set_mode_cuts_images_into_patches(tmp_path: Path) -> Non
     bad = runner.invoke(app, ["robustness", str(path), "--inputs", str(xi), "--labels",
                               str(yi), "--radius", "0.01"])
     assert bad.exit_code == 2 and "inputs[0]: shape (2, 3, 4)" in bad.stderr
+
+
+@pytest.mark.parametrize("norm", ["2", "inf"])
+def test_sweep_never_passes_the_first_order_radius(mlp: tuple[OnnxModel, Path],
+                                                   norm: str) -> None:
+    """decide skips the sweep past min_j m_j / ||grad m_j(X0)||_dual: the radius search's
+    sweep (run to the end, no other route's floor) stays below it on the MLP, where the sweep
+    is the route that wins."""
+    from lsa_models.engine import local
+
+    om, _ = mlp
+    for seed in (5, 6):
+        x0 = center(seed).numpy().astype(np.float64)
+        label = _label(om, x0)
+        _, x, f64, margins, _ = local.centre_margins(om, x0, label, norm)
+        reach = at_radius._sweep_reach(f64, x, label, margins, norm)
+        best, runs, _ = local._sweep(om, x, norm, label, margins, 30,
+                                     adjoint=norm in local.ADJOINT_NORMS)
+        assert 0 < best <= reach and runs >= 3

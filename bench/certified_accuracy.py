@@ -6,7 +6,8 @@ issue 15), inputs and radii, one thread, in one run.
 
 Per (model, norm, radius): how many inputs each tool certifies, how many lsa's PGD flips
 (an upper bound on the robust ones), the inputs one tool certifies and the other does not,
-and seconds. An input certified by either tool and flipped by the attack would be a
+and seconds (lsa's split by verdict, and on the inputs the baseline verified: the time to the
+same answer). An input certified by either tool and flipped by the attack would be a
 soundness failure (`unsound`, must be 0). Labels are the models' own predictions at the
 centres (clean accuracy 1). Writes bench/out/certified_accuracy.json and .png.
 
@@ -91,6 +92,9 @@ def run_kind(kind: str, n: int, tmp: Path, python: Path | None) -> list[dict[str
                         "unknown": rep.count("unknown"),
                         "certified_accuracy": rep.certified_accuracy,
                         "attack_accuracy": rep.attack_accuracy, "seconds": rep.seconds,
+                        "seconds_by_status": {
+                            st: sum(v.seconds for v in rep.verdicts if v.status == st)
+                            for st in ("certified", "attacked", "unknown")},
                         "by": {b: sum(v.certified_by == b for v in rep.verdicts)
                                for b in sorted({v.certified_by for v in rep.verdicts
                                                 if v.certified_by})}},
@@ -109,6 +113,9 @@ def run_kind(kind: str, n: int, tmp: Path, python: Path | None) -> list[dict[str
                                          for v, s in zip(ver, status, strict=True)),
                           "only_lsa": sum(s == "certified" and not v
                                           for v, s in zip(ver, status, strict=True)),
+                          # lsa's seconds on the inputs this tool verified (the same answer)
+                          "lsa_seconds_on_these": sum(
+                              w.seconds for w, v in zip(rep.verdicts, ver, strict=True) if v),
                           "errors": len(res.get("errors", []))}
             row["unsound"] = unsound
             print(json.dumps(row), flush=True)

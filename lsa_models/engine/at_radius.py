@@ -40,6 +40,7 @@ from .local import (
     _sweep,
     _use_quad,
     centre_margins,
+    first_order_radius,
 )
 from .values import LocalNotCertified
 
@@ -130,15 +131,7 @@ def _sweep_reach(f64: torch.nn.Module, x: np.ndarray, label: int, margins: dict[
     least rho ||grad m_j(X0)||_dual: it stops below min_j m_j / ||grad m_j(X0)||_dual (the
     gradients by autograd, the quotient taken 1e-6 wider for their rounding; a choice of
     time only: a sweep not run certifies nothing)."""
-    t = torch.from_numpy(x).requires_grad_(True)
-    out = f64(t).reshape(-1)
-    reach = math.inf
-    for j, m in margins.items():
-        (g,) = torch.autograd.grad(out[label] - out[j], t, retain_graph=True)
-        dual = float(g.abs().sum()) if norm == "inf" else float(g.norm())
-        if dual > 0 and math.isfinite(dual):
-            reach = min(reach, m / dual * (1 + 1e-6))
-    return reach
+    return first_order_radius(f64, x, label, margins, norm) * (1 + 1e-6)
 
 
 def decide(model: Any, at: np.ndarray, label: int, norm: str, radius: float, *,

@@ -597,17 +597,26 @@ def affine_route(om: OnnxModel, x: np.ndarray, norm: str, label: int, start: flo
     return aff, walks
 
 
-def _first_order_radius(f64: torch.nn.Module, x: np.ndarray, label: int,
-                        margins: dict[int, float], norm: str) -> float:
-    """min_j m_j / ||grad m_j(X0)||_dual by autograd (a starting guess only)."""
+def first_order_radius(f64: torch.nn.Module, x: np.ndarray, label: int,
+                       margins: dict[int, float], norm: str) -> float:
+    """min_j m_j / ||grad m_j(X0)||_dual, the gradients by autograd (inf where every
+    gradient is 0)."""
     t = torch.from_numpy(x).requires_grad_(True)
     out = f64(t).reshape(-1)
     best = math.inf
     for j, m in margins.items():
         (g,) = torch.autograd.grad(out[label] - out[j], t, retain_graph=True)
         dual = float(g.abs().sum()) if norm == "inf" else float(g.norm())
-        if dual > 0:
+        if dual > 0 and math.isfinite(dual):
             best = min(best, m / dual)
+    return best
+
+
+def _first_order_radius(f64: torch.nn.Module, x: np.ndarray, label: int,
+                        margins: dict[int, float], norm: str) -> float:
+    """`first_order_radius`, 1e-3 where it is not finite and positive (a starting guess
+    only)."""
+    best = first_order_radius(f64, x, label, margins, norm)
     return best if math.isfinite(best) and best > 0 else 1e-3
 
 

@@ -193,8 +193,7 @@ def robustness_cmd(
         mode = _mode(at, label, inputs, labels, radius, min_certified_accuracy)
         if mode == "set":
             assert inputs is not None and labels is not None and radius is not None
-            out = verdicts_json(path, inputs, labels, norm, radius,
-                                progress=None if json_out else _set_progress)
+            out = verdicts_json(path, inputs, labels, norm, radius, progress=_set_progress)
         elif mode == "one-radius":
             assert at is not None and label is not None and radius is not None
             out = verdict_one_json(path, at, label, norm, radius)

@@ -61,6 +61,21 @@ class CertificateBody(BaseModel):
                    "margins": {"0": 1.2}, "pair_constants": {"0": 30.1}}])
 
 
+    robustness_set: dict[str, Any] | None = Field(
+        default=None, exclude_if=lambda v: v is None,
+        description="Certified-accuracy certificates (POST /certify with inputs, labels, "
+        "min_radius, min_certified_accuracy): radius, n, counts (certified, attacked, "
+        "unknown, misclassified), certified_accuracy, attack_accuracy, inputs_sha256, "
+        "labels, statuses; threshold is min_certified_accuracy, upper is null, and passed "
+        "iff certified_accuracy >= min_certified_accuracy",
+        examples=[{"radius": 0.01, "n": 2, "certified_accuracy": 0.5,
+                   "attack_accuracy": 1.0, "min_certified_accuracy": 0.5,
+                   "counts": {"certified": 1, "attacked": 0, "unknown": 1,
+                              "misclassified": 0},
+                   "inputs_sha256": "77ab" + "0" * 60, "labels": [1, 0],
+                   "statuses": ["certified", "unknown"]}])
+
+
 class Certificate(CertificateBody):
     model_config = ConfigDict(
         extra="forbid",

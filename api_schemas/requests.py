@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -118,14 +118,20 @@ class BoundRequest(BaseModel):
         return self
 
 
+SET_FIELDS = ("inputs", "labels", "min_certified_accuracy")
+
+
 class CertifyRequest(BaseModel):
     """Certify that a stored model's Lipschitz bound is at most `max_lipschitz` (201, the
     certificate); or, with `at`, `label` and `min_radius`, that `label` is certified robust
     on the ball of radius `min_radius` around `at` (a certificate of kind robustness: 201
     when the radii of (model, at, label, norm) are stored, else 202, a job on the bound queue
-    whose result is the certificate); or, with `training` instead of `model_id`, train a
-    model and certify it (202, a job on the training queue). The fields present choose the
-    kind; mixing kinds is 422."""
+    whose result is the certificate); or, with `inputs`, `labels`, `min_radius` and
+    `min_certified_accuracy`, that at least that fraction of the inputs is certified robust
+    on the balls of radius `min_radius` (a certificate of kind robustness_set: 202, a job on
+    the bound queue); or, with `training` instead of `model_id`, train a model and certify it
+    (202, a job on the training queue). The fields present choose the kind; mixing kinds is
+    422."""
 
     model_config = ConfigDict(
         extra="forbid",
@@ -135,6 +141,9 @@ class CertifyRequest(BaseModel):
             {"training": TRAINING_EXAMPLE},
             {"model_id": "1b4e28ba-2fa1-11d2-883f-0016d3cca427", "norm": "2",
              "at": EXAMPLE_AT, "label": 1, "min_radius": 0.01},
+            {"model_id": "1b4e28ba-2fa1-11d2-883f-0016d3cca427", "norm": "inf",
+             "inputs": [EXAMPLE_AT, EXAMPLE_AT], "labels": [1, 0], "min_radius": 0.01,
+             "min_certified_accuracy": 0.5},
         ]},
     )
 
@@ -157,10 +166,24 @@ class CertifyRequest(BaseModel):
     min_radius: float | None = Field(
         default=None, gt=0, allow_inf_nan=False, description="Robustness certificates: "
         "passed iff the certified radius (in the norm) >= min_radius (> 0: a label that is "
-        "not the prediction has certified radius 0 and never passes)")
+        "not the prediction has certified radius 0 and never passes); with inputs: the "
+        "radius every input is decided at")
+    inputs: list[Any] | None = Field(
+        default=None, description="Certified accuracy of a set (with labels, min_radius and "
+        "min_certified_accuracy; a job on the bound queue): the inputs, a list of inputs of "
+        "the same shape, each " + AT_SHAPES)
+    labels: list[Annotated[int, Field(ge=0)]] | None = Field(
+        default=None, description="With inputs: one class per input")
+    min_certified_accuracy: float | None = Field(
+        default=None, ge=0, le=1, allow_inf_nan=False, description="With inputs: passed "
+        "iff the fraction of the inputs certified robust on the ball of radius min_radius "
+        "is at least this")
 
     @model_validator(mode="after")
     def _one_form(self) -> CertifyRequest:
+        in_set = [n for n in SET_FIELDS if getattr(self, n) is not None]
+        if in_set:
+            return self._set_form(in_set)
         robust = [n for n in ("at", "label", "min_radius") if getattr(self, n) is not None]
         if robust:
             return self._robustness_form(robust)
@@ -180,6 +203,30 @@ class CertifyRequest(BaseModel):
         if self.max_lipschitz is None:
             raise ValueError("max_lipschitz: required with model_id (or at, label and "
                              "min_radius for a robustness certificate)")
+        return self
+
+    def _set_form(self, given: list[str]) -> CertifyRequest:
+        missing = [n for n in (*SET_FIELDS, "min_radius", "model_id")
+                   if getattr(self, n) is None]
+        if missing:
+            raise ValueError(f"{', '.join(missing)}: required with {', '.join(given)} (a "
+                             "certified-accuracy certificate needs model_id, inputs, labels, "
+                             "min_radius and min_certified_accuracy)")
+        mixed = [n for n in ("max_lipschitz", "seq_len", "radius", "training", "at", "label")
+                 if getattr(self, n) is not None]
+        if mixed:
+            raise ValueError(f"{', '.join(mixed)}: not with inputs/labels (one certificate "
+                             "kind per request)")
+        assert self.inputs is not None and self.labels is not None
+        if not self.inputs:
+            raise ValueError("inputs: an empty list; give at least one input")
+        shapes = {center_shape(x, f"inputs[{i}]") for i, x in enumerate(self.inputs)}
+        if len(shapes) != 1:
+            raise ValueError(f"inputs: shapes {sorted(shapes)}; every input needs the same "
+                             "shape")
+        if len(self.labels) != len(self.inputs):
+            raise ValueError(f"labels: {len(self.labels)} for {len(self.inputs)} inputs; give "
+                             "one label per input")
         return self
 
     def _robustness_form(self, given: list[str]) -> CertifyRequest:

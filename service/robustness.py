@@ -30,7 +30,7 @@ from .bounding import ModelRef, load_model
 from .certificates import new_certificate_body, sign_certificate
 from .certifying import robust
 from .db import transaction
-from .errors import InvalidRequest
+from .errors import InvalidRequest, PayloadTooLarge
 from .jobs.runner import submit_keyed_job
 from .local import model_center, run_counted
 from .runtime import Runtime
@@ -116,6 +116,13 @@ def issue_robustness_certificate(runtime: Runtime, model: ModelRef, radii: dict[
         raise ValueError(f"the radii are for model {radii.get('model_sha256')}, not "
                          f"{model.sha256}")
     cert = sign_robustness(radii, n, min_radius, runtime.signing_key, cert_id)
+    return store_certificate(runtime, model, cert, cert_id)
+
+
+def store_certificate(runtime: Runtime, model: ModelRef, cert: Certificate,
+                      cert_id: str | None) -> Certificate:
+    """Store a signed certificate; with `cert_id` (a job's), one stored under it first (an
+    earlier attempt of the job) is the one returned."""
     with transaction(runtime.sessions) as s:
         try:
             with s.begin_nested():
@@ -183,3 +190,84 @@ async def robustness_certificate(runtime: Runtime, model: ModelRef, at: list[Any
         {"model_id": model.id, "norm": norm, "label": label, "at": x0.tolist(),
          "seq_len": n, "min_radius": min_radius, "radii_key": key,
          "request_key": certificate_key(key, min_radius)})
+
+
+# ---- certified accuracy of a set: POST /certify with inputs, labels, min_radius,
+# min_certified_accuracy (a `robustness_set` job; lsa_models.engine.at_radius) ---------------
+
+
+def inputs_sha256(xs: np.ndarray, labels: list[int]) -> str:
+    """What a set certificate is about: the inputs as the graph takes them (float64,
+    little-endian, C order, with their shape) and the labels."""
+    h = hashlib.sha256(json.dumps([list(xs.shape), [int(v) for v in labels]]).encode())
+    h.update(np.ascontiguousarray(xs, dtype="<f8").tobytes())
+    return h.hexdigest()
+
+
+def sign_robustness_set(out: dict[str, Any], n: int, min_radius: float, min_accuracy: float,
+                        digest: str, key: Ed25519PrivateKey,
+                        cert_id: str | None = None) -> Certificate:
+    """The signed certified-accuracy certificate of `out` (service.local.verdicts_of's
+    object): passed iff certified_accuracy >= min_accuracy."""
+    from lsa_models import __version__  # deferred: imports torch
+    from lsa_models.engine.local import METHOD
+
+    section = {"radius": min_radius, "n": out["n"], "counts": out["counts"],
+               "certified_accuracy": out["certified_accuracy"],
+               "attack_accuracy": out["attack_accuracy"],
+               "min_certified_accuracy": min_accuracy, "inputs_sha256": digest,
+               "labels": [s["label"] for s in out["samples"]],
+               "statuses": [s["status"] for s in out["samples"]]}
+    fields: dict[str, Any] = {} if cert_id is None else {"id": cert_id}
+    body = new_certificate_body(
+        model_sha256=out["model_sha256"], norm=out["norm"], seq_len=n, radius=None,
+        threshold=min_accuracy, upper=None, lower=None,
+        passed=bool(out["certified_accuracy"] >= min_accuracy),
+        method="certified accuracy: the fraction of the inputs whose every margin f_label - "
+        "f_j stays positive on the ball of the radius (affine forms or the radius sweep; "
+        + METHOD + ")", lsa_version=__version__, robustness_set=section, **fields)
+    return sign_certificate(body, key)
+
+
+async def set_inputs(runtime: Runtime, model: ModelRef, inputs: list[Any]) -> np.ndarray:
+    """The inputs as the graph takes them, stacked (each checked as `at` is: 413 past
+    LSA_MAX_AT_ELEMENTS in all, 422 naming the input)."""
+    limit = runtime.settings.max_at_elements
+    xs = np.asarray(inputs, dtype=np.float64)
+    if xs.size > limit:
+        raise PayloadTooLarge(f"inputs: {xs.size} numbers (shape {tuple(xs.shape)}), above "
+                              f"LSA_MAX_AT_ELEMENTS={limit}: send fewer inputs or raise the "
+                              "limit")
+    out = []
+    for i, x in enumerate(inputs):
+        try:
+            out.append(await model_center(runtime, model, x))
+        except InvalidRequest as exc:
+            raise InvalidRequest(f"inputs[{i}]: {str(exc).removeprefix('at: ')}") from None
+    return np.stack(out)
+
+
+async def robustness_set_certificate(runtime: Runtime, model: ModelRef, inputs: list[Any],
+                                     labels: list[int], norm: str, min_radius: float,
+                                     min_accuracy: float) -> JobAccepted:
+    """The job that decides every input at min_radius and signs the certificate (identical
+    requests share one active job)."""
+    xs = await set_inputs(runtime, model, inputs)
+    raw = inputs_sha256(xs, labels)
+    top = max(labels)
+    await run_counted(runtime, f"robustness-check:{model.sha256}:{raw}:{top}",
+                      lambda: check_label(runtime, model, xs[0], top))
+    key = hashlib.sha256(json.dumps({"kind": "robustness_set", "model": model.sha256,
+                                     "inputs": raw, "norm": norm, "radius": min_radius,
+                                     "min_accuracy": min_accuracy},
+                                    sort_keys=True).encode()).hexdigest()
+    params = {"model_id": model.id, "norm": norm, "inputs": xs.tolist(),
+              "labels": [int(v) for v in labels], "seq_len": int(xs.shape[-2]),
+              "min_radius": min_radius, "min_certified_accuracy": min_accuracy,
+              "inputs_sha256": raw, "request_key": key}
+    return await run_in_threadpool(submit_set_job, runtime, model, params)
+
+
+def submit_set_job(runtime: Runtime, model: ModelRef, params: dict[str, Any]) -> JobAccepted:
+    job_id, status = submit_keyed_job(runtime, "robustness_set", params, model_id=model.id)
+    return JobAccepted.model_validate({"job_id": job_id, "status": status})

@@ -108,6 +108,8 @@ ALTER: dict[str, Callable[[Any], Any]] = {
     "training": lambda v: {"test_bpc": 1.0} if v is None else {**v, "test_bpc": 0.0},
     "robustness": lambda v: {"certified_radius": 1.0} if v is None
     else {**v, "certified_radius": 0.0},
+    "robustness_set": lambda v: {"certified_accuracy": 1.0} if v is None
+    else {**v, "certified_accuracy": 0.0},
 }
 
 

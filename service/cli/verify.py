@@ -150,6 +150,11 @@ def verify(
     cert = Certificate.model_validate(cert_data)
     if model is not None:
         check_model_hash(cert, model)
+    if recompute and cert.robustness_set is not None:
+        fail("--recompute of a certified-accuracy certificate: decide the inputs again with "
+             "lsa robustness MODEL --inputs X.npy --labels Y.npy --radius "
+             f"{cert.robustness_set.get('radius')} --norm {cert.norm} (its inputs_sha256 "
+             "names the inputs)")
     if recompute:
         assert model is not None
         if cert.robustness is not None:
@@ -160,6 +165,12 @@ def verify(
         else:
             check_recomputed(cert, model)
     verdict = "passed" if cert.passed else "failed"
+    if cert.robustness_set is not None:
+        rs = cert.robustness_set
+        typer.echo(f"VALID: certified-accuracy certificate {cert.id} ({verdict}: certified "
+                   f"accuracy {rs.get('certified_accuracy')} vs {cert.threshold:g} on "
+                   f"{rs.get('n')} inputs at radius {rs.get('radius')}, {cert.norm}-norm)")
+        raise typer.Exit(EXIT_OK)
     if cert.robustness is not None:
         typer.echo(f"VALID: robustness certificate {cert.id} ({verdict}: certified radius "
                    f"{cert.robustness.get('certified_radius')} vs min_radius "

@@ -20,10 +20,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import select
 
 from ..bounding import ModelRef, load_model
-from ..local import robustness_of
+from ..local import robustness_of, verdicts_of
 from ..robustness import (
     MEMORY_PREFIX,
     issue_robustness_certificate,
+    sign_robustness_set,
+    store_certificate,
     store_radii,
     stored_radii,
 )
@@ -81,6 +83,14 @@ def wait_for_radii(ctx: JobContext, radii_key: str) -> dict[str, Any] | None:
         time.sleep(WAIT_POLL_S)
 
 
+def check_signing_key(ctx: JobContext) -> None:
+    key_path = Path(ctx.runtime.settings.signing_key_path)
+    if not key_path.is_file():
+        # A worker must sign with the server's key (GET /certificates/public-key).
+        raise ValueError(f"the signing key LSA_SIGNING_KEY_PATH={key_path} does not exist on "
+                         "this worker: share the server's key file with its workers")
+
+
 def run_robustness(ctx: JobContext) -> dict[str, Any]:
     p = RobustnessJobParams.model_validate(ctx.params)
     cert_id = certificate_id_for_job(ctx.job_id)
@@ -92,11 +102,7 @@ def run_robustness(ctx: JobContext) -> dict[str, Any]:
         if row is None:
             raise ValueError(f"model {p.model_id} no longer exists")
         model = ModelRef.of(row)
-    key_path = Path(ctx.runtime.settings.signing_key_path)
-    if not key_path.is_file():
-        # A worker must sign with the server's key (GET /certificates/public-key).
-        raise ValueError(f"the signing key LSA_SIGNING_KEY_PATH={key_path} does not exist on "
-                         "this worker: share the server's key file with its workers")
+    check_signing_key(ctx)
     radii = wait_for_radii(ctx, p.radii_key)
     if radii is None:
         ctx.progress(0.02, "loading model", force=True)
@@ -121,3 +127,57 @@ def run_robustness(ctx: JobContext) -> dict[str, Any]:
 
 register_job_kind(JobKind("robustness", queue="bound", handler=run_robustness,
                           params_schema=RobustnessJobParams))
+
+
+class RobustnessSetJobParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model_id: str
+    norm: str
+    inputs: list[Any]  # stacked as the graph takes them (pixel uploads' images already cut)
+    labels: list[int]
+    seq_len: int
+    min_radius: float = Field(gt=0)
+    min_certified_accuracy: float = Field(ge=0, le=1)
+    inputs_sha256: str
+    request_key: str
+
+
+def _model_of(ctx: JobContext, model_id: str) -> ModelRef:
+    with ctx.session() as s:
+        row = s.get(UploadedModel, model_id)
+        if row is None:
+            raise ValueError(f"model {model_id} no longer exists")
+        return ModelRef.of(row)
+
+
+def run_robustness_set(ctx: JobContext) -> dict[str, Any]:
+    """Every input decided at min_radius (lsa_models.engine.at_radius; progress: the inputs
+    done), then the certified-accuracy certificate, signed and stored (its id derived from
+    the job's: a re-run after a crash returns the one stored)."""
+    p = RobustnessSetJobParams.model_validate(ctx.params)
+    cert_id = certificate_id_for_job(ctx.job_id)
+    with ctx.session() as s:
+        done = s.get(CertificateRow, cert_id)
+        if done is not None:
+            return dict(done.body)
+    model = _model_of(ctx, p.model_id)
+    check_signing_key(ctx)
+    ctx.progress(0.02, "loading model", force=True)
+    loaded = load_model(ctx.runtime, model)
+
+    def progress(i: int, n: int, v: Any) -> None:
+        # each input's write is also the cancel check
+        ctx.progress(0.05 + 0.9 * (i + 1) / n, f"input {i + 1}/{n}: {v.status}", force=True)
+
+    out = verdicts_of(loaded, model.sha256, np.asarray(p.inputs, dtype=np.float64),
+                      np.asarray(p.labels, dtype=np.int64), p.norm, p.min_radius,
+                      progress=progress)
+    ctx.progress(0.98, "signing the certificate", force=True)
+    cert = sign_robustness_set(out, p.seq_len, p.min_radius, p.min_certified_accuracy,
+                               p.inputs_sha256, ctx.runtime.signing_key, cert_id)
+    return store_certificate(ctx.runtime, model, cert, cert_id).model_dump(mode="json")
+
+
+register_job_kind(JobKind("robustness_set", queue="bound", handler=run_robustness_set,
+                          params_schema=RobustnessSetJobParams))

@@ -21,7 +21,7 @@ from ..db import transaction
 from ..deps import ReadAccess, ReadSessionDep, RuntimeDep, WriteAccess
 from ..errors import NotFound, responses
 from ..jobs.training import submit_training
-from ..robustness import robustness_certificate
+from ..robustness import robustness_certificate, robustness_set_certificate
 from ..runtime import Runtime
 from ..tables import CertificateRow
 from .jobs import accepted_response
@@ -43,18 +43,29 @@ class PublicKey(BaseModel):
     "/certify", status_code=201, response_model=Certificate, dependencies=[WriteAccess],
     summary="Issue a signed certificate: is the certified bound <= max_lipschitz? (with "
             "`at`, `label`, `min_radius`: is the label certified robust on that ball? a job "
-            "unless its radii are stored; with `training`: train a model and certify it, as "
-            "a job)",
+            "unless its radii are stored; with `inputs`, `labels`, `min_radius`, "
+            "`min_certified_accuracy`: is that fraction of the inputs certified robust? a job; "
+            "with `training`: train a model and certify it, as a job)",
     responses={202: {"model": JobAccepted, "description": "Queued as a job: a training "
                      "request (queue training), or a robustness request whose radii are not "
-                     "stored yet (queue bound). Poll GET /jobs/{job_id} (Location), waiting "
-                     "Retry-After seconds; a robustness job's result is the certificate"},
+                     "stored yet, or a certified-accuracy request (queue bound). Poll GET "
+                     "/jobs/{job_id} (Location), waiting Retry-After seconds; a robustness "
+                     "job's result is the certificate"},
                **responses(404, 413, 503)},
 )
 async def certify(req: CertifyRequest, runtime: RuntimeDep) -> Response:
     if req.training is not None:
         job = await run_in_threadpool(queue_training, runtime, req)
         return accepted_response(JobAccepted(job_id=job, status="queued"), "training")
+    if req.inputs is not None:
+        # the validator's rule: model_id, labels, min_radius, min_certified_accuracy given
+        assert req.model_id is not None and req.labels is not None
+        assert req.min_radius is not None and req.min_certified_accuracy is not None
+        model = await run_in_threadpool(find_model, runtime, req.model_id)
+        queued = await robustness_set_certificate(runtime, model, req.inputs, req.labels,
+                                                  req.norm, req.min_radius,
+                                                  req.min_certified_accuracy)
+        return accepted_response(queued, "bound")
     if req.at is not None:
         assert req.model_id is not None and req.label is not None  # the validator's rule
         assert req.min_radius is not None

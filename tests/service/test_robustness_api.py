@@ -387,3 +387,90 @@ def test_robustness_jobs_for_the_same_radii_compute_them_once(
     assert calls == [1]
     assert first["robustness"]["certified_radius"] == second["robustness"]["certified_radius"]
     assert (first["threshold"], second["threshold"]) == (1e-6, 1e-3)
+
+
+def test_certified_accuracy_certificate_is_a_job_that_signs_the_verdicts(
+        client: TestClient, mlp_onnx: Path, tmp_path: Path) -> None:
+    """POST /certify with inputs, labels, min_radius, min_certified_accuracy: a
+    `robustness_set` job (progress per input) whose result is a signed certificate: the
+    counts and statuses of lsa_models.engine.at_radius.decide_all (the CLI's set mode gives
+    the same), passed iff certified_accuracy >= the threshold; it verifies, any altered field
+    does not; `lsa verify` checks it and refuses --recompute naming the command to use."""
+    m = upload(client, mlp_onnx.read_bytes(), "mlp.onnx")
+    xs = np.stack([center(s).numpy().astype(np.float64)[0] for s in (5, 6, 7)])  # (3, N, D)
+    labels = [predicted_label(mlp_onnx, x[None]) for x in xs]
+    labels[2] = (labels[2] + 1) % 4  # one wrong label: misclassified
+    req = {"model_id": m["id"], "norm": "inf", "inputs": xs.tolist(), "labels": labels,
+           "min_radius": 0.01, "min_certified_accuracy": 0.5}
+    job = wait_job(client, client.post("/certify", json=req))
+    assert job["status"] == "succeeded" and job["kind"] == "robustness_set", job
+    assert job["queue"] == "bound" and job["progress"] == 1.0
+    cert = job["result"]
+    rs = cert["robustness_set"]
+    assert rs["n"] == 3 and rs["labels"] == labels and rs["statuses"][2] == "misclassified"
+    assert sum(rs["counts"].values()) == 3 and rs["radius"] == 0.01
+    assert rs["certified_accuracy"] == rs["counts"]["certified"] / 3
+    assert cert["threshold"] == 0.5 and cert["upper"] is None
+    assert cert["passed"] is (rs["certified_accuracy"] >= 0.5)
+    assert "robustness" not in cert
+    np.save(tmp_path / "xs.npy", xs)
+    np.save(tmp_path / "ys.npy", np.array(labels))
+    res = CliRunner().invoke(cli, ["robustness", str(mlp_onnx), "--inputs",
+                                   str(tmp_path / "xs.npy"), "--labels",
+                                   str(tmp_path / "ys.npy"), "--radius", "0.01", "--norm",
+                                   "inf", "--json"])
+    assert res.exit_code == 0, res.output
+    assert [s["status"] for s in json.loads(res.stdout)["samples"]] == rs["statuses"]
+    assert client.get(f"/certificates/{cert['id']}").json() == cert
+    assert client.post("/certificates/verify", json=cert).json()["valid"] is True
+    for field, value in (("certified_accuracy", 1.0), ("radius", 1.0),
+                         ("inputs_sha256", "0" * 64), ("statuses", ["certified"] * 3)):
+        altered = {**cert, "robustness_set": {**rs, field: value}}
+        assert client.post("/certificates/verify", json=altered).json()["valid"] is False
+    pem = client.get("/certificates/public-key").json()["public_key_pem"]
+    (tmp_path / "pub.pem").write_text(pem)
+    (tmp_path / "cert.json").write_text(json.dumps(cert))
+    ok = CliRunner().invoke(cli, ["verify", str(tmp_path / "cert.json"), str(mlp_onnx),
+                                  "--public-key", str(tmp_path / "pub.pem")])
+    assert ok.exit_code == 0 and "certified-accuracy certificate" in ok.stdout, ok.output
+    again = CliRunner().invoke(cli, ["verify", str(tmp_path / "cert.json"), str(mlp_onnx),
+                                     "--public-key", str(tmp_path / "pub.pem"), "--recompute"])
+    assert again.exit_code == 2 and "lsa robustness MODEL --inputs" in again.stderr
+
+
+@pytest.mark.parametrize(("change", "msg"), [
+    ({"labels": [0]}, "labels: 1 for 2 inputs"),
+    ({"min_certified_accuracy": None}, "min_certified_accuracy: required"),
+    ({"min_radius": None}, "min_radius: required"),
+    ({"label": 0}, "label: not with inputs/labels"),
+    ({"inputs": []}, "inputs: an empty list"),
+    ({"min_certified_accuracy": 1.5}, "less than or equal to 1"),
+    ({"labels": [0, -1]}, "greater than or equal to 0"),
+])
+def test_certified_accuracy_request_errors_are_422(client: TestClient, change: dict[str, Any],
+                                                   msg: str) -> None:
+    x = [[0.0] * 16] * 8
+    body = {"model_id": "x", "inputs": [x, x], "labels": [0, 1], "min_radius": 0.1,
+            "min_certified_accuracy": 0.5}
+    r = client.post("/certify", json={k: v for k, v in {**body, **change}.items()
+                                      if v is not None})
+    assert r.status_code == 422 and msg in r.text, r.text
+
+
+def test_certified_accuracy_bad_input_shape_or_label_is_422_before_any_job(
+        client: TestClient, db_url: str, mlp_onnx: Path) -> None:
+    m = upload(client, mlp_onnx.read_bytes(), "mlp.onnx")
+    x = center(5).numpy().astype(np.float64)[0].tolist()
+    base = {"model_id": m["id"], "inputs": [x, x], "labels": [0, 1], "min_radius": 0.1,
+            "min_certified_accuracy": 0.5}
+    short = [row[:15] for row in x]
+    r = client.post("/certify", json={**base, "inputs": [short, short]})
+    assert r.status_code == 422 and "inputs[0]: the input has shape (8, 15)" in r.text, r.text
+    r = client.post("/certify", json={**base, "labels": [0, 9]})
+    assert r.status_code == 422 and "label must be in 0..3" in r.text, r.text
+    engine = make_engine(db_url)
+    with engine.connect() as conn:
+        jobs = conn.scalar(select(func.count()).select_from(Job).where(
+            Job.model_id == m["id"]))
+    engine.dispose()
+    assert jobs == 0

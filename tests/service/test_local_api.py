@@ -159,3 +159,9 @@ def test_local_bound_and_robustness_oversized_at_is_413(small_limits: TestClient
     assert r.status_code == 413 and "LSA_MAX_AT_ELEMENTS" in r.json()["detail"]
     r = small_limits.post("/certify", json={**robust, "at": np.zeros((400, 8)).tolist()})
     assert r.status_code == 413 and "LSA_MAX_JSON_BYTES" in r.json()["detail"]
+    # and for a certified-accuracy request, counted over all its inputs
+    small = np.zeros((2, 4)).tolist()  # 8 numbers each: 16 in all fit, 24 do not
+    many = {"model_id": m["id"], "inputs": [small] * 3, "labels": [0, 0, 0],
+            "min_radius": 0.1, "min_certified_accuracy": 0.5}
+    r = small_limits.post("/certify", json=many)
+    assert r.status_code == 413 and "inputs: 24 numbers" in r.json()["detail"], r.text

@@ -83,6 +83,21 @@ def wait_for_radii(ctx: JobContext, radii_key: str) -> dict[str, Any] | None:
         time.sleep(WAIT_POLL_S)
 
 
+def _stored_certificate(ctx: JobContext, cert_id: str) -> dict[str, Any] | None:
+    """The certificate an earlier attempt of this job stored, or None."""
+    with ctx.session() as s:
+        done = s.get(CertificateRow, cert_id)
+        return None if done is None else dict(done.body)
+
+
+def _model_of(ctx: JobContext, model_id: str) -> ModelRef:
+    with ctx.session() as s:
+        row = s.get(UploadedModel, model_id)
+        if row is None:
+            raise ValueError(f"model {model_id} no longer exists")
+        return ModelRef.of(row)
+
+
 def check_signing_key(ctx: JobContext) -> None:
     key_path = Path(ctx.runtime.settings.signing_key_path)
     if not key_path.is_file():
@@ -94,14 +109,10 @@ def check_signing_key(ctx: JobContext) -> None:
 def run_robustness(ctx: JobContext) -> dict[str, Any]:
     p = RobustnessJobParams.model_validate(ctx.params)
     cert_id = certificate_id_for_job(ctx.job_id)
-    with ctx.session() as s:
-        done = s.get(CertificateRow, cert_id)
-        if done is not None:
-            return dict(done.body)
-        row = s.get(UploadedModel, p.model_id)
-        if row is None:
-            raise ValueError(f"model {p.model_id} no longer exists")
-        model = ModelRef.of(row)
+    done = _stored_certificate(ctx, cert_id)
+    if done is not None:
+        return done
+    model = _model_of(ctx, p.model_id)
     check_signing_key(ctx)
     radii = wait_for_radii(ctx, p.radii_key)
     if radii is None:
@@ -143,24 +154,15 @@ class RobustnessSetJobParams(BaseModel):
     request_key: str
 
 
-def _model_of(ctx: JobContext, model_id: str) -> ModelRef:
-    with ctx.session() as s:
-        row = s.get(UploadedModel, model_id)
-        if row is None:
-            raise ValueError(f"model {model_id} no longer exists")
-        return ModelRef.of(row)
-
-
 def run_robustness_set(ctx: JobContext) -> dict[str, Any]:
     """Every input decided at min_radius (lsa_models.engine.at_radius; progress: the inputs
     done), then the certified-accuracy certificate, signed and stored (its id derived from
     the job's: a re-run after a crash returns the one stored)."""
     p = RobustnessSetJobParams.model_validate(ctx.params)
     cert_id = certificate_id_for_job(ctx.job_id)
-    with ctx.session() as s:
-        done = s.get(CertificateRow, cert_id)
-        if done is not None:
-            return dict(done.body)
+    done = _stored_certificate(ctx, cert_id)
+    if done is not None:
+        return done
     model = _model_of(ctx, p.model_id)
     check_signing_key(ctx)
     ctx.progress(0.02, "loading model", force=True)

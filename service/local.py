@@ -154,12 +154,13 @@ def verdict_json(v: Any) -> dict[str, Any]:
 
 
 def verdicts_of(loaded: Any, sha256: str, inputs: np.ndarray, labels: np.ndarray, norm: str,
-                radius: float, *, progress: Callable[[int, int, Any], None] | None = None
-                ) -> dict[str, Any]:
+                radius: float, *, progress: Callable[[int, int, Any], None] | None = None,
+                cut: bool = True) -> dict[str, Any]:
     """Every (inputs[i], labels[i]) decided at `radius` (certified / attacked / unknown /
     misclassified, lsa_models.engine.at_radius), as the JSON object `lsa robustness --inputs
-    --labels --radius --json` prints; a pixel upload's images are cut into their patches
-    first. Raises ValueError for bad inputs, labels, norm or radius."""
+    --labels --radius --json` prints; with `cut`, a pixel upload's images are cut into their
+    patches first (the service's job gets them cut). Raises ValueError for bad inputs,
+    labels, norm or radius."""
     from lsa_models.engine.at_radius import STATUSES, decide_all  # deferred: torch
     from lsa_models.engine.values import LocalNotCertified
 
@@ -168,7 +169,7 @@ def verdicts_of(loaded: Any, sha256: str, inputs: np.ndarray, labels: np.ndarray
     if inputs.ndim < 2:
         raise ValueError(f"inputs: shape {tuple(inputs.shape)}; give the inputs stacked "
                          "along a first axis, (S, N, D) (on a pixel upload (S, C, H, W))")
-    if labels.ndim == 1 and labels.shape[0] == inputs.shape[0]:
+    if cut and labels.ndim == 1 and labels.shape[0] == inputs.shape[0]:
         inputs = np.stack([model_input(loaded, inputs[i], field=f"inputs[{i}]")
                            for i in range(inputs.shape[0])])
     try:

@@ -162,10 +162,10 @@ def check_label(runtime: Runtime, model: ModelRef, x0: np.ndarray, label: int) -
     return center_sha256(x)
 
 
-def submit_robustness_job(runtime: Runtime, model: ModelRef,
-                          params: dict[str, Any]) -> JobAccepted:
+def submit_robustness_job(runtime: Runtime, model: ModelRef, params: dict[str, Any],
+                          kind: str = "robustness") -> JobAccepted:
     """The active job of this exact request, or a new one (one short write transaction)."""
-    job_id, status = submit_keyed_job(runtime, "robustness", params, model_id=model.id)
+    job_id, status = submit_keyed_job(runtime, kind, params, model_id=model.id)
     return JobAccepted.model_validate({"job_id": job_id, "status": status})
 
 
@@ -265,9 +265,5 @@ async def robustness_set_certificate(runtime: Runtime, model: ModelRef, inputs: 
               "labels": [int(v) for v in labels], "seq_len": int(xs.shape[-2]),
               "min_radius": min_radius, "min_certified_accuracy": min_accuracy,
               "inputs_sha256": raw, "request_key": key}
-    return await run_in_threadpool(submit_set_job, runtime, model, params)
-
-
-def submit_set_job(runtime: Runtime, model: ModelRef, params: dict[str, Any]) -> JobAccepted:
-    job_id, status = submit_keyed_job(runtime, "robustness_set", params, model_id=model.id)
-    return JobAccepted.model_validate({"job_id": job_id, "status": status})
+    return await run_in_threadpool(submit_robustness_job, runtime, model, params,
+                                   "robustness_set")

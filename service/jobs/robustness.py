@@ -174,7 +174,7 @@ def run_robustness_set(ctx: JobContext) -> dict[str, Any]:
 
     out = verdicts_of(loaded, model.sha256, np.asarray(p.inputs, dtype=np.float64),
                       np.asarray(p.labels, dtype=np.int64), p.norm, p.min_radius,
-                      progress=progress)
+                      progress=progress, cut=False)
     ctx.progress(0.98, "signing the certificate", force=True)
     cert = sign_robustness_set(out, p.seq_len, p.min_radius, p.min_certified_accuracy,
                                p.inputs_sha256, ctx.runtime.signing_key, cert_id)

@@ -145,3 +145,37 @@ def test_pixels_robustness_request_is_queued_on_the_patches(
     assert rob["center_sha256"] == center_sha256(model_input(loaded, image))
     assert rob["label"] == label == rob["predicted"]
     assert rob["certified_radius"] > 0, rob
+
+
+def test_pixels_certified_accuracy_certificate_takes_images(
+        client: TestClient, pixel_onnx: tuple[Path, nn.Module], tmp_path: Path) -> None:
+    """POST /certify with images as inputs: cut into patches once at the request, decided in
+    the job as the CLI decides the same images (the same statuses); a patch array instead of
+    an image is 422 naming the input."""
+    path, model = pixel_onnx
+    m = upload(client, path.read_bytes(), "pixels.onnx")
+    imgs = np.random.default_rng(4).standard_normal((3, C, H, W))
+    with torch.no_grad():
+        labels = model.double()(torch.from_numpy(imgs)).argmax(-1).tolist()
+    req = {"model_id": m["id"], "norm": "2", "inputs": imgs.tolist(), "labels": labels,
+           "min_radius": 0.01, "min_certified_accuracy": 0.5}
+    r = client.post("/certify", json=req)
+    assert r.status_code == 202, r.text
+    deadline = time.monotonic() + 120
+    while (job := client.get(r.json()["url"]).json())["status"] in ("queued", "running"):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert job["status"] == "succeeded", job
+    rs = job["result"]["robustness_set"]
+    assert rs["n"] == 3 and "misclassified" not in rs["statuses"]
+    np.save(tmp_path / "imgs.npy", imgs)
+    np.save(tmp_path / "ys.npy", np.array(labels))
+    res = CliRunner().invoke(cli, ["robustness", str(path), "--inputs", str(tmp_path /
+                                   "imgs.npy"), "--labels", str(tmp_path / "ys.npy"),
+                                   "--radius", "0.01", "--json"])
+    assert res.exit_code == 0, res.output
+    assert [s["status"] for s in json.loads(res.stdout)["samples"]] == rs["statuses"]
+    loaded = load_model_bytes(path.read_bytes(), path.name)
+    patches = model_input(loaded, imgs[:1])[0]
+    bad = client.post("/certify", json={**req, "inputs": [patches.tolist()] * 3})
+    assert bad.status_code == 422 and bad.json()["detail"].startswith("inputs[0]: "), bad.text

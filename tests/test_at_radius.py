@@ -187,6 +187,8 @@ def test_robustness_cli_set_mode_gate_and_errors(mlp: tuple[OnnxModel, Path],
         (["--at", str(tmp_path / "x0.npy"), "--label", "0", "--min-certified-accuracy",
           "0.5"], "needs --inputs"),
         (["--inputs", str(xi), "--labels", str(xi), "--radius", "0.1"], "integer class"),
+        (["--at", str(tmp_path / "x0.npy"), "--label", "0", "--server", "http://127.0.0.1:1"],
+         "--server takes --inputs"),
     ]:
         bad = runner.invoke(app, ["robustness", str(path), *args])
         assert bad.exit_code == 2 and msg in bad.stderr, (args, bad.stderr)

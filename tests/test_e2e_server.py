@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -211,3 +212,40 @@ def test_e2e_certify_server_without_api_key_is_an_error(server: Server,
     assert proc.returncode == 2
     assert "HTTP 401" in proc.stderr and "API key" in proc.stderr
     assert time.monotonic() - start < 60  # a 4xx is not retried with backoff
+
+
+def test_e2e_robustness_set_through_the_server_signs_the_local_statuses(
+        server: Server, tmp_path: Path) -> None:
+    """`lsa robustness --inputs --labels --radius --min-certified-accuracy --server`: the
+    server decides the inputs and signs a certified-accuracy certificate whose statuses are
+    the local set mode's; exit 0 when it passes, 1 when it does not; --server without the
+    threshold, or outside the set mode, is exit 2."""
+    from bench.local_models import build, center, export
+
+    model = export(build("mlp", seed=11), tmp_path / "mlp.onnx")
+    xs = np.stack([center(s).numpy()[0] for s in (5, 6)])  # (2, N, D)
+    f = build("mlp", seed=11).double()
+    with torch.no_grad():
+        ys = f(torch.from_numpy(xs).double()).argmax(-1).numpy()
+    ys[1] = (ys[1] + 1) % 4  # a wrong label: misclassified, so the accuracy is below 1
+    np.save(tmp_path / "xs.npy", xs)
+    np.save(tmp_path / "ys.npy", ys)
+    args = ["robustness", str(model), "--inputs", str(tmp_path / "xs.npy"), "--labels",
+            str(tmp_path / "ys.npy"), "--radius", "0.01", "--norm", "inf"]
+    local = lsa(*args, "--json", cwd=tmp_path)
+    assert local.returncode == 0, local.stderr
+    statuses = [s["status"] for s in json.loads(local.stdout)["samples"]]
+    proc = lsa(*args, "--min-certified-accuracy", "0", "--server", server.url, "--json",
+               cwd=tmp_path, LSA_API_KEY=server.api_key)
+    assert proc.returncode == 0, proc.stderr + server.log_tail()
+    cert = Certificate.model_validate_json(proc.stdout)
+    assert cert.robustness_set is not None and cert.robustness_set["statuses"] == statuses
+    assert cert.passed and cert.threshold == 0
+    check = httpx.post(f"{server.url}/certificates/verify", json=cert.model_dump(mode="json"))
+    assert check.json()["valid"] is True
+    assert statuses[1] == "misclassified"
+    high = lsa(*args, "--min-certified-accuracy", "1", "--server", server.url, cwd=tmp_path,
+               LSA_API_KEY=server.api_key)
+    assert high.returncode == 1 and "failed: certified accuracy" in high.stdout, high.stdout
+    bad = lsa(*args, "--server", server.url, cwd=tmp_path, LSA_API_KEY=server.api_key)
+    assert bad.returncode == 2 and "--min-certified-accuracy" in bad.stderr

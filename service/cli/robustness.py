@@ -153,6 +153,45 @@ def _print_set(out: dict[str, Any], gate: float | None) -> None:
                 f"{'>=' if out['passed'] else '<'} {gate:g}")
 
 
+def verdicts_server(path: Path, inputs: Path, labels: Path, norm: str, radius: float,
+                    gate: float | None, server: str, api_key: str | None) -> dict[str, Any]:
+    """The certified-accuracy certificate from an lsa server (POST /certify with inputs; the
+    server signs it): the model uploaded, the inputs sent as given (a pixel upload's images
+    are cut by the server), the job waited for. ValueError for bad input or an unusable
+    server."""
+    import hashlib
+
+    from ..client import ClientConfig, ClientError, LSAClient
+
+    if gate is None:
+        raise ValueError("--server needs --min-certified-accuracy A: the threshold the "
+                         "server's certificate is signed against")
+    if norm not in ("2", "inf"):
+        raise ValueError(f"--norm must be 2 or inf, got {norm!r}")
+    r = check_radius(radius)
+    xs = load_center(inputs, "--inputs", "the inputs stacked along a first axis")
+    ys = load_labels(labels)
+    if not path.is_file():
+        raise ValueError(f"{path}: no such file")
+    config = ClientConfig(base_url=server, api_key=api_key)
+
+    def progress(stage: str, fraction: float | None) -> None:
+        print(f"server: {stage}", file=sys.stderr, flush=True)
+
+    try:
+        with LSAClient(config) as client:
+            model = client.upload_model(path)
+            cert = client.certify_accuracy(model["id"], xs.tolist(), ys.tolist(), r, gate,
+                                           norm, progress=progress)
+    except (ClientError, KeyError) as exc:
+        raise ValueError(f"server {server}: {exc}") from None
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    if cert.model_sha256 != digest or cert.robustness_set is None:
+        raise ValueError(f"server {server}: the certificate is not a certified-accuracy one "
+                         f"for {path} (sha256 {digest})")
+    return cert.model_dump(mode="json")
+
+
 def _set_progress(i: int, n: int, v: Any) -> None:
     print(f"input {i + 1}/{n}: {v.status}" + (f" ({v.certified_by})" if v.certified_by else "")
           + f", {v.seconds:.1f} s", file=sys.stderr, flush=True)
@@ -182,6 +221,12 @@ def robustness_cmd(
     norm: Annotated[str, typer.Option("--norm", help="Perturbation norm: 2 (Frobenius) or "
                                       "inf")] = "2",
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
+    server: Annotated[str | None, typer.Option(
+        "--server", help="With --inputs: an lsa server URL that decides the inputs and signs "
+        "a certified-accuracy certificate (needs --min-certified-accuracy); --json prints "
+        "the certificate")] = None,
+    api_key: Annotated[str | None, typer.Option(
+        "--api-key", envvar="LSA_API_KEY", help="API key for --server")] = None,
 ) -> None:
     """Certified robustness radius of a label around an input (every margin f_Y - f_j stays
     positive on the ball), beside the smallest label flip PGD finds; with --radius, the
@@ -191,6 +236,15 @@ def robustness_cmd(
     set_threads()
     try:
         mode = _mode(at, label, inputs, labels, radius, min_certified_accuracy)
+        if server is not None and mode != "set":
+            raise ValueError("--server takes --inputs, --labels, --radius and "
+                             "--min-certified-accuracy (a certified-accuracy certificate)")
+        if mode == "set" and server is not None:
+            assert inputs is not None and labels is not None and radius is not None
+            cert = verdicts_server(path, inputs, labels, norm, radius, min_certified_accuracy,
+                                   server, api_key)
+            _print_certificate(cert, json_out)
+            raise typer.Exit(0 if cert["passed"] else EXIT_FAILED)
         if mode == "set":
             assert inputs is not None and labels is not None and radius is not None
             out = verdicts_json(path, inputs, labels, norm, radius, progress=_set_progress)
@@ -228,6 +282,21 @@ def robustness_cmd(
     c.print("margins: " + ", ".join(f"{j}: {m:.4g}" for j, m in out["margins"].items()))
     c.print(f"seconds: certify {out['seconds']['certify']:.2f}, attack "
             f"{out['seconds']['attack']:.2f}")
+
+
+def _print_certificate(cert: dict[str, Any], json_out: bool) -> None:
+    if json_out:
+        typer.echo(json.dumps(cert))
+        return
+    rs = cert["robustness_set"]
+    k = rs["counts"]
+    c = Console()
+    c.print(f"{rs['n']} inputs, {cert['norm']}-norm, radius {rs['radius']:.6g}: certified "
+            f"{k['certified']}, attacked {k['attacked']}, unknown {k['unknown']}, "
+            f"misclassified {k['misclassified']}")
+    c.print(f"{'passed' if cert['passed'] else 'failed'}: certified accuracy "
+            f"{rs['certified_accuracy']:.4f} vs {cert['threshold']:g} (certificate "
+            f"{cert['id']}, signed by the server)")
 
 
 def _mode(at: Path | None, label: int | None, inputs: Path | None, labels: Path | None,

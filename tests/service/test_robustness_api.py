@@ -66,6 +66,16 @@ def wait_job(c: TestClient, accepted: Any, timeout: float = 180) -> dict[str, An
         time.sleep(0.1)
 
 
+def jobs_of(db_url: str, model_id: str) -> int:
+    """How many jobs the database holds for the model."""
+    engine = make_engine(db_url)
+    with engine.connect() as conn:
+        jobs = conn.scalar(select(func.count()).select_from(Job).where(
+            Job.model_id == model_id))
+    engine.dispose()
+    return int(jobs or 0)
+
+
 def certify(c: TestClient, body: dict[str, Any]) -> dict[str, Any]:
     """The certificate of a robustness request: at once (201) or through its job."""
     r = c.post("/certify", json=body)
@@ -223,12 +233,7 @@ def test_robustness_bad_label_or_shape_is_422_before_any_job(
     assert r.status_code == 422 and r.json()["detail"].startswith("at: "), r.text
     r = client.post("/certify", json={**req, "model_id": str(uuid.uuid4())})
     assert r.status_code == 404 and "POST /models" in r.json()["detail"]
-    engine = make_engine(db_url)
-    with engine.connect() as conn:
-        jobs = conn.scalar(select(func.count()).select_from(Job).where(
-            Job.model_id == m["id"]))
-    engine.dispose()
-    assert jobs == 0
+    assert jobs_of(db_url, m["id"]) == 0
 
 
 def test_robustness_job_of_a_vanished_model_fails_naming_it(
@@ -468,9 +473,4 @@ def test_certified_accuracy_bad_input_shape_or_label_is_422_before_any_job(
     assert r.status_code == 422 and "inputs[0]: the input has shape (8, 15)" in r.text, r.text
     r = client.post("/certify", json={**base, "labels": [0, 9]})
     assert r.status_code == 422 and "label must be in 0..3" in r.text, r.text
-    engine = make_engine(db_url)
-    with engine.connect() as conn:
-        jobs = conn.scalar(select(func.count()).select_from(Job).where(
-            Job.model_id == m["id"]))
-    engine.dispose()
-    assert jobs == 0
+    assert jobs_of(db_url, m["id"]) == 0

@@ -34,13 +34,13 @@ from .driver import Centre, center_sha256, margin_lower_bounds
 from .local import (
     ADJOINT_NORMS,
     EIG_NORMS,
-    QUAD_NORMS,
     SWEEP_CAP_TOL,
     _has_attention,
     _sweep,
-    _use_quad,
+    as_onnx,
     centre_margins,
     first_order_radius,
+    second_order,
 )
 from .values import LocalNotCertified
 
@@ -77,7 +77,7 @@ def _affine_stages(om: OnnxModel, x: np.ndarray, norm: str) -> list[tuple[str, b
     """(name, quad, eig) of the affine walks to try, cheapest first (local.affine_route's
     stages)."""
     stages = [("affine", False, False)]
-    if norm in QUAD_NORMS and _use_quad(om, x):
+    if second_order(om, x, norm):
         stages.append(("affine (second order)", True, False))
         if norm in EIG_NORMS:
             stages.append(("affine (eigenvalues)", True, True))
@@ -238,9 +238,11 @@ def decide_all(model: Any, inputs: np.ndarray, labels: np.ndarray, norm: str, ra
     if labels.shape[0] == 0:
         raise ValueError("no inputs: give at least one")
     t0 = time.monotonic()
+    # once for the set: a native model is exported to ONNX by each conversion
+    om = as_onnx(model, inputs.shape[-2])
     out: list[Verdict] = []
     for i in range(labels.shape[0]):
-        v = decide(model, inputs[i], int(labels[i]), norm, radius, seed=seed, sweep=sweep)
+        v = decide(om, inputs[i], int(labels[i]), norm, radius, seed=seed, sweep=sweep)
         out.append(v)
         if progress is not None:
             progress(i, labels.shape[0], v)

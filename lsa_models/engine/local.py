@@ -567,6 +567,12 @@ EIG_GROWTH = 1.05
 EIG_TOL = 5e-2
 
 
+def second_order(om: OnnxModel, x: np.ndarray, norm: str) -> bool:
+    """Whether the affine route walks with second-order symbols after the plain walks: on
+    QUAD_NORMS, for graphs where they pay and fit (`_use_quad`)."""
+    return norm in QUAD_NORMS and _use_quad(om, x)
+
+
 def affine_route(om: OnnxModel, x: np.ndarray, norm: str, label: int, start: float,
                  quad: bool, progress: Callable[[str, float], None] | None = None
                  ) -> tuple[float, int]:
@@ -805,8 +811,8 @@ def robustness(model: Any, at: np.ndarray, label: int, norm: NormName,
         # the affine route first (cheap: no Jacobians), from a quarter of the first-order
         # radius min_j m_j / ||grad m_j(X0)||_dual (a guess: any start is sound)
         start = _first_order_radius(f64, x, label, margins, norm) * AFFINE_START
-        quad = norm in QUAD_NORMS and _use_quad(om, x)
-        aff, walks = affine_route(om, x, norm, label, start, quad, progress)
+        aff, walks = affine_route(om, x, norm, label, start, second_order(om, x, norm),
+                                  progress)
         attention = _has_attention(om)
         # attention-free graphs (no Softmax: MLPs): one sweep, the adjoint graph's constants
         # in it from the start (cheap there: the MLP's inf job 4.0 s -> 1.3 s, radius 0.0714 ->

@@ -76,6 +76,21 @@ def model_input(loaded: Any, x0: np.ndarray, field: str = "at") -> np.ndarray:
     return np.ascontiguousarray(patches.reshape(1, hp * wp, c * kh * kw))  # (1, P, C kh kw)
 
 
+def model_image(loaded: Any, x: np.ndarray) -> np.ndarray:
+    """`model_input`'s inverse: a point the graph takes, (1, P, C kh kw) on a pixel upload,
+    back in the image layout (1, C, H, W) (the same permutation of the pixels, so the same
+    norms); any other input as is. A counterexample is handed back in the layout it was
+    asked about."""
+    grid = patch_grid(loaded)
+    if grid is None:
+        return x
+    c, h, w, kh, kw = grid
+    hp, wp = h // kh, w // kw
+    patches = x.reshape(1, hp, wp, c, kh, kw)  # (1, Hp, Wp, C, kh, kw)
+    grid6 = patches.transpose(0, 3, 1, 4, 2, 5)  # (1, C, Hp, kh, Wp, kw)
+    return np.ascontiguousarray(grid6.reshape(1, c, h, w))  # (1, C, H, W)
+
+
 def local_report_of(loaded: Any, sha256: str, x0: np.ndarray, eps: float, norm: str, *,
                     empirical: Any = None) -> BoundReport:
     """The bound on the ball {X : ||X - X0||_norm <= eps}; `upper` is the local constant.
@@ -153,15 +168,15 @@ def verdict_json(v: Any) -> dict[str, Any]:
             "sweep_runs": v.sweep_runs, "seconds": v.seconds}
 
 
-def verdicts_of(loaded: Any, sha256: str, inputs: np.ndarray, labels: np.ndarray, norm: str,
-                radius: float, *, progress: Callable[[int, int, Any], None] | None = None,
-                cut: bool = True) -> dict[str, Any]:
+def decide_set(loaded: Any, inputs: np.ndarray, labels: np.ndarray, norm: str,
+               radius: float, *, progress: Callable[[int, int, Any], None] | None = None,
+               cut: bool = True) -> Any:
     """Every (inputs[i], labels[i]) decided at `radius` (certified / attacked / unknown /
-    misclassified, lsa_models.engine.at_radius), as the JSON object `lsa robustness --inputs
-    --labels --radius --json` prints; with `cut`, a pixel upload's images are cut into their
-    patches first (the service's job gets them cut). Raises ValueError for bad inputs,
-    labels, norm or radius."""
-    from lsa_models.engine.at_radius import STATUSES, decide_all  # deferred: torch
+    misclassified): lsa_models.engine.at_radius's SetReport, its attacked verdicts carrying
+    their flips in the graph's layout (`model_image` puts them back into a pixel upload's).
+    With `cut`, a pixel upload's images are cut into their patches first (the service's job
+    gets them cut). Raises ValueError for bad inputs, labels, norm or radius."""
+    from lsa_models.engine.at_radius import decide_all  # deferred: torch
     from lsa_models.engine.values import LocalNotCertified
 
     if norm not in ("2", "inf"):
@@ -173,10 +188,17 @@ def verdicts_of(loaded: Any, sha256: str, inputs: np.ndarray, labels: np.ndarray
         inputs = np.stack([model_input(loaded, inputs[i], field=f"inputs[{i}]")
                            for i in range(inputs.shape[0])])
     try:
-        rep = decide_all(loaded, inputs, labels, norm, radius, progress)
+        return decide_all(loaded, inputs, labels, norm, radius, progress)
     except LocalNotCertified as exc:
         raise ValueError(f"no certified verdict for this model: {exc} (the robustness "
                          "verdicts need a local rule for every op of the graph)") from None
+
+
+def set_json(sha256: str, rep: Any) -> dict[str, Any]:
+    """A SetReport (`decide_set`) as the JSON object `lsa robustness --inputs --labels
+    --radius --json` prints."""
+    from lsa_models.engine.at_radius import STATUSES  # deferred: torch
+
     return {
         "model_sha256": sha256, "norm": rep.norm, "radius": rep.radius,
         "n": len(rep.verdicts), "counts": {s: rep.count(s) for s in STATUSES},
@@ -184,6 +206,14 @@ def verdicts_of(loaded: Any, sha256: str, inputs: np.ndarray, labels: np.ndarray
         "attack_accuracy": rep.attack_accuracy, "seconds": rep.seconds,
         "samples": [{"index": i, **verdict_json(v)} for i, v in enumerate(rep.verdicts)],
     }
+
+
+def verdicts_of(loaded: Any, sha256: str, inputs: np.ndarray, labels: np.ndarray, norm: str,
+                radius: float, *, progress: Callable[[int, int, Any], None] | None = None,
+                cut: bool = True) -> dict[str, Any]:
+    """`decide_set` as JSON (`set_json`)."""
+    return set_json(sha256, decide_set(loaded, inputs, labels, norm, radius,
+                                       progress=progress, cut=cut))
 
 
 # ---- the service: POST /bound with at/eps, POST /certify with at/label/min_radius ------------

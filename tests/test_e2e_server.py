@@ -244,8 +244,16 @@ def test_e2e_robustness_set_through_the_server_signs_the_local_statuses(
     check = httpx.post(f"{server.url}/certificates/verify", json=cert.model_dump(mode="json"))
     assert check.json()["valid"] is True
     assert statuses[1] == "misclassified"
-    high = lsa(*args, "--min-certified-accuracy", "1", "--server", server.url, cwd=tmp_path,
-               LSA_API_KEY=server.api_key)
+    high = lsa(*args, "--min-certified-accuracy", "1", "--server", server.url, "--junit",
+               str(tmp_path / "junit.xml"), cwd=tmp_path, LSA_API_KEY=server.api_key)
     assert high.returncode == 1 and "failed: certified accuracy" in high.stdout, high.stdout
+    # the JUnit of a server's certificate: the gate failed, one case per input by its status
+    suite = ET.parse(tmp_path / "junit.xml").getroot().find("testsuite")
+    assert suite is not None and suite.get("failures") == "1"
+    props = {p.get("name"): p.get("value") for p in suite.iter("property")}
+    assert props["certificate_id"] and props["model_sha256"] == cert.model_sha256
+    cases = suite.findall("testcase")
+    assert [c.find("skipped") is None for c in cases[1:]] == [s == "certified"
+                                                               for s in statuses]
     bad = lsa(*args, "--server", server.url, cwd=tmp_path, LSA_API_KEY=server.api_key)
     assert bad.returncode == 2 and "--min-certified-accuracy" in bad.stderr

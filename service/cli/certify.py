@@ -16,7 +16,6 @@ import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -35,6 +34,7 @@ from service.settings import Settings
 
 from .bound import compute_report
 from .common import EXIT_ERROR, EXIT_FAILED, EXIT_OK, app, set_threads
+from .gate_reports import append_summary, junit_bytes, junit_suite, md_cell, write_file
 
 LOCAL_STEPS = ("loading and bounding the model", "signing the certificate")
 SERVER_STEPS = ("uploading the model", "computing the bound", "issuing the certificate")
@@ -200,24 +200,14 @@ def certify_server(req: Request, server: str, api_key: str | None, timeout_s: fl
 def junit_xml(req: Request, outcome: str, message: str, elapsed_s: float,
               cert: Certificate | None = None) -> bytes:
     """One test suite with one test case; `failure` for exit 1, `error` for exit 2."""
-    failures = int(outcome == "failed")
-    errors = int(outcome == "error")
-    counts = {"tests": "1", "failures": str(failures), "errors": str(errors),
-              "skipped": "0", "time": f"{elapsed_s:.3f}"}
-    root = ET.Element("testsuites", {"name": "lsa certify", **counts})
-    suite = ET.SubElement(root, "testsuite", {
-        "name": "lsa certify", **counts,
-        # UTC without an offset: the JUnit schema's timestamp has none.
-        "timestamp": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S")})
-    props = ET.SubElement(suite, "properties")
     fields: dict[str, Any] = {"model": str(req.model), "threshold": req.threshold,
                               "norm": req.norm, "seq_len": req.seq_len, "radius": req.radius}
     if cert is not None:
         fields.update(seq_len=cert.seq_len, upper=cert.upper, model_sha256=cert.model_sha256,
                       certificate_id=cert.id, lsa_version=cert.lsa_version)
-    for name, value in fields.items():
-        if value is not None:
-            ET.SubElement(props, "property", {"name": name, "value": str(value)})
+    root, suite = junit_suite("lsa certify", elapsed_s, tests=1,
+                              failures=int(outcome == "failed"),
+                              errors=int(outcome == "error"), skipped=0, properties=fields)
     case = ET.SubElement(suite, "testcase", {
         "classname": "lsa.certify",
         "name": f"{req.model}: Lipschitz bound <= {req.threshold:g} ({req.norm}-norm)",
@@ -229,22 +219,14 @@ def junit_xml(req: Request, outcome: str, message: str, elapsed_s: float,
     elif outcome == "error":
         ET.SubElement(case, "error", {"message": message, "type": "CertifyError"}).text = message
     ET.SubElement(case, "system-out").text = message
-    ET.indent(root)
-    xml: bytes = ET.tostring(root, encoding="utf-8", xml_declaration=True)
-    return xml + b"\n"
-
-
-def _md(text: object) -> str:
-    """Table-cell safe: no pipes or newlines, and no raw HTML (`<model>` would vanish)."""
-    return (str(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
-            .replace("|", "\\|").replace("\n", " "))
+    return junit_bytes(root)
 
 
 def summary_markdown(req: Request, outcome: str, message: str, cert: Certificate | None,
                      bound: BoundReport | None) -> str:
     icon = {"passed": "✅", "failed": "❌", "error": "⚠️"}[outcome]
     title = {"passed": "passed", "failed": "failed", "error": "error"}[outcome]
-    lines = [f"### {icon} lsa certify {title}: `{req.model}`", "", _md(message), "",
+    lines = [f"### {icon} lsa certify {title}: `{req.model}`", "", md_cell(message), "",
              "| | |", "|---|---|", f"| threshold | {req.threshold:g} |",
              f"| norm | {req.norm} |"]
     if cert is not None:
@@ -260,7 +242,7 @@ def summary_markdown(req: Request, outcome: str, message: str, cert: Certificate
                   "| layer | kind | upper | status |", "|---|---|---:|---|"]
         for lb in bound.layers:
             upper = "-" if lb.upper is None else f"{lb.upper:.6g}"
-            lines.append(f"| {_md(lb.name)} | {_md(lb.kind)} | {upper} | {lb.status} |")
+            lines.append(f"| {md_cell(lb.name)} | {md_cell(lb.kind)} | {upper} | {lb.status} |")
         lines += ["", "</details>"]
     return "\n".join(lines) + "\n\n"
 
@@ -271,19 +253,11 @@ def write_reports(req: Request, outcome: str, message: str, elapsed_s: float,
     cert = report.certificate if report is not None else None
     bound = report.bound if report is not None else None
     if json_path is not None and report is not None:
-        _write(json_path, report.model_dump_json(indent=2).encode() + b"\n")
+        write_file(json_path, report.model_dump_json(indent=2).encode() + b"\n")
     if junit_path is not None:
-        _write(junit_path, junit_xml(req, outcome, message, elapsed_s, cert))
+        write_file(junit_path, junit_xml(req, outcome, message, elapsed_s, cert))
     if summary_path is not None:
-        # Appended: a CI job summary file ($GITHUB_STEP_SUMMARY) collects every step's output.
-        summary_path.parent.mkdir(parents=True, exist_ok=True)
-        with summary_path.open("a", encoding="utf-8") as fh:
-            fh.write(summary_markdown(req, outcome, message, cert, bound))
-
-
-def _write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(data)
+        append_summary(summary_path, summary_markdown(req, outcome, message, cert, bound))
 
 
 # --- the command ---------------------------------------------------------------------------

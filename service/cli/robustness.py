@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import time
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -17,6 +18,14 @@ from api_schemas import BoundReport
 
 from ..local import local_report_of, model_input, robustness_of
 from .common import EXIT_FAILED, app, fail, set_threads
+from .gate_reports import (
+    append_summary,
+    counterexamples_npz,
+    set_junit_xml,
+    set_message,
+    set_summary_markdown,
+    write_file,
+)
 
 
 def _load_npy(path: Path, option: str, holds: str) -> np.ndarray:
@@ -100,8 +109,11 @@ def load_labels(path: Path) -> np.ndarray:
 
 
 def verdicts_json(path: Path, inputs: Path, labels: Path, norm: str, radius: float,
-                  progress: Any = None) -> dict[str, Any]:
-    from ..local import verdicts_of
+                  progress: Any = None, flips: list[Any] | None = None) -> dict[str, Any]:
+    """The set mode's JSON; with `flips`, each attacked input's counterexample is appended to
+    it as (index, label, flip class, distance, the point in the layout the input was given
+    in)."""
+    from ..local import decide_set, model_image, set_json
 
     if norm not in ("2", "inf"):
         raise ValueError(f"--norm must be 2 or inf, got {norm!r}")
@@ -112,14 +124,19 @@ def verdicts_json(path: Path, inputs: Path, labels: Path, norm: str, radius: flo
         raise ValueError(f"--inputs holds shape {tuple(xs.shape)} and --labels {ys.shape[0]} "
                          "labels: give the inputs stacked along a first axis, one label each")
     loaded = load_model(path)
-    return verdicts_of(loaded, loaded.sha256, xs, ys, norm, r, progress=progress)
+    rep = decide_set(loaded, xs, ys, norm, r, progress=progress)
+    if flips is not None:
+        flips.extend((i, v.label, v.flip_class, v.flip_distance,
+                      model_image(loaded, v.flip).reshape(xs.shape[1:]))
+                     for i, v in enumerate(rep.verdicts) if v.flip is not None)
+    return set_json(loaded.sha256, rep)
 
 
-def verdict_one_json(path: Path, at: Path, label: int, norm: str, radius: float
-                     ) -> dict[str, Any]:
+def verdict_one_json(path: Path, at: Path, label: int, norm: str, radius: float,
+                     flips: list[Any] | None = None) -> dict[str, Any]:
     from lsa_models.engine.at_radius import decide
 
-    from ..local import verdict_json
+    from ..local import model_image, verdict_json
 
     if norm not in ("2", "inf"):
         raise ValueError(f"--norm must be 2 or inf, got {norm!r}")
@@ -127,11 +144,14 @@ def verdict_one_json(path: Path, at: Path, label: int, norm: str, radius: float
     x0 = load_center(at)
     loaded = load_model(path)
     v = decide(loaded, model_input(loaded, x0, field="--at"), label, norm, r)
+    if flips is not None and v.flip is not None:
+        flips.append((0, v.label, v.flip_class, v.flip_distance,
+                      model_image(loaded, v.flip).reshape(x0.shape)))
     return {"model_sha256": loaded.sha256, "norm": norm, "radius": r, **verdict_json(v)}
 
 
 def _print_radius(out: dict[str, Any]) -> None:
-    c = Console()
+    c = Console(soft_wrap=True)  # CI logs: one line per fact, not wrapped at 80
     c.print(f"label {out['label']} (predicted {out['predicted']}), {out['norm']}-norm, radius "
             f"{out['radius']:.6g}: {out['status']}"
             + (f" (by the {out['certified_by']} route)" if out["certified_by"] else "")
@@ -140,7 +160,7 @@ def _print_radius(out: dict[str, Any]) -> None:
 
 
 def _print_set(out: dict[str, Any], gate: float | None) -> None:
-    c = Console()
+    c = Console(soft_wrap=True)  # CI logs: one line per fact, not wrapped at 80
     n, k = out["n"], out["counts"]
     c.print(f"{n} inputs, {out['norm']}-norm, radius {out['radius']:.6g}: certified "
             f"{k['certified']}, attacked {k['attacked']}, unknown {k['unknown']}, "
@@ -227,6 +247,15 @@ def robustness_cmd(
         "the certificate")] = None,
     api_key: Annotated[str | None, typer.Option(
         "--api-key", envvar="LSA_API_KEY", help="API key for --server")] = None,
+    junit: Annotated[Path | None, typer.Option(
+        "--junit", help="With --inputs: write JUnit XML (the gate and one case per input; "
+        "inputs not certified are skipped, with their verdict)")] = None,
+    summary: Annotated[Path | None, typer.Option(
+        "--summary", help="With --inputs: append a Markdown summary (e.g. "
+        "$GITHUB_STEP_SUMMARY)")] = None,
+    counterexamples: Annotated[Path | None, typer.Option(
+        "--counterexamples", help="With --radius (locally): write the label flips PGD found "
+        "as a .npz (index, label, flip_class, distance, inputs in the given layout)")] = None,
 ) -> None:
     """Certified robustness radius of a label around an input (every margin f_Y - f_j stays
     positive on the ball), beside the smallest label flip PGD finds; with --radius, the
@@ -234,47 +263,115 @@ def robustness_cmd(
     and its certified accuracy (exit 0 passed or no gate, 1 below --min-certified-accuracy, 2
     bad input)."""
     set_threads()
+    start = time.monotonic()
+    flips: list[Any] | None = None if counterexamples is None else []
+    out: dict[str, Any] | None = None
+    cert: dict[str, Any] = {}
+    mode = "set" if inputs is not None else "one"
     try:
         mode = _mode(at, label, inputs, labels, radius, min_certified_accuracy)
-        if server is not None and mode != "set":
-            raise ValueError("--server takes --inputs, --labels, --radius and "
-                             "--min-certified-accuracy (a certified-accuracy certificate)")
+        _check_outputs(mode, server, junit, summary, counterexamples)
         if mode == "set" and server is not None:
             assert inputs is not None and labels is not None and radius is not None
             cert = verdicts_server(path, inputs, labels, norm, radius, min_certified_accuracy,
                                    server, api_key)
-            _print_certificate(cert, json_out)
-            raise typer.Exit(0 if cert["passed"] else EXIT_FAILED)
-        if mode == "set":
+            out = certificate_set(cert)
+        elif mode == "set":
             assert inputs is not None and labels is not None and radius is not None
-            out = verdicts_json(path, inputs, labels, norm, radius, progress=_set_progress)
+            out = verdicts_json(path, inputs, labels, norm, radius, progress=_set_progress,
+                                flips=flips)
+            gate = min_certified_accuracy
+            out["min_certified_accuracy"] = gate
+            out["passed"] = None if gate is None else out["certified_accuracy"] >= gate
         elif mode == "one-radius":
             assert at is not None and label is not None and radius is not None
-            out = verdict_one_json(path, at, label, norm, radius)
+            out = verdict_one_json(path, at, label, norm, radius, flips=flips)
         else:
             assert at is not None and label is not None
             out = robustness_json(path, at, label, norm)
+        if counterexamples is not None and flips is not None:
+            write_file(counterexamples, counterexamples_npz(flips))
     except (ValueError, TypeError, OSError) as exc:
+        _set_reports(path, norm, radius, min_certified_accuracy, None, str(exc),
+                     time.monotonic() - start, junit, summary)
         fail(str(exc))
-    if mode == "set":
-        gate = min_certified_accuracy
-        out["min_certified_accuracy"] = gate
-        out["passed"] = None if gate is None else out["certified_accuracy"] >= gate
-        if json_out:
-            typer.echo(json.dumps(out))
-        else:
-            _print_set(out, gate)
-        if out["passed"] is False:
-            raise typer.Exit(EXIT_FAILED)
+    if mode != "set":
+        _print_one(mode, out, json_out)
         return
+    assert out is not None
+    _set_reports(path, norm, radius, min_certified_accuracy, out, set_message(out),
+                 time.monotonic() - start, junit, summary)
+    if server is not None:
+        _print_certificate(cert, json_out)
+    elif json_out:
+        typer.echo(json.dumps(out))
+    else:
+        _print_set(out, min_certified_accuracy)
+    if out["passed"] is False:
+        raise typer.Exit(EXIT_FAILED)
+
+
+def _check_outputs(mode: str, server: str | None, junit: Path | None, summary: Path | None,
+                   counterexamples: Path | None) -> None:
+    """ValueError naming an option that does not go with the mode."""
+    if server is not None and mode != "set":
+        raise ValueError("--server takes --inputs, --labels, --radius and "
+                         "--min-certified-accuracy (a certified-accuracy certificate)")
+    if mode != "set" and (junit is not None or summary is not None):
+        raise ValueError("--junit and --summary report a gate on a set of inputs: give "
+                         "--inputs, --labels and --radius")
+    if counterexamples is not None:
+        if mode == "one":
+            raise ValueError("--counterexamples needs --radius R: the label flips found "
+                             "inside the ball of that radius are written")
+        if server is not None:
+            raise ValueError("--counterexamples runs the attack here: the server's "
+                             "certificate names each input's verdict, not its flip; drop "
+                             "--server for the points")
+
+
+def _set_reports(path: Path, norm: str, radius: float | None, gate: float | None,
+                 out: dict[str, Any] | None, message: str, elapsed_s: float,
+                 junit: Path | None, summary: Path | None) -> None:
+    """The set gate's JUnit XML and Markdown summary (on an error too, as `lsa certify`'s:
+    the CI job shows why it stopped); a report that cannot be written is an error."""
+    try:
+        if junit is not None:
+            write_file(junit, set_junit_xml(path, norm, radius, gate, out, message, elapsed_s))
+        if summary is not None:
+            append_summary(summary, set_summary_markdown(path, norm, radius, gate, out,
+                                                         message))
+    except OSError as exc:
+        fail(f"cannot write a report: {exc}")
+
+
+def certificate_set(cert: dict[str, Any]) -> dict[str, Any]:
+    """A server's certified-accuracy certificate in the set mode's JSON shape (for the
+    reports): per input its label and status; no flips or seconds (the certificate keeps
+    the verdicts, not how they were reached)."""
+    rs = cert["robustness_set"]
+    n, k = rs["n"], rs["counts"]
+    return {"model_sha256": cert["model_sha256"], "norm": cert["norm"],
+            "radius": rs["radius"], "n": n, "counts": k,
+            "certified_accuracy": rs["certified_accuracy"],
+            "attack_accuracy": rs["attack_accuracy"],
+            "clean_accuracy": 1.0 - k["misclassified"] / max(1, n),
+            "min_certified_accuracy": cert["threshold"], "passed": cert["passed"],
+            "certificate_id": cert["id"], "lsa_version": cert["lsa_version"],
+            "samples": [{"index": i, "label": y, "status": st} for i, (y, st)
+                        in enumerate(zip(rs["labels"], rs["statuses"], strict=True))]}
+
+
+def _print_one(mode: str, out: dict[str, Any] | None, json_out: bool) -> None:
+    assert out is not None
     if json_out:
         typer.echo(json.dumps(out))
         return
     if mode == "one-radius":
         _print_radius(out)
         return
-    c = Console()
-    c.print(f"label {out['label']} (predicted {out['predicted']}), {norm}-norm")
+    c = Console(soft_wrap=True)  # CI logs: one line per fact, not wrapped at 80
+    c.print(f"label {out['label']} (predicted {out['predicted']}), {out['norm']}-norm")
     c.print(f"certified_radius: {out['certified_radius']:.6g} (by the {out['certified_by']} "
             "route)")
     att = out["attack_radius"]
@@ -290,7 +387,7 @@ def _print_certificate(cert: dict[str, Any], json_out: bool) -> None:
         return
     rs = cert["robustness_set"]
     k = rs["counts"]
-    c = Console()
+    c = Console(soft_wrap=True)  # CI logs: one line per fact, not wrapped at 80
     c.print(f"{rs['n']} inputs, {cert['norm']}-norm, radius {rs['radius']:.6g}: certified "
             f"{k['certified']}, attacked {k['attacked']}, unknown {k['unknown']}, "
             f"misclassified {k['misclassified']}")

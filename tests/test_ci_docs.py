@@ -166,3 +166,43 @@ def test_ci_docs_gitlab_job_commands_run_against_a_server(server: Server,
     assert proc.returncode == 1, proc.stderr
     junit = tmp_path / job["artifacts"]["reports"]["junit"]
     assert ET.parse(junit).getroot().get("failures") == "1"
+
+
+def robustness_gate_command() -> str:
+    """The `lsa robustness` command of docs/ci.md's "Gating robustness" block, continuations
+    joined."""
+    text = DOC.read_text().split("## Gating robustness on a set of inputs", 1)[1]
+    (block,) = re.findall(r"^```bash\n(.*?)^```", text, re.M | re.S)[:1]
+    (command,) = lsa_commands(block)
+    return command
+
+
+def test_ci_docs_robustness_gate_command_runs(tmp_path: Path) -> None:
+    """The robustness gate as docs/ci.md writes it, on a classifier made here and four
+    held-out inputs labelled by it: exit 0 or 1 by the threshold in the command, and every
+    report it names is written and agrees with the JSON."""
+    import json
+
+    import numpy as np
+
+    from bench.local_models import build, center, export
+
+    command = robustness_gate_command()
+    model = build("mlp", seed=4)
+    export(model, tmp_path / "model.onnx")
+    xs = np.stack([center(s).numpy().astype(np.float32).reshape(8, 16) for s in (5, 6, 7, 8)])
+    with torch.no_grad():
+        ys = model(torch.from_numpy(xs)).argmax(-1).numpy()
+    np.save(tmp_path / "heldout_x.npy", xs)
+    np.save(tmp_path / "heldout_y.npy", ys)
+    summary = tmp_path / "step-summary.md"
+    proc = run(command, tmp_path, {"MODEL": "model.onnx", "GITHUB_STEP_SUMMARY": str(summary)})
+    out = json.loads((tmp_path / "lsa-robustness.json").read_text())
+    gate = float(re.search(r"--min-certified-accuracy (\S+)", command).group(1))  # type: ignore[union-attr]
+    assert proc.returncode == (0 if out["certified_accuracy"] >= gate else 1), proc.stderr
+    suite = ET.parse(tmp_path / "lsa-robustness-junit.xml").getroot().find("testsuite")
+    assert suite is not None and suite.get("tests") == str(out["n"] + 1)
+    assert f"certified accuracy {out['certified_accuracy']:.4f}" in summary.read_text()
+    flips = np.load(tmp_path / "lsa-counterexamples.npz")
+    assert flips["index"].tolist() == [s["index"] for s in out["samples"]
+                                       if s["status"] == "attacked"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -34,12 +34,13 @@ from .errors import InvalidRequest, PayloadTooLarge
 from .jobs.runner import submit_keyed_job
 from .local import model_center, run_counted
 from .runtime import Runtime
-from .tables import CertificateRow, RobustnessResultRow
+from .tables import CertificateRow, RobustnessResultRow, RobustnessSetResultRow
 
 # The radii's fields a certificate signs (robustness_of's object less the timings).
 SIGNED_FIELDS = ("label", "predicted", "certified_radius", "attack_radius", "margins",
                  "pair_constants", "center_sha256", "bisection_steps")
 MEMORY_PREFIX = "robustness:"
+SET_MEMORY_PREFIX = "robustness-set:"
 
 
 def radii_key(model_sha256: str, center_sha256: str, label: int, norm: str) -> str:
@@ -54,36 +55,52 @@ def certificate_key(radii: str, min_radius: float) -> str:
     return hashlib.sha256(f"{radii}:{float(min_radius)!r}".encode()).hexdigest()
 
 
-def stored_radii(runtime: Runtime, key: str) -> dict[str, Any] | None:
-    """The stored radii of `key` (memory, else a read-only transaction), or None."""
-    cached = runtime.reports.get(MEMORY_PREFIX + key)
+# the tables of stored results (one row per request_key)
+ResultRow = TypeVar("ResultRow", RobustnessResultRow, RobustnessSetResultRow)
+
+
+def _stored_result(runtime: Runtime, table: type[ResultRow], prefix: str,
+                   key: str) -> dict[str, Any] | None:
+    """The stored result of `key` in `table` (memory, else a read-only transaction), or
+    None."""
+    cached = runtime.reports.get(prefix + key)
     if isinstance(cached, bytes):
         return dict(json.loads(cached))
     with transaction(runtime.read_sessions) as s:
-        row = s.scalar(select(RobustnessResultRow).where(RobustnessResultRow.request_key == key))
-        radii = None if row is None else dict(row.result)
-    if radii is not None:
-        runtime.reports.put(MEMORY_PREFIX + key, json.dumps(radii).encode())
-    return radii
+        row = s.scalar(select(table).where(table.request_key == key))
+        result = None if row is None else dict(row.result)
+    if result is not None:
+        runtime.reports.put(prefix + key, json.dumps(result).encode())
+    return result
+
+
+def _insert_once(session: Session, row: ResultRow) -> dict[str, Any]:
+    """Insert once; a concurrent job that stored first wins (its result is the same: the
+    computation is deterministic and seeded)."""
+    try:
+        with session.begin_nested():
+            session.add(row)
+    except IntegrityError:
+        table = type(row)
+        existing = session.scalar(select(table).where(table.request_key == row.request_key))
+        if existing is None:
+            raise
+        return dict(existing.result)
+    return dict(row.result)
+
+
+def stored_radii(runtime: Runtime, key: str) -> dict[str, Any] | None:
+    """The stored radii of `key`, or None."""
+    return _stored_result(runtime, RobustnessResultRow, MEMORY_PREFIX, key)
 
 
 def store_radii(session: Session, model: ModelRef, key: str,
                 radii: dict[str, Any]) -> dict[str, Any]:
     """Insert once; a concurrent job that stored first wins (the radii are the same)."""
-    row = RobustnessResultRow(model_id=model.id, request_key=key, norm=str(radii["norm"]),
-                              label=int(radii["label"]),
-                              center_sha256=str(radii["center_sha256"]),
-                              certified_radius=float(radii["certified_radius"]), result=radii)
-    try:
-        with session.begin_nested():
-            session.add(row)
-    except IntegrityError:
-        existing = session.scalar(select(RobustnessResultRow).where(
-            RobustnessResultRow.request_key == key))
-        if existing is None:
-            raise
-        return dict(existing.result)
-    return radii
+    return _insert_once(session, RobustnessResultRow(
+        model_id=model.id, request_key=key, norm=str(radii["norm"]), label=int(radii["label"]),
+        center_sha256=str(radii["center_sha256"]),
+        certified_radius=float(radii["certified_radius"]), result=radii))
 
 
 def sign_robustness(radii: dict[str, Any], n: int, min_radius: float, key: Ed25519PrivateKey,
@@ -247,23 +264,62 @@ async def set_inputs(runtime: Runtime, model: ModelRef, inputs: list[Any]) -> np
     return np.stack(out)
 
 
+def set_result_key(model_sha256: str, inputs_digest: str, norm: str, radius: float) -> str:
+    """What a set's verdicts depend on (deterministic and seeded), not the threshold."""
+    fields = {"kind": "robustness_set", "model": model_sha256, "inputs": inputs_digest,
+              "norm": norm, "radius": float(radius)}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
+
+def stored_set(runtime: Runtime, key: str) -> dict[str, Any] | None:
+    """The stored verdicts of `key` (service.local.set_json's object), or None."""
+    return _stored_result(runtime, RobustnessSetResultRow, SET_MEMORY_PREFIX, key)
+
+
+def store_set(session: Session, model: ModelRef, key: str, digest: str,
+              out: dict[str, Any]) -> dict[str, Any]:
+    """Insert once; a concurrent job that stored first wins (the verdicts are the same)."""
+    return _insert_once(session, RobustnessSetResultRow(
+        model_id=model.id, request_key=key, norm=str(out["norm"]), radius=float(out["radius"]),
+        n=int(out["n"]), inputs_sha256=digest,
+        certified_accuracy=float(out["certified_accuracy"]), result=out))
+
+
+def issue_set_certificate(runtime: Runtime, model: ModelRef, out: dict[str, Any], n: int,
+                          min_radius: float, min_accuracy: float, digest: str,
+                          cert_id: str | None = None) -> Certificate:
+    """Sign stored verdicts against `min_accuracy` with the server's key and store the
+    certificate (with `cert_id`, a job's: one stored under it first is returned)."""
+    if out.get("model_sha256") != model.sha256:
+        raise ValueError(f"the verdicts are for model {out.get('model_sha256')}, not "
+                         f"{model.sha256}")
+    cert = sign_robustness_set(out, n, min_radius, min_accuracy, digest, runtime.signing_key,
+                               cert_id)
+    return store_certificate(runtime, model, cert, cert_id)
+
+
 async def robustness_set_certificate(runtime: Runtime, model: ModelRef, inputs: list[Any],
                                      labels: list[int], norm: str, min_radius: float,
-                                     min_accuracy: float) -> JobAccepted:
-    """The job that decides every input at min_radius and signs the certificate (identical
-    requests share one active job)."""
+                                     min_accuracy: float) -> Certificate | JobAccepted:
+    """The certificate now when the verdicts of (model, inputs, labels, norm, radius) are
+    stored (another threshold, or the same request after its job ended), else the job that
+    decides every input at min_radius and signs it (identical requests share one active
+    job)."""
     xs = await set_inputs(runtime, model, inputs)
     raw = inputs_sha256(xs, labels)
     top = max(labels)
     await run_counted(runtime, f"robustness-check:{model.sha256}:{raw}:{top}",
                       lambda: check_label(runtime, model, xs[0], top))
-    key = hashlib.sha256(json.dumps({"kind": "robustness_set", "model": model.sha256,
-                                     "inputs": raw, "norm": norm, "radius": min_radius,
-                                     "min_accuracy": min_accuracy},
-                                    sort_keys=True).encode()).hexdigest()
+    result_key = set_result_key(model.sha256, raw, norm, min_radius)
+    n = int(xs.shape[-2])
+    out = await run_in_threadpool(stored_set, runtime, result_key)
+    if out is not None:
+        return await run_in_threadpool(issue_set_certificate, runtime, model, out, n,
+                                       min_radius, min_accuracy, raw)
+    key = hashlib.sha256(f"{result_key}:{float(min_accuracy)!r}".encode()).hexdigest()
     params = {"model_id": model.id, "norm": norm, "inputs": xs.tolist(),
-              "labels": [int(v) for v in labels], "seq_len": int(xs.shape[-2]),
+              "labels": [int(v) for v in labels], "seq_len": n,
               "min_radius": min_radius, "min_certified_accuracy": min_accuracy,
-              "inputs_sha256": raw, "request_key": key}
+              "inputs_sha256": raw, "result_key": result_key, "request_key": key}
     return await run_in_threadpool(submit_robustness_job, runtime, model, params,
                                    "robustness_set")

@@ -155,6 +155,27 @@ class RobustnessResultRow(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
+class RobustnessSetResultRow(Base):
+    """The verdicts of one (model, inputs and labels, norm, radius): `request_key` hashes
+    those, so a certified-accuracy certificate for another threshold is signed from this row
+    without deciding the inputs again."""
+
+    __tablename__ = "robustness_set_results"
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True, default=new_id)
+    model_id: Mapped[str] = mapped_column(ForeignKey("models.id", ondelete="CASCADE"),
+                                          index=True)
+    request_key: Mapped[str] = mapped_column(String(64), unique=True)
+    norm: Mapped[str] = mapped_column(String(8))
+    radius: Mapped[float] = mapped_column(Float)
+    n: Mapped[int] = mapped_column(Integer)
+    inputs_sha256: Mapped[str] = mapped_column(String(64))
+    certified_accuracy: Mapped[float] = mapped_column(Float)
+    # service.local.set_json's object (what `lsa robustness --inputs --json` prints)
+    result: Mapped[dict[str, Any]] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
 class CertificateRow(Base):
     __tablename__ = "certificates"
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +24,15 @@ from ..bounding import ModelRef, load_model
 from ..local import robustness_of, verdicts_of
 from ..robustness import (
     MEMORY_PREFIX,
+    SET_MEMORY_PREFIX,
     issue_robustness_certificate,
-    sign_robustness_set,
-    store_certificate,
+    issue_set_certificate,
     store_radii,
+    store_set,
     stored_radii,
+    stored_set,
 )
+from ..runtime import Runtime
 from ..tables import CertificateRow, Job, UploadedModel
 from .context import JobContext
 from .registry import JobKind, register_job_kind
@@ -55,31 +59,34 @@ def certificate_id_for_job(job_id: str) -> str:
     return str(uuid.uuid5(CERT_NAMESPACE, job_id))
 
 
-def computing_before(ctx: JobContext, radii_key: str) -> str | None:
-    """A robustness job for the same radii (another min_radius) that started running before
-    this one, or None. Only earlier ones: two jobs never wait for each other."""
+def computing_before(ctx: JobContext, kind: str, field: str, key: str) -> str | None:
+    """A job of `kind` whose params' `field` is `key` (the same radii or verdicts, another
+    threshold) that started running before this one, or None. Only earlier ones: two jobs
+    never wait for each other."""
     with ctx.session() as s:
         me = s.get(Job, ctx.job_id)
         mine = (me.started_at, me.id) if me is not None and me.started_at else None
         rows = s.execute(select(Job.id, Job.started_at, Job.params).where(
-            Job.kind == "robustness", Job.status == "running", Job.id != ctx.job_id)).all()
+            Job.kind == kind, Job.status == "running", Job.id != ctx.job_id)).all()
     for job_id, started, params in rows:
-        if (params or {}).get("radii_key") == radii_key and started is not None \
+        if (params or {}).get(field) == key and started is not None \
                 and (mine is None or (started, job_id) < mine):
             return str(job_id)
     return None
 
 
-def wait_for_radii(ctx: JobContext, radii_key: str) -> dict[str, Any] | None:
-    """The stored radii; while an earlier running job computes them, wait for it rather than
-    compute them twice (its end, or its requeue after a crash, stops the wait)."""
+def wait_for_result(ctx: JobContext, kind: str, field: str, key: str,
+                    stored: Callable[[Runtime, str], dict[str, Any] | None],
+                    what: str) -> dict[str, Any] | None:
+    """The stored result; while an earlier running job computes it, wait for it rather than
+    compute it twice (its end, or its requeue after a crash, stops the wait)."""
     while True:
-        radii = stored_radii(ctx.runtime, radii_key)
-        other = None if radii is not None else computing_before(ctx, radii_key)
+        result = stored(ctx.runtime, key)
+        other = None if result is not None else computing_before(ctx, kind, field, key)
         if other is None:
-            return radii
+            return result
         # The write is also this job's heartbeat and cancel check.
-        ctx.progress(0.05, f"waiting for job {other}, which computes the same radii")
+        ctx.progress(0.05, f"waiting for job {other}, which computes the same {what}")
         time.sleep(WAIT_POLL_S)
 
 
@@ -114,7 +121,7 @@ def run_robustness(ctx: JobContext) -> dict[str, Any]:
         return done
     model = _model_of(ctx, p.model_id)
     check_signing_key(ctx)
-    radii = wait_for_radii(ctx, p.radii_key)
+    radii = wait_for_result(ctx, "robustness", "radii_key", p.radii_key, stored_radii, "radii")
     if radii is None:
         ctx.progress(0.02, "loading model", force=True)
         loaded = load_model(ctx.runtime, model)
@@ -151,13 +158,16 @@ class RobustnessSetJobParams(BaseModel):
     min_radius: float = Field(gt=0)
     min_certified_accuracy: float = Field(ge=0, le=1)
     inputs_sha256: str
+    result_key: str
     request_key: str
 
 
 def run_robustness_set(ctx: JobContext) -> dict[str, Any]:
     """Every input decided at min_radius (lsa_models.engine.at_radius; progress: the inputs
-    done), then the certified-accuracy certificate, signed and stored (its id derived from
-    the job's: a re-run after a crash returns the one stored)."""
+    done), stored once per (model, inputs, labels, norm, radius), then the certified-accuracy
+    certificate, signed and stored (its id derived from the job's: a re-run after a crash
+    returns the one stored). A job whose verdicts an earlier running job (another threshold)
+    is deciding waits for them."""
     p = RobustnessSetJobParams.model_validate(ctx.params)
     cert_id = certificate_id_for_job(ctx.job_id)
     done = _stored_certificate(ctx, cert_id)
@@ -165,20 +175,28 @@ def run_robustness_set(ctx: JobContext) -> dict[str, Any]:
         return done
     model = _model_of(ctx, p.model_id)
     check_signing_key(ctx)
-    ctx.progress(0.02, "loading model", force=True)
-    loaded = load_model(ctx.runtime, model)
+    out = wait_for_result(ctx, "robustness_set", "result_key", p.result_key, stored_set,
+                          "verdicts")
+    if out is None:
+        ctx.progress(0.02, "loading model", force=True)
+        loaded = load_model(ctx.runtime, model)
 
-    def progress(i: int, n: int, v: Any) -> None:
-        # each input's write is also the cancel check
-        ctx.progress(0.05 + 0.9 * (i + 1) / n, f"input {i + 1}/{n}: {v.status}", force=True)
+        def progress(i: int, n: int, v: Any) -> None:
+            # each input's write is also the cancel check
+            ctx.progress(0.05 + 0.9 * (i + 1) / n, f"input {i + 1}/{n}: {v.status}",
+                         force=True)
 
-    out = verdicts_of(loaded, model.sha256, np.asarray(p.inputs, dtype=np.float64),
-                      np.asarray(p.labels, dtype=np.int64), p.norm, p.min_radius,
-                      progress=progress, cut=False)
+        out = verdicts_of(loaded, model.sha256, np.asarray(p.inputs, dtype=np.float64),
+                          np.asarray(p.labels, dtype=np.int64), p.norm, p.min_radius,
+                          progress=progress, cut=False)
+        ctx.progress(0.96, "storing the verdicts", force=True)
+        with ctx.session() as s:
+            out = store_set(s, model, p.result_key, p.inputs_sha256, out)
+        ctx.runtime.reports.put(SET_MEMORY_PREFIX + p.result_key, json.dumps(out).encode())
     ctx.progress(0.98, "signing the certificate", force=True)
-    cert = sign_robustness_set(out, p.seq_len, p.min_radius, p.min_certified_accuracy,
-                               p.inputs_sha256, ctx.runtime.signing_key, cert_id)
-    return store_certificate(ctx.runtime, model, cert, cert_id).model_dump(mode="json")
+    cert = issue_set_certificate(ctx.runtime, model, out, p.seq_len, p.min_radius,
+                                 p.min_certified_accuracy, p.inputs_sha256, cert_id)
+    return cert.model_dump(mode="json")
 
 
 register_job_kind(JobKind("robustness_set", queue="bound", handler=run_robustness_set,

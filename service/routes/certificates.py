@@ -44,13 +44,14 @@ class PublicKey(BaseModel):
     summary="Issue a signed certificate: is the certified bound <= max_lipschitz? (with "
             "`at`, `label`, `min_radius`: is the label certified robust on that ball? a job "
             "unless its radii are stored; with `inputs`, `labels`, `min_radius`, "
-            "`min_certified_accuracy`: is that fraction of the inputs certified robust? a job; "
+            "`min_certified_accuracy`: is that fraction of the inputs certified robust? a job "
+            "unless its verdicts are stored; "
             "with `training`: train a model and certify it, as a job)",
     responses={202: {"model": JobAccepted, "description": "Queued as a job: a training "
                      "request (queue training), or a robustness request whose radii are not "
-                     "stored yet, or a certified-accuracy request (queue bound). Poll GET "
-                     "/jobs/{job_id} (Location), waiting Retry-After seconds; a robustness "
-                     "job's result is the certificate"},
+                     "stored yet, or a certified-accuracy request whose verdicts are not "
+                     "(queue bound). Poll GET /jobs/{job_id} (Location), waiting Retry-After "
+                     "seconds; a robustness job's result is the certificate"},
                **responses(404, 413, 503)},
 )
 async def certify(req: CertifyRequest, runtime: RuntimeDep) -> Response:
@@ -62,20 +63,15 @@ async def certify(req: CertifyRequest, runtime: RuntimeDep) -> Response:
         assert req.model_id is not None and req.labels is not None
         assert req.min_radius is not None and req.min_certified_accuracy is not None
         model = await run_in_threadpool(find_model, runtime, req.model_id)
-        queued = await robustness_set_certificate(runtime, model, req.inputs, req.labels,
-                                                  req.norm, req.min_radius,
-                                                  req.min_certified_accuracy)
-        return accepted_response(queued, "bound")
+        return certificate_or_job(await robustness_set_certificate(
+            runtime, model, req.inputs, req.labels, req.norm, req.min_radius,
+            req.min_certified_accuracy))
     if req.at is not None:
         assert req.model_id is not None and req.label is not None  # the validator's rule
         assert req.min_radius is not None
         model = await run_in_threadpool(find_model, runtime, req.model_id)
-        robust = await robustness_certificate(runtime, model, req.at, req.label, req.norm,
-                                              req.min_radius)
-        if isinstance(robust, JobAccepted):
-            return accepted_response(robust, "bound")
-        return Response(robust.model_dump_json(), status_code=201,
-                        media_type="application/json")
+        return certificate_or_job(await robustness_certificate(
+            runtime, model, req.at, req.label, req.norm, req.min_radius))
     assert req.model_id is not None and req.max_lipschitz is not None  # the validator's rule
     model = await run_in_threadpool(find_model, runtime, req.model_id)
     seq_len = resolve_seq_len(model, req.seq_len)
@@ -84,6 +80,14 @@ async def certify(req: CertifyRequest, runtime: RuntimeDep) -> Response:
     cert = await run_in_threadpool(issue_certificate, runtime, model, report,
                                    req.max_lipschitz)
     return Response(cert.model_dump_json(), status_code=201, media_type="application/json")
+
+
+def certificate_or_job(robust: Certificate | JobAccepted) -> Response:
+    """201 with a certificate signed from stored results, or 202 with the job computing
+    them."""
+    if isinstance(robust, JobAccepted):
+        return accepted_response(robust, "bound")
+    return Response(robust.model_dump_json(), status_code=201, media_type="application/json")
 
 
 def queue_training(runtime: Runtime, req: CertifyRequest) -> str:

@@ -29,7 +29,7 @@ from service.tables import Base
 from .conftest import PgSchemas
 
 TABLES = {"alembic_version", "api_keys", "artifacts", "bound_results", "certificates",
-          "corpora", "jobs", "models", "robustness_results"}
+          "corpora", "jobs", "models", "robustness_results", "robustness_set_results"}
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])

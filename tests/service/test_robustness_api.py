@@ -28,7 +28,7 @@ from service.cli import app as cli
 from service.db import make_engine
 from service.jobs.context import JobAborted, JobContext
 from service.settings import Settings
-from service.tables import Job, RobustnessResultRow
+from service.tables import Job, RobustnessResultRow, RobustnessSetResultRow
 
 from .conftest import upload
 
@@ -474,3 +474,72 @@ def test_certified_accuracy_bad_input_shape_or_label_is_422_before_any_job(
     r = client.post("/certify", json={**base, "labels": [0, 9]})
     assert r.status_code == 422 and "label must be in 0..3" in r.text, r.text
     assert jobs_of(db_url, m["id"]) == 0
+
+
+def test_certified_accuracy_verdicts_are_stored_once_and_signed_for_any_threshold(
+        db_url: str, mlp_onnx: Path, make_settings: Callable[..., Settings],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A set's verdicts are decided once per (model, inputs, labels, norm, radius): a
+    request with another threshold while the first job runs waits for it (the inputs are
+    decided once), and after it, on a fresh server (empty caches), the same set is signed at
+    once (201) against any threshold, with the stored statuses, and no new job."""
+    import threading
+
+    import service.jobs.robustness as robustness_jobs
+
+    calls: list[int] = []
+    real = robustness_jobs.verdicts_of
+
+    def counted(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    deciding, release = threading.Event(), threading.Event()
+    real_progress = JobContext.progress
+
+    def held(self: JobContext, fraction: float, stage: str | None = None, *,
+             force: bool = False) -> None:
+        if stage is not None and stage.startswith("input 1/") and not deciding.is_set():
+            deciding.set()
+            release.wait(60)  # the first job holds here, after its first input
+        real_progress(self, fraction, stage, force=force)
+
+    monkeypatch.setattr(robustness_jobs, "verdicts_of", counted)
+    monkeypatch.setattr(JobContext, "progress", held)
+    settings = make_settings(db_url, worker_threads=2)
+    xs = np.stack([center(s).numpy().astype(np.float64)[0] for s in (5, 6)])  # (2, N, D)
+    labels = [predicted_label(mlp_onnx, x[None]) for x in xs]
+    with TestClient(create_app(settings)) as c:
+        m = upload(c, mlp_onnx.read_bytes(), "mlp.onnx")
+        req = {"model_id": m["id"], "norm": "inf", "inputs": xs.tolist(), "labels": labels,
+               "min_radius": 0.01}
+        a = c.post("/certify", json={**req, "min_certified_accuracy": 0.5})
+        assert deciding.wait(60)
+        b = c.post("/certify", json={**req, "min_certified_accuracy": 1.0})
+        assert b.status_code == 202 and b.json()["job_id"] != a.json()["job_id"]
+        deadline = time.monotonic() + 60
+        while not (c.get(b.json()["url"]).json()["stage"] or "").startswith(
+                f"waiting for job {a.json()['job_id']}"):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        release.set()
+        first, second = wait_job(c, a)["result"], wait_job(c, b)["result"]
+    assert calls == [1]
+    assert first["robustness_set"]["statuses"] == second["robustness_set"]["statuses"]
+    acc = first["robustness_set"]["certified_accuracy"]
+    assert (first["passed"], second["passed"]) == (acc >= 0.5, acc >= 1.0)
+    with TestClient(create_app(settings)) as c:
+        again = c.post("/certify", json={**req, "min_certified_accuracy": 0.0})
+        assert again.status_code == 201, again.text
+        cert = again.json()
+        assert c.post("/certificates/verify", json=cert).json()["valid"] is True
+    assert cert["passed"] is True and cert["threshold"] == 0.0
+    assert cert["robustness_set"]["statuses"] == first["robustness_set"]["statuses"]
+    assert cert["robustness_set"]["inputs_sha256"] == first["robustness_set"]["inputs_sha256"]
+    assert calls == [1] and jobs_of(settings.database_url, m["id"]) == 2
+    engine = make_engine(settings.database_url)
+    with engine.connect() as conn:
+        rows = conn.scalar(select(func.count()).select_from(RobustnessSetResultRow).where(
+            RobustnessSetResultRow.model_id == m["id"]))
+    engine.dispose()
+    assert rows == 1

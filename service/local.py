@@ -10,6 +10,8 @@ start need none of it.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from collections.abc import Callable
 from typing import Any
@@ -166,6 +168,15 @@ def verdict_json(v: Any) -> dict[str, Any]:
             "flip_distance": v.flip_distance, "flip_class": v.flip_class,
             "center_sha256": v.center_sha256, "affine_walks": v.walks,
             "sweep_runs": v.sweep_runs, "seconds": v.seconds}
+
+
+def inputs_sha256(xs: np.ndarray, labels: Any) -> str:
+    """What a set certificate is about: the inputs as the graph takes them (float64,
+    little-endian, C order, with their shape: each as sent, a pixel upload's images cut into
+    patches) and the labels."""
+    h = hashlib.sha256(json.dumps([list(xs.shape), [int(v) for v in labels]]).encode())
+    h.update(np.ascontiguousarray(xs, dtype="<f8").tobytes())
+    return h.hexdigest()
 
 
 def decide_set(loaded: Any, inputs: np.ndarray, labels: np.ndarray, norm: str,

@@ -32,7 +32,7 @@ from .certifying import robust
 from .db import transaction
 from .errors import InvalidRequest, PayloadTooLarge
 from .jobs.runner import submit_keyed_job
-from .local import model_center, run_counted
+from .local import inputs_sha256, model_center, run_counted
 from .runtime import Runtime
 from .tables import CertificateRow, RobustnessResultRow, RobustnessSetResultRow
 
@@ -211,14 +211,6 @@ async def robustness_certificate(runtime: Runtime, model: ModelRef, at: list[Any
 
 # ---- certified accuracy of a set: POST /certify with inputs, labels, min_radius,
 # min_certified_accuracy (a `robustness_set` job; lsa_models.engine.at_radius) ---------------
-
-
-def inputs_sha256(xs: np.ndarray, labels: list[int]) -> str:
-    """What a set certificate is about: the inputs as the graph takes them (float64,
-    little-endian, C order, with their shape) and the labels."""
-    h = hashlib.sha256(json.dumps([list(xs.shape), [int(v) for v in labels]]).encode())
-    h.update(np.ascontiguousarray(xs, dtype="<f8").tobytes())
-    return h.hexdigest()
 
 
 def sign_robustness_set(out: dict[str, Any], n: int, min_radius: float, min_accuracy: float,

@@ -14,6 +14,7 @@ import math
 from pathlib import Path
 from typing import Annotated, Any
 
+import numpy as np
 import typer
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -118,20 +119,21 @@ def verify(
         "--api-key", envvar="LSA_API_KEY", help="API key for --server")] = None,
     recompute: Annotated[bool, typer.Option(
         "--recompute", help="Recompute the analytic bound (a robustness certificate: the "
-        f"certified radius around --at) from MODEL and compare (relative {REL_TOL:g})")
+        "certified radius around --at; a certified-accuracy one: the verdicts of --inputs "
+        f"--labels) from MODEL and compare (relative {REL_TOL:g})")
     ] = False,
     at: Annotated[Path | None, typer.Option(
         "--at", help="With --recompute of a robustness certificate: the input X0 (.npy) it "
         "was issued for (its sha256 must be the certificate's center_sha256)")] = None,
+    inputs: Annotated[Path | None, typer.Option(
+        "--inputs", help="With --recompute of a certified-accuracy certificate: the inputs "
+        "(.npy, stacked as sent) it was issued for")] = None,
+    labels: Annotated[Path | None, typer.Option(
+        "--labels", help="With --inputs: their labels (.npy); with the inputs they must "
+        "hash to the certificate's inputs_sha256")] = None,
 ) -> None:
     """Check a certificate's signature, model hash and (--recompute) bound offline."""
-    if public_key is not None and server is not None:
-        fail("give --public-key or --server, not both")
-    if recompute and model is None:
-        fail("--recompute needs the MODEL file: lsa verify CERT.json MODEL --recompute")
-    if at is not None and not recompute:
-        fail("--at is the input of a robustness certificate's --recompute: add --recompute "
-             "or drop --at")
+    _check_options(public_key, server, recompute, model, at, inputs, labels)
     try:
         cert_data = read_certificate(certificate)
         pub = choose_public_key(public_key, server, api_key)
@@ -150,20 +152,9 @@ def verify(
     cert = Certificate.model_validate(cert_data)
     if model is not None:
         check_model_hash(cert, model)
-    if recompute and cert.robustness_set is not None:
-        fail("--recompute of a certified-accuracy certificate: decide the inputs again with "
-             "lsa robustness MODEL --inputs X.npy --labels Y.npy --radius "
-             f"{cert.robustness_set.get('radius')} --norm {cert.norm} (its inputs_sha256 "
-             "names the inputs)")
     if recompute:
         assert model is not None
-        if cert.robustness is not None:
-            check_recomputed_radius(cert, model, at)
-        elif at is not None:
-            fail("--at is for robustness certificates; this one certifies a Lipschitz bound: "
-                 "drop --at")
-        else:
-            check_recomputed(cert, model)
+        _recompute(cert, model, at, inputs, labels)
     verdict = "passed" if cert.passed else "failed"
     if cert.robustness_set is not None:
         rs = cert.robustness_set
@@ -180,6 +171,44 @@ def verify(
     typer.echo(f"VALID: certificate {cert.id} ({verdict}: upper {cert.upper} vs threshold "
                f"{cert.threshold:g}, {cert.norm}-norm, N={cert.seq_len})")
     raise typer.Exit(EXIT_OK)
+
+
+def _check_options(public_key: Path | None, server: str | None, recompute: bool,
+                   model: Path | None, at: Path | None, inputs: Path | None,
+                   labels: Path | None) -> None:
+    """Exit 2 naming the options that do not go together."""
+    if public_key is not None and server is not None:
+        fail("give --public-key or --server, not both")
+    if recompute and model is None:
+        fail("--recompute needs the MODEL file: lsa verify CERT.json MODEL --recompute")
+    if at is not None and not recompute:
+        fail("--at is the input of a robustness certificate's --recompute: add --recompute "
+             "or drop --at")
+    if (inputs is not None or labels is not None) and not recompute:
+        fail("--inputs and --labels are a certified-accuracy certificate's set for "
+             "--recompute: add --recompute or drop them")
+
+
+def _recompute(cert: Certificate, model: Path, at: Path | None, inputs: Path | None,
+               labels: Path | None) -> None:
+    """The check of --recompute for the certificate's kind (exit 2 for another kind's
+    options)."""
+    if cert.robustness_set is not None:
+        if at is not None:
+            fail("--at is for robustness certificates; this one certifies an accuracy: give "
+                 "--inputs and --labels")
+        check_recomputed_set(cert, model, inputs, labels)
+        return
+    if inputs is not None or labels is not None:
+        fail("--inputs and --labels are for certified-accuracy certificates; this one is "
+             "not: drop them")
+    if cert.robustness is not None:
+        check_recomputed_radius(cert, model, at)
+    elif at is not None:
+        fail("--at is for robustness certificates; this one certifies a Lipschitz bound: "
+             "drop --at")
+    else:
+        check_recomputed(cert, model)
 
 
 def choose_public_key(public_key: Path | None, server: str | None, api_key: str | None) -> Any:
@@ -277,3 +306,63 @@ def check_recomputed_radius(cert: Certificate, model: Path, at: Path | None) -> 
                    f"radius {recomputed} against min_radius {cert.threshold:g} gives {verdict}")
         raise typer.Exit(EXIT_FAILED)
     typer.echo(f"certified radius: recomputed {recomputed} matches the certified {certified}")
+
+
+def check_recomputed_set(cert: Certificate, model: Path, inputs: Path | None,
+                         labels: Path | None) -> None:
+    """Exit 1 unless the inputs and labels hash to the certificate's inputs_sha256 and,
+    decided again here at its radius, give its statuses, certified accuracy and verdict
+    (certified_accuracy >= threshold); exit 2 without them."""
+    from lsa_models import __version__  # deferred: torch
+
+    from ..local import decide_set, inputs_sha256, model_input, set_json
+    from .robustness import load_center, load_labels, load_model
+
+    rs = cert.robustness_set
+    assert rs is not None
+    if inputs is None or labels is None:
+        fail("--recompute of a certified-accuracy certificate needs the set it was issued "
+             "for: lsa verify CERT.json MODEL --recompute --inputs X.npy --labels Y.npy")
+    set_threads()
+    try:
+        loaded = load_model(model)
+        xs = load_center(inputs, "--inputs", "the inputs stacked along a first axis")
+        ys = load_labels(labels)
+        if xs.ndim < 2 or xs.shape[0] != ys.shape[0]:
+            raise ValueError(f"--inputs holds shape {tuple(xs.shape)} and --labels "
+                             f"{ys.shape[0]} labels: one label per input")
+        # as the server took them: each input as sent, a pixel upload's image cut
+        xs = np.stack([model_input(loaded, xs[i], field=f"--inputs[{i}]")
+                       for i in range(xs.shape[0])])
+    except (ValueError, TypeError, OSError) as exc:
+        fail(str(exc))
+    digest = inputs_sha256(xs, ys.tolist())
+    if digest != rs.get("inputs_sha256"):
+        typer.echo(f"INVALID: {inputs} and {labels} hash to {digest}, the certificate is for "
+                   f"the set {rs.get('inputs_sha256')} (give the inputs stacked as they were "
+                   "sent, and their labels)")
+        raise typer.Exit(EXIT_FAILED)
+    typer.echo(f"inputs sha256: matches ({digest})")
+    try:
+        out = set_json(loaded.sha256, decide_set(loaded, xs, ys, cert.norm,
+                                                 float(rs["radius"]), cut=False))
+    except (ValueError, TypeError, KeyError) as exc:
+        fail(f"deciding the inputs: {exc}")
+    except Exception as exc:  # a traceback would exit 1, which reads as "invalid"
+        fail(f"deciding the inputs: internal error: {type(exc).__name__}: {exc}")
+    statuses = [s["status"] for s in out["samples"]]
+    if statuses != rs.get("statuses"):
+        diff = [i for i, (a, b) in enumerate(zip(statuses, rs.get("statuses") or [],
+                                                 strict=False)) if a != b]
+        typer.echo(f"INVALID: decided again, the inputs {diff[:10]} get {statuses} where the "
+                   f"certificate says {rs.get('statuses')} (lsa {__version__} here, "
+                   f"{cert.lsa_version} in the certificate)")
+        raise typer.Exit(EXIT_FAILED)
+    ok = out["certified_accuracy"] >= cert.threshold
+    if out["certified_accuracy"] != rs.get("certified_accuracy") or ok != cert.passed:
+        typer.echo(f"INVALID: the certificate says certified accuracy "
+                   f"{rs.get('certified_accuracy')}, passed={cert.passed}; decided again: "
+                   f"{out['certified_accuracy']}, passed={ok}")
+        raise typer.Exit(EXIT_FAILED)
+    typer.echo(f"verdicts: decided again, the {len(statuses)} statuses and the certified "
+               f"accuracy {out['certified_accuracy']} match")

@@ -400,7 +400,8 @@ def test_certified_accuracy_certificate_is_a_job_that_signs_the_verdicts(
     `robustness_set` job (progress per input) whose result is a signed certificate: the
     counts and statuses of lsa_models.engine.at_radius.decide_all (the CLI's set mode gives
     the same), passed iff certified_accuracy >= the threshold; it verifies, any altered field
-    does not; `lsa verify` checks it and refuses --recompute naming the command to use."""
+    does not; `lsa verify` checks it, and with --recompute --inputs --labels decides the set
+    again: a forged but signed certificate, or another set, is invalid."""
     m = upload(client, mlp_onnx.read_bytes(), "mlp.onnx")
     xs = np.stack([center(s).numpy().astype(np.float64)[0] for s in (5, 6, 7)])  # (3, N, D)
     labels = [predicted_label(mlp_onnx, x[None]) for x in xs]
@@ -438,9 +439,42 @@ def test_certified_accuracy_certificate_is_a_job_that_signs_the_verdicts(
     ok = CliRunner().invoke(cli, ["verify", str(tmp_path / "cert.json"), str(mlp_onnx),
                                   "--public-key", str(tmp_path / "pub.pem")])
     assert ok.exit_code == 0 and "certified-accuracy certificate" in ok.stdout, ok.output
-    again = CliRunner().invoke(cli, ["verify", str(tmp_path / "cert.json"), str(mlp_onnx),
-                                     "--public-key", str(tmp_path / "pub.pem"), "--recompute"])
-    assert again.exit_code == 2 and "lsa robustness MODEL --inputs" in again.stderr
+    verify = ["verify", str(tmp_path / "cert.json"), str(mlp_onnx), "--public-key",
+              str(tmp_path / "pub.pem"), "--recompute"]
+    again = CliRunner().invoke(cli, verify)
+    assert again.exit_code == 2 and "--recompute --inputs X.npy --labels Y.npy" in again.stderr
+    sets = ["--inputs", str(tmp_path / "xs.npy"), "--labels", str(tmp_path / "ys.npy")]
+    again = CliRunner().invoke(cli, [*verify, *sets])
+    assert again.exit_code == 0, again.output
+    assert "inputs sha256: matches" in again.stdout and "statuses and the certified" in \
+        again.stdout
+    # another set (one label changed) is not the one certified
+    np.save(tmp_path / "ys2.npy", np.array([labels[0], labels[1], labels[2] + 1]))
+    other = CliRunner().invoke(cli, [*verify, "--inputs", str(tmp_path / "xs.npy"),
+                                     "--labels", str(tmp_path / "ys2.npy")])
+    assert other.exit_code == 1 and "the certificate is for the set" in other.stdout
+    # a correctly signed certificate whose statuses are not what the inputs get
+    from service.certificates import load_or_create_signing_key
+    from service.robustness import sign_robustness_set
+
+    key = load_or_create_signing_key(tmp_path / "k.pem")
+    n = len(rs["statuses"])
+    forged_samples = [{"label": y, "status": "certified"} for y in labels]
+    forged = sign_robustness_set(
+        {"model_sha256": cert["model_sha256"], "norm": "inf", "n": n,
+         "counts": {**rs["counts"]}, "certified_accuracy": 1.0,
+         "attack_accuracy": rs["attack_accuracy"], "samples": forged_samples},
+        cert["seq_len"], 0.01, 0.5, rs["inputs_sha256"], key)
+    (tmp_path / "forged.json").write_text(forged.model_dump_json())
+    bad = CliRunner().invoke(cli, ["verify", str(tmp_path / "forged.json"), str(mlp_onnx),
+                                   "--public-key", str(tmp_path / "k.pem"), "--recompute",
+                                   *sets])
+    assert bad.exit_code == 1 and "decided again, the inputs [2]" in bad.stdout, bad.output
+    for extra, msg in ((["--at", str(tmp_path / "xs.npy")], "--at is for robustness"),):
+        wrong = CliRunner().invoke(cli, [*verify, *sets, *extra])
+        assert wrong.exit_code == 2 and msg in wrong.stderr
+    lone = CliRunner().invoke(cli, verify[:5] + sets)
+    assert lone.exit_code == 2 and "add --recompute" in lone.stderr
 
 
 @pytest.mark.parametrize(("change", "msg"), [

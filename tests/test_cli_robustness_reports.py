@@ -203,3 +203,48 @@ def _pixel_loaded(c: int, h: int, w: int, kh: int, kw: int) -> object:
         onnx = Onnx
 
     return Loaded()
+
+
+@pytest.mark.parametrize(("name", "norm", "radius"), [("hf-vit", "inf", 0.5),
+                                                      ("timm-vit", "2", 3.0)])
+def test_counterexamples_flip_the_library_model_on_images(name: str, norm: str, radius: float,
+                                                          tmp_path: Path) -> None:
+    """On ViTs nobody here wrote (HF transformers, timm; random weights), exported to ONNX
+    and given as images: every counterexample the gate writes is an image (the layout the
+    inputs were given in) within the radius of its input, on which the original torch
+    model - not the graph lsa analysed - predicts the flip class."""
+    import warnings
+
+    import tests.zoo.tv_schemas  # noqa: F401  (before timm/transformers import torchvision)
+    from bench.robustness_zoo import MODELS
+    from tests.onnx_export import export_to
+
+    make, shape = MODELS[name]
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = make().eval()
+        x = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+        export_to(model, x, tmp_path / "vit.onnx", dynamo=False)
+    gen = torch.Generator().manual_seed(2)
+    xs = torch.cat([x, x + 0.3 * torch.randn(*shape, generator=gen)])  # (2, 3, H, W)
+    with torch.no_grad():
+        ys = model(xs).argmax(-1).numpy()
+    np.save(tmp_path / "xs.npy", xs.numpy())
+    np.save(tmp_path / "ys.npy", ys)
+    code, stdout, stderr = _run(str(tmp_path / "vit.onnx"), "--inputs", str(tmp_path / "xs.npy"),
+                                "--labels", str(tmp_path / "ys.npy"), "--norm", norm,
+                                "--radius", str(radius), "--json", "--counterexamples",
+                                str(tmp_path / "ce.npz"))
+    assert code == 0, stderr
+    out = json.loads(stdout)
+    flips = np.load(tmp_path / "ce.npz")
+    assert out["counts"]["attacked"] == len(flips["index"]) >= 1
+    m64 = model.double()
+    for i, y, c, x_flip in zip(flips["index"], flips["label"], flips["flip_class"],
+                               flips["inputs"], strict=True):
+        assert x_flip.shape == tuple(shape[1:])
+        d = x_flip - xs[i].double().numpy()
+        assert (np.abs(d).max() if norm == "inf" else np.linalg.norm(d)) <= radius
+        with torch.no_grad():
+            assert int(m64(torch.from_numpy(x_flip[None])).argmax()) == c != y

@@ -181,12 +181,13 @@ def inputs_sha256(xs: np.ndarray, labels: Any) -> str:
 
 def decide_set(loaded: Any, inputs: np.ndarray, labels: np.ndarray, norm: str,
                radius: float, *, progress: Callable[[int, int, Any], None] | None = None,
-               cut: bool = True) -> Any:
+               cut: bool = True, workers: int = 1) -> Any:
     """Every (inputs[i], labels[i]) decided at `radius` (certified / attacked / unknown /
     misclassified): lsa_models.engine.at_radius's SetReport, its attacked verdicts carrying
     their flips in the graph's layout (`model_image` puts them back into a pixel upload's).
     With `cut`, a pixel upload's images are cut into their patches first (the service's job
-    gets them cut). Raises ValueError for bad inputs, labels, norm or radius."""
+    gets them cut). `workers` > 1: that many forked processes (the CLI's --workers; the
+    verdicts are the same). Raises ValueError for bad inputs, labels, norm or radius."""
     from lsa_models.engine.at_radius import decide_all  # deferred: torch
     from lsa_models.engine.values import LocalNotCertified
 
@@ -199,7 +200,7 @@ def decide_set(loaded: Any, inputs: np.ndarray, labels: np.ndarray, norm: str,
         inputs = np.stack([model_input(loaded, inputs[i], field=f"inputs[{i}]")
                            for i in range(inputs.shape[0])])
     try:
-        return decide_all(loaded, inputs, labels, norm, radius, progress)
+        return decide_all(loaded, inputs, labels, norm, radius, progress, workers=workers)
     except LocalNotCertified as exc:
         raise ValueError(f"no certified verdict for this model: {exc} (the robustness "
                          "verdicts need a local rule for every op of the graph)") from None

@@ -5,6 +5,7 @@ certified accuracy and its CI gate."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -144,6 +145,32 @@ def test_decide_all_counts_and_accuracies(tmp_path: Path) -> None:
         decide_all(om, xs, labels.astype(np.float64), "2", 0.05)
 
 
+def _same(a: at_radius.Verdict, b: at_radius.Verdict) -> bool:
+    """Equal verdicts up to their wall-clock seconds (flips compared entry by entry)."""
+    return replace(a, seconds=0.0) == replace(b, seconds=0.0) and (
+        a.flip is None and b.flip is None
+        or a.flip is not None and b.flip is not None and np.array_equal(a.flip, b.flip))
+
+
+def test_decide_all_in_forked_workers_gives_the_serial_verdicts(tmp_path: Path) -> None:
+    """workers > 1: every verdict (status, route, margin, flip point) is the serial one,
+    reported in the inputs' order; workers < 1 is refused. On tf1 at an inf radius where the
+    set has certified, attacked and unknown inputs."""
+    net = build("tf1", seed=0)
+    om = load_onnx(export(net, tmp_path / "tf1.onnx").read_bytes())
+    xs = np.stack([center(s).numpy().astype(np.float64)[0] for s in range(1, 7)])
+    labels = np.array([_label(om, x[None]) for x in xs])
+    serial = decide_all(om, xs, labels, "inf", 0.03)
+    seen: list[int] = []
+    forked = decide_all(om, xs, labels, "inf", 0.03, workers=3,
+                        progress=lambda i, n, v: seen.append(i))
+    assert seen == list(range(6))
+    assert {v.status for v in serial.verdicts} >= {"certified", "attacked"}
+    assert all(_same(a, b) for a, b in zip(serial.verdicts, forked.verdicts, strict=True))
+    with pytest.raises(ValueError, match="workers must be an integer >= 1"):
+        decide_all(om, xs, labels, "inf", 0.03, workers=0)
+
+
 def test_robustness_cli_set_mode_gate_and_errors(mlp: tuple[OnnxModel, Path],
                                                  tmp_path: Path) -> None:
     """--inputs/--labels/--radius: the JSON's counts and accuracies; exit 1 below
@@ -164,8 +191,10 @@ def test_robustness_cli_set_mode_gate_and_errors(mlp: tuple[OnnxModel, Path],
     assert out["certified_accuracy"] <= out["attack_accuracy"] <= out["clean_accuracy"] == 1.0
     assert [s["label"] for s in out["samples"]] == labels.tolist()
     acc = out["certified_accuracy"]
-    ok = runner.invoke(app, [*base, "--min-certified-accuracy", str(acc)])
+    ok = runner.invoke(app, [*base, "--min-certified-accuracy", str(acc), "--workers", "2"])
     assert ok.exit_code == 0 and json.loads(ok.stdout)["passed"] is True
+    assert [s["status"] for s in json.loads(ok.stdout)["samples"]] == [
+        s["status"] for s in out["samples"]]
     if acc < 1:
         low = runner.invoke(app, [*base, "--min-certified-accuracy", "1"])
         assert low.exit_code == 1 and json.loads(low.stdout)["passed"] is False
@@ -189,6 +218,8 @@ def test_robustness_cli_set_mode_gate_and_errors(mlp: tuple[OnnxModel, Path],
         (["--inputs", str(xi), "--labels", str(xi), "--radius", "0.1"], "integer class"),
         (["--at", str(tmp_path / "x0.npy"), "--label", "0", "--server", "http://127.0.0.1:1"],
          "--server takes --inputs"),
+        (["--at", str(tmp_path / "x0.npy"), "--label", "0", "--radius", "0.1", "--workers",
+          "2"], "--workers decides a set"),
     ]:
         bad = runner.invoke(app, ["robustness", str(path), *args])
         assert bad.exit_code == 2 and msg in bad.stderr, (args, bad.stderr)

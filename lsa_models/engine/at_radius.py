@@ -20,8 +20,10 @@ at r is exactly as sound as a certified radius >= r.
 from __future__ import annotations
 
 import math
+import multiprocessing as mp
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -223,9 +225,13 @@ class SetReport:
 
 def decide_all(model: Any, inputs: np.ndarray, labels: np.ndarray, norm: str, radius: float,
                progress: Callable[[int, int, Verdict], None] | None = None, *,
-               seed: int = 0, sweep: bool = True) -> SetReport:
+               seed: int = 0, sweep: bool = True, workers: int = 1) -> SetReport:
     """`decide` for every (inputs[i], labels[i]) (inputs: a stack along the first axis);
-    `progress(i, n, verdict)` after each. ValueError for mismatched inputs and labels."""
+    `progress(i, n, verdict)` after each, in the inputs' order. With `workers` > 1 the inputs
+    are decided by that many forked processes (each input's verdict is the one `decide`
+    gives alone: the attack is seeded per input, so the verdicts do not depend on the
+    workers); where processes cannot be forked (not Linux or macOS with fork), or for one
+    input, serially. ValueError for mismatched inputs and labels or workers < 1."""
     inputs = np.asarray(inputs)
     labels = np.asarray(labels)
     if not np.issubdtype(labels.dtype, np.integer):
@@ -237,13 +243,58 @@ def decide_all(model: Any, inputs: np.ndarray, labels: np.ndarray, norm: str, ra
                          "axis)")
     if labels.shape[0] == 0:
         raise ValueError("no inputs: give at least one")
+    if not (isinstance(workers, int) and workers >= 1):
+        raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
     t0 = time.monotonic()
     # once for the set: a native model is exported to ONNX by each conversion
     om = as_onnx(model, inputs.shape[-2])
+    n = labels.shape[0]
+    jobs = [(inputs[i], int(labels[i])) for i in range(n)]
+    verdicts: Iterator[Verdict]
+    if workers == 1 or n == 1 or "fork" not in mp.get_all_start_methods():
+        verdicts = (decide(om, x, y, norm, radius, seed=seed, sweep=sweep) for x, y in jobs)
+    else:
+        verdicts = _forked(om, jobs, norm, radius, seed, sweep, min(workers, n))
     out: list[Verdict] = []
-    for i in range(labels.shape[0]):
-        v = decide(om, inputs[i], int(labels[i]), norm, radius, seed=seed, sweep=sweep)
+    for i, v in enumerate(verdicts):
         out.append(v)
         if progress is not None:
-            progress(i, labels.shape[0], v)
+            progress(i, n, v)
     return SetReport(norm, float(radius), out, time.monotonic() - t0)
+
+
+_WORKER_MODEL: list[OnnxModel] = []  # the model a forked worker inherited
+
+
+def _worker_start() -> None:
+    # as torch's DataLoader workers: one thread in a forked child (its OpenMP pool is not
+    # carried over the fork), and the parent's setting anyway
+    torch.set_num_threads(1)
+
+
+def _decide_forked(x: np.ndarray, label: int, norm: str, radius: float, seed: int,
+                   sweep: bool) -> Verdict:
+    return decide(_WORKER_MODEL[0], x, label, norm, radius, seed=seed, sweep=sweep)
+
+
+def _forked(om: OnnxModel, jobs: list[tuple[np.ndarray, int]], norm: str, radius: float,
+            seed: int, sweep: bool, workers: int) -> Iterator[Verdict]:
+    """The verdicts of `jobs` from `workers` forked processes, yielded in the jobs' order as
+    soon as each and those before it are done. Forked, not spawned: the workers inherit the
+    loaded graph (nothing is pickled into them but the inputs) and torch's settings (one
+    thread each)."""
+    _WORKER_MODEL[:] = [om]
+    try:
+        ctx = mp.get_context("fork")
+        with ProcessPoolExecutor(max_workers=workers, mp_context=ctx,
+                                 initializer=_worker_start) as pool:
+            futures = [pool.submit(_decide_forked, x, y, norm, radius, seed, sweep)
+                       for x, y in jobs]
+            try:
+                for fut in futures:
+                    yield fut.result()
+            finally:
+                for fut in futures:  # an error or a consumer that stopped: drop the rest
+                    fut.cancel()
+    finally:
+        _WORKER_MODEL.clear()

@@ -109,7 +109,8 @@ def load_labels(path: Path) -> np.ndarray:
 
 
 def verdicts_json(path: Path, inputs: Path, labels: Path, norm: str, radius: float,
-                  progress: Any = None, flips: list[Any] | None = None) -> dict[str, Any]:
+                  progress: Any = None, flips: list[Any] | None = None,
+                  workers: int = 1) -> dict[str, Any]:
     """The set mode's JSON; with `flips`, each attacked input's counterexample is appended to
     it as (index, label, flip class, distance, the point in the layout the input was given
     in)."""
@@ -124,7 +125,7 @@ def verdicts_json(path: Path, inputs: Path, labels: Path, norm: str, radius: flo
         raise ValueError(f"--inputs holds shape {tuple(xs.shape)} and --labels {ys.shape[0]} "
                          "labels: give the inputs stacked along a first axis, one label each")
     loaded = load_model(path)
-    rep = decide_set(loaded, xs, ys, norm, r, progress=progress)
+    rep = decide_set(loaded, xs, ys, norm, r, progress=progress, workers=workers)
     if flips is not None:
         flips.extend((i, v.label, v.flip_class, v.flip_distance,
                       model_image(loaded, v.flip).reshape(xs.shape[1:]))
@@ -256,6 +257,9 @@ def robustness_cmd(
     counterexamples: Annotated[Path | None, typer.Option(
         "--counterexamples", help="With --radius (locally): write the label flips PGD found "
         "as a .npz (index, label, flip_class, distance, inputs in the given layout)")] = None,
+    workers: Annotated[int, typer.Option(
+        "--workers", help="With --inputs (locally): decide the inputs in this many processes "
+        "(one per core is fastest; the verdicts are the same)", min=1)] = 1,
 ) -> None:
     """Certified robustness radius of a label around an input (every margin f_Y - f_j stays
     positive on the ball), beside the smallest label flip PGD finds; with --radius, the
@@ -271,6 +275,9 @@ def robustness_cmd(
     try:
         mode = _mode(at, label, inputs, labels, radius, min_certified_accuracy)
         _check_outputs(mode, server, junit, summary, counterexamples)
+        if workers > 1 and (mode != "set" or server is not None):
+            raise ValueError("--workers decides a set of inputs here: give --inputs, --labels "
+                             "and --radius, without --server")
         if mode == "set" and server is not None:
             assert inputs is not None and labels is not None and radius is not None
             cert = verdicts_server(path, inputs, labels, norm, radius, min_certified_accuracy,
@@ -279,7 +286,7 @@ def robustness_cmd(
         elif mode == "set":
             assert inputs is not None and labels is not None and radius is not None
             out = verdicts_json(path, inputs, labels, norm, radius, progress=_set_progress,
-                                flips=flips)
+                                flips=flips, workers=workers)
             gate = min_certified_accuracy
             out["min_certified_accuracy"] = gate
             out["passed"] = None if gate is None else out["certified_accuracy"] >= gate

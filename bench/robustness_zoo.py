@@ -144,15 +144,24 @@ class _Loaded:
         self.onnx = om
 
 
-def load(name: str, tmp: Path) -> tuple[Any, np.ndarray]:
-    """The model exported to ONNX and loaded, and its centre input (pixels as patches)."""
+def export_model(name: str, path: Path) -> tuple[nn.Module, torch.Tensor]:
+    """The torch model (seed 0, eval mode) exported to ONNX at `path`, and its centre input
+    (seed 1; an image on pixel models)."""
     make, shape = MODELS[name]
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = make().eval()
         x = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
-        om = load_onnx(export_to(model, x, tmp / f"{name}.onnx", dynamo=False).read_bytes())
+        export_to(model, x, path, dynamo=False)
+    return model, x
+
+
+def load(name: str, tmp: Path) -> tuple[Any, np.ndarray]:
+    """The model exported to ONNX and loaded, and its centre input (pixels as patches)."""
+    path = tmp / f"{name}.onnx"
+    _, x = export_model(name, path)
+    om = load_onnx(path.read_bytes())
     return om, model_input(_Loaded(om), x.numpy().astype(np.float64))  # pixels -> patches
 
 

@@ -213,19 +213,11 @@ def test_counterexamples_flip_the_library_model_on_images(name: str, norm: str, 
     and given as images: every counterexample the gate writes is an image (the layout the
     inputs were given in) within the radius of its input, on which the original torch
     model - not the graph lsa analysed - predicts the flip class."""
-    import warnings
-
     import tests.zoo.tv_schemas  # noqa: F401  (before timm/transformers import torchvision)
-    from bench.robustness_zoo import MODELS
-    from tests.onnx_export import export_to
+    from bench.robustness_zoo import export_model
 
-    make, shape = MODELS[name]
-    torch.manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = make().eval()
-        x = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
-        export_to(model, x, tmp_path / "vit.onnx", dynamo=False)
+    model, x = export_model(name, tmp_path / "vit.onnx")
+    shape = tuple(x.shape)
     gen = torch.Generator().manual_seed(2)
     xs = torch.cat([x, x + 0.3 * torch.randn(*shape, generator=gen)])  # (2, 3, H, W)
     with torch.no_grad():

@@ -131,3 +131,18 @@ def upload(c: TestClient, data: bytes, name: str = "m.safetensors") -> dict[str,
     r = c.post("/models", files={"file": (name, data, "application/octet-stream")})
     assert r.status_code in (200, 201), r.text
     return dict(r.json())
+
+
+def rows_of(db_url: str, table: Any, model_id: str) -> int:
+    """How many rows of `table` (a table with a model_id column) the database holds for the
+    model."""
+    from sqlalchemy import func, select
+
+    from service.db import make_engine
+
+    engine = make_engine(db_url)
+    with engine.connect() as conn:
+        rows = conn.scalar(select(func.count()).select_from(table).where(
+            table.model_id == model_id))
+    engine.dispose()
+    return int(rows or 0)

@@ -14,17 +14,15 @@ from typing import Any
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import func, select
 from typer.testing import CliRunner
 
 from bench.local_models import build, center, export
 from service.app import create_app
 from service.cli import app as cli
-from service.db import make_engine
 from service.settings import Settings
 from service.tables import BoundResultRow
 
-from .conftest import upload
+from .conftest import rows_of, upload
 
 
 @pytest.fixture
@@ -78,12 +76,7 @@ def test_local_bound_second_call_comes_from_the_store(db_url: str, mlp_onnx: Pat
     with TestClient(create_app(settings)) as c:
         second = c.post("/bound", json=local_request(m["id"], x0, 0.01)).json()
     assert second == first
-    engine = make_engine(settings.database_url)
-    with engine.connect() as conn:
-        rows = conn.scalar(select(func.count()).select_from(BoundResultRow).where(
-            BoundResultRow.model_id == m["id"]))
-    engine.dispose()
-    assert rows == 1
+    assert rows_of(settings.database_url, BoundResultRow, m["id"]) == 1
 
 
 @pytest.mark.parametrize(("change", "field"), [

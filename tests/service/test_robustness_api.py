@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -30,7 +31,7 @@ from service.jobs.context import JobAborted, JobContext
 from service.settings import Settings
 from service.tables import Job, RobustnessResultRow, RobustnessSetResultRow
 
-from .conftest import upload
+from .conftest import rows_of, upload
 
 
 @pytest.fixture
@@ -68,12 +69,46 @@ def wait_job(c: TestClient, accepted: Any, timeout: float = 180) -> dict[str, An
 
 def jobs_of(db_url: str, model_id: str) -> int:
     """How many jobs the database holds for the model."""
-    engine = make_engine(db_url)
-    with engine.connect() as conn:
-        jobs = conn.scalar(select(func.count()).select_from(Job).where(
-            Job.model_id == model_id))
-    engine.dispose()
-    return int(jobs or 0)
+    return rows_of(db_url, Job, model_id)
+
+
+def counted_calls(monkeypatch: pytest.MonkeyPatch, module: Any, name: str) -> list[int]:
+    """`module.name` replaced by a wrapper that appends 1 to the returned list per call."""
+    calls: list[int] = []
+    real = getattr(module, name)
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+def hold_first_job(monkeypatch: pytest.MonkeyPatch, stage: str
+                   ) -> tuple[threading.Event, threading.Event]:
+    """(reached, release): the first job whose progress stage matches the regex `stage` sets
+    `reached` and holds there until `release` is set (60 s at most)."""
+    reached, release = threading.Event(), threading.Event()
+    real_progress = JobContext.progress
+
+    def held(self: JobContext, fraction: float, stage_now: str | None = None, *,
+             force: bool = False) -> None:
+        if stage_now is not None and re.match(stage, stage_now) and not reached.is_set():
+            reached.set()
+            release.wait(60)
+        real_progress(self, fraction, stage_now, force=force)
+
+    monkeypatch.setattr(JobContext, "progress", held)
+    return reached, release
+
+
+def wait_for_waiting(c: TestClient, job_url: str, other_job: str) -> None:
+    """Until the job at `job_url` says it waits for `other_job` (60 s at most)."""
+    deadline = time.monotonic() + 60
+    while not (c.get(job_url).json()["stage"] or "").startswith(f"waiting for job {other_job}"):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
 
 
 def certify(c: TestClient, body: dict[str, Any]) -> dict[str, Any]:
@@ -184,13 +219,8 @@ def test_robustness_radii_are_stored_once_and_a_fresh_server_signs_from_them(
     assert cert["norm"] == "inf" and cert["threshold"] == 1e-3
     for k in ("certified_radius", "attack_radius", "margins", "center_sha256"):
         assert cert["robustness"][k] == first["robustness"][k]
-    engine = make_engine(settings.database_url)
-    with engine.connect() as conn:
-        rows = conn.scalar(select(func.count()).select_from(RobustnessResultRow).where(
-            RobustnessResultRow.model_id == m["id"]))
-        jobs = conn.scalar(select(func.count()).select_from(Job).where(
-            Job.model_id == m["id"], Job.kind == "robustness"))
-    engine.dispose()
+    rows = rows_of(settings.database_url, RobustnessResultRow, m["id"])
+    jobs = rows_of(settings.database_url, Job, m["id"])
     assert rows == 1 and jobs in (1, 2)  # b found a's job, or a had finished
 
 
@@ -350,30 +380,11 @@ def test_robustness_certificate_of_a_job_is_stored_once(client: TestClient,
 def test_robustness_jobs_for_the_same_radii_compute_them_once(
         db_url: str, mlp_onnx: Path, make_settings: Callable[..., Settings],
         monkeypatch: pytest.MonkeyPatch) -> None:
-    import threading
-
     import service.jobs.robustness as robustness_jobs
 
-    calls: list[int] = []
-    real_radii = robustness_jobs.robustness_of
-
-    def counted(*args: Any, **kwargs: Any) -> dict[str, Any]:
-        calls.append(1)
-        return real_radii(*args, **kwargs)
-
-    in_bisection, release = threading.Event(), threading.Event()
-    real_progress = JobContext.progress
-
-    def held(self: JobContext, fraction: float, stage: str | None = None, *,
-             force: bool = False) -> None:
-        if stage is not None and re.match(r"radius sweep \d+/", stage) \
-                and not in_bisection.is_set():
-            in_bisection.set()
-            release.wait(60)  # the first job holds here, mid-bisection
-        real_progress(self, fraction, stage, force=force)
-
-    monkeypatch.setattr(robustness_jobs, "robustness_of", counted)
-    monkeypatch.setattr(JobContext, "progress", held)
+    calls = counted_calls(monkeypatch, robustness_jobs, "robustness_of")
+    # the first job holds mid-bisection
+    in_bisection, release = hold_first_job(monkeypatch, r"radius sweep \d+/")
     x0 = center(11).numpy().astype(np.float64)
     with TestClient(create_app(make_settings(db_url, worker_threads=2))) as c:
         m = upload(c, mlp_onnx.read_bytes(), "mlp.onnx")
@@ -382,11 +393,7 @@ def test_robustness_jobs_for_the_same_radii_compute_them_once(
         assert in_bisection.wait(60)
         b = c.post("/certify", json={**req, "min_radius": 1e-3})
         assert b.status_code == 202 and b.json()["job_id"] != a.json()["job_id"]
-        deadline = time.monotonic() + 60
-        while not (c.get(b.json()["url"]).json()["stage"] or "").startswith(
-                f"waiting for job {a.json()['job_id']}"):
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        wait_for_waiting(c, b.json()["url"], a.json()["job_id"])
         release.set()
         first, second = wait_job(c, a)["result"], wait_job(c, b)["result"]
     assert calls == [1]
@@ -517,29 +524,11 @@ def test_certified_accuracy_verdicts_are_stored_once_and_signed_for_any_threshol
     request with another threshold while the first job runs waits for it (the inputs are
     decided once), and after it, on a fresh server (empty caches), the same set is signed at
     once (201) against any threshold, with the stored statuses, and no new job."""
-    import threading
-
     import service.jobs.robustness as robustness_jobs
 
-    calls: list[int] = []
-    real = robustness_jobs.verdicts_of
-
-    def counted(*args: Any, **kwargs: Any) -> dict[str, Any]:
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    deciding, release = threading.Event(), threading.Event()
-    real_progress = JobContext.progress
-
-    def held(self: JobContext, fraction: float, stage: str | None = None, *,
-             force: bool = False) -> None:
-        if stage is not None and stage.startswith("input 1/") and not deciding.is_set():
-            deciding.set()
-            release.wait(60)  # the first job holds here, after its first input
-        real_progress(self, fraction, stage, force=force)
-
-    monkeypatch.setattr(robustness_jobs, "verdicts_of", counted)
-    monkeypatch.setattr(JobContext, "progress", held)
+    calls = counted_calls(monkeypatch, robustness_jobs, "verdicts_of")
+    # the first job holds after its first input
+    deciding, release = hold_first_job(monkeypatch, r"input 1/")
     settings = make_settings(db_url, worker_threads=2)
     xs = np.stack([center(s).numpy().astype(np.float64)[0] for s in (5, 6)])  # (2, N, D)
     labels = [predicted_label(mlp_onnx, x[None]) for x in xs]
@@ -551,11 +540,7 @@ def test_certified_accuracy_verdicts_are_stored_once_and_signed_for_any_threshol
         assert deciding.wait(60)
         b = c.post("/certify", json={**req, "min_certified_accuracy": 1.0})
         assert b.status_code == 202 and b.json()["job_id"] != a.json()["job_id"]
-        deadline = time.monotonic() + 60
-        while not (c.get(b.json()["url"]).json()["stage"] or "").startswith(
-                f"waiting for job {a.json()['job_id']}"):
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        wait_for_waiting(c, b.json()["url"], a.json()["job_id"])
         release.set()
         first, second = wait_job(c, a)["result"], wait_job(c, b)["result"]
     assert calls == [1]
@@ -571,9 +556,4 @@ def test_certified_accuracy_verdicts_are_stored_once_and_signed_for_any_threshol
     assert cert["robustness_set"]["statuses"] == first["robustness_set"]["statuses"]
     assert cert["robustness_set"]["inputs_sha256"] == first["robustness_set"]["inputs_sha256"]
     assert calls == [1] and jobs_of(settings.database_url, m["id"]) == 2
-    engine = make_engine(settings.database_url)
-    with engine.connect() as conn:
-        rows = conn.scalar(select(func.count()).select_from(RobustnessSetResultRow).where(
-            RobustnessSetResultRow.model_id == m["id"]))
-    engine.dispose()
-    assert rows == 1
+    assert rows_of(settings.database_url, RobustnessSetResultRow, m["id"]) == 1

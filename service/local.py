@@ -193,9 +193,10 @@ def decide_set(loaded: Any, inputs: np.ndarray, labels: np.ndarray, norm: str,
 
     if norm not in ("2", "inf"):
         raise ValueError(f"norm must be 2 or inf, got {norm!r}")
-    if inputs.ndim < 2:
-        raise ValueError(f"inputs: shape {tuple(inputs.shape)}; give the inputs stacked "
-                         "along a first axis, (S, N, D) (on a pixel upload (S, C, H, W))")
+    if inputs.ndim < 2 or inputs.shape[0] == 0:
+        raise ValueError(f"inputs: shape {tuple(inputs.shape)}; give at least one input, the "
+                         "inputs stacked along a first axis, (S, N, D) (on a pixel upload "
+                         "(S, C, H, W))")
     if cut and labels.ndim == 1 and labels.shape[0] == inputs.shape[0]:
         inputs = np.stack([model_input(loaded, inputs[i], field=f"inputs[{i}]")
                            for i in range(inputs.shape[0])])

@@ -141,6 +141,16 @@ def test_decide_all_counts_and_accuracies(tmp_path: Path) -> None:
             _holds(om, x, v.label, 0.05, "2")
     with pytest.raises(ValueError, match="one integer per input"):
         decide_all(om, xs, labels[:3], "2", 0.05)
+    # a bad input or label anywhere fails before any input is decided
+    late = xs.copy()
+    late[-1] = np.inf
+    seen.clear()
+    with pytest.raises(ValueError, match=r"inputs\[5\]: the input has non-finite"):
+        decide_all(om, late, labels, "2", 0.05, progress=lambda i, n, v: seen.append(i))
+    with pytest.raises(ValueError, match=r"labels\[5\]: label must be in 0..3"):
+        decide_all(om, xs, np.array([*labels[:5], 4]), "2", 0.05,
+                   progress=lambda i, n, v: seen.append(i))
+    assert seen == []
     with pytest.raises(ValueError, match="labels must be integers"):
         decide_all(om, xs, labels.astype(np.float64), "2", 0.05)
 
@@ -205,6 +215,13 @@ def test_robustness_cli_set_mode_gate_and_errors(mlp: tuple[OnnxModel, Path],
     one = runner.invoke(app, ["robustness", str(path), "--at", str(tmp_path / "x0.npy"),
                               "--label", str(labels[0]), "--radius", "0.001", "--json"])
     assert one.exit_code == 0 and json.loads(one.stdout)["status"] == "certified"
+    nan = xs.copy()
+    nan[1, 2, 3] = np.nan
+    np.save(tmp_path / "nan.npy", nan)
+    np.save(tmp_path / "big.npy", np.array([0, 0, 9]))
+    np.save(tmp_path / "empty.npy", xs[:0])
+    np.save(tmp_path / "none.npy", labels[:0])
+    np.save(tmp_path / "obj.npy", np.array([{"x": 1}] * 3, dtype=object), allow_pickle=True)
     for args, msg in [
         (["--inputs", str(xi), "--labels", str(yi)], "--inputs needs --radius"),
         (["--inputs", str(xi), "--radius", "0.1"], "--inputs and --labels go together"),
@@ -220,6 +237,15 @@ def test_robustness_cli_set_mode_gate_and_errors(mlp: tuple[OnnxModel, Path],
          "--server takes --inputs"),
         (["--at", str(tmp_path / "x0.npy"), "--label", "0", "--radius", "0.1", "--workers",
           "2"], "--workers decides a set"),
+        (["--inputs", str(tmp_path / "nan.npy"), "--labels", str(yi), "--radius", "0.1"],
+         "inputs[1]: the input has non-finite entries"),
+        (["--inputs", str(xi), "--labels", str(tmp_path / "big.npy"), "--radius", "0.1"],
+         "labels[2]: label must be in 0..3"),
+        (["--inputs", str(tmp_path / "empty.npy"), "--labels", str(tmp_path / "none.npy"),
+          "--radius", "0.1"], "give at least one input"),
+        (["--inputs", str(path), "--labels", str(yi), "--radius", "0.1"], "not a .npy file"),
+        (["--inputs", str(tmp_path / "obj.npy"), "--labels", str(yi), "--radius", "0.1"],
+         "holds Python objects (a pickle), which lsa does not load"),
     ]:
         bad = runner.invoke(app, ["robustness", str(path), *args])
         assert bad.exit_code == 2 and msg in bad.stderr, (args, bad.stderr)

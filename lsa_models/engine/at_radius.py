@@ -32,7 +32,7 @@ import torch
 
 from ..empirical.local import attack_at
 from ..onnx.loading import OnnxModel
-from .driver import Centre, center_sha256, margin_lower_bounds
+from .driver import Centre, center_sha256, check_center, margin_lower_bounds
 from .local import (
     ADJOINT_NORMS,
     EIG_NORMS,
@@ -249,6 +249,7 @@ def decide_all(model: Any, inputs: np.ndarray, labels: np.ndarray, norm: str, ra
     # once for the set: a native model is exported to ONNX by each conversion
     om = as_onnx(model, inputs.shape[-2])
     n = labels.shape[0]
+    _check_set(om, inputs, labels)
     jobs = [(inputs[i], int(labels[i])) for i in range(n)]
     verdicts: Iterator[Verdict]
     if workers == 1 or n == 1 or "fork" not in mp.get_all_start_methods():
@@ -261,6 +262,24 @@ def decide_all(model: Any, inputs: np.ndarray, labels: np.ndarray, norm: str, ra
         if progress is not None:
             progress(i, n, v)
     return SetReport(norm, float(radius), out, time.monotonic() - t0)
+
+
+def _check_set(om: OnnxModel, inputs: np.ndarray, labels: np.ndarray) -> None:
+    """Every input and label checked before any is decided (a bad one late in a long set
+    fails at once, not after the ones before it), ValueError naming its index."""
+    for i in range(inputs.shape[0]):
+        try:
+            check_center(om, inputs[i])
+        except ValueError as exc:
+            raise ValueError(f"inputs[{i}]: {exc}") from None
+    with torch.no_grad():
+        k = int(om.module.with_dtype(torch.float64)(
+            torch.from_numpy(check_center(om, inputs[0]))).numel())
+    bad = np.flatnonzero((labels < 0) | (labels >= k))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"labels[{i}]: label must be in 0..{k - 1} (the model has {k} "
+                         f"outputs), got {int(labels[i])}")
 
 
 _WORKER_MODEL: list[OnnxModel] = []  # the model a forked worker inherited

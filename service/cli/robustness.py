@@ -32,9 +32,21 @@ def _load_npy(path: Path, option: str, holds: str) -> np.ndarray:
     """An array from a .npy file (no pickles: object arrays are refused)."""
     if not path.is_file():
         raise ValueError(f"{path}: no such file ({option} takes a .npy file holding {holds})")
+    with path.open("rb") as fh:
+        magic = fh.read(6)
+    if magic != b"\x93NUMPY":
+        raise ValueError(f"{path}: not a .npy file ({option} takes one holding {holds}: "
+                         "write it with numpy.save)")
     try:
         return np.asarray(np.load(path, allow_pickle=False))
-    except (ValueError, OSError) as exc:
+    except ValueError as exc:
+        if "pickle" in str(exc) or "object" in str(exc):
+            # never loaded: an object array is a pickle (docs: no untrusted deserialisation)
+            raise ValueError(f"{path}: holds Python objects (a pickle), which lsa does not "
+                             f"load; save a numeric array ({holds}) with numpy.save") from None
+        raise ValueError(f"{path}: not a readable .npy array ({exc}); write it with "
+                         "numpy.save") from None
+    except OSError as exc:
         raise ValueError(f"{path}: not a readable .npy array ({exc}); write it with "
                          "numpy.save") from None
 

@@ -328,7 +328,7 @@ def check_recomputed_set(cert: Certificate, model: Path, inputs: Path | None,
         loaded = load_model(model)
         xs = load_center(inputs, "--inputs", "the inputs stacked along a first axis")
         ys = load_labels(labels)
-        if xs.ndim < 2 or xs.shape[0] != ys.shape[0]:
+        if xs.ndim < 2 or xs.shape[0] != ys.shape[0] or xs.shape[0] == 0:
             raise ValueError(f"--inputs holds shape {tuple(xs.shape)} and --labels "
                              f"{ys.shape[0]} labels: one label per input")
         # as the server took them: each input as sent, a pixel upload's image cut

@@ -240,3 +240,37 @@ def test_counterexamples_flip_the_library_model_on_images(name: str, norm: str, 
         assert (np.abs(d).max() if norm == "inf" else np.linalg.norm(d)) <= radius
         with torch.no_grad():
             assert int(m64(torch.from_numpy(x_flip[None])).argmax()) == c != y
+
+
+def test_robustness_gate_signs_a_certificate_here_that_verify_recomputes(
+        mlp_set: tuple[Path, Path, Path, np.ndarray], tmp_path: Path) -> None:
+    """--certificate with --key: the certified-accuracy certificate of the set, signed here
+    under the server's rule (the JSON's inputs_sha256 names the set); `lsa verify
+    --recompute --inputs --labels` decides it again and finds it valid; another threshold
+    signs another verdict. Without the threshold, or --key with --server: exit 2."""
+    path, xi, yi, _ = mlp_set
+    cert, key = tmp_path / "cert.json", tmp_path / "key.pem"
+    base = ["--inputs", str(xi), "--labels", str(yi), "--norm", "inf", "--radius", "0.05"]
+    code, stdout, _ = _run(str(path), *base, "--min-certified-accuracy", "0.5", "--json",
+                           "--certificate", str(cert), "--key", str(key))
+    out = json.loads(stdout)
+    signed = json.loads(cert.read_text())
+    assert code == 0 and signed["id"] == out["certificate_id"] and signed["passed"] is True
+    rs = signed["robustness_set"]
+    assert rs["inputs_sha256"] == out["inputs_sha256"] and signed["seq_len"] == out["seq_len"]
+    assert rs["statuses"] == [s["status"] for s in out["samples"]]
+    assert signed["threshold"] == 0.5 and rs["radius"] == 0.05
+    res = CliRunner().invoke(app, ["verify", str(cert), str(path), "--public-key", str(key),
+                                   "--recompute", "--inputs", str(xi), "--labels", str(yi)])
+    assert res.exit_code == 0 and "VALID: certified-accuracy certificate" in res.stdout, \
+        res.output
+    code, _, _ = _run(str(path), *base, "--min-certified-accuracy", "1", "--certificate",
+                      str(cert), "--key", str(key))
+    assert code == 1 and json.loads(cert.read_text())["passed"] is False
+    for args, msg in [
+        ([*base, "--certificate", str(cert)], "--certificate and --key sign"),
+        ([*base, "--min-certified-accuracy", "0.5", "--server", "http://127.0.0.1:1",
+          "--key", str(key)], "drop --key"),
+    ]:
+        code, _, stderr = _run(str(path), *args)
+        assert code == 2 and msg in stderr, (args, stderr)

@@ -236,9 +236,11 @@ def test_e2e_robustness_set_through_the_server_signs_the_local_statuses(
     assert local.returncode == 0, local.stderr
     statuses = [s["status"] for s in json.loads(local.stdout)["samples"]]
     proc = lsa(*args, "--min-certified-accuracy", "0", "--server", server.url, "--json",
-               cwd=tmp_path, LSA_API_KEY=server.api_key)
+               "--certificate", str(tmp_path / "cert.json"), cwd=tmp_path,
+               LSA_API_KEY=server.api_key)
     assert proc.returncode == 0, proc.stderr + server.log_tail()
     cert = Certificate.model_validate_json(proc.stdout)
+    assert Certificate.model_validate_json((tmp_path / "cert.json").read_text()) == cert
     assert cert.robustness_set is not None and cert.robustness_set["statuses"] == statuses
     assert cert.passed and cert.threshold == 0
     check = httpx.post(f"{server.url}/certificates/verify", json=cert.model_dump(mode="json"))

@@ -120,29 +120,43 @@ def load_labels(path: Path) -> np.ndarray:
     return y
 
 
+def load_set(loaded: Any, inputs: Path, labels: Path
+             ) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
+    """(the inputs as the graph takes them, stacked: each as given, a pixel upload's image cut
+    into its patches, exactly as a server takes them; the labels; the shape the inputs were
+    given in). ValueError naming the option or input at fault."""
+    from ..local import model_input
+
+    xs = load_center(inputs, "--inputs", "the inputs stacked along a first axis")
+    ys = load_labels(labels)
+    if xs.ndim < 2 or xs.shape[0] != ys.shape[0] or xs.shape[0] == 0:
+        raise ValueError(f"--inputs holds shape {tuple(xs.shape)} and --labels {ys.shape[0]} "
+                         "labels: give the inputs stacked along a first axis, one label each")
+    return np.stack([model_input(loaded, xs[i], field=f"inputs[{i}]")
+                     for i in range(xs.shape[0])]), ys, tuple(xs.shape)
+
+
 def verdicts_json(path: Path, inputs: Path, labels: Path, norm: str, radius: float,
                   progress: Any = None, flips: list[Any] | None = None,
                   workers: int = 1) -> dict[str, Any]:
-    """The set mode's JSON; with `flips`, each attacked input's counterexample is appended to
-    it as (index, label, flip class, distance, the point in the layout the input was given
-    in)."""
-    from ..local import decide_set, model_image, set_json
+    """The set mode's JSON, with the set's `inputs_sha256` and `seq_len` (what a
+    certificate of it names); with `flips`, each attacked input's counterexample is appended
+    to it as (index, label, flip class, distance, the point in the layout the input was
+    given in)."""
+    from ..local import decide_set, inputs_sha256, model_image, set_json
 
     if norm not in ("2", "inf"):
         raise ValueError(f"--norm must be 2 or inf, got {norm!r}")
     r = check_radius(radius)
-    xs = load_center(inputs, "--inputs", "the inputs stacked along a first axis")
-    ys = load_labels(labels)
-    if xs.ndim < 2 or xs.shape[0] != ys.shape[0]:
-        raise ValueError(f"--inputs holds shape {tuple(xs.shape)} and --labels {ys.shape[0]} "
-                         "labels: give the inputs stacked along a first axis, one label each")
     loaded = load_model(path)
-    rep = decide_set(loaded, xs, ys, norm, r, progress=progress, workers=workers)
+    xs, ys, given = load_set(loaded, inputs, labels)
+    rep = decide_set(loaded, xs, ys, norm, r, progress=progress, cut=False, workers=workers)
     if flips is not None:
         flips.extend((i, v.label, v.flip_class, v.flip_distance,
-                      model_image(loaded, v.flip).reshape(xs.shape[1:]))
+                      model_image(loaded, v.flip).reshape(given[1:]))
                      for i, v in enumerate(rep.verdicts) if v.flip is not None)
-    return set_json(loaded.sha256, rep)
+    return {**set_json(loaded.sha256, rep), "inputs_sha256": inputs_sha256(xs, ys.tolist()),
+            "seq_len": int(xs.shape[-2])}
 
 
 def verdict_one_json(path: Path, at: Path, label: int, norm: str, radius: float,
@@ -183,7 +197,9 @@ def _print_set(out: dict[str, Any], gate: float | None) -> None:
             f"{out['seconds']:.1f} s")
     if gate is not None:
         c.print(f"{'passed' if out['passed'] else 'failed'}: certified accuracy "
-                f"{'>=' if out['passed'] else '<'} {gate:g}")
+                f"{'>=' if out['passed'] else '<'} {gate:g}"
+                + (f" (certificate {out['certificate_id']}, signed here)"
+                   if out.get("certificate_id") else ""))
 
 
 def verdicts_server(path: Path, inputs: Path, labels: Path, norm: str, radius: float,
@@ -272,6 +288,13 @@ def robustness_cmd(
     workers: Annotated[int, typer.Option(
         "--workers", help="With --inputs (locally): decide the inputs in this many processes "
         "(one per core is fastest; the verdicts are the same)", min=1)] = 1,
+    certificate: Annotated[Path | None, typer.Option(
+        "--certificate", help="With --min-certified-accuracy: write the signed "
+        "certified-accuracy certificate (the server's with --server, else signed here with "
+        "--key); `lsa verify` checks it")] = None,
+    key: Annotated[Path | None, typer.Option(
+        "--key", help="Local signing key for --certificate (Ed25519 PEM, created if missing); "
+        "default: LSA_SIGNING_KEY_PATH or ./var/signing_key.pem")] = None,
 ) -> None:
     """Certified robustness radius of a label around an input (every margin f_Y - f_j stays
     positive on the ball), beside the smallest label flip PGD finds; with --radius, the
@@ -290,11 +313,20 @@ def robustness_cmd(
         if workers > 1 and (mode != "set" or server is not None):
             raise ValueError("--workers decides a set of inputs here: give --inputs, --labels "
                              "and --radius, without --server")
+        if (certificate is not None or key is not None) and \
+                (mode != "set" or min_certified_accuracy is None):
+            raise ValueError("--certificate and --key sign a certified-accuracy certificate: "
+                             "give --inputs, --labels, --radius and --min-certified-accuracy")
+        if key is not None and server is not None:
+            raise ValueError("--key signs here; with --server the server signs with its own "
+                             "key: drop --key")
         if mode == "set" and server is not None:
             assert inputs is not None and labels is not None and radius is not None
             cert = verdicts_server(path, inputs, labels, norm, radius, min_certified_accuracy,
                                    server, api_key)
             out = certificate_set(cert)
+            if certificate is not None:
+                write_file(certificate, json.dumps(cert, indent=2).encode() + b"\n")
         elif mode == "set":
             assert inputs is not None and labels is not None and radius is not None
             out = verdicts_json(path, inputs, labels, norm, radius, progress=_set_progress,
@@ -302,6 +334,11 @@ def robustness_cmd(
             gate = min_certified_accuracy
             out["min_certified_accuracy"] = gate
             out["passed"] = None if gate is None else out["certified_accuracy"] >= gate
+            if certificate is not None:
+                assert gate is not None and radius is not None
+                signed = sign_set_here(out, radius, gate, key)
+                out["certificate_id"] = signed.id
+                write_file(certificate, signed.model_dump_json(indent=2).encode() + b"\n")
         elif mode == "one-radius":
             assert at is not None and label is not None and radius is not None
             out = verdict_one_json(path, at, label, norm, radius, flips=flips)
@@ -362,6 +399,26 @@ def _set_reports(path: Path, norm: str, radius: float | None, gate: float | None
                                                          message))
     except OSError as exc:
         fail(f"cannot write a report: {exc}")
+
+
+def sign_set_here(out: dict[str, Any], radius: float, gate: float, key_path: Path | None
+                  ) -> Any:
+    """The certified-accuracy certificate of the set mode's JSON, signed with the local key
+    under the server's rule (service.robustness.sign_robustness_set: the same fields, passed
+    iff the certified accuracy reaches the threshold)."""
+    from service.certificates import SigningKeyError, load_or_create_signing_key
+    from service.robustness import sign_robustness_set
+
+    from .certify import CertifyError, default_key_path
+
+    try:
+        path = key_path if key_path is not None else default_key_path()
+        signing_key = load_or_create_signing_key(path)
+    except (SigningKeyError, OSError, CertifyError) as exc:
+        raise ValueError(f"signing key: {exc}; pass --key FILE (an Ed25519 PEM private key, "
+                         "created if missing)") from None
+    return sign_robustness_set(out, int(out["seq_len"]), radius, gate, out["inputs_sha256"],
+                               signing_key)
 
 
 def certificate_set(cert: dict[str, Any]) -> dict[str, Any]:

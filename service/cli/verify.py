@@ -14,7 +14,6 @@ import math
 from pathlib import Path
 from typing import Annotated, Any
 
-import numpy as np
 import typer
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -315,8 +314,8 @@ def check_recomputed_set(cert: Certificate, model: Path, inputs: Path | None,
     (certified_accuracy >= threshold); exit 2 without them."""
     from lsa_models import __version__  # deferred: torch
 
-    from ..local import decide_set, inputs_sha256, model_input, set_json
-    from .robustness import load_center, load_labels, load_model
+    from ..local import decide_set, inputs_sha256, set_json
+    from .robustness import load_model, load_set
 
     rs = cert.robustness_set
     assert rs is not None
@@ -326,14 +325,7 @@ def check_recomputed_set(cert: Certificate, model: Path, inputs: Path | None,
     set_threads()
     try:
         loaded = load_model(model)
-        xs = load_center(inputs, "--inputs", "the inputs stacked along a first axis")
-        ys = load_labels(labels)
-        if xs.ndim < 2 or xs.shape[0] != ys.shape[0] or xs.shape[0] == 0:
-            raise ValueError(f"--inputs holds shape {tuple(xs.shape)} and --labels "
-                             f"{ys.shape[0]} labels: one label per input")
-        # as the server took them: each input as sent, a pixel upload's image cut
-        xs = np.stack([model_input(loaded, xs[i], field=f"--inputs[{i}]")
-                       for i in range(xs.shape[0])])
+        xs, ys, _ = load_set(loaded, inputs, labels)  # as the server took them
     except (ValueError, TypeError, OSError) as exc:
         fail(str(exc))
     digest = inputs_sha256(xs, ys.tolist())

@@ -181,13 +181,14 @@ def inputs_sha256(xs: np.ndarray, labels: Any) -> str:
 
 def decide_set(loaded: Any, inputs: np.ndarray, labels: np.ndarray, norm: str,
                radius: float, *, progress: Callable[[int, int, Any], None] | None = None,
-               cut: bool = True, workers: int = 1) -> Any:
+               cut: bool = True, workers: int = 1, sweep: bool = True) -> Any:
     """Every (inputs[i], labels[i]) decided at `radius` (certified / attacked / unknown /
     misclassified): lsa_models.engine.at_radius's SetReport, its attacked verdicts carrying
     their flips in the graph's layout (`model_image` puts them back into a pixel upload's).
     With `cut`, a pixel upload's images are cut into their patches first (the service's job
     gets them cut). `workers` > 1: that many forked processes (the CLI's --workers; the
-    verdicts are the same). Raises ValueError for bad inputs, labels, norm or radius."""
+    verdicts are the same); `sweep=False` skips the radius sweep (lsa robustness
+    --no-sweep). Raises ValueError for bad inputs, labels, norm or radius."""
     from lsa_models.engine.at_radius import decide_all  # deferred: torch
     from lsa_models.engine.values import LocalNotCertified
 
@@ -201,7 +202,8 @@ def decide_set(loaded: Any, inputs: np.ndarray, labels: np.ndarray, norm: str,
         inputs = np.stack([model_input(loaded, inputs[i], field=f"inputs[{i}]")
                            for i in range(inputs.shape[0])])
     try:
-        return decide_all(loaded, inputs, labels, norm, radius, progress, workers=workers)
+        return decide_all(loaded, inputs, labels, norm, radius, progress, workers=workers,
+                          sweep=sweep)
     except LocalNotCertified as exc:
         raise ValueError(f"no certified verdict for this model: {exc} (the robustness "
                          "verdicts need a local rule for every op of the graph)") from None
@@ -216,7 +218,7 @@ def set_json(sha256: str, rep: Any) -> dict[str, Any]:
         "model_sha256": sha256, "norm": rep.norm, "radius": rep.radius,
         "n": len(rep.verdicts), "counts": {s: rep.count(s) for s in STATUSES},
         "clean_accuracy": rep.clean_accuracy, "certified_accuracy": rep.certified_accuracy,
-        "attack_accuracy": rep.attack_accuracy, "seconds": rep.seconds,
+        "attack_accuracy": rep.attack_accuracy, "seconds": rep.seconds, "sweep": rep.sweep,
         "samples": [{"index": i, **verdict_json(v)} for i, v in enumerate(rep.verdicts)],
     }
 

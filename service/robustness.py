@@ -227,6 +227,10 @@ def sign_robustness_set(out: dict[str, Any], n: int, min_radius: float, min_accu
                "min_certified_accuracy": min_accuracy, "inputs_sha256": digest,
                "labels": [s["label"] for s in out["samples"]],
                "statuses": [s["status"] for s in out["samples"]]}
+    if out.get("sweep") is False:
+        # decided without the radius sweep (lsa robustness --no-sweep): a recomputation
+        # must skip it too
+        section["sweep"] = False
     fields: dict[str, Any] = {} if cert_id is None else {"id": cert_id}
     body = new_certificate_body(
         model_sha256=out["model_sha256"], norm=out["norm"], seq_len=n, radius=None,

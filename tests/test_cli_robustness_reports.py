@@ -274,3 +274,27 @@ def test_robustness_gate_signs_a_certificate_here_that_verify_recomputes(
     ]:
         code, _, stderr = _run(str(path), *args)
         assert code == 2 and msg in stderr, (args, stderr)
+
+
+def test_robustness_no_sweep_leaves_the_sweeps_inputs_unknown_and_its_certificate_says_so(
+        mlp_set: tuple[Path, Path, Path, np.ndarray], tmp_path: Path) -> None:
+    """--no-sweep: the inputs only the radius sweep certified (on the MLP's inf-ball at 0.05)
+    are unknown, the others keep their verdicts; its certificate records `sweep: false`, so
+    `lsa verify --recompute` decides the set the same way and finds it valid."""
+    path, xi, yi, _ = mlp_set
+    base = ["--inputs", str(xi), "--labels", str(yi), "--norm", "inf", "--radius", "0.05",
+            "--json"]
+    full = json.loads(_run(str(path), *base)[1])
+    cert, key = tmp_path / "cert.json", tmp_path / "key.pem"
+    code, stdout, _ = _run(str(path), *base, "--no-sweep", "--min-certified-accuracy", "0",
+                           "--certificate", str(cert), "--key", str(key))
+    fast = json.loads(stdout)
+    assert code == 0 and full["sweep"] is True and fast["sweep"] is False
+    swept = [s["certified_by"] == "sweep" for s in full["samples"]]
+    assert any(swept)  # the premise: the sweep decides some input here
+    for a, b, by_sweep in zip(full["samples"], fast["samples"], swept, strict=True):
+        assert b["status"] == ("unknown" if by_sweep else a["status"])
+    assert json.loads(cert.read_text())["robustness_set"]["sweep"] is False
+    res = CliRunner().invoke(app, ["verify", str(cert), str(path), "--public-key", str(key),
+                                   "--recompute", "--inputs", str(xi), "--labels", str(yi)])
+    assert res.exit_code == 0, res.output

@@ -205,6 +205,7 @@ class SetReport:
     radius: float
     verdicts: list[Verdict]
     seconds: float
+    sweep: bool = True  # whether the radius sweep was tried (decide's step 4)
 
     def count(self, status: Status) -> int:
         return sum(v.status == status for v in self.verdicts)
@@ -261,7 +262,7 @@ def decide_all(model: Any, inputs: np.ndarray, labels: np.ndarray, norm: str, ra
         out.append(v)
         if progress is not None:
             progress(i, n, v)
-    return SetReport(norm, float(radius), out, time.monotonic() - t0)
+    return SetReport(norm, float(radius), out, time.monotonic() - t0, sweep)
 
 
 def _check_set(om: OnnxModel, inputs: np.ndarray, labels: np.ndarray) -> None:

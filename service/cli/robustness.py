@@ -129,7 +129,10 @@ def load_set(loaded: Any, inputs: Path, labels: Path
 
     xs = load_center(inputs, "--inputs", "the inputs stacked along a first axis")
     ys = load_labels(labels)
-    if xs.ndim < 2 or xs.shape[0] != ys.shape[0] or xs.shape[0] == 0:
+    if xs.ndim >= 1 and xs.shape[0] == 0:
+        raise ValueError(f"--inputs holds no inputs (shape {tuple(xs.shape)}): give at least "
+                         "one input")
+    if xs.ndim < 2 or xs.shape[0] != ys.shape[0]:
         raise ValueError(f"--inputs holds shape {tuple(xs.shape)} and --labels {ys.shape[0]} "
                          "labels: give the inputs stacked along a first axis, one label each")
     return np.stack([model_input(loaded, xs[i], field=f"inputs[{i}]")
@@ -138,7 +141,7 @@ def load_set(loaded: Any, inputs: Path, labels: Path
 
 def verdicts_json(path: Path, inputs: Path, labels: Path, norm: str, radius: float,
                   progress: Any = None, flips: list[Any] | None = None,
-                  workers: int = 1) -> dict[str, Any]:
+                  workers: int = 1, sweep: bool = True) -> dict[str, Any]:
     """The set mode's JSON, with the set's `inputs_sha256` and `seq_len` (what a
     certificate of it names); with `flips`, each attacked input's counterexample is appended
     to it as (index, label, flip class, distance, the point in the layout the input was
@@ -150,7 +153,8 @@ def verdicts_json(path: Path, inputs: Path, labels: Path, norm: str, radius: flo
     r = check_radius(radius)
     loaded = load_model(path)
     xs, ys, given = load_set(loaded, inputs, labels)
-    rep = decide_set(loaded, xs, ys, norm, r, progress=progress, cut=False, workers=workers)
+    rep = decide_set(loaded, xs, ys, norm, r, progress=progress, cut=False, workers=workers,
+                     sweep=sweep)
     if flips is not None:
         flips.extend((i, v.label, v.flip_class, v.flip_distance,
                       model_image(loaded, v.flip).reshape(given[1:]))
@@ -295,6 +299,10 @@ def robustness_cmd(
     key: Annotated[Path | None, typer.Option(
         "--key", help="Local signing key for --certificate (Ed25519 PEM, created if missing); "
         "default: LSA_SIGNING_KEY_PATH or ./var/signing_key.pem")] = None,
+    sweep: Annotated[bool, typer.Option(
+        "--sweep/--no-sweep", help="With --inputs (locally): try the radius sweep on inputs "
+        "the affine walks and the attack leave undecided (on attention models most of the "
+        "time, rarely a verdict: --no-sweep leaves them unknown, faster)")] = True,
 ) -> None:
     """Certified robustness radius of a label around an input (every margin f_Y - f_j stays
     positive on the ball), beside the smallest label flip PGD finds; with --radius, the
@@ -310,9 +318,9 @@ def robustness_cmd(
     try:
         mode = _mode(at, label, inputs, labels, radius, min_certified_accuracy)
         _check_outputs(mode, server, junit, summary, counterexamples)
-        if workers > 1 and (mode != "set" or server is not None):
-            raise ValueError("--workers decides a set of inputs here: give --inputs, --labels "
-                             "and --radius, without --server")
+        if (workers > 1 or not sweep) and (mode != "set" or server is not None):
+            raise ValueError("--workers and --no-sweep decide a set of inputs here: give "
+                             "--inputs, --labels and --radius, without --server")
         if (certificate is not None or key is not None) and \
                 (mode != "set" or min_certified_accuracy is None):
             raise ValueError("--certificate and --key sign a certified-accuracy certificate: "
@@ -330,7 +338,7 @@ def robustness_cmd(
         elif mode == "set":
             assert inputs is not None and labels is not None and radius is not None
             out = verdicts_json(path, inputs, labels, norm, radius, progress=_set_progress,
-                                flips=flips, workers=workers)
+                                flips=flips, workers=workers, sweep=sweep)
             gate = min_certified_accuracy
             out["min_certified_accuracy"] = gate
             out["passed"] = None if gate is None else out["certified_accuracy"] >= gate

@@ -178,12 +178,20 @@ class CertifyRequest(BaseModel):
         default=None, ge=0, le=1, allow_inf_nan=False, description="With inputs: passed "
         "iff the fraction of the inputs certified robust on the ball of radius min_radius "
         "is at least this")
+    sweep: bool | None = Field(
+        default=None, description="With inputs: false skips the radius sweep on the inputs "
+        "the affine walks and the attack leave undecided (faster on attention models, where "
+        "it rarely decides one; they stay unknown; the certificate records it). Default "
+        "true")
 
     @model_validator(mode="after")
     def _one_form(self) -> CertifyRequest:
         in_set = [n for n in SET_FIELDS if getattr(self, n) is not None]
         if in_set:
             return self._set_form(in_set)
+        if self.sweep is not None:
+            raise ValueError("sweep: only with inputs (a certified-accuracy certificate); "
+                             "omit it")
         robust = [n for n in ("at", "label", "min_radius") if getattr(self, n) is not None]
         if robust:
             return self._robustness_form(robust)

@@ -198,11 +198,16 @@ class LSAClient:
 
     def certify_accuracy(self, model_id: str, inputs: list[Any], labels: list[int],
                          min_radius: float, min_certified_accuracy: float, norm: str = "2",
-                         progress: ProgressFn | None = None) -> Certificate:
+                         progress: ProgressFn | None = None,
+                         sweep: bool = True) -> Certificate:
         """POST /certify with inputs/labels/min_radius/min_certified_accuracy: its job polled
-        to the certified-accuracy certificate (its progress: the inputs decided)."""
-        body = {"model_id": model_id, "norm": norm, "inputs": inputs, "labels": labels,
-                "min_radius": min_radius, "min_certified_accuracy": min_certified_accuracy}
+        to the certified-accuracy certificate (its progress: the inputs decided);
+        `sweep=False` sends "sweep": false (no radius sweep)."""
+        body: dict[str, Any] = {"model_id": model_id, "norm": norm, "inputs": inputs,
+                                "labels": labels, "min_radius": min_radius,
+                                "min_certified_accuracy": min_certified_accuracy}
+        if not sweep:
+            body["sweep"] = False
         return Certificate.model_validate(self._maybe_job("POST", "/certify", body, progress))
 
     def bound_local(self, model_id: str, at: list[Any], eps: float, norm: str = "2",

@@ -225,10 +225,10 @@ def set_json(sha256: str, rep: Any) -> dict[str, Any]:
 
 def verdicts_of(loaded: Any, sha256: str, inputs: np.ndarray, labels: np.ndarray, norm: str,
                 radius: float, *, progress: Callable[[int, int, Any], None] | None = None,
-                cut: bool = True) -> dict[str, Any]:
+                cut: bool = True, sweep: bool = True) -> dict[str, Any]:
     """`decide_set` as JSON (`set_json`)."""
     return set_json(sha256, decide_set(loaded, inputs, labels, norm, radius,
-                                       progress=progress, cut=cut))
+                                       progress=progress, cut=cut, sweep=sweep))
 
 
 # ---- the service: POST /bound with at/eps, POST /certify with at/label/min_radius ------------

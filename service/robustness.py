@@ -260,10 +260,13 @@ async def set_inputs(runtime: Runtime, model: ModelRef, inputs: list[Any]) -> np
     return np.stack(out)
 
 
-def set_result_key(model_sha256: str, inputs_digest: str, norm: str, radius: float) -> str:
+def set_result_key(model_sha256: str, inputs_digest: str, norm: str, radius: float,
+                   sweep: bool = True) -> str:
     """What a set's verdicts depend on (deterministic and seeded), not the threshold."""
-    fields = {"kind": "robustness_set", "model": model_sha256, "inputs": inputs_digest,
-              "norm": norm, "radius": float(radius)}
+    fields: dict[str, Any] = {"kind": "robustness_set", "model": model_sha256,
+                              "inputs": inputs_digest, "norm": norm, "radius": float(radius)}
+    if not sweep:
+        fields["sweep"] = False
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
 
@@ -296,7 +299,8 @@ def issue_set_certificate(runtime: Runtime, model: ModelRef, out: dict[str, Any]
 
 async def robustness_set_certificate(runtime: Runtime, model: ModelRef, inputs: list[Any],
                                      labels: list[int], norm: str, min_radius: float,
-                                     min_accuracy: float) -> Certificate | JobAccepted:
+                                     min_accuracy: float, *, sweep: bool = True
+                                     ) -> Certificate | JobAccepted:
     """The certificate now when the verdicts of (model, inputs, labels, norm, radius) are
     stored (another threshold, or the same request after its job ended), else the job that
     decides every input at min_radius and signs it (identical requests share one active
@@ -306,7 +310,7 @@ async def robustness_set_certificate(runtime: Runtime, model: ModelRef, inputs: 
     top = max(labels)
     await run_counted(runtime, f"robustness-check:{model.sha256}:{raw}:{top}",
                       lambda: check_label(runtime, model, xs[0], top))
-    result_key = set_result_key(model.sha256, raw, norm, min_radius)
+    result_key = set_result_key(model.sha256, raw, norm, min_radius, sweep)
     n = int(xs.shape[-2])
     out = await run_in_threadpool(stored_set, runtime, result_key)
     if out is not None:
@@ -316,6 +320,7 @@ async def robustness_set_certificate(runtime: Runtime, model: ModelRef, inputs: 
     params = {"model_id": model.id, "norm": norm, "inputs": xs.tolist(),
               "labels": [int(v) for v in labels], "seq_len": n,
               "min_radius": min_radius, "min_certified_accuracy": min_accuracy,
-              "inputs_sha256": raw, "result_key": result_key, "request_key": key}
+              "inputs_sha256": raw, "result_key": result_key, "request_key": key,
+              "sweep": sweep}
     return await run_in_threadpool(submit_robustness_job, runtime, model, params,
                                    "robustness_set")

@@ -207,7 +207,8 @@ def _print_set(out: dict[str, Any], gate: float | None) -> None:
 
 
 def verdicts_server(path: Path, inputs: Path, labels: Path, norm: str, radius: float,
-                    gate: float | None, server: str, api_key: str | None) -> dict[str, Any]:
+                    gate: float | None, server: str, api_key: str | None,
+                    sweep: bool = True) -> dict[str, Any]:
     """The certified-accuracy certificate from an lsa server (POST /certify with inputs; the
     server signs it): the model uploaded, the inputs sent as given (a pixel upload's images
     are cut by the server), the job waited for. ValueError for bad input or an unusable
@@ -235,7 +236,7 @@ def verdicts_server(path: Path, inputs: Path, labels: Path, norm: str, radius: f
         with LSAClient(config) as client:
             model = client.upload_model(path)
             cert = client.certify_accuracy(model["id"], xs.tolist(), ys.tolist(), r, gate,
-                                           norm, progress=progress)
+                                           norm, progress=progress, sweep=sweep)
     except (ClientError, KeyError) as exc:
         raise ValueError(f"server {server}: {exc}") from None
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
@@ -300,7 +301,7 @@ def robustness_cmd(
         "--key", help="Local signing key for --certificate (Ed25519 PEM, created if missing); "
         "default: LSA_SIGNING_KEY_PATH or ./var/signing_key.pem")] = None,
     sweep: Annotated[bool, typer.Option(
-        "--sweep/--no-sweep", help="With --inputs (locally): try the radius sweep on inputs "
+        "--sweep/--no-sweep", help="With --inputs: try the radius sweep on inputs "
         "the affine walks and the attack leave undecided (on attention models most of the "
         "time, rarely a verdict: --no-sweep leaves them unknown, faster)")] = True,
 ) -> None:
@@ -318,20 +319,12 @@ def robustness_cmd(
     try:
         mode = _mode(at, label, inputs, labels, radius, min_certified_accuracy)
         _check_outputs(mode, server, junit, summary, counterexamples)
-        if (workers > 1 or not sweep) and (mode != "set" or server is not None):
-            raise ValueError("--workers and --no-sweep decide a set of inputs here: give "
-                             "--inputs, --labels and --radius, without --server")
-        if (certificate is not None or key is not None) and \
-                (mode != "set" or min_certified_accuracy is None):
-            raise ValueError("--certificate and --key sign a certified-accuracy certificate: "
-                             "give --inputs, --labels, --radius and --min-certified-accuracy")
-        if key is not None and server is not None:
-            raise ValueError("--key signs here; with --server the server signs with its own "
-                             "key: drop --key")
+        _check_set_options(mode, server, min_certified_accuracy, workers, sweep, certificate,
+                           key)
         if mode == "set" and server is not None:
             assert inputs is not None and labels is not None and radius is not None
             cert = verdicts_server(path, inputs, labels, norm, radius, min_certified_accuracy,
-                                   server, api_key)
+                                   server, api_key, sweep)
             out = certificate_set(cert)
             if certificate is not None:
                 write_file(certificate, json.dumps(cert, indent=2).encode() + b"\n")
@@ -392,6 +385,23 @@ def _check_outputs(mode: str, server: str | None, junit: Path | None, summary: P
             raise ValueError("--counterexamples runs the attack here: the server's "
                              "certificate names each input's verdict, not its flip; drop "
                              "--server for the points")
+
+
+def _check_set_options(mode: str, server: str | None, gate: float | None, workers: int,
+                       sweep: bool, certificate: Path | None, key: Path | None) -> None:
+    """ValueError naming a set-mode option given outside it (or with what it excludes)."""
+    if workers > 1 and (mode != "set" or server is not None):
+        raise ValueError("--workers decides a set of inputs here: give --inputs, --labels "
+                         "and --radius, without --server")
+    if not sweep and mode != "set":
+        raise ValueError("--no-sweep is for a set of inputs: give --inputs, --labels and "
+                         "--radius")
+    if (certificate is not None or key is not None) and (mode != "set" or gate is None):
+        raise ValueError("--certificate and --key sign a certified-accuracy certificate: "
+                         "give --inputs, --labels, --radius and --min-certified-accuracy")
+    if key is not None and server is not None:
+        raise ValueError("--key signs here; with --server the server signs with its own "
+                         "key: drop --key")
 
 
 def _set_reports(path: Path, norm: str, radius: float | None, gate: float | None,

@@ -65,7 +65,7 @@ async def certify(req: CertifyRequest, runtime: RuntimeDep) -> Response:
         model = await run_in_threadpool(find_model, runtime, req.model_id)
         return certificate_or_job(await robustness_set_certificate(
             runtime, model, req.inputs, req.labels, req.norm, req.min_radius,
-            req.min_certified_accuracy))
+            req.min_certified_accuracy, sweep=req.sweep is not False))
     if req.at is not None:
         assert req.model_id is not None and req.label is not None  # the validator's rule
         assert req.min_radius is not None

@@ -557,3 +557,34 @@ def test_certified_accuracy_verdicts_are_stored_once_and_signed_for_any_threshol
     assert cert["robustness_set"]["inputs_sha256"] == first["robustness_set"]["inputs_sha256"]
     assert calls == [1] and jobs_of(settings.database_url, m["id"]) == 2
     assert rows_of(settings.database_url, RobustnessSetResultRow, m["id"]) == 1
+
+
+def test_certified_accuracy_without_the_sweep_is_its_own_result(
+        client: TestClient, db_url: str, tmp_path: Path) -> None:
+    """"sweep": false (the CLI's --no-sweep): a job whose certificate records it, whose
+    inputs only the sweep certifies stay unknown, and whose stored verdicts are not those of
+    the same set with the sweep (each is decided once, apart); "sweep" without inputs is
+    422. (The MLP of seed 4, where the sweep certifies two of these inputs at inf 0.05.)"""
+    mlp_onnx = export(build("mlp", seed=4), tmp_path / "mlp.onnx")
+    m = upload(client, mlp_onnx.read_bytes(), "mlp.onnx")
+    xs = np.stack([center(s).numpy().astype(np.float32).astype(np.float64)[0]
+                   for s in (5, 6, 7, 8)])
+    labels = [predicted_label(mlp_onnx, x[None]) for x in xs]
+    req = {"model_id": m["id"], "norm": "inf", "inputs": xs.tolist(), "labels": labels,
+           "min_radius": 0.05, "min_certified_accuracy": 0.0}
+    fast = wait_job(client, client.post("/certify", json={**req, "sweep": False}))["result"]
+    full = wait_job(client, client.post("/certify", json=req))["result"]
+    assert fast["robustness_set"]["sweep"] is False and "sweep" not in full["robustness_set"]
+    by_sweep = [a != b for a, b in zip(full["robustness_set"]["statuses"],
+                                       fast["robustness_set"]["statuses"], strict=True)]
+    assert any(by_sweep)  # the premise: on this set the sweep certifies some input
+    for a, b, differs in zip(full["robustness_set"]["statuses"],
+                             fast["robustness_set"]["statuses"], by_sweep, strict=True):
+        assert (a, b) == ("certified", "unknown") if differs else a == b
+    assert client.post("/certificates/verify", json=fast).json()["valid"] is True
+    assert jobs_of(db_url, m["id"]) == 2
+    again = client.post("/certify", json={**req, "sweep": False, "min_certified_accuracy": 1})
+    assert again.status_code == 201 and again.json()["robustness_set"]["sweep"] is False
+    bad = client.post("/certify", json={"model_id": m["id"], "max_lipschitz": 1.0,
+                                        "sweep": False})
+    assert bad.status_code == 422 and "sweep: only with inputs" in bad.text

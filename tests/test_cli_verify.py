@@ -256,7 +256,7 @@ def robust_issued(issued: dict[str, Path], tmp_path_factory: pytest.TempPathFact
                               "--label", "0", "--json"])
     assert res.exit_code == 0, res.output
     label = int(json.loads(res.stdout)["predicted"])
-    from service.cli.robustness import load_model
+    from service.cli.inputs import load_model
 
     radii = robustness_of(load_model(model), hashlib.sha256(model.read_bytes()).hexdigest(),
                           x0, label, "2")

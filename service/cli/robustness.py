@@ -1,16 +1,15 @@
-"""`lsa robustness MODEL --at X0.npy --label Y`: certified and attack radii; and the local
-(ball) report of `lsa bound --at X0.npy --eps E`, which shares its input handling."""
+"""`lsa robustness MODEL --at X0.npy --label Y`: certified and attack radii (with --radius,
+the verdict at one radius; with --inputs, a set's: robustness_set.py); and the local (ball)
+report of `lsa bound --at X0.npy --eps E`, which shares its input handling (inputs.py)."""
 
 from __future__ import annotations
 
 import json
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Annotated, Any
 
-import numpy as np
 import typer
 from rich.console import Console
 
@@ -18,62 +17,18 @@ from api_schemas import BoundReport
 
 from ..local import local_report_of, model_input, robustness_of
 from .common import EXIT_FAILED, app, fail, set_threads
-from .gate_reports import (
-    append_summary,
-    counterexamples_npz,
-    set_junit_xml,
-    set_message,
-    set_summary_markdown,
-    write_file,
+from .gate_reports import counterexamples_npz, set_message, write_file
+from .inputs import check_eps, check_radius, load_center, load_model
+from .robustness_set import (
+    certificate_set,
+    print_certificate,
+    print_set,
+    set_progress,
+    set_reports,
+    sign_set_here,
+    verdicts_json,
+    verdicts_server,
 )
-
-
-def _load_npy(path: Path, option: str, holds: str) -> np.ndarray:
-    """An array from a .npy file (no pickles: object arrays are refused)."""
-    if not path.is_file():
-        raise ValueError(f"{path}: no such file ({option} takes a .npy file holding {holds})")
-    with path.open("rb") as fh:
-        magic = fh.read(6)
-    if magic != b"\x93NUMPY":
-        raise ValueError(f"{path}: not a .npy file ({option} takes one holding {holds}: "
-                         "write it with numpy.save)")
-    try:
-        return np.asarray(np.load(path, allow_pickle=False))
-    except ValueError as exc:
-        if "pickle" in str(exc) or "object" in str(exc):
-            # never loaded: an object array is a pickle (docs: no untrusted deserialisation)
-            raise ValueError(f"{path}: holds Python objects (a pickle), which lsa does not "
-                             f"load; save a numeric array ({holds}) with numpy.save") from None
-        raise ValueError(f"{path}: not a readable .npy array ({exc}); write it with "
-                         "numpy.save") from None
-    except OSError as exc:
-        raise ValueError(f"{path}: not a readable .npy array ({exc}); write it with "
-                         "numpy.save") from None
-
-
-def load_center(path: Path, option: str = "--at", holds: str = "one input") -> np.ndarray:
-    """X0 from a .npy file, as float64."""
-    x = _load_npy(path, option, holds)
-    if not (np.issubdtype(x.dtype, np.floating) or np.issubdtype(x.dtype, np.integer)):
-        raise ValueError(f"{path}: the array has dtype {x.dtype}; a float array is needed")
-    return np.asarray(x, dtype=np.float64)
-
-
-def check_eps(eps: float | None) -> float:
-    if eps is None:
-        raise ValueError("--at needs --eps E: the radius of the ball around the input")
-    if not (math.isfinite(eps) and eps >= 0):
-        raise ValueError(f"--eps must be finite and >= 0, got {eps}")
-    return eps
-
-
-def load_model(path: Path) -> Any:
-    # Deferred here and below: lsa_models imports torch (seconds; `lsa --help` needs none).
-    from lsa_models.analysis import load_model_bytes
-
-    if not path.is_file():
-        raise ValueError(f"{path}: no such file")
-    return load_model_bytes(path.read_bytes(), path.name)
 
 
 def local_report(path: Path, norm: str, at: Path, eps: float | None, *,
@@ -96,71 +51,6 @@ def robustness_json(path: Path, at: Path, label: int, norm: str) -> dict[str, An
     loaded = load_model(path)
     return robustness_of(loaded, loaded.sha256, model_input(loaded, x0, field="--at"), label,
                          norm)
-
-
-def check_radius(radius: float) -> float:
-    if not (math.isfinite(radius) and radius > 0):
-        raise ValueError(f"--radius must be finite and > 0, got {radius}")
-    return radius
-
-
-def load_labels(path: Path) -> np.ndarray:
-    """The labels from a .npy file: one integer class index per input (integral floats are
-    accepted)."""
-    y = _load_npy(path, "--labels", "one integer label per input")
-    if not np.issubdtype(y.dtype, np.integer):
-        if not (np.issubdtype(y.dtype, np.floating) and np.all(np.isfinite(y))
-                and np.all(y == np.round(y))):
-            raise ValueError(f"{path}: labels must be integer class indices, got dtype "
-                             f"{y.dtype}")
-        y = y.astype(np.int64)
-    if y.ndim != 1:
-        raise ValueError(f"{path}: labels must be a 1-D array (one per input), got shape "
-                         f"{tuple(y.shape)}")
-    return y
-
-
-def load_set(loaded: Any, inputs: Path, labels: Path
-             ) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
-    """(the inputs as the graph takes them, stacked: each as given, a pixel upload's image cut
-    into its patches, exactly as a server takes them; the labels; the shape the inputs were
-    given in). ValueError naming the option or input at fault."""
-    from ..local import model_input
-
-    xs = load_center(inputs, "--inputs", "the inputs stacked along a first axis")
-    ys = load_labels(labels)
-    if xs.ndim >= 1 and xs.shape[0] == 0:
-        raise ValueError(f"--inputs holds no inputs (shape {tuple(xs.shape)}): give at least "
-                         "one input")
-    if xs.ndim < 2 or xs.shape[0] != ys.shape[0]:
-        raise ValueError(f"--inputs holds shape {tuple(xs.shape)} and --labels {ys.shape[0]} "
-                         "labels: give the inputs stacked along a first axis, one label each")
-    return np.stack([model_input(loaded, xs[i], field=f"inputs[{i}]")
-                     for i in range(xs.shape[0])]), ys, tuple(xs.shape)
-
-
-def verdicts_json(path: Path, inputs: Path, labels: Path, norm: str, radius: float,
-                  progress: Any = None, flips: list[Any] | None = None,
-                  workers: int = 1, sweep: bool = True) -> dict[str, Any]:
-    """The set mode's JSON, with the set's `inputs_sha256` and `seq_len` (what a
-    certificate of it names); with `flips`, each attacked input's counterexample is appended
-    to it as (index, label, flip class, distance, the point in the layout the input was
-    given in)."""
-    from ..local import decide_set, inputs_sha256, model_image, set_json
-
-    if norm not in ("2", "inf"):
-        raise ValueError(f"--norm must be 2 or inf, got {norm!r}")
-    r = check_radius(radius)
-    loaded = load_model(path)
-    xs, ys, given = load_set(loaded, inputs, labels)
-    rep = decide_set(loaded, xs, ys, norm, r, progress=progress, cut=False, workers=workers,
-                     sweep=sweep)
-    if flips is not None:
-        flips.extend((i, v.label, v.flip_class, v.flip_distance,
-                      model_image(loaded, v.flip).reshape(given[1:]))
-                     for i, v in enumerate(rep.verdicts) if v.flip is not None)
-    return {**set_json(loaded.sha256, rep), "inputs_sha256": inputs_sha256(xs, ys.tolist()),
-            "seq_len": int(xs.shape[-2])}
 
 
 def verdict_one_json(path: Path, at: Path, label: int, norm: str, radius: float,
@@ -188,67 +78,6 @@ def _print_radius(out: dict[str, Any]) -> None:
             + (f" (by the {out['certified_by']} route)" if out["certified_by"] else "")
             + (f", label flipped to {out['flip_class']} at distance "
                f"{out['flip_distance']:.6g}" if out["status"] == "attacked" else ""))
-
-
-def _print_set(out: dict[str, Any], gate: float | None) -> None:
-    c = Console(soft_wrap=True)  # CI logs: one line per fact, not wrapped at 80
-    n, k = out["n"], out["counts"]
-    c.print(f"{n} inputs, {out['norm']}-norm, radius {out['radius']:.6g}: certified "
-            f"{k['certified']}, attacked {k['attacked']}, unknown {k['unknown']}, "
-            f"misclassified {k['misclassified']}")
-    c.print(f"certified accuracy {out['certified_accuracy']:.4f} <= robust accuracy <= "
-            f"{out['attack_accuracy']:.4f} (clean accuracy {out['clean_accuracy']:.4f}); "
-            f"{out['seconds']:.1f} s")
-    if gate is not None:
-        c.print(f"{'passed' if out['passed'] else 'failed'}: certified accuracy "
-                f"{'>=' if out['passed'] else '<'} {gate:g}"
-                + (f" (certificate {out['certificate_id']}, signed here)"
-                   if out.get("certificate_id") else ""))
-
-
-def verdicts_server(path: Path, inputs: Path, labels: Path, norm: str, radius: float,
-                    gate: float | None, server: str, api_key: str | None,
-                    sweep: bool = True) -> dict[str, Any]:
-    """The certified-accuracy certificate from an lsa server (POST /certify with inputs; the
-    server signs it): the model uploaded, the inputs sent as given (a pixel upload's images
-    are cut by the server), the job waited for. ValueError for bad input or an unusable
-    server."""
-    import hashlib
-
-    from ..client import ClientConfig, ClientError, LSAClient
-
-    if gate is None:
-        raise ValueError("--server needs --min-certified-accuracy A: the threshold the "
-                         "server's certificate is signed against")
-    if norm not in ("2", "inf"):
-        raise ValueError(f"--norm must be 2 or inf, got {norm!r}")
-    r = check_radius(radius)
-    xs = load_center(inputs, "--inputs", "the inputs stacked along a first axis")
-    ys = load_labels(labels)
-    if not path.is_file():
-        raise ValueError(f"{path}: no such file")
-    config = ClientConfig(base_url=server, api_key=api_key)
-
-    def progress(stage: str, fraction: float | None) -> None:
-        print(f"server: {stage}", file=sys.stderr, flush=True)
-
-    try:
-        with LSAClient(config) as client:
-            model = client.upload_model(path)
-            cert = client.certify_accuracy(model["id"], xs.tolist(), ys.tolist(), r, gate,
-                                           norm, progress=progress, sweep=sweep)
-    except (ClientError, KeyError) as exc:
-        raise ValueError(f"server {server}: {exc}") from None
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()
-    if cert.model_sha256 != digest or cert.robustness_set is None:
-        raise ValueError(f"server {server}: the certificate is not a certified-accuracy one "
-                         f"for {path} (sha256 {digest})")
-    return cert.model_dump(mode="json")
-
-
-def _set_progress(i: int, n: int, v: Any) -> None:
-    print(f"input {i + 1}/{n}: {v.status}" + (f" ({v.certified_by})" if v.certified_by else "")
-          + f", {v.seconds:.1f} s", file=sys.stderr, flush=True)
 
 
 @app.command("robustness")
@@ -330,7 +159,7 @@ def robustness_cmd(
                 write_file(certificate, json.dumps(cert, indent=2).encode() + b"\n")
         elif mode == "set":
             assert inputs is not None and labels is not None and radius is not None
-            out = verdicts_json(path, inputs, labels, norm, radius, progress=_set_progress,
+            out = verdicts_json(path, inputs, labels, norm, radius, progress=set_progress,
                                 flips=flips, workers=workers, sweep=sweep)
             gate = min_certified_accuracy
             out["min_certified_accuracy"] = gate
@@ -349,21 +178,21 @@ def robustness_cmd(
         if counterexamples is not None and flips is not None:
             write_file(counterexamples, counterexamples_npz(flips))
     except (ValueError, TypeError, OSError) as exc:
-        _set_reports(path, norm, radius, min_certified_accuracy, None, str(exc),
+        set_reports(path, norm, radius, min_certified_accuracy, None, str(exc),
                      time.monotonic() - start, junit, summary)
         fail(str(exc))
     if mode != "set":
         _print_one(mode, out, json_out)
         return
     assert out is not None
-    _set_reports(path, norm, radius, min_certified_accuracy, out, set_message(out),
+    set_reports(path, norm, radius, min_certified_accuracy, out, set_message(out),
                  time.monotonic() - start, junit, summary)
     if server is not None:
-        _print_certificate(cert, json_out)
+        print_certificate(cert, json_out)
     elif json_out:
         typer.echo(json.dumps(out))
     else:
-        _print_set(out, min_certified_accuracy)
+        print_set(out, min_certified_accuracy)
     if out["passed"] is False:
         raise typer.Exit(EXIT_FAILED)
 
@@ -404,58 +233,6 @@ def _check_set_options(mode: str, server: str | None, gate: float | None, worker
                          "key: drop --key")
 
 
-def _set_reports(path: Path, norm: str, radius: float | None, gate: float | None,
-                 out: dict[str, Any] | None, message: str, elapsed_s: float,
-                 junit: Path | None, summary: Path | None) -> None:
-    """The set gate's JUnit XML and Markdown summary (on an error too, as `lsa certify`'s:
-    the CI job shows why it stopped); a report that cannot be written is an error."""
-    try:
-        if junit is not None:
-            write_file(junit, set_junit_xml(path, norm, radius, gate, out, message, elapsed_s))
-        if summary is not None:
-            append_summary(summary, set_summary_markdown(path, norm, radius, gate, out,
-                                                         message))
-    except OSError as exc:
-        fail(f"cannot write a report: {exc}")
-
-
-def sign_set_here(out: dict[str, Any], radius: float, gate: float, key_path: Path | None
-                  ) -> Any:
-    """The certified-accuracy certificate of the set mode's JSON, signed with the local key
-    under the server's rule (service.robustness.sign_robustness_set: the same fields, passed
-    iff the certified accuracy reaches the threshold)."""
-    from service.certificates import SigningKeyError, load_or_create_signing_key
-    from service.robustness import sign_robustness_set
-
-    from .certify import CertifyError, default_key_path
-
-    try:
-        path = key_path if key_path is not None else default_key_path()
-        signing_key = load_or_create_signing_key(path)
-    except (SigningKeyError, OSError, CertifyError) as exc:
-        raise ValueError(f"signing key: {exc}; pass --key FILE (an Ed25519 PEM private key, "
-                         "created if missing)") from None
-    return sign_robustness_set(out, int(out["seq_len"]), radius, gate, out["inputs_sha256"],
-                               signing_key)
-
-
-def certificate_set(cert: dict[str, Any]) -> dict[str, Any]:
-    """A server's certified-accuracy certificate in the set mode's JSON shape (for the
-    reports): per input its label and status; no flips or seconds (the certificate keeps
-    the verdicts, not how they were reached)."""
-    rs = cert["robustness_set"]
-    n, k = rs["n"], rs["counts"]
-    return {"model_sha256": cert["model_sha256"], "norm": cert["norm"],
-            "radius": rs["radius"], "n": n, "counts": k,
-            "certified_accuracy": rs["certified_accuracy"],
-            "attack_accuracy": rs["attack_accuracy"],
-            "clean_accuracy": 1.0 - k["misclassified"] / max(1, n),
-            "min_certified_accuracy": cert["threshold"], "passed": cert["passed"],
-            "certificate_id": cert["id"], "lsa_version": cert["lsa_version"],
-            "samples": [{"index": i, "label": y, "status": st} for i, (y, st)
-                        in enumerate(zip(rs["labels"], rs["statuses"], strict=True))]}
-
-
 def _print_one(mode: str, out: dict[str, Any] | None, json_out: bool) -> None:
     assert out is not None
     if json_out:
@@ -473,21 +250,6 @@ def _print_one(mode: str, out: dict[str, Any] | None, json_out: bool) -> None:
     c.print("margins: " + ", ".join(f"{j}: {m:.4g}" for j, m in out["margins"].items()))
     c.print(f"seconds: certify {out['seconds']['certify']:.2f}, attack "
             f"{out['seconds']['attack']:.2f}")
-
-
-def _print_certificate(cert: dict[str, Any], json_out: bool) -> None:
-    if json_out:
-        typer.echo(json.dumps(cert))
-        return
-    rs = cert["robustness_set"]
-    k = rs["counts"]
-    c = Console(soft_wrap=True)  # CI logs: one line per fact, not wrapped at 80
-    c.print(f"{rs['n']} inputs, {cert['norm']}-norm, radius {rs['radius']:.6g}: certified "
-            f"{k['certified']}, attacked {k['attacked']}, unknown {k['unknown']}, "
-            f"misclassified {k['misclassified']}")
-    c.print(f"{'passed' if cert['passed'] else 'failed'}: certified accuracy "
-            f"{rs['certified_accuracy']:.4f} vs {cert['threshold']:g} (certificate "
-            f"{cert['id']}, signed by the server)")
 
 
 def _mode(at: Path | None, label: int | None, inputs: Path | None, labels: Path | None,

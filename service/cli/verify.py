@@ -266,7 +266,7 @@ def check_recomputed_radius(cert: Certificate, model: Path, at: Path | None) -> 
     from lsa_models.engine.driver import center_sha256, check_center
     from lsa_models.engine.local import as_onnx
 
-    from .robustness import load_center, load_model
+    from .inputs import load_center, load_model
 
     assert cert.robustness is not None
     if at is None:
@@ -315,7 +315,7 @@ def check_recomputed_set(cert: Certificate, model: Path, inputs: Path | None,
     from lsa_models import __version__  # deferred: torch
 
     from ..local import decide_set, inputs_sha256, set_json
-    from .robustness import load_model, load_set
+    from .inputs import load_model, load_set
 
     rs = cert.robustness_set
     assert rs is not None

@@ -76,6 +76,35 @@ class CertificateBody(BaseModel):
                    "statuses": ["certified", "unknown"]}])
 
 
+class Counterexample(BaseModel):
+    """A label flip PGD found inside the ball of one input of a certified-accuracy set."""
+
+    index: int = Field(ge=0, description="Which input of the set (its position)")
+    label: int = Field(ge=0)
+    flip_class: int = Field(ge=0, description="The class whose output exceeds the label's "
+                            "at the point")
+    distance: float = Field(ge=0, description="The point's distance from the input in the "
+                            "norm (<= radius)")
+    input: list[Any] = Field(description="The point, float64, in the input's layout: the "
+                             "shape it was sent in, or on a pixel upload the image (1, C, H, "
+                             "W)")
+
+
+class Counterexamples(BaseModel):
+    """The counterexamples behind a certified-accuracy certificate: one per `attacked`
+    status (unsigned: each is checked by evaluating the model at it)."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [{
+        "certificate_id": "c0ffee00-0000-4000-8000-000000000001", "norm": "inf",
+        "radius": 0.01, "counterexamples": [{"index": 1, "label": 0, "flip_class": 2,
+                                             "distance": 0.0093, "input": [[0.1, -0.2]]}]}]})
+
+    certificate_id: str
+    norm: Norm
+    radius: float
+    counterexamples: list[Counterexample]
+
+
 class Certificate(CertificateBody):
     model_config = ConfigDict(
         extra="forbid",

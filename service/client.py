@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 
 from api_schemas.bounds import BoundReport
-from api_schemas.certificates import Certificate, VerifyResult
+from api_schemas.certificates import Certificate, Counterexamples, VerifyResult
 
 RETRY_STATUS = frozenset({500, 502, 503, 504})
 JOB_DONE = frozenset({"succeeded", "failed", "cancelled"})
@@ -209,6 +209,12 @@ class LSAClient:
         if not sweep:
             body["sweep"] = False
         return Certificate.model_validate(self._maybe_job("POST", "/certify", body, progress))
+
+    def counterexamples(self, certificate_id: str) -> Counterexamples:
+        """GET /certificates/{id}/counterexamples: the label flips behind a
+        certified-accuracy certificate."""
+        resp = self.request("GET", f"/certificates/{certificate_id}/counterexamples")
+        return Counterexamples.model_validate(resp.json())
 
     def bound_local(self, model_id: str, at: list[Any], eps: float, norm: str = "2",
                     empirical: dict[str, Any] | None = None,

@@ -225,10 +225,23 @@ def set_json(sha256: str, rep: Any) -> dict[str, Any]:
 
 def verdicts_of(loaded: Any, sha256: str, inputs: np.ndarray, labels: np.ndarray, norm: str,
                 radius: float, *, progress: Callable[[int, int, Any], None] | None = None,
-                cut: bool = True, sweep: bool = True) -> dict[str, Any]:
-    """`decide_set` as JSON (`set_json`)."""
-    return set_json(sha256, decide_set(loaded, inputs, labels, norm, radius,
-                                       progress=progress, cut=cut, sweep=sweep))
+                cut: bool = True, sweep: bool = True,
+                counterexamples: bool = False) -> dict[str, Any]:
+    """`decide_set` as JSON (`set_json`); with `counterexamples`, a list of the attacked
+    inputs' flips under that key (index, label, flip_class, distance, and the point in the
+    input's layout: its shape in `inputs`, or on a pixel upload the image (1, C, H, W))."""
+    rep = decide_set(loaded, inputs, labels, norm, radius, progress=progress, cut=cut,
+                     sweep=sweep)
+    out = set_json(sha256, rep)
+    if counterexamples:
+        pixels = patch_grid(loaded) is not None
+        out["counterexamples"] = [
+            {"index": i, "label": v.label, "flip_class": v.flip_class,
+             "distance": v.flip_distance,
+             "input": (model_image(loaded, v.flip) if pixels
+                       else v.flip.reshape(inputs[i].shape)).tolist()}
+            for i, v in enumerate(rep.verdicts) if v.flip is not None]
+    return out
 
 
 # ---- the service: POST /bound with at/eps, POST /certify with at/label/min_radius ------------

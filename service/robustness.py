@@ -23,14 +23,14 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from api_schemas.certificates import Certificate
+from api_schemas.certificates import Certificate, Counterexamples
 from api_schemas.jobs import JobAccepted
 
 from .bounding import ModelRef, load_model
 from .certificates import new_certificate_body, sign_certificate
 from .certifying import robust
 from .db import transaction
-from .errors import InvalidRequest, PayloadTooLarge
+from .errors import InvalidRequest, NotFound, PayloadTooLarge
 from .jobs.runner import submit_keyed_job
 from .local import inputs_sha256, model_center, run_counted
 from .runtime import Runtime
@@ -324,3 +324,20 @@ async def robustness_set_certificate(runtime: Runtime, model: ModelRef, inputs: 
               "sweep": sweep}
     return await run_in_threadpool(submit_robustness_job, runtime, model, params,
                                    "robustness_set")
+
+
+def set_counterexamples(runtime: Runtime, cert: Certificate) -> Counterexamples:
+    """The counterexamples stored with the verdicts a certified-accuracy certificate was
+    signed from; NotFound for another kind of certificate or verdicts no longer stored."""
+    rs = cert.robustness_set
+    if rs is None:
+        raise NotFound(f"certificate {cert.id} is not a certified-accuracy certificate "
+                       "(POST /certify with inputs): it has no counterexamples")
+    key = set_result_key(cert.model_sha256, str(rs["inputs_sha256"]), cert.norm,
+                         float(rs["radius"]), rs.get("sweep") is not False)
+    out = stored_set(runtime, key)
+    if out is None or "counterexamples" not in out:
+        raise NotFound(f"the verdicts behind certificate {cert.id} are not stored (their "
+                       "model was deleted?): certify the set again")
+    return Counterexamples(certificate_id=cert.id, norm=cert.norm, radius=float(rs["radius"]),
+                           counterexamples=out["counterexamples"])

@@ -111,9 +111,6 @@ def test_robustness_reports_on_errors_and_option_misuse(
          "--junit and --summary report a gate on a set"),
         (["--at", x0, "--label", "0", "--counterexamples", str(tmp_path / "c.npz")],
          "--counterexamples needs --radius"),
-        (["--inputs", str(xi), "--labels", str(yi), "--radius", "0.1",
-          "--min-certified-accuracy", "0.5", "--server", "http://127.0.0.1:1",
-          "--counterexamples", str(tmp_path / "c.npz")], "drop --server"),
     ]:
         code, _, stderr = _run(str(path), *args)
         assert code == 2 and msg in stderr, (args, stderr)

@@ -231,16 +231,20 @@ def test_e2e_robustness_set_through_the_server_signs_the_local_statuses(
     np.save(tmp_path / "xs.npy", xs)
     np.save(tmp_path / "ys.npy", ys)
     args = ["robustness", str(model), "--inputs", str(tmp_path / "xs.npy"), "--labels",
-            str(tmp_path / "ys.npy"), "--radius", "0.01", "--norm", "inf"]
-    local = lsa(*args, "--json", cwd=tmp_path)
+            str(tmp_path / "ys.npy"), "--radius", "0.05", "--norm", "inf"]
+    local = lsa(*args, "--json", "--counterexamples", str(tmp_path / "local.npz"),
+                cwd=tmp_path)
     assert local.returncode == 0, local.stderr
     statuses = [s["status"] for s in json.loads(local.stdout)["samples"]]
     proc = lsa(*args, "--min-certified-accuracy", "0", "--server", server.url, "--json",
-               "--certificate", str(tmp_path / "cert.json"), cwd=tmp_path,
-               LSA_API_KEY=server.api_key)
+               "--certificate", str(tmp_path / "cert.json"), "--counterexamples",
+               str(tmp_path / "server.npz"), cwd=tmp_path, LSA_API_KEY=server.api_key)
     assert proc.returncode == 0, proc.stderr + server.log_tail()
     cert = Certificate.model_validate_json(proc.stdout)
     assert Certificate.model_validate_json((tmp_path / "cert.json").read_text()) == cert
+    # the server's counterexamples are the local run's (the attack is seeded per input)
+    here, there = np.load(tmp_path / "local.npz"), np.load(tmp_path / "server.npz")
+    assert all(np.array_equal(here[k], there[k]) for k in here.files)
     assert cert.robustness_set is not None and cert.robustness_set["statuses"] == statuses
     assert cert.passed and cert.threshold == 0
     check = httpx.post(f"{server.url}/certificates/verify", json=cert.model_dump(mode="json"))

@@ -117,8 +117,9 @@ def robustness_cmd(
         "--summary", help="With --inputs: append a Markdown summary (e.g. "
         "$GITHUB_STEP_SUMMARY)")] = None,
     counterexamples: Annotated[Path | None, typer.Option(
-        "--counterexamples", help="With --radius (locally): write the label flips PGD found "
-        "as a .npz (index, label, flip_class, distance, inputs in the given layout)")] = None,
+        "--counterexamples", help="With --radius: write the label flips PGD found as a .npz "
+        "(index, label, flip_class, distance, inputs in the given layout; with --server, "
+        "the server's)")] = None,
     workers: Annotated[int, typer.Option(
         "--workers", help="With --inputs (locally): decide the inputs in this many processes "
         "(one per core is fastest; the verdicts are the same)", min=1)] = 1,
@@ -153,7 +154,7 @@ def robustness_cmd(
         if mode == "set" and server is not None:
             assert inputs is not None and labels is not None and radius is not None
             cert = verdicts_server(path, inputs, labels, norm, radius, min_certified_accuracy,
-                                   server, api_key, sweep)
+                                   server, api_key, sweep, flips)
             out = certificate_set(cert)
             if certificate is not None:
                 write_file(certificate, json.dumps(cert, indent=2).encode() + b"\n")
@@ -206,14 +207,9 @@ def _check_outputs(mode: str, server: str | None, junit: Path | None, summary: P
     if mode != "set" and (junit is not None or summary is not None):
         raise ValueError("--junit and --summary report a gate on a set of inputs: give "
                          "--inputs, --labels and --radius")
-    if counterexamples is not None:
-        if mode == "one":
-            raise ValueError("--counterexamples needs --radius R: the label flips found "
-                             "inside the ball of that radius are written")
-        if server is not None:
-            raise ValueError("--counterexamples runs the attack here: the server's "
-                             "certificate names each input's verdict, not its flip; drop "
-                             "--server for the points")
+    if counterexamples is not None and mode == "one":
+        raise ValueError("--counterexamples needs --radius R: the label flips found inside "
+                         "the ball of that radius are written")
 
 
 def _check_set_options(mode: str, server: str | None, gate: float | None, workers: int,

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import typer
 from rich.console import Console
 
@@ -59,11 +60,12 @@ def print_set(out: dict[str, Any], gate: float | None) -> None:
 
 def verdicts_server(path: Path, inputs: Path, labels: Path, norm: str, radius: float,
                     gate: float | None, server: str, api_key: str | None,
-                    sweep: bool = True) -> dict[str, Any]:
+                    sweep: bool = True, flips: list[Any] | None = None) -> dict[str, Any]:
     """The certified-accuracy certificate from an lsa server (POST /certify with inputs; the
     server signs it): the model uploaded, the inputs sent as given (a pixel upload's images
-    are cut by the server), the job waited for. ValueError for bad input or an unusable
-    server."""
+    are cut by the server), the job waited for; with `flips`, the server's counterexamples
+    (GET /certificates/{id}/counterexamples) appended as the local mode's. ValueError for
+    bad input or an unusable server."""
     import hashlib
 
     from ..client import ClientConfig, ClientError, LSAClient
@@ -88,6 +90,10 @@ def verdicts_server(path: Path, inputs: Path, labels: Path, norm: str, radius: f
             model = client.upload_model(path)
             cert = client.certify_accuracy(model["id"], xs.tolist(), ys.tolist(), r, gate,
                                            norm, progress=progress, sweep=sweep)
+            if flips is not None:
+                flips.extend((c.index, c.label, c.flip_class, c.distance,
+                              np.asarray(c.input, dtype=np.float64).reshape(xs.shape[1:]))
+                             for c in client.counterexamples(cert.id).counterexamples)
     except (ClientError, KeyError) as exc:
         raise ValueError(f"server {server}: {exc}") from None
     digest = hashlib.sha256(path.read_bytes()).hexdigest()

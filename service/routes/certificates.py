@@ -10,7 +10,12 @@ from pydantic import BaseModel, ConfigDict
 from starlette.concurrency import run_in_threadpool
 
 from api_schemas import BoundReport
-from api_schemas.certificates import CERTIFICATE_EXAMPLE, Certificate, VerifyResult
+from api_schemas.certificates import (
+    CERTIFICATE_EXAMPLE,
+    Certificate,
+    Counterexamples,
+    VerifyResult,
+)
 from api_schemas.jobs import JobAccepted
 from api_schemas.requests import CertifyRequest
 
@@ -21,7 +26,11 @@ from ..db import transaction
 from ..deps import ReadAccess, ReadSessionDep, RuntimeDep, WriteAccess
 from ..errors import NotFound, responses
 from ..jobs.training import submit_training
-from ..robustness import robustness_certificate, robustness_set_certificate
+from ..robustness import (
+    robustness_certificate,
+    robustness_set_certificate,
+    set_counterexamples,
+)
 from ..runtime import Runtime
 from ..tables import CertificateRow
 from .jobs import accepted_response
@@ -126,3 +135,12 @@ def read_certificate(certificate_id: str, session: ReadSessionDep) -> Certificat
     if row is None:
         raise NotFound(f"no certificate with id {certificate_id}")
     return Certificate.model_validate(row.body)
+
+
+@router.get("/certificates/{certificate_id}/counterexamples", response_model=Counterexamples,
+            dependencies=[ReadAccess], responses=responses(404),
+            summary="The label flips behind a certified-accuracy certificate (one per "
+                    "attacked input: the point, its distance and class)")
+def read_counterexamples(certificate_id: str, session: ReadSessionDep,
+                         runtime: RuntimeDep) -> Counterexamples:
+    return set_counterexamples(runtime, read_certificate(certificate_id, session))

@@ -150,8 +150,9 @@ def test_pixels_robustness_request_is_queued_on_the_patches(
 def test_pixels_certified_accuracy_certificate_takes_images(
         client: TestClient, pixel_onnx: tuple[Path, nn.Module], tmp_path: Path) -> None:
     """POST /certify with images as inputs: cut into patches once at the request, decided in
-    the job as the CLI decides the same images (the same statuses); a patch array instead of
-    an image is 422 naming the input."""
+    the job as the CLI decides the same images (the same statuses); its counterexamples are
+    images that flip the original torch model; a patch array instead of an image is 422
+    naming the input."""
     path, model = pixel_onnx
     m = upload(client, path.read_bytes(), "pixels.onnx")
     imgs = np.random.default_rng(4).standard_normal((3, C, H, W))
@@ -175,6 +176,21 @@ def test_pixels_certified_accuracy_certificate_takes_images(
                                    "--radius", "0.01", "--json"])
     assert res.exit_code == 0, res.output
     assert [s["status"] for s in json.loads(res.stdout)["samples"]] == rs["statuses"]
+    # at a radius the attack flips: the counterexamples are images that flip the torch model
+    big = {**req, "min_radius": 3.0}
+    r = client.post("/certify", json=big)
+    deadline = time.monotonic() + 120
+    while (job := client.get(r.json()["url"]).json())["status"] in ("queued", "running"):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    flips = client.get(f"/certificates/{job['result']['id']}/counterexamples").json()
+    assert len(flips["counterexamples"]) == job["result"]["robustness_set"]["counts"][
+        "attacked"] >= 1
+    for c in flips["counterexamples"]:
+        img = np.asarray(c["input"])
+        assert img.shape == (1, C, H, W) and np.linalg.norm(img - imgs[c["index"]]) <= 3.0
+        with torch.no_grad():
+            assert int(model.double()(torch.from_numpy(img)).argmax()) == c["flip_class"]
     loaded = load_model_bytes(path.read_bytes(), path.name)
     patches = model_input(loaded, imgs[:1])[0]
     bad = client.post("/certify", json={**req, "inputs": [patches.tolist()] * 3})

@@ -590,3 +590,45 @@ def test_certified_accuracy_without_the_sweep_is_its_own_result(
     bad = client.post("/certify", json={"model_id": m["id"], "max_lipschitz": 1.0,
                                         "sweep": False})
     assert bad.status_code == 422 and "sweep: only with inputs" in bad.text
+
+
+def test_certified_accuracy_counterexamples_are_flips_of_the_set(
+        client: TestClient, tmp_path: Path) -> None:
+    """GET /certificates/{id}/counterexamples: one per attacked status, each a point within
+    the radius of its input (as sent) where the model's largest output is the flip class, not
+    the label; the same for a certificate signed later from the stored verdicts; 404 naming
+    the reason for a Lipschitz certificate or an unknown id."""
+    from lsa_models.onnx import load_onnx
+
+    path = export(build("mlp", seed=4), tmp_path / "mlp.onnx")
+    m = upload(client, path.read_bytes(), "mlp.onnx")
+    xs = np.stack([center(s).numpy().astype(np.float32).astype(np.float64)[0]
+                   for s in (5, 6, 7, 8)])  # (4, N, D)
+    labels = [predicted_label(path, x[None]) for x in xs]
+    req = {"model_id": m["id"], "norm": "inf", "inputs": xs.tolist(), "labels": labels,
+           "min_radius": 0.05, "min_certified_accuracy": 0.5}
+    cert = wait_job(client, client.post("/certify", json=req))["result"]
+    statuses = cert["robustness_set"]["statuses"]
+    assert "attacked" in statuses  # the premise, as in the CLI's test of this model
+    got = client.get(f"/certificates/{cert['id']}/counterexamples")
+    assert got.status_code == 200, got.text
+    body = got.json()
+    assert body["certificate_id"] == cert["id"] and body["radius"] == 0.05
+    items = body["counterexamples"]
+    assert [c["index"] for c in items] == [i for i, s in enumerate(statuses) if s == "attacked"]
+    f64 = load_onnx(path.read_bytes()).module.with_dtype(torch.float64)
+    for c in items:
+        point = np.asarray(c["input"])
+        assert point.shape == xs[c["index"]].shape
+        assert np.abs(point - xs[c["index"]]).max() <= 0.05
+        with torch.no_grad():
+            assert int(f64(torch.from_numpy(point[None])).argmax()) == c["flip_class"] \
+                != c["label"] == labels[c["index"]]
+    later = client.post("/certify", json={**req, "min_certified_accuracy": 1.0})
+    assert later.status_code == 201
+    again = client.get(f"/certificates/{later.json()['id']}/counterexamples").json()
+    assert again["counterexamples"] == items
+    lip = certify(client, {"model_id": m["id"], "norm": "2", "max_lipschitz": 1e9})
+    none = client.get(f"/certificates/{lip['id']}/counterexamples")
+    assert none.status_code == 404 and "not a certified-accuracy certificate" in none.text
+    assert client.get("/certificates/nope/counterexamples").status_code == 404

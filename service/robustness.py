@@ -59,19 +59,30 @@ def certificate_key(radii: str, min_radius: float) -> str:
 ResultRow = TypeVar("ResultRow", RobustnessResultRow, RobustnessSetResultRow)
 
 
+def _row_result(runtime: Runtime, table: type[ResultRow], key: str) -> dict[str, Any] | None:
+    """The stored result of `key` in `table` (a read-only transaction), or None."""
+    with transaction(runtime.read_sessions) as s:
+        row = s.scalar(select(table).where(table.request_key == key))
+        return None if row is None else dict(row.result)
+
+
 def _stored_result(runtime: Runtime, table: type[ResultRow], prefix: str,
                    key: str) -> dict[str, Any] | None:
-    """The stored result of `key` in `table` (memory, else a read-only transaction), or
-    None."""
+    """The stored result of `key` in `table` (memory, else the database), or None."""
     cached = runtime.reports.get(prefix + key)
     if isinstance(cached, bytes):
         return dict(json.loads(cached))
-    with transaction(runtime.read_sessions) as s:
-        row = s.scalar(select(table).where(table.request_key == key))
-        result = None if row is None else dict(row.result)
+    result = _row_result(runtime, table, key)
     if result is not None:
-        runtime.reports.put(prefix + key, json.dumps(result).encode())
+        remember(runtime, prefix + key, result)
     return result
+
+
+def remember(runtime: Runtime, key: str, result: dict[str, Any]) -> None:
+    """`result` in the memory cache, less its counterexamples (up to the inputs' size each:
+    the cache holds thousands of entries; they are read from the database when asked for)."""
+    small = {k: v for k, v in result.items() if k != "counterexamples"}
+    runtime.reports.put(key, json.dumps(small).encode())
 
 
 def _insert_once(session: Session, row: ResultRow) -> dict[str, Any]:
@@ -335,7 +346,7 @@ def set_counterexamples(runtime: Runtime, cert: Certificate) -> Counterexamples:
                        "(POST /certify with inputs): it has no counterexamples")
     key = set_result_key(cert.model_sha256, str(rs["inputs_sha256"]), cert.norm,
                          float(rs["radius"]), rs.get("sweep") is not False)
-    out = stored_set(runtime, key)
+    out = _row_result(runtime, RobustnessSetResultRow, key)
     if out is None or "counterexamples" not in out:
         raise NotFound(f"the verdicts behind certificate {cert.id} are not stored (their "
                        "model was deleted?): certify the set again")

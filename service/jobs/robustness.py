@@ -27,6 +27,7 @@ from ..robustness import (
     SET_MEMORY_PREFIX,
     issue_robustness_certificate,
     issue_set_certificate,
+    remember,
     store_radii,
     store_set,
     stored_radii,
@@ -193,7 +194,7 @@ def run_robustness_set(ctx: JobContext) -> dict[str, Any]:
         ctx.progress(0.96, "storing the verdicts", force=True)
         with ctx.session() as s:
             out = store_set(s, model, p.result_key, p.inputs_sha256, out)
-        ctx.runtime.reports.put(SET_MEMORY_PREFIX + p.result_key, json.dumps(out).encode())
+        remember(ctx.runtime, SET_MEMORY_PREFIX + p.result_key, out)
     ctx.progress(0.98, "signing the certificate", force=True)
     cert = issue_set_certificate(ctx.runtime, model, out, p.seq_len, p.min_radius,
                                  p.min_certified_accuracy, p.inputs_sha256, cert_id)

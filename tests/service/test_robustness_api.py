@@ -628,6 +628,14 @@ def test_certified_accuracy_counterexamples_are_flips_of_the_set(
     assert later.status_code == 201
     again = client.get(f"/certificates/{later.json()['id']}/counterexamples").json()
     assert again["counterexamples"] == items
+    # the memory cache keeps the verdicts without the points (as large as the inputs each)
+    rt = client.app.state.runtime  # type: ignore[attr-defined]
+    from service.robustness import SET_MEMORY_PREFIX, set_result_key
+
+    key = set_result_key(cert["model_sha256"], cert["robustness_set"]["inputs_sha256"], "inf",
+                         0.05)
+    cached = rt.reports.get(SET_MEMORY_PREFIX + key)
+    assert isinstance(cached, bytes) and "counterexamples" not in json.loads(cached)
     lip = certify(client, {"model_id": m["id"], "norm": "2", "max_lipschitz": 1e9})
     none = client.get(f"/certificates/{lip['id']}/counterexamples")
     assert none.status_code == 404 and "not a certified-accuracy certificate" in none.text

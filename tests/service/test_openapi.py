@@ -21,6 +21,7 @@ ROUTES = {
     ("post", "/models"), ("get", "/models"), ("get", "/models/{model_id}"),
     ("get", "/models/{model_id}/file"), ("post", "/bound"), ("post", "/certify"),
     ("get", "/certificates/{certificate_id}"), ("get", "/certificates/public-key"),
+    ("get", "/certificates/{certificate_id}/counterexamples"),
     ("post", "/certificates/verify"), ("get", "/jobs/{job_id}"), ("delete", "/jobs/{job_id}"),
     ("get", "/healthz"), ("get", "/readyz"), ("get", "/metrics"),
     ("post", "/corpora"), ("get", "/corpora/{corpus_id}"), ("get", "/artifacts/{sha256}"),

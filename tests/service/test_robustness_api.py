@@ -41,6 +41,20 @@ def mlp_onnx(tmp_path: Path) -> Path:
     return export(build("mlp", seed=uuid.uuid4().int % 2**31), tmp_path / "mlp.onnx")
 
 
+def seed4_mlp(tmp_path: Path) -> Path:
+    """The MLP of seed 4 (on its inf-ball at 0.05 around centres 5-8 the sweep certifies two
+    inputs and the attack flips one), its ONNX doc string made unique: the session's
+    database is shared, and a model uploaded by another test has its bytes in that test's
+    artifact directory."""
+    import onnx
+
+    path = export(build("mlp", seed=4), tmp_path / "mlp.onnx")
+    proto = onnx.load(str(path))
+    proto.doc_string = str(uuid.uuid4())
+    onnx.save(proto, str(path))
+    return path
+
+
 def predicted_label(model: Path, x0: np.ndarray) -> int:
     from lsa_models.onnx import load_onnx
 
@@ -566,8 +580,8 @@ def test_certified_accuracy_without_the_sweep_is_its_own_result(
     """"sweep": false (the CLI's --no-sweep): a job whose certificate records it, whose
     inputs only the sweep certifies stay unknown, and whose stored verdicts are not those of
     the same set with the sweep (each is decided once, apart); "sweep" without inputs is
-    422. (The MLP of seed 4, where the sweep certifies two of these inputs at inf 0.05.)"""
-    mlp_onnx = export(build("mlp", seed=4), tmp_path / "mlp.onnx")
+    422."""
+    mlp_onnx = seed4_mlp(tmp_path)
     m = upload(client, mlp_onnx.read_bytes(), "mlp.onnx")
     xs = np.stack([center(s).numpy().astype(np.float32).astype(np.float64)[0]
                    for s in (5, 6, 7, 8)])
@@ -600,7 +614,7 @@ def test_certified_accuracy_counterexamples_are_flips_of_the_set(
     the reason for a Lipschitz certificate or an unknown id."""
     from lsa_models.onnx import load_onnx
 
-    path = export(build("mlp", seed=4), tmp_path / "mlp.onnx")
+    path = seed4_mlp(tmp_path)
     m = upload(client, path.read_bytes(), "mlp.onnx")
     xs = np.stack([center(s).numpy().astype(np.float32).astype(np.float64)[0]
                    for s in (5, 6, 7, 8)])  # (4, N, D)

@@ -4,9 +4,10 @@ read one never takes SQLite's write lock."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Awaitable, Callable, Iterator
 from datetime import timedelta
-from typing import Annotated
+from typing import Annotated, ParamSpec, TypeVar
 
 from fastapi import Depends, Request
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
@@ -47,6 +48,24 @@ def get_read_session(runtime: RuntimeDep) -> Iterator[Session]:
 # scope="function": commit before the response goes out, so a 201 means it is stored.
 SessionDep = Annotated[Session, Depends(get_session, scope="function")]
 ReadSessionDep = Annotated[Session, Depends(get_read_session, scope="function")]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def in_thread(route: Callable[P, R]) -> Callable[P, Awaitable[R]]:
+    """A route that uses a session, run on a request thread but declared async. FastAPI
+    validates a sync route's response on a second request thread while the route's session
+    still holds its connection; under load every request thread can then wait for a
+    connection that only such a validation would give back, and the server hangs (measured:
+    200 concurrent GET /jobs/{id} on SQLite, every one timed out and the server answered
+    nothing for minutes). An async route's response is validated on the event loop, and the
+    session's exit needs no request thread (FastAPI runs it outside the limit), so a thread
+    waiting for a connection always gets one."""
+    @functools.wraps(route)
+    async def threaded(*args: P.args, **kwargs: P.kwargs) -> R:
+        return await run_in_threadpool(route, *args, **kwargs)
+    return threaded
 
 _bearer = HTTPBearer(auto_error=False, description="API key: `Authorization: Bearer lsa_...`")
 _header = APIKeyHeader(name="X-API-Key", auto_error=False, description="API key (alternative)")

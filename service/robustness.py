@@ -337,16 +337,20 @@ async def robustness_set_certificate(runtime: Runtime, model: ModelRef, inputs: 
                                    "robustness_set")
 
 
-def set_counterexamples(runtime: Runtime, cert: Certificate) -> Counterexamples:
+def set_counterexamples(session: Session, cert: Certificate) -> Counterexamples:
     """The counterexamples stored with the verdicts a certified-accuracy certificate was
-    signed from; NotFound for another kind of certificate or verdicts no longer stored."""
+    signed from, read in the request's session (a second connection per request would
+    exhaust the pool under load); NotFound for another kind of certificate or verdicts no
+    longer stored."""
     rs = cert.robustness_set
     if rs is None:
         raise NotFound(f"certificate {cert.id} is not a certified-accuracy certificate "
                        "(POST /certify with inputs): it has no counterexamples")
     key = set_result_key(cert.model_sha256, str(rs["inputs_sha256"]), cert.norm,
                          float(rs["radius"]), rs.get("sweep") is not False)
-    out = _row_result(runtime, RobustnessSetResultRow, key)
+    row = session.scalar(select(RobustnessSetResultRow).where(
+        RobustnessSetResultRow.request_key == key))
+    out = None if row is None else row.result
     if out is None or "counterexamples" not in out:
         raise NotFound(f"the verdicts behind certificate {cert.id} are not stored (their "
                        "model was deleted?): certify the set again")

@@ -7,6 +7,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict
+from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from api_schemas import BoundReport
@@ -23,7 +24,7 @@ from ..bounding import resolve_seq_len
 from ..certificates import public_key_pem, verify_certificate
 from ..certifying import find_model, issue_certificate, report_json
 from ..db import transaction
-from ..deps import ReadAccess, ReadSessionDep, RuntimeDep, WriteAccess
+from ..deps import ReadAccess, ReadSessionDep, RuntimeDep, WriteAccess, in_thread
 from ..errors import NotFound, responses
 from ..jobs.training import submit_training
 from ..robustness import (
@@ -130,7 +131,12 @@ def verify(
 @router.get("/certificates/{certificate_id}", response_model=Certificate,
             dependencies=[ReadAccess], summary="A certificate as issued",
             responses=responses(404))
+@in_thread
 def read_certificate(certificate_id: str, session: ReadSessionDep) -> Certificate:
+    return stored_certificate(session, certificate_id)
+
+
+def stored_certificate(session: Session, certificate_id: str) -> Certificate:
     row = session.get(CertificateRow, certificate_id)
     if row is None:
         raise NotFound(f"no certificate with id {certificate_id}")
@@ -141,6 +147,6 @@ def read_certificate(certificate_id: str, session: ReadSessionDep) -> Certificat
             dependencies=[ReadAccess], responses=responses(404),
             summary="The label flips behind a certified-accuracy certificate (one per "
                     "attacked input: the point, its distance and class)")
-def read_counterexamples(certificate_id: str, session: ReadSessionDep,
-                         runtime: RuntimeDep) -> Counterexamples:
-    return set_counterexamples(runtime, read_certificate(certificate_id, session))
+@in_thread
+def read_counterexamples(certificate_id: str, session: ReadSessionDep) -> Counterexamples:
+    return set_counterexamples(session, stored_certificate(session, certificate_id))

@@ -12,7 +12,7 @@ from sqlalchemy import select
 from api_schemas.training import CorpusOut
 
 from ..artifacts import store_once
-from ..deps import ReadAccess, ReadSessionDep, RuntimeDep, SessionDep, WriteAccess
+from ..deps import ReadAccess, ReadSessionDep, RuntimeDep, SessionDep, WriteAccess, in_thread
 from ..errors import NotFound, Unprocessable, responses
 from ..tables import Artifact, Corpus
 from .uploads import stage_upload
@@ -38,6 +38,7 @@ def corpus_out(c: Corpus) -> CorpusOut:
     responses={200: {"model": CorpusOut, "description": "This text was uploaded before: the "
                      "stored corpus (same id)"}, **responses(413)},
 )
+@in_thread
 def upload_corpus(
     file: Annotated[UploadFile, File(description="A UTF-8 text file (at most "
                                                  "LSA_MAX_CORPUS_BYTES)")],
@@ -71,6 +72,7 @@ def upload_corpus(
 
 @router.get("/corpora/{corpus_id}", response_model=CorpusOut, dependencies=[ReadAccess],
             summary="One uploaded corpus", responses=responses(404))
+@in_thread
 def read_corpus(corpus_id: str, session: ReadSessionDep) -> CorpusOut:
     corpus = session.get(Corpus, corpus_id)
     if corpus is None:
@@ -86,6 +88,7 @@ def read_corpus(corpus_id: str, session: ReadSessionDep) -> CorpusOut:
         "image/png": {"schema": {"type": "string", "format": "binary"}}},
         "description": "The stored bytes"}, **responses(404)},
 )
+@in_thread
 def download_artifact(sha256: str, session: ReadSessionDep, runtime: RuntimeDep) -> FileResponse:
     row = session.get(Artifact, sha256)
     if row is None:

@@ -7,7 +7,7 @@ from fastapi.responses import JSONResponse
 
 from api_schemas.jobs import JobAccepted, JobOut
 
-from ..deps import ReadAccess, ReadSessionDep, SessionDep, WriteAccess
+from ..deps import ReadAccess, ReadSessionDep, SessionDep, WriteAccess, in_thread
 from ..errors import NotFound, responses
 from ..jobs.runner import cancel_job
 from ..tables import ACTIVE_JOB_STATUSES, Job
@@ -40,6 +40,7 @@ def job_out(job: Job) -> JobOut:
 
 @router.get("/jobs/{job_id}", response_model=JobOut, dependencies=[ReadAccess],
             summary="A job's status, progress and result", responses=responses(404))
+@in_thread
 def read_job(job_id: str, session: ReadSessionDep, response: Response) -> JobOut:
     job = session.get(Job, job_id)
     if job is None:
@@ -51,5 +52,6 @@ def read_job(job_id: str, session: ReadSessionDep, response: Response) -> JobOut
 
 @router.delete("/jobs/{job_id}", response_model=JobOut, dependencies=[WriteAccess],
                summary="Cancel a queued or running job", responses=responses(404, 409))
+@in_thread
 def delete_job(job_id: str, session: SessionDep) -> JobOut:
     return job_out(cancel_job(session, job_id))

@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session
 from api_schemas.uploads import ModelList, ModelOut
 
 from ..certifying import register_model
-from ..deps import ReadAccess, ReadSessionDep, RuntimeDep, WriteAccess
+from ..deps import ReadAccess, ReadSessionDep, RuntimeDep, WriteAccess, in_thread
 from ..errors import NotFound, responses
 from ..tables import UploadedModel
 from .uploads import stage_upload
@@ -59,6 +59,7 @@ def upload_model(
 
 @router.get("/models", response_model=ModelList, dependencies=[ReadAccess],
             summary="List uploaded models, newest first", responses=responses())
+@in_thread
 def list_models(
     session: ReadSessionDep,
     limit: Annotated[int, Query(ge=1, le=500)] = 100,
@@ -73,6 +74,7 @@ def list_models(
 
 @router.get("/models/{model_id}", response_model=ModelOut, dependencies=[ReadAccess],
             summary="One model's metadata", responses=responses(404))
+@in_thread
 def read_model(model_id: str, session: ReadSessionDep) -> ModelOut:
     return model_out(get_model(session, model_id))
 
@@ -84,6 +86,7 @@ def read_model(model_id: str, session: ReadSessionDep) -> ModelOut:
         "schema": {"type": "string", "format": "binary"}}},
         "description": "The file exactly as uploaded"}, **responses(404)},
 )
+@in_thread
 def download_model(model_id: str, session: ReadSessionDep,
                    runtime: RuntimeDep) -> FileResponse:
     model = get_model(session, model_id)

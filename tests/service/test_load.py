@@ -98,3 +98,27 @@ def test_load_uploaded_onnx_is_not_compared_with_onnxruntime_again(
             assert r.status_code == 200, r.text
         assert calls == ["compare"]
         assert rt.models.loads == 1  # parsed once for both requests (the LRU)
+
+
+def test_load_reads_with_a_session_never_wait_for_a_thread_holding_a_connection(
+        db_url: str, make_settings: Callable[..., Settings]) -> None:
+    """Many more concurrent reads than request threads and connections, on every route that
+    reads through the session dependency: all 200. (A sync route had its response validated
+    on a second request thread while its session held a connection: with every thread
+    waiting for a connection the server answered nothing until the pool timed out; 200
+    concurrent GET /jobs/{id} on the default settings all timed out.) Few request threads
+    make the pool small, so the old order deadlocked at once here."""
+    app = create_app(make_settings(db_url, request_threads=3))
+    with TestClient(app) as c, serve(app) as base:
+        m = upload(c, tiny_model_bytes(seed=77))
+        accepted = c.post("/bound", json={"model_id": m["id"], "norm": "2", "seq_len": 4,
+                                          "empirical": {"restarts": 1, "steps": 2}})
+        assert accepted.status_code == 202, accepted.text  # an empirical bound is a job
+        job = accepted.json()["job_id"]
+        cert = c.post("/certify", json={"model_id": m["id"], "norm": "2", "seq_len": 4,
+                                        "max_lipschitz": 1e12}).json()["id"]
+        paths = [f"/models/{m['id']}", "/models", f"/certificates/{cert}",
+                 f"/models/{m['id']}/file", f"/jobs/{job}"]
+        out = fire(base, [("GET", p, None) for p in paths] * 30, 60, timeout_s=30)
+        assert out.statuses == [200] * len(out.statuses), out.errors[:3]
+        assert httpx.get(f"{base}/readyz", timeout=10).status_code == 200

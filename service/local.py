@@ -181,14 +181,14 @@ def inputs_sha256(xs: np.ndarray, labels: Any) -> str:
 
 def decide_set(loaded: Any, inputs: np.ndarray, labels: np.ndarray, norm: str,
                radius: float, *, progress: Callable[[int, int, Any], None] | None = None,
-               cut: bool = True, workers: int = 1, sweep: bool = True) -> Any:
+               workers: int = 1, sweep: bool = True) -> Any:
     """Every (inputs[i], labels[i]) decided at `radius` (certified / attacked / unknown /
     misclassified): lsa_models.engine.at_radius's SetReport, its attacked verdicts carrying
-    their flips in the graph's layout (`model_image` puts them back into a pixel upload's).
-    With `cut`, a pixel upload's images are cut into their patches first (the service's job
-    gets them cut). `workers` > 1: that many forked processes (the CLI's --workers; the
-    verdicts are the same); `sweep=False` skips the radius sweep (lsa robustness
-    --no-sweep). Raises ValueError for bad inputs, labels, norm or radius."""
+    their flips in the graph's layout (`flips_of` puts them back into the inputs'). The
+    inputs are as the graph takes them (a pixel upload's images cut: the CLI's `load_set`,
+    the service's `set_inputs`). `workers` > 1: that many forked processes (the CLI's
+    --workers; the verdicts are the same); `sweep=False` skips the radius sweep (lsa
+    robustness --no-sweep). Raises ValueError for bad inputs, labels, norm or radius."""
     from lsa_models.engine.at_radius import decide_all  # deferred: torch
     from lsa_models.engine.values import LocalNotCertified
 
@@ -198,9 +198,6 @@ def decide_set(loaded: Any, inputs: np.ndarray, labels: np.ndarray, norm: str,
         raise ValueError(f"inputs: shape {tuple(inputs.shape)}; give at least one input, the "
                          "inputs stacked along a first axis, (S, N, D) (on a pixel upload "
                          "(S, C, H, W))")
-    if cut and labels.ndim == 1 and labels.shape[0] == inputs.shape[0]:
-        inputs = np.stack([model_input(loaded, inputs[i], field=f"inputs[{i}]")
-                           for i in range(inputs.shape[0])])
     try:
         return decide_all(loaded, inputs, labels, norm, radius, progress, workers=workers,
                           sweep=sweep)
@@ -223,24 +220,32 @@ def set_json(sha256: str, rep: Any) -> dict[str, Any]:
     }
 
 
+def flips_of(loaded: Any, rep: Any, shape: tuple[int, ...] | None) -> list[dict[str, Any]]:
+    """The attacked verdicts' counterexamples (index, label, flip_class, distance, input):
+    each point back in the inputs' layout (`model_image`: an image (1, C, H, W) on a pixel
+    upload), reshaped to `shape` (one input as given) where that is known."""
+    out = []
+    for i, v in enumerate(rep.verdicts):
+        if v.flip is not None:
+            point = model_image(loaded, v.flip)
+            out.append({"index": i, "label": v.label, "flip_class": v.flip_class,
+                        "distance": v.flip_distance,
+                        "input": point if shape is None else point.reshape(shape)})
+    return out
+
+
 def verdicts_of(loaded: Any, sha256: str, inputs: np.ndarray, labels: np.ndarray, norm: str,
                 radius: float, *, progress: Callable[[int, int, Any], None] | None = None,
-                cut: bool = True, sweep: bool = True,
-                counterexamples: bool = False) -> dict[str, Any]:
-    """`decide_set` as JSON (`set_json`); with `counterexamples`, a list of the attacked
-    inputs' flips under that key (index, label, flip_class, distance, and the point in the
-    input's layout: its shape in `inputs`, or on a pixel upload the image (1, C, H, W))."""
-    rep = decide_set(loaded, inputs, labels, norm, radius, progress=progress, cut=cut,
-                     sweep=sweep)
+                sweep: bool = True, counterexamples: bool = False) -> dict[str, Any]:
+    """`decide_set` as JSON (`set_json`); with `counterexamples`, `flips_of` under that key
+    (each point in the input's layout: its shape in `inputs`, or on a pixel upload the image
+    (1, C, H, W): the image a user sent is cut before it gets here)."""
+    rep = decide_set(loaded, inputs, labels, norm, radius, progress=progress, sweep=sweep)
     out = set_json(sha256, rep)
     if counterexamples:
-        pixels = patch_grid(loaded) is not None
-        out["counterexamples"] = [
-            {"index": i, "label": v.label, "flip_class": v.flip_class,
-             "distance": v.flip_distance,
-             "input": (model_image(loaded, v.flip) if pixels
-                       else v.flip.reshape(inputs[i].shape)).tolist()}
-            for i, v in enumerate(rep.verdicts) if v.flip is not None]
+        shape = None if patch_grid(loaded) is not None else tuple(inputs.shape[1:])
+        out["counterexamples"] = [{**c, "input": c["input"].tolist()}
+                                  for c in flips_of(loaded, rep, shape)]
     return out
 
 

@@ -59,20 +59,15 @@ def certificate_key(radii: str, min_radius: float) -> str:
 ResultRow = TypeVar("ResultRow", RobustnessResultRow, RobustnessSetResultRow)
 
 
-def _row_result(runtime: Runtime, table: type[ResultRow], key: str) -> dict[str, Any] | None:
-    """The stored result of `key` in `table` (a read-only transaction), or None."""
-    with transaction(runtime.read_sessions) as s:
-        row = s.scalar(select(table).where(table.request_key == key))
-        return None if row is None else dict(row.result)
-
-
 def _stored_result(runtime: Runtime, table: type[ResultRow], prefix: str,
                    key: str) -> dict[str, Any] | None:
     """The stored result of `key` in `table` (memory, else the database), or None."""
     cached = runtime.reports.get(prefix + key)
     if isinstance(cached, bytes):
         return dict(json.loads(cached))
-    result = _row_result(runtime, table, key)
+    with transaction(runtime.read_sessions) as s:
+        row = s.scalar(select(table).where(table.request_key == key))
+        result = None if row is None else dict(row.result)
     if result is not None:
         remember(runtime, prefix + key, result)
     return result

@@ -25,19 +25,18 @@ def verdicts_json(path: Path, inputs: Path, labels: Path, norm: str, radius: flo
     certificate of it names); with `flips`, each attacked input's counterexample is appended
     to it as (index, label, flip class, distance, the point in the layout the input was
     given in)."""
-    from ..local import decide_set, inputs_sha256, model_image, set_json
+    from ..local import decide_set, flips_of, inputs_sha256, set_json
 
     if norm not in ("2", "inf"):
         raise ValueError(f"--norm must be 2 or inf, got {norm!r}")
     r = check_radius(radius)
     loaded = load_model(path)
     xs, ys, given = load_set(loaded, inputs, labels)
-    rep = decide_set(loaded, xs, ys, norm, r, progress=progress, cut=False, workers=workers,
+    rep = decide_set(loaded, xs, ys, norm, r, progress=progress, workers=workers,
                      sweep=sweep)
     if flips is not None:
-        flips.extend((i, v.label, v.flip_class, v.flip_distance,
-                      model_image(loaded, v.flip).reshape(given[1:]))
-                     for i, v in enumerate(rep.verdicts) if v.flip is not None)
+        flips.extend((c["index"], c["label"], c["flip_class"], c["distance"], c["input"])
+                     for c in flips_of(loaded, rep, given[1:]))
     return {**set_json(loaded.sha256, rep), "inputs_sha256": inputs_sha256(xs, ys.tolist()),
             "seq_len": int(xs.shape[-2])}
 

@@ -337,7 +337,7 @@ def check_recomputed_set(cert: Certificate, model: Path, inputs: Path | None,
     typer.echo(f"inputs sha256: matches ({digest})")
     try:
         out = set_json(loaded.sha256, decide_set(loaded, xs, ys, cert.norm,
-                                                 float(rs["radius"]), cut=False,
+                                                 float(rs["radius"]),
                                                  sweep=rs.get("sweep") is not False))
     except (ValueError, TypeError, KeyError) as exc:
         fail(f"deciding the inputs: {exc}")

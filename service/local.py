@@ -186,9 +186,10 @@ def decide_set(loaded: Any, inputs: np.ndarray, labels: np.ndarray, norm: str,
     misclassified): lsa_models.engine.at_radius's SetReport, its attacked verdicts carrying
     their flips in the graph's layout (`flips_of` puts them back into the inputs'). The
     inputs are as the graph takes them (a pixel upload's images cut: the CLI's `load_set`,
-    the service's `set_inputs`). `workers` > 1: that many forked processes (the CLI's
-    --workers; the verdicts are the same); `sweep=False` skips the radius sweep (lsa
-    robustness --no-sweep). Raises ValueError for bad inputs, labels, norm or radius."""
+    the service's `set_inputs`). `workers` > 1: that many processes (the CLI's --workers,
+    the server's LSA_SET_WORKERS; the verdicts are the same); `sweep=False` skips the
+    radius sweep (lsa robustness --no-sweep). Raises ValueError for bad inputs, labels,
+    norm or radius."""
     from lsa_models.engine.at_radius import decide_all  # deferred: torch
     from lsa_models.engine.values import LocalNotCertified
 
@@ -236,11 +237,14 @@ def flips_of(loaded: Any, rep: Any, shape: tuple[int, ...] | None) -> list[dict[
 
 def verdicts_of(loaded: Any, sha256: str, inputs: np.ndarray, labels: np.ndarray, norm: str,
                 radius: float, *, progress: Callable[[int, int, Any], None] | None = None,
-                sweep: bool = True, counterexamples: bool = False) -> dict[str, Any]:
+                sweep: bool = True, counterexamples: bool = False,
+                workers: int = 1) -> dict[str, Any]:
     """`decide_set` as JSON (`set_json`); with `counterexamples`, `flips_of` under that key
     (each point in the input's layout: its shape in `inputs`, or on a pixel upload the image
-    (1, C, H, W): the image a user sent is cut before it gets here)."""
-    rep = decide_set(loaded, inputs, labels, norm, radius, progress=progress, sweep=sweep)
+    (1, C, H, W): the image a user sent is cut before it gets here). `workers`: processes
+    deciding the inputs (the verdicts are the same)."""
+    rep = decide_set(loaded, inputs, labels, norm, radius, progress=progress, sweep=sweep,
+                     workers=workers)
     out = set_json(sha256, rep)
     if counterexamples:
         shape = None if patch_grid(loaded) is not None else tuple(inputs.shape[1:])

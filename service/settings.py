@@ -5,6 +5,7 @@ Bad values fail at start-up with the variable named, never later in a request.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -14,6 +15,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 MiB = 1024 * 1024
 PositiveInt = Annotated[int, Field(gt=0)]
 PositiveSeconds = Annotated[float, Field(gt=0)]
+# a set job's processes by default: each holds the model and the engine's working memory
+# (gigabytes on a 12-layer D=768 encoder), so not one per CPU of a large machine unasked
+DEFAULT_SET_WORKERS = 4
 
 
 class Settings(BaseSettings):
@@ -72,6 +76,10 @@ class Settings(BaseSettings):
     compute_queue_limit: PositiveInt = Field(
         default=256, description="Bound computations running or waiting; past it 503 with "
                                  "Retry-After")
+    set_workers: PositiveInt | None = Field(
+        default=None, description="Processes deciding the inputs of one certified-accuracy "
+        "set (POST /certify with inputs) at once, one torch thread each, each holding the "
+        "model; unset: the CPUs this process may use, at most 4")
     model_cache_size: PositiveInt = Field(
         default=16, description="Loaded models kept in memory (LRU by sha256)")
     job_stale_after_s: PositiveSeconds = Field(
@@ -87,6 +95,12 @@ class Settings(BaseSettings):
             # psycopg 3 is the installed driver; plain postgresql:// would ask for psycopg2.
             value = "postgresql+psycopg://" + value.removeprefix("postgresql://")
         return value
+
+    @field_validator("set_workers", mode="before")
+    @classmethod
+    def _blank_set_workers(cls, value: object) -> object:
+        # LSA_SET_WORKERS= (empty, as docker-compose passes an unset variable): the default
+        return None if isinstance(value, str) and not value.strip() else value
 
     @field_validator("redis_url")
     @classmethod
@@ -112,6 +126,15 @@ class Settings(BaseSettings):
     def db_pool_size(self) -> int:
         """Every thread that may hold a connection at once, plus the reaper and heartbeats."""
         return self.request_threads + self.compute_threads + 2 * self.worker_threads + 2
+
+    @property
+    def set_processes(self) -> int:
+        """LSA_SET_WORKERS, or the CPUs this process may use, at most DEFAULT_SET_WORKERS."""
+        if self.set_workers is not None:
+            return self.set_workers
+        affinity = getattr(os, "sched_getaffinity", None)
+        cpus = len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
+        return min(cpus, DEFAULT_SET_WORKERS)
 
     def time_limit_s(self, queue: str) -> float:
         limits = {"bound": self.bound_time_limit_s, "training": self.training_time_limit_s}

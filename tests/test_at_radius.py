@@ -5,8 +5,10 @@ certified accuracy and its CI gate."""
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -162,7 +164,7 @@ def _same(a: at_radius.Verdict, b: at_radius.Verdict) -> bool:
         or a.flip is not None and b.flip is not None and np.array_equal(a.flip, b.flip))
 
 
-def test_decide_all_in_forked_workers_gives_the_serial_verdicts(tmp_path: Path) -> None:
+def test_decide_all_in_worker_processes_gives_the_serial_verdicts(tmp_path: Path) -> None:
     """workers > 1: every verdict (status, route, margin, flip point) is the serial one,
     reported in the inputs' order; workers < 1 is refused. On tf1 at an inf radius where the
     set has certified, attacked and unknown inputs."""
@@ -179,6 +181,55 @@ def test_decide_all_in_forked_workers_gives_the_serial_verdicts(tmp_path: Path) 
     assert all(_same(a, b) for a, b in zip(serial.verdicts, forked.verdicts, strict=True))
     with pytest.raises(ValueError, match="workers must be an integer >= 1"):
         decide_all(om, xs, labels, "inf", 0.03, workers=0)
+    # From a process with other threads (a server, a job worker) the workers come from a
+    # forkserver, never forked from it, and the graph goes to them pickled: the same verdicts.
+    methods: list[str] = []
+    real = at_radius._in_processes
+
+    def spy(*args: Any) -> Any:
+        methods.append(args[-1])
+        return real(*args)
+
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait, daemon=True)
+    other.start()
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(at_radius, "_in_processes", spy)
+            served = decide_all(om, xs, labels, "inf", 0.03, workers=2)
+    finally:
+        stop.set()
+        other.join()
+    assert methods == ["forkserver"]
+    assert all(_same(a, b) for a, b in zip(serial.verdicts, served.verdicts, strict=True))
+
+
+def test_decide_all_workers_end_when_the_consumer_stops(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A consumer that stops after the first verdict (a cancelled job) ends every worker
+    process then, not after the inputs they were deciding."""
+    pools: list[Any] = []
+
+    class Recorded(at_radius.ProcessPoolExecutor):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            pools.append(self)
+
+    monkeypatch.setattr(at_radius, "ProcessPoolExecutor", Recorded)
+    net = build("tf1", seed=0)
+    om = load_onnx(export(net, tmp_path / "tf1.onnx").read_bytes())
+    xs = np.stack([center(s).numpy().astype(np.float64)[0] for s in range(1, 9)])
+    jobs = [(x, _label(om, x[None])) for x in xs]
+    for method in ("fork", "forkserver"):
+        verdicts = at_radius._in_processes(om, jobs, "inf", 0.03, 0, True, 2, method)
+        first = next(verdicts)
+        assert first.status in ("certified", "attacked", "unknown")
+        procs = list(pools[-1]._processes.values())
+        assert len(procs) == 2 and all(p.is_alive() for p in procs)
+        verdicts.close()
+        # ended by a signal, not left to finish their inputs and exit
+        assert all(p.exitcode is not None and p.exitcode < 0 for p in procs), method
+        assert at_radius._WORKER_MODEL == []
 
 
 def test_robustness_cli_set_mode_gate_and_errors(mlp: tuple[OnnxModel, Path],

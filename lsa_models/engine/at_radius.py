@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import multiprocessing as mp
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -229,10 +230,11 @@ def decide_all(model: Any, inputs: np.ndarray, labels: np.ndarray, norm: str, ra
                seed: int = 0, sweep: bool = True, workers: int = 1) -> SetReport:
     """`decide` for every (inputs[i], labels[i]) (inputs: a stack along the first axis);
     `progress(i, n, verdict)` after each, in the inputs' order. With `workers` > 1 the inputs
-    are decided by that many forked processes (each input's verdict is the one `decide`
-    gives alone: the attack is seeded per input, so the verdicts do not depend on the
-    workers); where processes cannot be forked (not Linux or macOS with fork), or for one
-    input, serially. ValueError for mismatched inputs and labels or workers < 1."""
+    are decided by that many processes (`start_method`: forked from a single-threaded
+    caller, else from a forkserver; each input's verdict is the one `decide` gives alone:
+    the attack is seeded per input, so the verdicts do not depend on the workers); for one
+    input, or where no process can be started, serially. ValueError for mismatched inputs
+    and labels or workers < 1."""
     inputs = np.asarray(inputs)
     labels = np.asarray(labels)
     if not np.issubdtype(labels.dtype, np.integer):
@@ -253,10 +255,11 @@ def decide_all(model: Any, inputs: np.ndarray, labels: np.ndarray, norm: str, ra
     _check_set(om, inputs, labels)
     jobs = [(inputs[i], int(labels[i])) for i in range(n)]
     verdicts: Iterator[Verdict]
-    if workers == 1 or n == 1 or "fork" not in mp.get_all_start_methods():
+    method = start_method()
+    if workers == 1 or n == 1 or method is None:
         verdicts = (decide(om, x, y, norm, radius, seed=seed, sweep=sweep) for x, y in jobs)
     else:
-        verdicts = _forked(om, jobs, norm, radius, seed, sweep, min(workers, n))
+        verdicts = _in_processes(om, jobs, norm, radius, seed, sweep, min(workers, n), method)
     out: list[Verdict] = []
     for i, v in enumerate(verdicts):
         out.append(v)
@@ -283,13 +286,35 @@ def _check_set(om: OnnxModel, inputs: np.ndarray, labels: np.ndarray) -> None:
                          f"outputs), got {int(labels[i])}")
 
 
-_WORKER_MODEL: list[OnnxModel] = []  # the model a forked worker inherited
+# The modules a forkserver imports once, before it forks the workers: a worker starts in
+# milliseconds instead of importing torch (seconds).
+FORKSERVER_PRELOAD = ["lsa_models.engine.at_radius"]
 
 
-def _worker_start() -> None:
-    # as torch's DataLoader workers: one thread in a forked child (its OpenMP pool is not
-    # carried over the fork), and the parent's setting anyway
+def start_method() -> str | None:
+    """How `decide_all` starts its workers: forked where this process runs one thread (the
+    CLI: the workers inherit the graph), else from a forkserver (a server's or a job
+    worker's threads may hold locks at the moment of a fork, which the child would inherit
+    held: the forkserver is a fresh single-threaded process, started once, that forks them),
+    spawned where neither exists; None: no processes on this platform."""
+    methods = mp.get_all_start_methods()
+    if "fork" in methods and threading.active_count() == 1:
+        return "fork"
+    for method in ("forkserver", "spawn"):
+        if method in methods:
+            return method
+    return None
+
+
+_WORKER_MODEL: list[OnnxModel] = []  # the graph a worker decides with
+
+
+def _worker_start(om: OnnxModel | None = None) -> None:
+    # as torch's DataLoader workers: one thread per process (a forked child's OpenMP pool is
+    # not carried over the fork; the parent's setting anyway)
     torch.set_num_threads(1)
+    if om is not None:  # a forkserver's or spawned worker: the graph came in pickled
+        _WORKER_MODEL[:] = [om]
 
 
 def _decide_forked(x: np.ndarray, label: int, norm: str, radius: float, seed: int,
@@ -297,24 +322,37 @@ def _decide_forked(x: np.ndarray, label: int, norm: str, radius: float, seed: in
     return decide(_WORKER_MODEL[0], x, label, norm, radius, seed=seed, sweep=sweep)
 
 
-def _forked(om: OnnxModel, jobs: list[tuple[np.ndarray, int]], norm: str, radius: float,
-            seed: int, sweep: bool, workers: int) -> Iterator[Verdict]:
-    """The verdicts of `jobs` from `workers` forked processes, yielded in the jobs' order as
-    soon as each and those before it are done. Forked, not spawned: the workers inherit the
-    loaded graph (nothing is pickled into them but the inputs) and torch's settings (one
-    thread each)."""
-    _WORKER_MODEL[:] = [om]
+def _in_processes(om: OnnxModel, jobs: list[tuple[np.ndarray, int]], norm: str,
+                  radius: float, seed: int, sweep: bool, workers: int,
+                  method: str) -> Iterator[Verdict]:
+    """The verdicts of `jobs` from `workers` processes, yielded in the jobs' order as soon as
+    each and those before it are done. Forked workers inherit the loaded graph (nothing is
+    pickled into them but the inputs); the others get it pickled once each, from this
+    process (never from a file). A consumer that stops early (a cancelled job, an error)
+    ends the workers at once rather than after the inputs they are deciding."""
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+    if method == "fork":
+        _WORKER_MODEL[:] = [om]
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_worker_start,
+                               initargs=(None if method == "fork" else om,))
+    done = False
     try:
-        ctx = mp.get_context("fork")
-        with ProcessPoolExecutor(max_workers=workers, mp_context=ctx,
-                                 initializer=_worker_start) as pool:
-            futures = [pool.submit(_decide_forked, x, y, norm, radius, seed, sweep)
-                       for x, y in jobs]
-            try:
-                for fut in futures:
-                    yield fut.result()
-            finally:
-                for fut in futures:  # an error or a consumer that stopped: drop the rest
-                    fut.cancel()
+        futures = [pool.submit(_decide_forked, x, y, norm, radius, seed, sweep)
+                   for x, y in jobs]
+        for fut in futures:
+            yield fut.result()
+        done = True
     finally:
-        _WORKER_MODEL.clear()
+        if not done:
+            # Python 3.14's terminate_workers(); before it the pool's own process table
+            procs = list((getattr(pool, "_processes", None) or {}).values())
+            pool.shutdown(wait=False, cancel_futures=True)
+            for proc in procs:
+                proc.terminate()
+            for proc in procs:
+                proc.join(timeout=5)
+        pool.shutdown(wait=True)
+        if method == "fork":
+            _WORKER_MODEL.clear()

@@ -190,7 +190,8 @@ def run_robustness_set(ctx: JobContext) -> dict[str, Any]:
 
         out = verdicts_of(loaded, model.sha256, np.asarray(p.inputs, dtype=np.float64),
                           np.asarray(p.labels, dtype=np.int64), p.norm, p.min_radius,
-                          progress=progress, sweep=p.sweep, counterexamples=True)
+                          progress=progress, sweep=p.sweep, counterexamples=True,
+                          workers=ctx.runtime.settings.set_processes)
         ctx.progress(0.96, "storing the verdicts", force=True)
         with ctx.session() as s:
             out = store_set(s, model, p.result_key, p.inputs_sha256, out)

@@ -3,6 +3,7 @@ schema; the server refuses an unmigrated database and names the command to run."
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -114,6 +115,15 @@ def test_settings_fail_fast_on_bad_values(monkeypatch: pytest.MonkeyPatch) -> No
         Settings(redis_url="http://x")
     with pytest.raises(ValueError):
         Settings(max_upload_bytes=0)
+    with pytest.raises(ValueError, match="set_workers"):
+        Settings(set_workers=0)
+    # empty (docker-compose's unset variable): the CPUs this process may use
+    monkeypatch.setenv("LSA_SET_WORKERS", "")
+    assert Settings().set_workers is None
+    assert Settings().set_processes == min(len(os.sched_getaffinity(0)), 4)
+    monkeypatch.setenv("LSA_SET_WORKERS", "3")
+    assert Settings().set_processes == 3
+    monkeypatch.delenv("LSA_SET_WORKERS")
     monkeypatch.setenv("LSA_BOUND_TIME_LIMIT_S", "-1")
     runner = CliRunner()
     r = runner.invoke(cli_app, ["serve"])

@@ -654,3 +654,62 @@ def test_certified_accuracy_counterexamples_are_flips_of_the_set(
     none = client.get(f"/certificates/{lip['id']}/counterexamples")
     assert none.status_code == 404 and "not a certified-accuracy certificate" in none.text
     assert client.get("/certificates/nope/counterexamples").status_code == 404
+
+
+def test_certified_accuracy_job_decides_in_worker_processes_and_a_cancel_ends_them(
+        db_url: str, tmp_path: Path, make_settings: Callable[..., Settings],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """LSA_SET_WORKERS=2: a set job decides its inputs in processes from a forkserver (the
+    server's threads are never forked), with the serial verdicts; a job cancelled while its
+    inputs are being decided ends its worker processes (killed, not left to finish) and
+    stores nothing."""
+    from lsa_models.engine import at_radius
+    from lsa_models.onnx import load_onnx
+
+    methods: list[str] = []
+    pools: list[Any] = []
+    real = at_radius._in_processes
+
+    def spy(*args: Any) -> Any:
+        methods.append(args[-1])
+        return real(*args)
+
+    class Recorded(at_radius.ProcessPoolExecutor):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            pools.append(self)
+
+    monkeypatch.setattr(at_radius, "_in_processes", spy)
+    monkeypatch.setattr(at_radius, "ProcessPoolExecutor", Recorded)
+    path = seed4_mlp(tmp_path)
+    om = load_onnx(path.read_bytes())
+    xs = np.stack([center(s).numpy().astype(np.float64)[0] for s in (5, 6, 7, 8)])
+    labels = [predicted_label(path, x[None]) for x in xs]
+    serial = [v.status for v in at_radius.decide_all(om, xs, np.array(labels), "inf",
+                                                         0.05).verdicts]
+    settings = make_settings(db_url, set_workers=2)
+    req = {"norm": "inf", "inputs": xs.tolist(), "labels": labels, "min_radius": 0.05,
+           "min_certified_accuracy": 0.5}
+    with TestClient(create_app(settings)) as c:
+        m = upload(c, path.read_bytes(), "mlp.onnx")
+        job = wait_job(c, c.post("/certify", json={**req, "model_id": m["id"]}))
+        assert job["status"] == "succeeded", job
+        assert job["result"]["robustness_set"]["statuses"] == serial
+        assert methods == ["forkserver"]
+
+        # another set (radius 0.06) held after its first input until it is cancelled
+        deciding, release = hold_first_job(monkeypatch, r"input 1/")
+        r = c.post("/certify", json={**req, "model_id": m["id"], "min_radius": 0.06})
+        assert r.status_code == 202, r.text
+        assert deciding.wait(60)
+        procs = list(pools[-1]._processes.values())
+        assert len(pools) == 2 and len(procs) == 2
+        assert c.delete(r.json()["url"]).json()["status"] == "cancelled"
+        release.set()  # the next progress write is the cancel check
+        deadline = time.monotonic() + 30
+        while any(p.exitcode is None for p in procs):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert all(p.exitcode < 0 for p in procs)  # ended by a signal
+        assert c.get(r.json()["url"]).json()["status"] == "cancelled"
+    assert rows_of(settings.database_url, RobustnessSetResultRow, m["id"]) == 1

@@ -91,13 +91,15 @@ async def fire(base: str, requests: list[tuple[str, str, Any]], concurrency: int
 
 
 class Server:
-    def __init__(self, database_url: str, workdir: Path) -> None:
+    def __init__(self, database_url: str, workdir: Path,
+                 settings: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         env = {k: v for k, v in os.environ.items() if not k.startswith("LSA_")}
         env.update(LSA_DATABASE_URL=database_url, LSA_ARTIFACT_DIR=str(workdir / "artifacts"),
                    LSA_SIGNING_KEY_PATH=str(workdir / "key.pem"), LSA_MIGRATE_ON_START="true",
                    OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+        env.update(settings or {})  # more LSA_* settings
         self.log = workdir / "serve.log"
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(

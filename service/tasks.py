@@ -5,6 +5,8 @@ tasks module), and the start of a consuming worker: `lsa serve`'s in-process one
 from __future__ import annotations
 
 import functools
+import multiprocessing as mp
+from multiprocessing import forkserver
 
 import dramatiq
 
@@ -16,6 +18,9 @@ from .jobs.runner import recover_jobs, run_job
 from .runtime import Runtime
 
 HANDLER_MODULES = (bound_jobs, robustness_jobs, training_jobs)
+# lsa_models.engine.at_radius.FORKSERVER_PRELOAD, named here so that starting the forkserver
+# imports no torch into this process (a test pins the two equal)
+SET_WORKERS_PRELOAD = ["lsa_models.engine.at_radius"]
 
 
 def start_worker(runtime: Runtime, queues: set[str] | None = None) -> dramatiq.Worker:
@@ -29,4 +34,19 @@ def start_worker(runtime: Runtime, queues: set[str] | None = None) -> dramatiq.W
         queues)
     # Embedded: this process is the only worker, so any job left running is orphaned.
     recover_jobs(runtime, all_running=runtime.queue.embedded)
+    if runtime.settings.set_processes > 1 and (queues is None or "bound" in queues):
+        prepare_set_workers()
     return worker
+
+
+def prepare_set_workers() -> bool:
+    """Start the forkserver that set jobs fork their worker processes from (at_radius
+    ._in_processes) now rather than in the first set job: its start is a fresh interpreter
+    importing torch (seconds). Only spawns it (it preloads on its own): this process imports
+    nothing, since importing torch on a second thread while a request imports it can fail
+    ("partially initialized module"). False where there is no forkserver."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return False
+    mp.get_context("forkserver").set_forkserver_preload(SET_WORKERS_PRELOAD)
+    forkserver.ensure_running()
+    return True

@@ -29,6 +29,7 @@ from service.cli import app as cli
 from service.db import make_engine
 from service.jobs.context import JobAborted, JobContext
 from service.settings import Settings
+from service.tasks import SET_WORKERS_PRELOAD
 from service.tables import Job, RobustnessResultRow, RobustnessSetResultRow
 
 from .conftest import rows_of, upload
@@ -679,6 +680,8 @@ def test_certified_accuracy_job_decides_in_worker_processes_and_a_cancel_ends_th
             super().__init__(*args, **kwargs)
             pools.append(self)
 
+    # the server starts the forkserver with the preload its jobs' pools ask for
+    assert SET_WORKERS_PRELOAD == at_radius.FORKSERVER_PRELOAD
     monkeypatch.setattr(at_radius, "_in_processes", spy)
     monkeypatch.setattr(at_radius, "ProcessPoolExecutor", Recorded)
     path = seed4_mlp(tmp_path)

@@ -20,6 +20,15 @@ PositiveSeconds = Annotated[float, Field(gt=0)]
 DEFAULT_SET_WORKERS = 4
 
 
+def default_set_workers() -> int:
+    """Processes deciding a set's inputs unless told: the CPUs this process may use, at most
+    DEFAULT_SET_WORKERS (the server's LSA_SET_WORKERS, `lsa robustness --inputs`'s
+    --workers)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    cpus = len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
+    return min(cpus, DEFAULT_SET_WORKERS)
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="LSA_", extra="ignore", frozen=True)
 
@@ -130,11 +139,7 @@ class Settings(BaseSettings):
     @property
     def set_processes(self) -> int:
         """LSA_SET_WORKERS, or the CPUs this process may use, at most DEFAULT_SET_WORKERS."""
-        if self.set_workers is not None:
-            return self.set_workers
-        affinity = getattr(os, "sched_getaffinity", None)
-        cpus = len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
-        return min(cpus, DEFAULT_SET_WORKERS)
+        return default_set_workers() if self.set_workers is None else self.set_workers
 
     def time_limit_s(self, queue: str) -> float:
         limits = {"bound": self.bound_time_limit_s, "training": self.training_time_limit_s}

@@ -16,6 +16,7 @@ from rich.console import Console
 from api_schemas import BoundReport
 
 from ..local import local_report_of, model_input, robustness_of
+from ..settings import default_set_workers
 from .common import EXIT_FAILED, app, fail, set_threads
 from .gate_reports import counterexamples_npz, set_message, write_file
 from .inputs import check_eps, check_radius, load_center, load_model
@@ -120,9 +121,10 @@ def robustness_cmd(
         "--counterexamples", help="With --radius: write the label flips PGD found as a .npz "
         "(index, label, flip_class, distance, inputs in the given layout; with --server, "
         "the server's)")] = None,
-    workers: Annotated[int, typer.Option(
+    workers: Annotated[int | None, typer.Option(
         "--workers", help="With --inputs (locally): decide the inputs in this many processes "
-        "(one per core is fastest; the verdicts are the same)", min=1)] = 1,
+        "(the verdicts are the same) [default: the CPUs this process may use, at most 4]",
+        min=1)] = None,
     certificate: Annotated[Path | None, typer.Option(
         "--certificate", help="With --min-certified-accuracy: write the signed "
         "certified-accuracy certificate (the server's with --server, else signed here with "
@@ -161,7 +163,8 @@ def robustness_cmd(
         elif mode == "set":
             assert inputs is not None and labels is not None and radius is not None
             out = verdicts_json(path, inputs, labels, norm, radius, progress=set_progress,
-                                flips=flips, workers=workers, sweep=sweep)
+                                flips=flips, sweep=sweep,
+                                workers=default_set_workers() if workers is None else workers)
             gate = min_certified_accuracy
             out["min_certified_accuracy"] = gate
             out["passed"] = None if gate is None else out["certified_accuracy"] >= gate
@@ -212,10 +215,10 @@ def _check_outputs(mode: str, server: str | None, junit: Path | None, summary: P
                          "the ball of that radius are written")
 
 
-def _check_set_options(mode: str, server: str | None, gate: float | None, workers: int,
+def _check_set_options(mode: str, server: str | None, gate: float | None, workers: int | None,
                        sweep: bool, certificate: Path | None, key: Path | None) -> None:
     """ValueError naming a set-mode option given outside it (or with what it excludes)."""
-    if workers > 1 and (mode != "set" or server is not None):
+    if workers is not None and workers > 1 and (mode != "set" or server is not None):
         raise ValueError("--workers decides a set of inputs here: give --inputs, --labels "
                          "and --radius, without --server")
     if not sweep and mode != "set":

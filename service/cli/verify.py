@@ -315,6 +315,7 @@ def check_recomputed_set(cert: Certificate, model: Path, inputs: Path | None,
     from lsa_models import __version__  # deferred: torch
 
     from ..local import decide_set, inputs_sha256, set_json
+    from ..settings import default_set_workers
     from .inputs import load_model, load_set
 
     rs = cert.robustness_set
@@ -338,7 +339,8 @@ def check_recomputed_set(cert: Certificate, model: Path, inputs: Path | None,
     try:
         out = set_json(loaded.sha256, decide_set(loaded, xs, ys, cert.norm,
                                                  float(rs["radius"]),
-                                                 sweep=rs.get("sweep") is not False))
+                                                 sweep=rs.get("sweep") is not False,
+                                                 workers=default_set_workers()))
     except (ValueError, TypeError, KeyError) as exc:
         fail(f"deciding the inputs: {exc}")
     except Exception as exc:  # a traceback would exit 1, which reads as "invalid"

@@ -29,8 +29,8 @@ from service.cli import app as cli
 from service.db import make_engine
 from service.jobs.context import JobAborted, JobContext
 from service.settings import Settings
-from service.tasks import SET_WORKERS_PRELOAD
 from service.tables import Job, RobustnessResultRow, RobustnessSetResultRow
+from service.tasks import SET_WORKERS_PRELOAD
 
 from .conftest import rows_of, upload
 

@@ -317,7 +317,7 @@ def _worker_start(om: OnnxModel | None = None) -> None:
         _WORKER_MODEL[:] = [om]
 
 
-def _decide_forked(x: np.ndarray, label: int, norm: str, radius: float, seed: int,
+def _decide_in_worker(x: np.ndarray, label: int, norm: str, radius: float, seed: int,
                    sweep: bool) -> Verdict:
     return decide(_WORKER_MODEL[0], x, label, norm, radius, seed=seed, sweep=sweep)
 
@@ -339,7 +339,7 @@ def _in_processes(om: OnnxModel, jobs: list[tuple[np.ndarray, int]], norm: str,
                                initargs=(None if method == "fork" else om,))
     done = False
     try:
-        futures = [pool.submit(_decide_forked, x, y, norm, radius, seed, sweep)
+        futures = [pool.submit(_decide_in_worker, x, y, norm, radius, seed, sweep)
                    for x, y in jobs]
         for fut in futures:
             yield fut.result()

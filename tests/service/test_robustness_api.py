@@ -662,8 +662,8 @@ def test_certified_accuracy_job_decides_in_worker_processes_and_a_cancel_ends_th
         monkeypatch: pytest.MonkeyPatch) -> None:
     """LSA_SET_WORKERS=2: a set job decides its inputs in processes from a forkserver (the
     server's threads are never forked), with the serial verdicts; a job cancelled while its
-    inputs are being decided ends its worker processes (killed, not left to finish) and
-    stores nothing."""
+    inputs are being decided ends its worker processes (idle ones shut down, busy ones
+    killed: tests/test_at_radius.py pins that on slower inputs) and stores nothing."""
     from lsa_models.engine import at_radius
     from lsa_models.onnx import load_onnx
 
@@ -713,6 +713,5 @@ def test_certified_accuracy_job_decides_in_worker_processes_and_a_cancel_ends_th
         while any(p.exitcode is None for p in procs):
             assert time.monotonic() < deadline
             time.sleep(0.1)
-        assert all(p.exitcode < 0 for p in procs)  # ended by a signal
         assert c.get(r.json()["url"]).json()["status"] == "cancelled"
     assert rows_of(settings.database_url, RobustnessSetResultRow, m["id"]) == 1

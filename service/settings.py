@@ -5,6 +5,7 @@ Bad values fail at start-up with the variable named, never later in a request.
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Annotated
@@ -20,13 +21,36 @@ PositiveSeconds = Annotated[float, Field(gt=0)]
 DEFAULT_SET_WORKERS = 4
 
 
+def cgroup_cpus(root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """The CPU quota of this process's cgroup, rounded up (a container run with `--cpus 2`
+    sees every CPU of its host in its affinity mask but gets two CPUs' time); None when
+    there is no quota or it cannot be read. cgroup v2 `cpu.max` ("200000 100000"), else v1
+    `cpu.cfs_quota_us` / `cpu.cfs_period_us`."""
+    try:
+        v2 = root / "cpu.max"
+        if v2.is_file():
+            quota, period = v2.read_text().split()[:2]
+        else:
+            v1 = next((root / d for d in ("cpu", "cpu,cpuacct") if (root / d).is_dir()), None)
+            if v1 is None:
+                return None
+            quota = (v1 / "cpu.cfs_quota_us").read_text().strip()
+            period = (v1 / "cpu.cfs_period_us").read_text().strip()
+        if quota in ("max", "-1"):
+            return None
+        return max(1, math.ceil(int(quota) / int(period)))
+    except (OSError, ValueError, ZeroDivisionError):
+        return None
+
+
 def default_set_workers() -> int:
-    """Processes deciding a set's inputs unless told: the CPUs this process may use, at most
-    DEFAULT_SET_WORKERS (the server's LSA_SET_WORKERS, `lsa robustness --inputs`'s
-    --workers)."""
+    """Processes deciding a set's inputs unless told: the CPUs this process may use (its
+    affinity mask and its cgroup's quota), at most DEFAULT_SET_WORKERS (the server's
+    LSA_SET_WORKERS, `lsa robustness --inputs`'s --workers)."""
     affinity = getattr(os, "sched_getaffinity", None)
     cpus = len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
-    return min(cpus, DEFAULT_SET_WORKERS)
+    quota = cgroup_cpus()
+    return min(cpus, quota or cpus, DEFAULT_SET_WORKERS)
 
 
 class Settings(BaseSettings):
@@ -88,7 +112,7 @@ class Settings(BaseSettings):
     set_workers: PositiveInt | None = Field(
         default=None, description="Processes deciding the inputs of one certified-accuracy "
         "set (POST /certify with inputs) at once, one torch thread each, each holding the "
-        "model; unset: the CPUs this process may use, at most 4")
+        "model; unset: the CPUs this process may use (affinity, cgroup quota), at most 4")
     model_cache_size: PositiveInt = Field(
         default=16, description="Loaded models kept in memory (LRU by sha256)")
     job_stale_after_s: PositiveSeconds = Field(

@@ -24,7 +24,7 @@ from service.db import (
     make_engine,
     upgrade,
 )
-from service.settings import Settings
+from service.settings import Settings, cgroup_cpus
 from service.tables import Base
 
 from .conftest import PgSchemas
@@ -120,7 +120,8 @@ def test_settings_fail_fast_on_bad_values(monkeypatch: pytest.MonkeyPatch) -> No
     # empty (docker-compose's unset variable): the CPUs this process may use
     monkeypatch.setenv("LSA_SET_WORKERS", "")
     assert Settings().set_workers is None
-    assert Settings().set_processes == min(len(os.sched_getaffinity(0)), 4)
+    assert Settings().set_processes == min(len(os.sched_getaffinity(0)), cgroup_cpus() or 4,
+                                           4)
     monkeypatch.setenv("LSA_SET_WORKERS", "3")
     assert Settings().set_processes == 3
     monkeypatch.delenv("LSA_SET_WORKERS")
@@ -138,3 +139,23 @@ def test_drift_check_sees_a_schema_change(tmp_path: Path) -> None:
         conn.exec_driver_sql("DROP INDEX ix_jobs_status")
     engine.dispose()
     assert _drift(url) != []
+
+
+@pytest.mark.parametrize(("files", "cpus"), [
+    ({"cpu.max": "200000 100000\n"}, 2),
+    ({"cpu.max": "150000 100000\n"}, 2),  # 1.5 CPUs' time: two processes
+    ({"cpu.max": "max 100000\n"}, None),
+    ({"cpu.max": "garbage"}, None),
+    ({"cpu/cpu.cfs_quota_us": "300000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 3),
+    ({"cpu,cpuacct/cpu.cfs_quota_us": "-1\n", "cpu,cpuacct/cpu.cfs_period_us": "100000\n"},
+     None),
+    ({}, None),
+])
+def test_cgroup_cpus_reads_the_quota_of_v1_and_v2(tmp_path: Path, files: dict[str, str],
+                                                  cpus: int | None) -> None:
+    """A container's CPU quota caps the default set workers (its affinity shows the host's
+    CPUs)."""
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert cgroup_cpus(tmp_path) == cpus

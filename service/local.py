@@ -181,7 +181,8 @@ def inputs_sha256(xs: np.ndarray, labels: Any) -> str:
 
 def decide_set(loaded: Any, inputs: np.ndarray, labels: np.ndarray, norm: str,
                radius: float, *, progress: Callable[[int, int, Any], None] | None = None,
-               workers: int = 1, sweep: bool = True) -> Any:
+               workers: int = 1, sweep: bool = True,
+               decided: Callable[[int, int], None] | None = None) -> Any:
     """Every (inputs[i], labels[i]) decided at `radius` (certified / attacked / unknown /
     misclassified): lsa_models.engine.at_radius's SetReport, its attacked verdicts carrying
     their flips in the graph's layout (`flips_of` puts them back into the inputs'). The
@@ -201,7 +202,7 @@ def decide_set(loaded: Any, inputs: np.ndarray, labels: np.ndarray, norm: str,
                          "(S, C, H, W))")
     try:
         return decide_all(loaded, inputs, labels, norm, radius, progress, workers=workers,
-                          sweep=sweep)
+                          sweep=sweep, decided=decided)
     except LocalNotCertified as exc:
         raise ValueError(f"no certified verdict for this model: {exc} (the robustness "
                          "verdicts need a local rule for every op of the graph)") from None
@@ -237,14 +238,14 @@ def flips_of(loaded: Any, rep: Any, shape: tuple[int, ...] | None) -> list[dict[
 
 def verdicts_of(loaded: Any, sha256: str, inputs: np.ndarray, labels: np.ndarray, norm: str,
                 radius: float, *, progress: Callable[[int, int, Any], None] | None = None,
-                sweep: bool = True, counterexamples: bool = False,
-                workers: int = 1) -> dict[str, Any]:
+                sweep: bool = True, counterexamples: bool = False, workers: int = 1,
+                decided: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """`decide_set` as JSON (`set_json`); with `counterexamples`, `flips_of` under that key
     (each point in the input's layout: its shape in `inputs`, or on a pixel upload the image
     (1, C, H, W): the image a user sent is cut before it gets here). `workers`: processes
-    deciding the inputs (the verdicts are the same)."""
+    deciding the inputs (the verdicts are the same); `decided(k, n)`: as decide_all's."""
     rep = decide_set(loaded, inputs, labels, norm, radius, progress=progress, sweep=sweep,
-                     workers=workers)
+                     workers=workers, decided=decided)
     out = set_json(sha256, rep)
     if counterexamples:
         shape = None if patch_grid(loaded) is not None else tuple(inputs.shape[1:])

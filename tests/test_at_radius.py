@@ -172,7 +172,10 @@ def test_decide_all_in_worker_processes_gives_the_serial_verdicts(tmp_path: Path
     om = load_onnx(export(net, tmp_path / "tf1.onnx").read_bytes())
     xs = np.stack([center(s).numpy().astype(np.float64)[0] for s in range(1, 7)])
     labels = np.array([_label(om, x[None]) for x in xs])
-    serial = decide_all(om, xs, labels, "inf", 0.03)
+    serial_counts: list[tuple[int, int]] = []
+    serial = decide_all(om, xs, labels, "inf", 0.03,
+                        decided=lambda k, n: serial_counts.append((k, n)))
+    assert serial_counts == [(k, 6) for k in range(1, 7)]
     seen: list[int] = []
     forked = decide_all(om, xs, labels, "inf", 0.03, workers=3,
                         progress=lambda i, n, v: seen.append(i))
@@ -187,20 +190,24 @@ def test_decide_all_in_worker_processes_gives_the_serial_verdicts(tmp_path: Path
     real = at_radius._in_processes
 
     def spy(*args: Any) -> Any:
-        methods.append(args[-1])
+        methods.append(args[7])  # the start method
         return real(*args)
 
     stop = threading.Event()
     other = threading.Thread(target=stop.wait, daemon=True)
     other.start()
     try:
+        counts: list[int] = []
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(at_radius, "_in_processes", spy)
-            served = decide_all(om, xs, labels, "inf", 0.03, workers=2)
+            served = decide_all(om, xs, labels, "inf", 0.03, workers=2,
+                                decided=lambda k, n: counts.append(k))
     finally:
         stop.set()
         other.join()
     assert methods == ["forkserver"]
+    # `decided` counts the inputs as they finish, in any order: up to all six
+    assert counts == sorted(set(counts)) and counts[-1] == 6 and counts[0] >= 1
     assert all(_same(a, b) for a, b in zip(serial.verdicts, served.verdicts, strict=True))
 
 

@@ -24,7 +24,7 @@ import multiprocessing as mp
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -227,9 +227,12 @@ class SetReport:
 
 def decide_all(model: Any, inputs: np.ndarray, labels: np.ndarray, norm: str, radius: float,
                progress: Callable[[int, int, Verdict], None] | None = None, *,
-               seed: int = 0, sweep: bool = True, workers: int = 1) -> SetReport:
+               seed: int = 0, sweep: bool = True, workers: int = 1,
+               decided: Callable[[int, int], None] | None = None) -> SetReport:
     """`decide` for every (inputs[i], labels[i]) (inputs: a stack along the first axis);
-    `progress(i, n, verdict)` after each, in the inputs' order. With `workers` > 1 the inputs
+    `progress(i, n, verdict)` after each, in the inputs' order; `decided(k, n)` each time
+    the count of inputs decided grows to k, in any order (with workers a slow input holds
+    `progress` back, not `decided`), both on the caller's thread. With `workers` > 1 the inputs
     are decided by that many processes (`start_method`: forked from a single-threaded
     caller, else from a forkserver; each input's verdict is the one `decide` gives alone:
     the attack is seeded per input, so the verdicts do not depend on the workers); for one
@@ -256,13 +259,17 @@ def decide_all(model: Any, inputs: np.ndarray, labels: np.ndarray, norm: str, ra
     jobs = [(inputs[i], int(labels[i])) for i in range(n)]
     verdicts: Iterator[Verdict]
     method = start_method()
-    if workers == 1 or n == 1 or method is None:
+    serial = workers == 1 or n == 1 or method is None
+    if serial or method is None:
         verdicts = (decide(om, x, y, norm, radius, seed=seed, sweep=sweep) for x, y in jobs)
     else:
-        verdicts = _in_processes(om, jobs, norm, radius, seed, sweep, min(workers, n), method)
+        verdicts = _in_processes(om, jobs, norm, radius, seed, sweep, min(workers, n), method,
+                                 decided)
     out: list[Verdict] = []
     for i, v in enumerate(verdicts):
         out.append(v)
+        if serial and decided is not None:
+            decided(i + 1, n)
         if progress is not None:
             progress(i, n, v)
     return SetReport(norm, float(radius), out, time.monotonic() - t0, sweep)
@@ -323,10 +330,11 @@ def _decide_in_worker(x: np.ndarray, label: int, norm: str, radius: float, seed:
 
 
 def _in_processes(om: OnnxModel, jobs: list[tuple[np.ndarray, int]], norm: str,
-                  radius: float, seed: int, sweep: bool, workers: int,
-                  method: str) -> Iterator[Verdict]:
+                  radius: float, seed: int, sweep: bool, workers: int, method: str,
+                  decided: Callable[[int, int], None] | None = None) -> Iterator[Verdict]:
     """The verdicts of `jobs` from `workers` processes, yielded in the jobs' order as soon as
-    each and those before it are done. Forked workers inherit the loaded graph (nothing is
+    each and those before it are done; `decided(k, n)` (on the consumer's thread) each time
+    k of them are done, in any order. Forked workers inherit the loaded graph (nothing is
     pickled into them but the inputs); the others get it pickled once each, from this
     process (never from a file). A consumer that stops early (a cancelled job, an error)
     ends the workers at once rather than after the inputs they are deciding."""
@@ -341,8 +349,16 @@ def _in_processes(om: OnnxModel, jobs: list[tuple[np.ndarray, int]], norm: str,
     try:
         futures = [pool.submit(_decide_in_worker, x, y, norm, radius, seed, sweep)
                    for x, y in jobs]
-        for fut in futures:
-            yield fut.result()
+        pending, count, i = set(futures), 0, 0
+        while i < len(futures):
+            if pending:
+                finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+                if decided is not None and finished:
+                    count += len(finished)
+                    decided(count, len(futures))
+            while i < len(futures) and futures[i].done():
+                yield futures[i].result()
+                i += 1
         done = True
     finally:
         if not done:

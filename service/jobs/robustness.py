@@ -165,11 +165,11 @@ class RobustnessSetJobParams(BaseModel):
 
 
 def run_robustness_set(ctx: JobContext) -> dict[str, Any]:
-    """Every input decided at min_radius (lsa_models.engine.at_radius; progress: the inputs
-    done), stored once per (model, inputs, labels, norm, radius), then the certified-accuracy
-    certificate, signed and stored (its id derived from the job's: a re-run after a crash
-    returns the one stored). A job whose verdicts an earlier running job (another threshold)
-    is deciding waits for them."""
+    """Every input decided at min_radius (lsa_models.engine.at_radius; progress: "k/n inputs
+    decided", in any order), stored once per (model, inputs, labels, norm, radius), then the
+    certified-accuracy certificate, signed and stored (its id derived from the job's: a
+    re-run after a crash returns the one stored). A job whose verdicts an earlier running job
+    (another threshold) is deciding waits for them."""
     p = RobustnessSetJobParams.model_validate(ctx.params)
     cert_id = certificate_id_for_job(ctx.job_id)
     done = _stored_certificate(ctx, cert_id)
@@ -183,14 +183,14 @@ def run_robustness_set(ctx: JobContext) -> dict[str, Any]:
         ctx.progress(0.02, "loading model", force=True)
         loaded = load_model(ctx.runtime, model)
 
-        def progress(i: int, n: int, v: Any) -> None:
-            # each input's write is also the cancel check
-            ctx.progress(0.05 + 0.9 * (i + 1) / n, f"input {i + 1}/{n}: {v.status}",
-                         force=True)
+        def decided(k: int, n: int) -> None:
+            # as the inputs finish, in any order (a slow first input does not hide the
+            # others'); each write is also the cancel check
+            ctx.progress(0.05 + 0.9 * k / n, f"{k}/{n} inputs decided", force=True)
 
         out = verdicts_of(loaded, model.sha256, np.asarray(p.inputs, dtype=np.float64),
                           np.asarray(p.labels, dtype=np.int64), p.norm, p.min_radius,
-                          progress=progress, sweep=p.sweep, counterexamples=True,
+                          decided=decided, sweep=p.sweep, counterexamples=True,
                           workers=ctx.runtime.settings.set_processes)
         ctx.progress(0.96, "storing the verdicts", force=True)
         with ctx.session() as s:

@@ -545,7 +545,7 @@ def test_certified_accuracy_verdicts_are_stored_once_and_signed_for_any_threshol
 
     calls = counted_calls(monkeypatch, robustness_jobs, "verdicts_of")
     # the first job holds after its first input
-    deciding, release = hold_first_job(monkeypatch, r"input 1/")
+    deciding, release = hold_first_job(monkeypatch, r"\d+/\d+ inputs decided")
     settings = make_settings(db_url, worker_threads=2)
     xs = np.stack([center(s).numpy().astype(np.float64)[0] for s in (5, 6)])  # (2, N, D)
     labels = [predicted_label(mlp_onnx, x[None]) for x in xs]
@@ -672,7 +672,7 @@ def test_certified_accuracy_job_decides_in_worker_processes_and_a_cancel_ends_th
     real = at_radius._in_processes
 
     def spy(*args: Any) -> Any:
-        methods.append(args[-1])
+        methods.append(args[7])  # the start method
         return real(*args)
 
     class Recorded(at_radius.ProcessPoolExecutor):
@@ -701,7 +701,7 @@ def test_certified_accuracy_job_decides_in_worker_processes_and_a_cancel_ends_th
         assert methods == ["forkserver"]
 
         # another set (radius 0.06) held after its first input until it is cancelled
-        deciding, release = hold_first_job(monkeypatch, r"input 1/")
+        deciding, release = hold_first_job(monkeypatch, r"\d+/\d+ inputs decided")
         r = c.post("/certify", json={**req, "model_id": m["id"], "min_radius": 0.06})
         assert r.status_code == 202, r.text
         assert deciding.wait(60)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -214,7 +215,9 @@ def test_decide_all_in_worker_processes_gives_the_serial_verdicts(tmp_path: Path
 def test_decide_all_workers_end_when_the_consumer_stops(tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """A consumer that stops after the first verdict (a cancelled job) ends every worker
-    process then, not after the inputs they were deciding."""
+    process then: a worker still deciding an input is killed, not left to finish it (forked
+    workers whose `decide` sleeps a minute on every input but the first); from a forkserver,
+    on tf1's real decisions, every worker has ended when close() returns."""
     pools: list[Any] = []
 
     class Recorded(at_radius.ProcessPoolExecutor):
@@ -227,16 +230,41 @@ def test_decide_all_workers_end_when_the_consumer_stops(tmp_path: Path,
     om = load_onnx(export(net, tmp_path / "tf1.onnx").read_bytes())
     xs = np.stack([center(s).numpy().astype(np.float64)[0] for s in range(1, 9)])
     jobs = [(x, _label(om, x[None])) for x in xs]
-    for method in ("fork", "forkserver"):
-        verdicts = at_radius._in_processes(om, jobs, "inf", 0.03, 0, True, 2, method)
-        first = next(verdicts)
-        assert first.status in ("certified", "attacked", "unknown")
+    real = at_radius.decide
+
+    def slow(model: Any, x: np.ndarray, *args: Any, **kwargs: Any) -> Any:
+        if not np.array_equal(x, xs[0]):
+            time.sleep(60)
+        return real(model, x, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(at_radius, "decide", slow)  # forked workers inherit it
+        start = time.monotonic()
+        verdicts = at_radius._in_processes(om, jobs, "inf", 0.03, 0, True, 2, "fork")
+        assert next(verdicts).status in ("certified", "attacked", "unknown")
         procs = list(pools[-1]._processes.values())
         assert len(procs) == 2 and all(p.is_alive() for p in procs)
         verdicts.close()
-        # ended by a signal, not left to finish their inputs and exit
-        assert all(p.exitcode is not None and p.exitcode < 0 for p in procs), method
+        assert time.monotonic() - start < 45  # not after the sleeping inputs
+        # the pool's manager thread reaps the killed workers too: their exit codes may land
+        # a moment after close() returns
+        deadline = time.monotonic() + 10
+        while any(p.exitcode is None for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # killed by a signal, both busy
+        assert all(p.exitcode is not None and p.exitcode < 0 for p in procs), \
+            [p.exitcode for p in procs]
         assert at_radius._WORKER_MODEL == []
+
+    verdicts = at_radius._in_processes(om, jobs, "inf", 0.03, 0, True, 2, "forkserver")
+    assert next(verdicts).status in ("certified", "attacked", "unknown")
+    procs = list(pools[-1]._processes.values())
+    verdicts.close()
+    # ended (a worker between two inputs may take the shutdown and exit normally)
+    deadline = time.monotonic() + 10
+    while any(p.exitcode is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(p.exitcode is not None for p in procs), [p.exitcode for p in procs]
 
 
 def test_robustness_cli_set_mode_gate_and_errors(mlp: tuple[OnnxModel, Path],

@@ -258,9 +258,8 @@ def decide_all(model: Any, inputs: np.ndarray, labels: np.ndarray, norm: str, ra
     _check_set(om, inputs, labels)
     jobs = [(inputs[i], int(labels[i])) for i in range(n)]
     verdicts: Iterator[Verdict]
-    method = start_method()
-    serial = workers == 1 or n == 1 or method is None
-    if serial or method is None:
+    method = None if workers == 1 or n == 1 else start_method()
+    if method is None:
         verdicts = (decide(om, x, y, norm, radius, seed=seed, sweep=sweep) for x, y in jobs)
     else:
         verdicts = _in_processes(om, jobs, norm, radius, seed, sweep, min(workers, n), method,
@@ -268,7 +267,7 @@ def decide_all(model: Any, inputs: np.ndarray, labels: np.ndarray, norm: str, ra
     out: list[Verdict] = []
     for i, v in enumerate(verdicts):
         out.append(v)
-        if serial and decided is not None:
+        if method is None and decided is not None:  # the workers' count comes as they end
             decided(i + 1, n)
         if progress is not None:
             progress(i, n, v)
@@ -325,7 +324,7 @@ def _worker_start(om: OnnxModel | None = None) -> None:
 
 
 def _decide_in_worker(x: np.ndarray, label: int, norm: str, radius: float, seed: int,
-                   sweep: bool) -> Verdict:
+                      sweep: bool) -> Verdict:
     return decide(_WORKER_MODEL[0], x, label, norm, radius, seed=seed, sweep=sweep)
 
 
@@ -349,13 +348,12 @@ def _in_processes(om: OnnxModel, jobs: list[tuple[np.ndarray, int]], norm: str,
     try:
         futures = [pool.submit(_decide_in_worker, x, y, norm, radius, seed, sweep)
                    for x, y in jobs]
-        pending, count, i = set(futures), 0, 0
+        # while some input is left to yield, the next in order is not done, so one is pending
+        pending, i = set(futures), 0
         while i < len(futures):
-            if pending:
-                finished, pending = wait(pending, return_when=FIRST_COMPLETED)
-                if decided is not None and finished:
-                    count += len(finished)
-                    decided(count, len(futures))
+            _, pending = wait(pending, return_when=FIRST_COMPLETED)
+            if decided is not None:
+                decided(len(futures) - len(pending), len(futures))
             while i < len(futures) and futures[i].done():
                 yield futures[i].result()
                 i += 1

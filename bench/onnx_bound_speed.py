@@ -10,8 +10,8 @@ Phases, each timed on one CPU thread:
   recognition by probing, formulas);
 - baseline (same run): certified spectral norms of every weight matrix of the model, the
   irreducible part of any certified bound, so `bound / baseline` is the analyser's overhead.
-Target: bound < 5 s (median of `--repeats` runs, each listed). Prints one JSON object;
-`--plot PATH` also draws the phases (PNG).
+Target: bound < 5 s (median of `--repeats` runs, each listed). Prints one JSON object and
+writes it to bench/out/onnx_bound_speed.json; `--plot PATH` also draws the phases (PNG).
 """
 
 from __future__ import annotations
@@ -125,6 +125,9 @@ def main() -> None:
         "target_bound_s": 5.0,
         "bound_meets_target": phases["bound_s"] < 5.0,
     }
+    out_dir = Path(__file__).resolve().parent / "out"
+    out_dir.mkdir(exist_ok=True)
+    (out_dir / "onnx_bound_speed.json").write_text(json.dumps(out, indent=1))
     print(json.dumps(out))
     if args.plot:
         import matplotlib

@@ -10,7 +10,8 @@ Methods, each over every matrix, on one thread, in the same run:
   estimate certified by one Cholesky factorisation (docs/certification.md).
 For each certified method: total seconds, and the largest and smallest relative excess over
 the SVD value (the smallest must be >= 0: a certified bound is never below the truth).
-Prints one JSON object; `--plot PATH` also draws the times (PNG).
+Prints one JSON object and writes it to bench/out/spectral_norm_speed.json; `--plot PATH` also
+draws the times (PNG).
 """
 
 from __future__ import annotations
@@ -77,6 +78,9 @@ def main() -> None:
         "cholesky_speedup_over_eigvalsh": round(times["eigvalsh"] / times["cholesky"], 2),
         "cholesky_speedup_over_svd": round(times["svd"] / times["cholesky"], 2),
     }
+    out_dir = Path(__file__).resolve().parent / "out"
+    out_dir.mkdir(exist_ok=True)
+    (out_dir / "spectral_norm_speed.json").write_text(json.dumps(out, indent=1))
     print(json.dumps(out))
     if args.plot:
         import matplotlib

@@ -149,8 +149,8 @@ def test_l1_and_l2_sups_enclose_every_realisation(seed: int, eps: float) -> None
 
 
 def test_certify_local_takes_the_adjoint_bound_where_smaller(models) -> None:
-    """tf1's inf-ball at 3e-2: the enclosure gives 18x the lower bound (session 10), the
-    tangent graph 1.53x (session 11), the adjoint graph's rows 1.12x."""
+    """tf1's inf-ball at 3e-2: the enclosure gives 18x the lower bound, the tangent graph
+    1.53x, the adjoint graph's rows 1.12x."""
     om, x0 = models["tf1"]
     res = certify_local(om, x0, 3e-2, "inf")
     k = _jac(om, x0).shape[0]
@@ -187,7 +187,7 @@ def test_sweep_constants_are_the_smaller_of_adjoint_and_enclosure(models, monkey
 
 def test_sweep_probe_walks_the_engines_of_the_next_piece(monkeypatch) -> None:
     """The sweep's probe of the affine radius walks the engines its next piece would (a copy
-    of the sweep's turns, session 20): on the MLP's inf-ball the adjoint graph beat the
+    of the sweep's turns): on the MLP's inf-ball the adjoint graph beat the
     enclosure at the centre, so the probe walks the adjoint graph alone, and the pieces walk
     the enclosure on the same schedule as without the probe (every ENCLOSURE_EVERY-th)."""
     om, x0 = _models()["mlp"]

@@ -379,7 +379,7 @@ def test_affine_token_radius_holds_on_the_ball(seed: int, eps: float, norm: str)
 @given(seed=st.integers(0, 10**6), which=st.sampled_from(["exp", "rsqrt", "reciprocal",
                                                          "square", "relu"]))
 def test_chord_candidate_encloses_the_convex_remainder(seed: int, which: str) -> None:
-    """affine_rules._chord (session 11): for f convex on [lo, hi] and the true centre t0 in
+    """affine_rules._chord: for f convex on [lo, hi] and the true centre t0 in
     [tlo, thi], f(t) - f(t0) - lam (t - t0) lies in shift +- err at dense points t and t0
     (the grid of tangent lines is coarser than this check); 0.3x of err fails it."""
     rng = np.random.default_rng(seed)

@@ -114,8 +114,8 @@ def test_deferred_margins_hold_against_pgd(kind: str, norm: str, eps: float,
 
 
 def test_deferred_margins_are_tighter_on_the_transformer(tmp_path: Path) -> None:
-    """tf1 at 0.048 (the affine route's radius before session 11): the plain forms leave the
-    worst margin 0.066, the deferred product 0.095 (session 11): at least 1.3x as much."""
+    """tf1 at 0.048 (the affine route's radius without the deferred product): the plain
+    forms leave the worst margin 0.066, the deferred product 0.095: at least 1.3x as much."""
     om = load_onnx(export(build("tf1", 0), tmp_path / "tf1.onnx").read_bytes())
     x0 = center(1).numpy().astype(np.float64)
     f = om.module.with_dtype(torch.float64)

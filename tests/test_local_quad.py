@@ -508,7 +508,7 @@ def test_quad_two_eig_of_a_batch_reads_each_row_on_its_support(seed: int, p: int
     """A batch whose rows vanish outside index subsets (an entry that reads one token's
     inputs) gets, row by row, the bound of the same row alone on its full P x P matrix, and
     each row's bound holds at its quadratic form's extreme eigenvectors: solving each
-    support's block only (session 19) changes no number, and no row borrows another's
+    support's block only changes no number, and no row borrows another's
     support (rows sharing a support are solved together)."""
     rng = np.random.default_rng(seed)
     iu, ju = np.triu_indices(p)
@@ -553,7 +553,7 @@ def test_quadratic_on_the_two_ball_solves_each_entry_on_its_support(
     """A MatMul's quadratic form on the 2-ball (affine_rules._quadratic) whose rows read one
     token's inputs each (q k^T after a per-token LayerNorm: entry (i, k) reads tokens i and
     k) gets, entry by entry, the enclosure of its full P x P matrix's extreme eigenvalues:
-    solving each support's block only (session 20) changes no number beyond rounding, and
+    solving each support's block only changes no number beyond rounding, and
     d^T M d at the extreme eigenvectors (the ends, attained) lies inside it."""
     rng = np.random.default_rng(seed)
     p = tokens * width
@@ -648,9 +648,9 @@ def test_quad_eig_robustness_radius_of_the_one_layer_transformer_on_the_two_ball
     second-order walks with the sizes by eigenvalues) takes the certified radius past every
     radius the second-order stage certified (0.300 -> 0.315 of the attack's, 0.3206 ->
     0.3366: the stage stops within EIG_TOL = 5%, and the bracket its first growth step
-    leaves is exactly that wide; until session 20 its rounding decided whether a third walk
-    ran, 0.3417 on one machine), reports its walks as progress, and PGD finds no flip inside
-    it."""
+    leaves is exactly that wide: rounding may decide whether a third walk runs, 0.3417 where
+    it does, so the check asks for the lower end), reports its walks as progress, and PGD
+    finds no flip inside it."""
     om = _model("tf1", tmp_path)
     x0 = center().numpy().astype(np.float64)
     f = om.module.with_dtype(torch.float64)

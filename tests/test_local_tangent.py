@@ -211,8 +211,8 @@ def test_tangent_graph_names_an_op_without_a_rule(tmp_path: Path) -> None:
 
 
 def test_certify_local_takes_the_tangent_bound_where_smaller(models, monkeypatch) -> None:
-    """tf1's inf-ball at 3e-2: the Jacobian enclosure's boxes compound (18x the lower bound,
-    session 10), the tangent graph's forms give ~3.4x. (The tangent graph runs where the
+    """tf1's inf-ball at 3e-2: the Jacobian enclosure's boxes compound (18x the lower bound),
+    the tangent graph's forms give ~3.4x. (The tangent graph runs where the
     adjoint graph gave nothing: here it is switched off.)"""
     monkeypatch.setattr(local, "ADJOINT_MAX_ROWS", 0)
     om, x0 = models["tf1"]

@@ -99,7 +99,7 @@ def test_attack_radius_follows_a_class_the_untargeted_loss_cannot_see() -> None:
 
 def test_robustness_takes_the_larger_route_and_names_it(tmp_path: Path) -> None:
     """On the 1-layer Transformer's inf-ball the affine route certifies past the sweep
-    (session 9: 0.048 against 0.029; session 14: 0.0659): the radius is the larger,
+    (0.0659 against the sweep's 0.029): the radius is the larger,
     `certified_by` names it, and the affine radius's margins are positive when recomputed on
     that ball."""
     from lsa_models.engine.driver import margin_lower_bounds
@@ -111,15 +111,15 @@ def test_robustness_takes_the_larger_route_and_names_it(tmp_path: Path) -> None:
     r = robustness(om, x0, label, "inf", steps=8, attack_restarts=1)
     assert r.certified_by == "affine" and r.affine_walks > 1
     assert r.certified_radius == r.affine_radius > 0 and r.pair_constants == {}
-    # its last search has the second-order symbols (attention on the inf-ball, session 14)
+    # its last search has the second-order symbols (attention on the inf-ball)
     low = margin_lower_bounds(om, x0, r.affine_radius, "inf", label, quad=True)
     assert low is not None and min(low.values()) > 0
-    # the largest to QUAD_TOL (regula falsi, session 11): just past it a margin is spent
+    # the largest to QUAD_TOL (regula falsi): just past it a margin is spent
     past = margin_lower_bounds(om, x0, r.affine_radius * (1 + 1.01 * QUAD_TOL), "inf", label,
                                quad=True)
     assert past is not None and min(past.values()) <= 0
     # from a quarter of the first-order radius, then from just past the plain radius: fewer
-    # walks than bisection's 15 each (session 10)
+    # walks than bisection's 15 each
     assert r.affine_walks <= 16
     assert r.attack_radius is None or r.certified_radius <= r.attack_radius
     stages: list[tuple[str, float]] = []
@@ -129,7 +129,7 @@ def test_robustness_takes_the_larger_route_and_names_it(tmp_path: Path) -> None:
     assert fractions == sorted(fractions) and stages[0][0].startswith("attack:")
     assert stages[1][0].startswith("affine radius: tried")
     # the sweep probes the affine radius first and stops: it cannot pass it (time only; the
-    # adjoint graph's second sweep runs only where this one was not cut off, session 12)
+    # adjoint graph's second sweep runs only where this one was not cut off)
     assert stages[-1][0].startswith("radius sweep stopped: it cannot pass the affine radius")
     assert stages[-1][1] == 1.0
 

@@ -50,7 +50,7 @@ def test_zoo_model_gets_right_verdict_and_sound_bound(zoo: Zoo, case: Case,
 
 def test_zoo_table_matches_docs(zoo: Zoo) -> None:
     """docs/supported-models.md lists every zoo case, with the verdicts of this run (for
-    the cases this session ran: all of them in CI). Regenerate: `python -m tests.zoo.table`."""
+    the cases the run selected: all of them in CI). Regenerate: `python -m tests.zoo.table`."""
     doc = doc_verdicts(Path(DOC).read_text())
     want = {(c.model, e, c.layout): c.expected for c in CASES for e in c.exporters}
     assert set(doc) == set(want), (

@@ -6,5 +6,5 @@ run (bench/out/zoo.json), then edited by hand."""
 
 from __future__ import annotations
 
-# Empty since session 5: every zoo case gets its right verdict.
+# Empty: every zoo case gets its right verdict.
 TODAY: dict[tuple[str, str, str], str] = {}

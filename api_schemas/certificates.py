@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from .bounds import Norm
+
+# What a certificate states, told by the section it carries (none: lipschitz); each kind has
+# one pass rule (service.certificates).
+CertificateKind = Literal["lipschitz", "robustness", "certified_accuracy", "training"]
 
 CERTIFICATE_EXAMPLE: dict[str, Any] = {
     "id": "c0ffee00-0000-4000-8000-000000000001",
@@ -39,7 +43,11 @@ class CertificateBody(BaseModel):
     threshold: float
     upper: float | None = Field(description="Certified upper bound; null if none exists")
     lower: float | None = Field(default=None, description="Empirical lower bound, if measured")
-    passed: bool = Field(description="upper is finite and upper <= threshold")
+    passed: bool = Field(description="The kind's pass rule on the signed figures: upper is "
+                         "finite and <= threshold (lipschitz); certified_radius > 0 and >= "
+                         "threshold (robustness); certified_accuracy >= threshold "
+                         "(certified_accuracy); invertible, threshold c < 1 and upper <= c "
+                         "(training)")
     method: str
     lsa_version: str
     issued_at: datetime
@@ -129,5 +137,10 @@ def canonical_bytes(body: CertificateBody | dict[str, Any]) -> bytes:
 
 
 class VerifyResult(BaseModel):
-    valid: bool
+    valid: bool = Field(description="The signature matches every field and `passed` is what "
+                        "the kind's pass rule gives on the signed figures")
     reason: str = Field(description="Why the certificate is (in)valid")
+    kind: CertificateKind | None = Field(
+        default=None, description="The certificate's kind (null when it could not be read)")
+    passed: bool | None = Field(default=None, description="The certificate's verdict, when "
+                                "it is valid")

@@ -5,17 +5,16 @@ certificates. Routes parse, call one of these, and shape the response.
   agreement recorded so later loads skip it).
 - `get_or_compute_report` / `report_json`: the stored report of a request, or compute and
   store it (in the server: on the compute pool, off the request threads).
-- `issue_certificate` / `sign_report`: the signed verdict, with the one `passed` rule.
+- `issue_certificate`: a Lipschitz certificate of a report, issued by
+  `service.certificates.issue` (which holds every kind's pass rule).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 from typing import Any
 
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sqlalchemy import select
 from starlette.concurrency import run_in_threadpool
 
@@ -32,29 +31,15 @@ from .bounding import (
     request_key,
     store_result,
 )
-from .certificates import new_certificate_body, sign_certificate
+from .certificates import issue, lipschitz_body
 from .compute import ComputeBusy
 from .db import transaction
 from .errors import InvalidModel, NotFound
 from .model_cache import load_bytes
 from .runtime import Runtime
-from .tables import CertificateRow, UploadedModel, utcnow
+from .tables import UploadedModel, utcnow
 
 log = logging.getLogger("lsa.service")
-
-
-def passed(upper: float | None, threshold: float) -> bool:
-    """The one pass rule of every certificate: a certified upper bound exists, is finite and
-    is <= the threshold. `upper` is None when the bound is not certified."""
-    return upper is not None and math.isfinite(upper) and upper <= threshold
-
-
-def robust(certified_radius: float, min_radius: float) -> bool:
-    """The one pass rule of robustness certificates: the certified radius is finite, positive
-    (0 means nothing was certified, e.g. the label is not the prediction) and at least the
-    requested one."""
-    return (math.isfinite(certified_radius) and certified_radius > 0
-            and certified_radius >= min_radius)
 
 
 def find_model(runtime: Runtime, model_id: str) -> ModelRef:
@@ -141,34 +126,13 @@ async def report_json(runtime: Runtime, model: ModelRef, norm: str, seq_len: int
     return _remember(runtime, key, report)
 
 
-def sign_report(report: BoundReport, threshold: float, key: Ed25519PrivateKey,
-                lower: float | None = None, **fields: Any) -> Certificate:
-    """The signed certificate of `report` against `threshold` (the server's and the CLI's
-    local mode's): an upper bound is stated only when it is certified."""
-    from lsa_models import __version__  # deferred: imports torch
-
-    upper = report.upper if report.verdict == "certified" else None
-    body = new_certificate_body(
-        model_sha256=report.model_sha256, norm=report.norm, seq_len=report.seq_len,
-        radius=report.radius, threshold=threshold, upper=upper,
-        lower=report.lower if lower is None else lower, passed=passed(upper, threshold),
-        method=report.method, lsa_version=fields.pop("lsa_version", None) or __version__,
-        **fields)
-    return sign_certificate(body, key)
-
-
 def issue_certificate(runtime: Runtime, model: ModelRef, report: BoundReport,
                       threshold: float) -> Certificate:
-    """Sign the verdict of `report` against `threshold` and store it (one short write)."""
+    """The Lipschitz certificate of `report` against `threshold`, with the best empirical
+    lower bound stored for its domain, issued in one short write transaction."""
     with transaction(runtime.sessions) as s:
         lower = best_lower(s, model, report.norm, report.seq_len, report.radius)
-        cert = sign_report(report, threshold, runtime.signing_key, lower=lower)
-        s.add(CertificateRow(id=cert.id, model_id=model.id, model_sha256=model.sha256,
-                             threshold=cert.threshold, upper=cert.upper, passed=cert.passed,
-                             body=cert.model_dump(mode="json"), issued_at=cert.issued_at))
-    if runtime.metrics is not None:
-        runtime.metrics.certificates.inc()
-    return cert
+        return issue(s, runtime, model.id, lipschitz_body(report, threshold, lower=lower))
 
 
 def register_model(runtime: Runtime, staged: Staged, filename: str) -> tuple[UploadedModel, bool]:

@@ -17,7 +17,6 @@ import json
 from typing import Any, TypeVar
 
 import numpy as np
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -27,18 +26,14 @@ from api_schemas.certificates import Certificate, Counterexamples
 from api_schemas.jobs import JobAccepted
 
 from .bounding import ModelRef, load_model
-from .certificates import new_certificate_body, sign_certificate
-from .certifying import robust
+from .certificates import certified_accuracy_body, issue, robustness_body
 from .db import transaction
 from .errors import InvalidRequest, NotFound, PayloadTooLarge
 from .jobs.runner import submit_keyed_job
 from .local import inputs_sha256, model_center, run_counted
 from .runtime import Runtime
-from .tables import CertificateRow, RobustnessResultRow, RobustnessSetResultRow
+from .tables import RobustnessResultRow, RobustnessSetResultRow
 
-# The radii's fields a certificate signs (robustness_of's object less the timings).
-SIGNED_FIELDS = ("label", "predicted", "certified_radius", "attack_radius", "margins",
-                 "pair_constants", "center_sha256", "bisection_steps")
 MEMORY_PREFIX = "robustness:"
 SET_MEMORY_PREFIX = "robustness-set:"
 
@@ -109,58 +104,18 @@ def store_radii(session: Session, model: ModelRef, key: str,
         certified_radius=float(radii["certified_radius"]), result=radii))
 
 
-def sign_robustness(radii: dict[str, Any], n: int, min_radius: float, key: Ed25519PrivateKey,
-                    cert_id: str | None = None) -> Certificate:
-    """The signed robustness certificate of `radii` (robustness_of's object) against
-    `min_radius`, under the one pass rule (service.certifying.robust)."""
-    from lsa_models import __version__  # deferred: imports torch
-    from lsa_models.engine.local import METHOD
-
-    section = {k: radii[k] for k in SIGNED_FIELDS}
-    section["min_radius"] = min_radius
-    ok = robust(float(radii["certified_radius"]), min_radius)
-    fields: dict[str, Any] = {} if cert_id is None else {"id": cert_id}
-    body = new_certificate_body(
-        model_sha256=radii["model_sha256"], norm=radii["norm"], seq_len=n, radius=None,
-        threshold=min_radius, upper=None, lower=None, passed=ok,
-        method="robustness: every margin f_label - f_j stays positive on the ball of the "
-        "certified radius (bisection on r; " + METHOD + ")", lsa_version=__version__,
-        robustness=section, **fields)
-    return sign_certificate(body, key)
-
-
 def issue_robustness_certificate(runtime: Runtime, model: ModelRef, radii: dict[str, Any],
                                  n: int, min_radius: float,
                                  cert_id: str | None = None) -> Certificate:
-    """Sign `radii` against `min_radius` with the server's key and store the certificate.
-    With `cert_id` (a job's), a certificate stored under it first (an earlier attempt of the
-    job, presumed dead, that finished anyway) is the one returned."""
+    """The robustness certificate of `radii` against `min_radius`, issued in one short write
+    transaction (with `cert_id`, a job's: one stored under it first, by an earlier attempt of
+    the job presumed dead that finished anyway, is the one returned)."""
     if radii.get("model_sha256") != model.sha256:
         raise ValueError(f"the radii are for model {radii.get('model_sha256')}, not "
                          f"{model.sha256}")
-    cert = sign_robustness(radii, n, min_radius, runtime.signing_key, cert_id)
-    return store_certificate(runtime, model, cert, cert_id)
-
-
-def store_certificate(runtime: Runtime, model: ModelRef, cert: Certificate,
-                      cert_id: str | None) -> Certificate:
-    """Store a signed certificate; with `cert_id` (a job's), one stored under it first (an
-    earlier attempt of the job) is the one returned."""
+    body = robustness_body(radii, n, min_radius, cert_id=cert_id)
     with transaction(runtime.sessions) as s:
-        try:
-            with s.begin_nested():
-                s.add(CertificateRow(id=cert.id, model_id=model.id, model_sha256=model.sha256,
-                                     threshold=cert.threshold, upper=cert.upper,
-                                     passed=cert.passed, body=cert.model_dump(mode="json"),
-                                     issued_at=cert.issued_at))
-        except IntegrityError:
-            first = s.get(CertificateRow, cert.id)
-            if cert_id is None or first is None:
-                raise
-            return Certificate.model_validate(first.body)
-    if runtime.metrics is not None:
-        runtime.metrics.certificates.inc()
-    return cert
+        return issue(s, runtime, model.id, body)
 
 
 def check_label(runtime: Runtime, model: ModelRef, x0: np.ndarray, label: int) -> str:
@@ -219,35 +174,6 @@ async def robustness_certificate(runtime: Runtime, model: ModelRef, at: list[Any
 # min_certified_accuracy (a `robustness_set` job; lsa_models.engine.at_radius) ---------------
 
 
-def sign_robustness_set(out: dict[str, Any], n: int, min_radius: float, min_accuracy: float,
-                        digest: str, key: Ed25519PrivateKey,
-                        cert_id: str | None = None) -> Certificate:
-    """The signed certified-accuracy certificate of `out` (service.local.verdicts_of's
-    object): passed iff certified_accuracy >= min_accuracy."""
-    from lsa_models import __version__  # deferred: imports torch
-    from lsa_models.engine.local import METHOD
-
-    section = {"radius": min_radius, "n": out["n"], "counts": out["counts"],
-               "certified_accuracy": out["certified_accuracy"],
-               "attack_accuracy": out["attack_accuracy"],
-               "min_certified_accuracy": min_accuracy, "inputs_sha256": digest,
-               "labels": [s["label"] for s in out["samples"]],
-               "statuses": [s["status"] for s in out["samples"]]}
-    if out.get("sweep") is False:
-        # decided without the radius sweep (lsa robustness --no-sweep): a recomputation
-        # must skip it too
-        section["sweep"] = False
-    fields: dict[str, Any] = {} if cert_id is None else {"id": cert_id}
-    body = new_certificate_body(
-        model_sha256=out["model_sha256"], norm=out["norm"], seq_len=n, radius=None,
-        threshold=min_accuracy, upper=None, lower=None,
-        passed=bool(out["certified_accuracy"] >= min_accuracy),
-        method="certified accuracy: the fraction of the inputs whose every margin f_label - "
-        "f_j stays positive on the ball of the radius (affine forms or the radius sweep; "
-        + METHOD + ")", lsa_version=__version__, robustness_set=section, **fields)
-    return sign_certificate(body, key)
-
-
 async def set_inputs(runtime: Runtime, model: ModelRef, inputs: list[Any]) -> np.ndarray:
     """The inputs as the graph takes them, stacked (each checked as `at` is: 413 past
     LSA_MAX_AT_ELEMENTS in all, 422 naming the input)."""
@@ -298,9 +224,9 @@ def issue_set_certificate(runtime: Runtime, model: ModelRef, out: dict[str, Any]
     if out.get("model_sha256") != model.sha256:
         raise ValueError(f"the verdicts are for model {out.get('model_sha256')}, not "
                          f"{model.sha256}")
-    cert = sign_robustness_set(out, n, min_radius, min_accuracy, digest, runtime.signing_key,
-                               cert_id)
-    return store_certificate(runtime, model, cert, cert_id)
+    body = certified_accuracy_body(out, n, min_radius, min_accuracy, digest, cert_id=cert_id)
+    with transaction(runtime.sessions) as s:
+        return issue(s, runtime, model.id, body)
 
 
 async def robustness_set_certificate(runtime: Runtime, model: ModelRef, inputs: list[Any],

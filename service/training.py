@@ -24,11 +24,10 @@ from api_schemas.training import ArtifactLink, TrainingResult, TrainingSpec
 
 from .artifacts import store_artifact
 from .bounding import load_bytes
-from .certificates import new_certificate_body, sign_certificate
-from .certifying import passed
+from .certificates import issue, training_body
 from .errors import InvalidRequest
 from .settings import Settings
-from .tables import CertificateRow, Corpus, UploadedModel
+from .tables import Corpus, UploadedModel
 
 if TYPE_CHECKING:
     from lsa_models.lm import LMConfig
@@ -131,8 +130,6 @@ def store_outcome(session: Session, runtime: Runtime, job_id: str, outcome: Trai
                   corpus: dict[str, Any]) -> dict[str, Any]:
     """Artifacts, the model row and the signed certificate, in the caller's transaction.
     Returns the job result (api_schemas.training.TrainingResult as JSON)."""
-    from lsa_models import __version__  # defers torch
-
     model_bytes = outcome.model_path.read_bytes()
     model_sha = store_artifact(session, runtime.artifacts, model_bytes, "model")
     onnx_sha = store_artifact(session, runtime.artifacts, outcome.onnx_path.read_bytes(), "onnx")
@@ -145,7 +142,6 @@ def store_outcome(session: Session, runtime: Runtime, job_id: str, outcome: Trai
         "plot": ArtifactLink(sha256=plot_sha, url=f"/artifacts/{plot_sha}"),
     }
     max_branch = cert.max_branch_lipschitz
-    invertible = cert.invertible and max_branch is not None
     training_section = {
         **cert.to_json(),
         "job_id": job_id,
@@ -159,18 +155,9 @@ def store_outcome(session: Session, runtime: Runtime, job_id: str, outcome: Trai
               if cert.attention == "contractive_l2" else
               f"trained {cert.attention} Transformer: no residual branch is scaled to a "
               "constant < 1, so no invertibility certificate; ") + cert.method
-    # the one `passed` rule (certified upper <= threshold), plus c < 1: only then invertible
-    ok = bool(invertible and cert.c < 1.0 and passed(max_branch, cert.c))
-    body = new_certificate_body(
-        id=certificate_id_for_job(job_id), model_sha256=model_sha, norm="2",
-        seq_len=cert.seq_len, radius=None, threshold=cert.c, upper=max_branch, lower=None,
-        passed=ok, method=method[:2000], lsa_version=__version__,
-        training=training_section)
-    signed = sign_certificate(body, runtime.signing_key)
-    session.add(CertificateRow(id=signed.id, model_id=model.id, model_sha256=model_sha,
-                               threshold=signed.threshold, upper=signed.upper,
-                               passed=signed.passed, body=signed.model_dump(mode="json"),
-                               issued_at=signed.issued_at))
+    signed = issue(session, runtime, model.id, training_body(
+        certificate_id_for_job(job_id), model_sha, cert.seq_len, cert.c, max_branch, method,
+        training_section))
     session.flush()
     return result_from_certificate(signed.model_dump(mode="json"), model.id, outcome.wall_s)
 

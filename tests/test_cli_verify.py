@@ -182,6 +182,9 @@ def test_verify_recompute_rejects_an_inconsistent_verdict(issued: dict[str, Path
                                                           tmp_path: Path) -> None:
     upper = json.loads(issued["cert"].read_text())["upper"]
     forged = _signed(issued, tmp_path, threshold=upper / 2, passed=True)
+    # the lipschitz rule on the signed upper bound tells, without recomputing anything
+    code, out, _ = invoke(str(forged), "--public-key", str(issued["public"]))
+    assert code == 1 and "the lipschitz rule" in out and "passed=False" in out, out
     code, out, _ = invoke(str(forged), str(issued["model"]), "--public-key",
                           str(issued["public"]), "--recompute")
     assert code == 1 and "passed=True" in out
@@ -240,12 +243,12 @@ def test_verify_exit_2_on_bad_input(issued: dict[str, Path], tmp_path: Path, cas
 def robust_issued(issued: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
                   ) -> dict[str, Any]:
     """An MLP classifier (ONNX), a centre, its radii, and a certificate signed with the
-    local key the way the server signs one (service.robustness.sign_robustness)."""
+    local key the way the server signs one (service.certificates.robustness_body)."""
     import numpy as np
 
     from bench.local_models import build, center, export
     from service.local import robustness_of
-    from service.robustness import sign_robustness
+    from service.certificates import robustness_body, sign
 
     root = tmp_path_factory.mktemp("robust")
     model = export(build("mlp", seed=3), root / "mlp.onnx")
@@ -262,7 +265,7 @@ def robust_issued(issued: dict[str, Path], tmp_path_factory: pytest.TempPathFact
                           x0, label, "2")
     assert radii["certified_radius"] > 0
     key = load_or_create_signing_key(issued["key"])
-    cert = sign_robustness(radii, x0.shape[-2], radii["certified_radius"] / 2, key)
+    cert = sign(robustness_body(radii, x0.shape[-2], radii["certified_radius"] / 2), key)
     path = root / "cert.json"
     path.write_text(cert.model_dump_json())
     return {"model": model, "x0": root / "x0.npy", "x1": root / "x1.npy", "cert": path,
@@ -271,10 +274,10 @@ def robust_issued(issued: dict[str, Path], tmp_path_factory: pytest.TempPathFact
 
 def _robust_forged(r: dict[str, Any], radius_factor: float = 1.0,
                    passed: bool | None = None) -> Path:
-    from service.robustness import sign_robustness
+    from service.certificates import robustness_body, sign
 
     radii = {**r["radii"], "certified_radius": r["radii"]["certified_radius"] * radius_factor}
-    cert = sign_robustness(radii, 8, r["radii"]["certified_radius"] / 2, r["key"])
+    cert = sign(robustness_body(radii, 8, r["radii"]["certified_radius"] / 2), r["key"])
     if passed is not None:
         body = {k: v for k, v in cert.model_dump().items() if k != "signature"}
         cert = sign_certificate(new_certificate_body(**{**body, "passed": passed}), r["key"])
@@ -308,6 +311,9 @@ def test_verify_recompute_robustness_rejects_an_inconsistent_verdict(
         issued: dict[str, Path], robust_issued: dict[str, Any]) -> None:
     r = robust_issued
     forged = _robust_forged(r, passed=False)  # radius >= min_radius, yet "failed"
+    # the robustness rule on the signed radius tells, without recomputing anything
+    code, out, _ = invoke(str(forged), "--public-key", str(issued["public"]))
+    assert code == 1 and "the robustness rule" in out and "passed=True" in out, out
     code, out, _ = invoke(str(forged), str(r["model"]), "--public-key", str(issued["public"]),
                           "--recompute", "--at", str(r["x0"]))
     assert code == 1 and "passed=False" in out

@@ -27,8 +27,12 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedCo
 from api_schemas.bounds import BoundReport
 from api_schemas.certificates import Certificate
 from api_schemas.ci import CertifyReport, Outcome
-from service.certificates import SigningKeyError, load_or_create_signing_key
-from service.certifying import sign_report
+from service.certificates import (
+    SigningKeyError,
+    lipschitz_body,
+    load_or_create_signing_key,
+    sign,
+)
 from service.client import ClientConfig, ClientError, LSAClient
 from service.settings import Settings
 
@@ -131,8 +135,8 @@ def decision_message(cert: Certificate, bound: BoundReport) -> str:
 
 def certify_local(req: Request, key_path: Path | None, progress: StageProgress
                   ) -> tuple[Certificate, BoundReport]:
-    """The server's certifying rules (service.certifying.sign_report: the one `passed`
-    predicate), on a bound computed here and signed with the local key."""
+    """The server's Lipschitz certificate (service.certificates: the same body and pass
+    rule), of a bound computed here, signed with the local key."""
 
 
     progress.stage(LOCAL_STEPS[0])
@@ -148,7 +152,8 @@ def certify_local(req: Request, key_path: Path | None, progress: StageProgress
     except (SigningKeyError, OSError) as exc:
         raise CertifyError(f"signing key: {exc}; pass --key FILE (an Ed25519 PEM private "
                            f"key, created if missing)") from None
-    return sign_report(bound, req.threshold, key, lsa_version=bound.lsa_version), bound
+    body = lipschitz_body(bound, req.threshold, lsa_version=bound.lsa_version)
+    return sign(body, key), bound
 
 
 def default_key_path() -> Path:

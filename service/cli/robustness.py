@@ -15,6 +15,7 @@ from rich.console import Console
 
 from api_schemas import BoundReport
 
+from ..certificates import certified_accuracy
 from ..local import local_report_of, model_input, robustness_of
 from ..settings import default_set_workers
 from .common import EXIT_FAILED, app, fail, set_threads
@@ -167,7 +168,8 @@ def robustness_cmd(
                                 workers=default_set_workers() if workers is None else workers)
             gate = min_certified_accuracy
             out["min_certified_accuracy"] = gate
-            out["passed"] = None if gate is None else out["certified_accuracy"] >= gate
+            out["passed"] = None if gate is None else certified_accuracy(
+                out["certified_accuracy"], gate)
             if certificate is not None:
                 assert gate is not None and radius is not None
                 signed = sign_set_here(out, radius, gate, key)

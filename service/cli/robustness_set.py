@@ -125,10 +125,14 @@ def set_reports(path: Path, norm: str, radius: float | None, gate: float | None,
 def sign_set_here(out: dict[str, Any], radius: float, gate: float, key_path: Path | None
                   ) -> Any:
     """The certified-accuracy certificate of the set mode's JSON, signed with the local key
-    under the server's rule (service.robustness.sign_robustness_set: the same fields, passed
-    iff the certified accuracy reaches the threshold)."""
-    from service.certificates import SigningKeyError, load_or_create_signing_key
-    from service.robustness import sign_robustness_set
+    as the server's (service.certificates: the same body and the certified_accuracy pass
+    rule)."""
+    from service.certificates import (
+        SigningKeyError,
+        certified_accuracy_body,
+        load_or_create_signing_key,
+        sign,
+    )
 
     from .certify import CertifyError, default_key_path
 
@@ -138,8 +142,8 @@ def sign_set_here(out: dict[str, Any], radius: float, gate: float, key_path: Pat
     except (SigningKeyError, OSError, CertifyError) as exc:
         raise ValueError(f"signing key: {exc}; pass --key FILE (an Ed25519 PEM private key, "
                          "created if missing)") from None
-    return sign_robustness_set(out, int(out["seq_len"]), radius, gate, out["inputs_sha256"],
-                               signing_key)
+    return sign(certified_accuracy_body(out, int(out["seq_len"]), radius, gate,
+                                        out["inputs_sha256"]), signing_key)
 
 
 def certificate_set(cert: dict[str, Any]) -> dict[str, Any]:

@@ -1,6 +1,8 @@
 """`lsa verify CERT.json [MODEL]`: check a certificate offline.
 
-Three checks, each can only fail closed: the Ed25519 signature over every field, the model
+Three checks, each can only fail closed: the Ed25519 signature over every field and the
+verdict under the kind's pass rule (service.certificates.verify_certificate, as POST
+/certificates/verify), the model
 file's sha256 against the certificate's, and (`--recompute`) the analytic bound recomputed
 here and compared with the certified one; for a robustness certificate, the radii recomputed
 around `--at X0.npy` (whose sha256 must be the certificate's centre; the computation is
@@ -20,8 +22,14 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from pydantic import ValidationError
 
 from api_schemas.certificates import Certificate
-from service.certificates import SigningKeyError, load_public_key, verify_certificate
-from service.certifying import passed, robust
+from service.certificates import (
+    SigningKeyError,
+    certified_accuracy,
+    lipschitz,
+    load_public_key,
+    robustness,
+    verify_certificate,
+)
 from service.client import ClientConfig, ClientError, LSAClient
 from service.local import model_input, robustness_of
 from service.settings import Settings
@@ -161,6 +169,11 @@ def verify(
                    f"accuracy {rs.get('certified_accuracy')} vs {cert.threshold:g} on "
                    f"{rs.get('n')} inputs at radius {rs.get('radius')}, {cert.norm}-norm)")
         raise typer.Exit(EXIT_OK)
+    if cert.training is not None:
+        typer.echo(f"VALID: training certificate {cert.id} ({verdict}: largest branch bound "
+                   f"{cert.upper} vs c {cert.threshold:g}, invertible "
+                   f"{cert.training.get('invertible')}, {cert.norm}-norm, N={cert.seq_len})")
+        raise typer.Exit(EXIT_OK)
     if cert.robustness is not None:
         typer.echo(f"VALID: robustness certificate {cert.id} ({verdict}: certified radius "
                    f"{cert.robustness.get('certified_radius')} vs min_radius "
@@ -235,7 +248,7 @@ def check_model_hash(cert: Certificate, model: Path) -> None:
 
 def check_recomputed(cert: Certificate, model: Path) -> None:
     """Exit 1 unless the bound recomputed here matches the certified one and gives the same
-    verdict under the one pass rule (service.certifying.passed)."""
+    verdict under the Lipschitz pass rule (service.certificates.lipschitz)."""
 
 
     set_threads()
@@ -251,7 +264,7 @@ def check_recomputed(cert: Certificate, model: Path) -> None:
                    f"the certificate)")
         raise typer.Exit(EXIT_FAILED)
     upper = report.upper
-    recomputed = passed(upper if report.verdict == "certified" else None, cert.threshold)
+    recomputed = lipschitz(upper if report.verdict == "certified" else None, cert.threshold)
     if recomputed != cert.passed:
         typer.echo(f"INVALID: the certificate says passed={cert.passed}, but the bound "
                    f"{upper} against the threshold {cert.threshold:g} gives {recomputed}")
@@ -261,7 +274,8 @@ def check_recomputed(cert: Certificate, model: Path) -> None:
 
 def check_recomputed_radius(cert: Certificate, model: Path, at: Path | None) -> None:
     """Exit 1 unless the radii recomputed here around `at` give the certified radius and the
-    same verdict under the one pass rule (service.certifying.robust); exit 2 without `at`."""
+    same verdict under the robustness pass rule (service.certificates.robustness); exit 2
+    without `at`."""
     from lsa_models import __version__  # deferred: torch
     from lsa_models.engine.driver import center_sha256, check_center
     from lsa_models.engine.local import as_onnx
@@ -299,7 +313,7 @@ def check_recomputed_radius(cert: Certificate, model: Path, at: Path | None) -> 
                    f"certified {certified} (lsa {__version__} here, {cert.lsa_version} in "
                    "the certificate)")
         raise typer.Exit(EXIT_FAILED)
-    verdict = robust(recomputed, cert.threshold)
+    verdict = robustness(recomputed, cert.threshold)
     if verdict != cert.passed:
         typer.echo(f"INVALID: the certificate says passed={cert.passed}, but the certified "
                    f"radius {recomputed} against min_radius {cert.threshold:g} gives {verdict}")
@@ -353,7 +367,7 @@ def check_recomputed_set(cert: Certificate, model: Path, inputs: Path | None,
                    f"certificate says {rs.get('statuses')} (lsa {__version__} here, "
                    f"{cert.lsa_version} in the certificate)")
         raise typer.Exit(EXIT_FAILED)
-    ok = out["certified_accuracy"] >= cert.threshold
+    ok = certified_accuracy(out["certified_accuracy"], cert.threshold)
     if out["certified_accuracy"] != rs.get("certified_accuracy") or ok != cert.passed:
         typer.echo(f"INVALID: the certificate says certified accuracy "
                    f"{rs.get('certified_accuracy')}, passed={cert.passed}; decided again: "

@@ -477,16 +477,16 @@ def test_certified_accuracy_certificate_is_a_job_that_signs_the_verdicts(
     assert other.exit_code == 1 and "the certificate is for the set" in other.stdout
     # a correctly signed certificate whose statuses are not what the inputs get
     from service.certificates import load_or_create_signing_key
-    from service.robustness import sign_robustness_set
+    from service.certificates import certified_accuracy_body, sign
 
     key = load_or_create_signing_key(tmp_path / "k.pem")
     n = len(rs["statuses"])
     forged_samples = [{"label": y, "status": "certified"} for y in labels]
-    forged = sign_robustness_set(
+    forged = sign(certified_accuracy_body(
         {"model_sha256": cert["model_sha256"], "norm": "inf", "n": n,
          "counts": {**rs["counts"]}, "certified_accuracy": 1.0,
          "attack_accuracy": rs["attack_accuracy"], "samples": forged_samples},
-        cert["seq_len"], 0.01, 0.5, rs["inputs_sha256"], key)
+        cert["seq_len"], 0.01, 0.5, rs["inputs_sha256"]), key)
     (tmp_path / "forged.json").write_text(forged.model_dump_json())
     bad = CliRunner().invoke(cli, ["verify", str(tmp_path / "forged.json"), str(mlp_onnx),
                                    "--public-key", str(tmp_path / "k.pem"), "--recompute",

@@ -189,15 +189,25 @@ def recognise(info: GraphInfo) -> list[AttentionLayer]:
 _TOKEN_AFFINE = _LAYOUT | {"MatMul", "Gemm", "Add", "Sub", "Mul", "Div", "Neg"}
 
 
+_WALKS = 4  # token chains tried per Softmax, nearest the logits first
+
+
 def _input_candidates(info: GraphInfo, logits: str, n: int) -> list[str]:
     """Token tensors dominating the logits, farthest first: up the dominator tree through
     token-wise affine ops (projections), up to the first tensor made otherwise (a LayerNorm,
     a residual sum, the model input). Then, tried last, the same walk once more above that
-    tensor: with one sequence a tensor of pairwise terms (1, N, N) has the token layout of an
-    (N, D) input, and the layer input lies above it."""
-    first = _token_chain(info, info.idom.get(logits), n)
-    more = _token_chain(info, info.idom.get(first[-1]), n) if first else []
-    return first[::-1] + more[::-1]
+    tensor, and again above that: with one sequence a tensor of pairwise terms (1, N, N) has
+    the token layout of an (N, D) input, and the layer input lies above it."""
+    out: list[str] = []
+    chain = _token_chain(info, info.idom.get(logits), n)
+    # a few walks: torch's cdist spells `||q_i - q_j||` through several pairwise (N, N)
+    # tensors (ReduceSum, Pow, Pow), each of token layout on one sequence
+    for _ in range(_WALKS):
+        if not chain:
+            break
+        out += chain[::-1]
+        chain = _token_chain(info, info.idom.get(chain[-1]), n)
+    return out
 
 
 def _token_chain(info: GraphInfo, x: str | None, n: int) -> list[str]:
@@ -304,8 +314,7 @@ def _analyse(info: GraphInfo, sm: Node, logits: str, x: str, layer: AttentionLay
         return
     layer.tied = bool(a == b or (np.array_equal(layer.wq, layer.wk)
                                  and np.array_equal(layer.bq, bk)))
-    finish_l2(info, reg.nodes, probe, envs, xs, reg.v_name, layer, (c, resid, ls, finite),
-              heads_o)
+    finish_l2(probe, envs, xs, reg.v_name, layer, (c, resid, ls, finite), heads_o)
 
 
 def _read_projections(info: GraphInfo, reg: _Region, probe: Probe,

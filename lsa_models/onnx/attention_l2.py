@@ -1,6 +1,6 @@
 """L2 attention (Theorem 3.2) read from a graph: the checks after its logits are recognised
-(coefficient sign, masks, tied weights, no query bias) and its value path `X A_h W^V_h` with
-`A_h = c' W^Q_h W^Q_h^T` (docs/bounds.md, "L2 attention read from a graph")."""
+(coefficient sign, masks, tied weights, no query bias) and its value path, `X M_h` with the
+columns of `M_h` in the span of `W^Q_h` (docs/bounds.md, "L2 attention read from a graph")."""
 
 from __future__ import annotations
 
@@ -10,25 +10,15 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 from torch import Tensor
 
-from .attention_probe import (
-    FIT_MARGIN,
-    TOL,
-    AttentionLayer,
-    NotAttention,
-    Probe,
-    per_head,
-    token_view,
-)
-from .graph import GraphInfo
-from .ops import Node
+from .attention_probe import AttentionLayer, NotAttention, Probe, per_head
 
-# 2^-20 relative: A = c' W^Q W^Q^T folded into a float32 constant by the exporter (dynamo
-# does) is read as the exact product the module computes (docs/bounds.md, Conventions)
+# 2^-20 relative: a product A W^V folded into a float32 constant by the exporter is read as
+# the exact product the module computes (docs/bounds.md, Conventions)
 _A_RTOL = 2.0 ** -20
 
 
-def finish_l2(info: GraphInfo, nodes: list[Node], probe: Probe,
-              envs: Sequence[Mapping[str, Tensor]], xs: list[np.ndarray], v_name: str,
+def finish_l2(probe: Probe, envs: Sequence[Mapping[str, Tensor]], xs: list[np.ndarray],
+              v_name: str,
               layer: AttentionLayer,
               fit: tuple[np.ndarray, np.ndarray, list[np.ndarray], np.ndarray],
               heads_o: int) -> None:
@@ -40,7 +30,13 @@ def finish_l2(info: GraphInfo, nodes: list[Node], probe: Probe,
         raise NotAttention("its logits grow with the distance (a positive L2 coefficient)")
     where = f"attention at Softmax {layer.softmax}"
     assert layer.bq is not None
-    if np.abs(resid).max() > 1e-7 * (1 + max(float(np.abs(lg[finite]).max()) for lg in ls)):
+    tol = 1e-7 * (1 + max(float(np.abs(lg[finite]).max()) for lg in ls))
+    masked = np.abs(resid).max() > tol
+    if masked and finite.all() and _additive_causal(resid, tol):
+        layer.causal, masked = True, False
+        if _ADDITIVE_CAUSAL_NOTE not in layer.notes:
+            layer.notes.append(_ADDITIVE_CAUSAL_NOTE)
+    if masked:
         layer.reason = (f"{where}: L2 logits with an additive mask other than causal masking "
                         "are not covered by Theorem 3.2")
     elif not finite.all() and not layer.causal:
@@ -54,77 +50,79 @@ def finish_l2(info: GraphInfo, nodes: list[Node], probe: Probe,
         layer.reason = (f"{where}: L2 attention with a query bias is not covered by "
                         "Theorem 3.2; drop the bias of the query projection")
     else:
-        _l2_values(info, nodes, probe, envs, xs, v_name, layer, ls[0].shape[0], heads_o)
+        _l2_values(probe, envs, xs, v_name, layer, ls[0].shape[0], heads_o)
 
 
-def _l2_values(info: GraphInfo, nodes: list[Node], probe: Probe,
-               envs: Sequence[Mapping[str, Tensor]], xs: list[np.ndarray], v_name: str,
-               layer: AttentionLayer, g: int, heads_o: int) -> None:
-    """The value path must be `X A_h W^V_h` with `A_h = c' W^Q_h W^Q_h^T`: find the constant
-    MatMul producing the values, probe its input Z (= X A_h) and check A_h."""
-    reason = (f"attention at Softmax {layer.softmax}: L2 logits recognised, but the values do "
-              "not pass through the query projection as X W^Q W^Q^T W^V (Theorem 3.2 needs "
-              "that value path; independent values X W^V are not covered)")
-    t = v_name
-    by_name = {nd.name: nd for nd in nodes}
-    mm = None
-    while t in info.producer and info.producer[t].name in by_name:
-        nd = info.producer[t]
-        if nd.op_type == "MatMul" and nd.inputs[1] not in info.var:
-            mm = nd
-            break
-        if nd.op_type not in ("Reshape", "Transpose", "Identity", "Squeeze", "Unsqueeze"):
-            break
-        t = nd.inputs[0]
+# exp(t) rounds to 0 in float64 (and float32) for t < -745.14: a key masked by at least this
+# much below the diagonal's logit gets weight exactly 0 (docs/bounds.md, Conventions)
+_UNDERFLOW = -746.0
+_ADDITIVE_CAUSAL_NOTE = ("an additive mask at most -746 above the diagonal is read as causal "
+                         "masking: exp underflows to exactly 0 there in float32 and float64")
+
+
+def _additive_causal(resid: np.ndarray, tol: float) -> bool:
+    """Whether the logits' constant residual (G, N, N), row constants removed, is a causal
+    mask written additively (neural_stpp's `triu(full(-1e9), 1)`, in any layout the softmax
+    axis implies): zero on and below the diagonal, at most `_UNDERFLOW` above it. Tied L2
+    logits peak on the diagonal (`-c ||q_i - q_i||^2 = 0`), so a masked key's weight relative
+    to the diagonal's is at most `exp(m_ij)`, which the softmax rounds to exactly 0."""
+    n = resid.shape[-1]
+    lower = np.tril(np.ones((n, n), dtype=bool))
+    if n < 2 or not np.abs(resid[..., lower]).max() <= tol:
+        return False
+    return bool(resid[..., ~lower].max() <= _UNDERFLOW)
+
+
+def _l2_values(probe: Probe, envs: Sequence[Mapping[str, Tensor]], xs: list[np.ndarray],
+               v_name: str, layer: AttentionLayer, g: int, heads_o: int) -> None:
+    """Theorem 3.2's value path read by what it computes (docs/bounds.md, "L2 attention read
+    from a graph: the value path").
+
+    Per head, what the weights multiply is `X M_h + b_h` for a constant `M_h` (D, w), probed
+    as the projections are; the tail after `P @ V` holds whatever the graph applies after the
+    weights (`probe_tail`). Head h is Theorem 3.2's map exactly when `M_h = A_h W'_h` with
+    `A_h = W^Q_h W^Q_h^T / sqrt(d)`, i.e. when the columns of `M_h` lie in the span of
+    `W^Q_h`; then `W'_h = A_h^+ M_h` (through the SVD of `W^Q_h`) is the value matrix the
+    bound uses. Any association order gives the same `M_h`: `(X A_h) W^V_h`, one folded
+    constant `A_h W^V_h`, or the queries `X W^Q_h` weighted first and `W^Q_h^T W^V_h` applied
+    after P (then `M_h = W^Q_h`, and the tail holds the rest). A value bias adds `1 b_h^T`
+    after P (its rows sum to 1): a constant."""
+    reason = (f"attention at Softmax {layer.softmax}: L2 logits recognised, but what the "
+              "attention weights multiply is not in the span of the query projection, "
+              "X W^Q_h C_h (Theorem 3.2 needs the values X W^Q W^Q^T W^V, in any association "
+              "order; independent values X W^V are not covered)")
     assert layer.wq is not None
     if heads_o != g:
         layer.reason = reason
         return
-    if mm is not None:
-        z_name = mm.inputs[0]
-        wv_const = info.env[mm.inputs[1]].detach().numpy()
-    else:
-        # the values are Z = X A_h themselves, W^V applied after P (neural_stpp writes
-        # `(P (X A_h)) W^V_h`, the same map): W^V_h = I here, and the tail's W^O holds
-        # blockdiag(W^V_h) W^O (docs/bounds.md, "Sequence-first logits")
-        z_name = v_name
-        width = probe.width
-        wv_const = np.eye(width)
     try:
-        ((wz, bz),) = probe.affine([(z_name, False)], envs, xs)
+        ((m_all, _),) = probe.affine([(v_name, False)], envs, xs)  # (G, D, w), (G, w)
+        m_all = per_head(m_all, g)
     except NotAttention:
         layer.reason = reason
         return
-    if wz.shape[0] != g or wz.shape[1] != wz.shape[2] or np.abs(bz).max() > 0:
-        layer.reason = reason
-        return
-    wv = wv_const.reshape(-1, *wv_const.shape[-2:])
-    wv = per_head(wv, g)
-    factors = []
+    d = layer.wq.shape[-1]
+    wv, worst = [], 0.0
     for h in range(g):
-        m = layer.wq[h] @ layer.wq[h].T  # (D, D)
-        cp = float((wz[h] * m).sum() / max((m * m).sum(), 1e-300))
-        # 2^-20 relative: A = c' W^Q W^Q^T folded into a float32 constant by the exporter
-        # (dynamo does) is read as the exact product the module computes (docs/bounds.md)
-        if cp <= 0 or not np.abs(wz[h] - cp * m).max() <= _A_RTOL * np.abs(wz[h]).max():
+        m = m_all[h]
+        u, s, _ = np.linalg.svd(layer.wq[h], full_matrices=False)  # W^Q_h = U S V^T
+        # the rank as numpy's matrix_rank reads it: directions below it are rounding noise
+        keep = s > s.max(initial=0.0) * max(layer.wq.shape[1:]) * np.finfo(float).eps
+        u, s = u[:, keep], s[keep]
+        um = u.T @ m  # (r, w)
+        outside = np.abs(m - u @ um).max() if m.size else 0.0
+        scale = float(np.abs(m).max()) if m.size else 0.0
+        if not outside <= _A_RTOL * scale:
             layer.reason = reason
             return
-        # beyond float64 rounding (~1e-16): a constant folded in float32 (~1e-8)
-        if not np.abs(wz[h] - cp * m).max() <= 1e-12 * np.abs(wz[h]).max():
-            note = ("the folded value-path constant A = c' W^Q W^Q^T (float32) is read as "
-                    "the exact product (matched to 2^-20 relative)")
-            if note not in layer.notes:
-                layer.notes.append(note)
-        factors.append(cp * math.sqrt(layer.wq.shape[-1]))
-    # the values must then be Z_h W^V_h per head: check on the samples
-    for env in envs:
-        zv = token_view(env[z_name], probe.n, False)
-        vv = token_view(env[v_name], probe.n, False)
-        if zv.shape[0] != g or vv.shape[0] != g or not np.allclose(
-                zv @ wv, vv, rtol=0,
-                atol=TOL * (1 + np.abs(vv).max())):
-            layer.reason = reason
-            return
-    layer.wv = wv
-    # f = P X (c' W W^T) W^V = theorem's map with W^V scaled by c' sqrt(d) (docs/bounds.md)
-    layer.value_factor = math.nextafter(max(factors) * (1 + FIT_MARGIN), math.inf)
+        worst = max(worst, outside / scale if scale > 0 else 0.0)
+        # A_h^+ = sqrt(d) U S^-2 U^T: A_h W'_h = U U^T M_h = M_h
+        wv.append(math.sqrt(d) * (u / (s * s)) @ um)
+    if worst > 1e-12:
+        # beyond float64 rounding (~1e-16): a product folded in float32 (~1e-8)
+        note = ("the value path's folded constant (A W^V, float32) is read as the exact "
+                "product with A = W^Q W^Q^T / sqrt(d) (matched to 2^-20 relative)")
+        if note not in layer.notes:
+            layer.notes.append(note)
+    layer.wv = np.stack(wv)  # (H, D, w)
+    layer.value_factor = 1.0

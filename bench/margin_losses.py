@@ -4,7 +4,7 @@ bound from the affine forms split into what produced it, op by op. A margin's fo
 the input's linear part (first order: the attack pays it too) and `sum |a_q|` on the error
 symbols, each made by one op of the walk (a GELU's chord, a product's cross terms, a
 LayerNorm's rsqrt, ...). The table sums `|a_q|` per op that made the symbol, for the plain
-output form and, where the head reads one token (docs/local-bounds.md, "One token's margin by
+output form and, where the head reads one token (docs/local-affine.md, "One token's margin by
 its sign"), for the signed form too; with --quad the second-order symbols' part is sized as
 the margins size it alone (Frobenius on the 2-ball, l1 on the inf-ball). Diagnostic only: the
 certified radius itself comes from `lsa_models.engine.local.robustness`.

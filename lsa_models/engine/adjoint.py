@@ -1,4 +1,4 @@
-"""Margin gradients over a ball from the model's adjoint graph (docs/local-bounds.md,
+"""Margin gradients over a ball from the model's adjoint graph (docs/local-graphs.md,
 "Margin gradients by the adjoint graph").
 
 For a fixed weight vector c on the output (c = e_Y - e_j: the margin f_Y - f_j), the gradient

@@ -1,5 +1,5 @@
 """Relational value ranges over the ball: every input-dependent tensor as an affine form in the
-input's change and in noise symbols, plus a box (docs/local-bounds.md, "Affine value forms").
+input's change and in noise symbols, plus a box (docs/local-affine.md, "Affine value forms").
 
 The Jacobian enclosure bounds a tensor's values by the mean value form, eps |jc + jr|_1: its
 width grows with the Jacobian ranges, which grow with the value ranges (slopes over wider

@@ -1,6 +1,6 @@
 """The affine forms' rules (affine.py has the form and its invariant): elementwise functions,
 products of two forms, linear and layout ops, LayerNorm and softmax as chains, one node at a
-time (`step`) and a standalone walk (`walk`); derivations in docs/local-bounds.md, "Affine value
+time (`step`) and a standalone walk (`walk`); derivations in docs/local-affine.md, "Affine value
 forms"."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Robustness at a given radius: for each (input, label), is every point of the ball of radius
 r around the input classified as the label? The decision a CI gate or a certified-accuracy
-table needs (docs/local-bounds.md, "Certified accuracy at a radius"): cheaper than the
+table needs (docs/local-robustness.md, "Certified accuracy at a radius"): cheaper than the
 radius search of `local.robustness`, which brackets the largest radius.
 
 Per input, each step only where the ones before decided nothing (the order, cheapest

@@ -1,5 +1,5 @@
 """Margins through a final LayerNorm and a linear head, the LayerNorm's product deferred past
-the head (docs/local-bounds.md, "Margins past the final LayerNorm").
+the head (docs/local-affine.md, "Margins past the final LayerNorm").
 
 Classifiers end in `y = LayerNorm(x)` followed by ops linear in y (pooling, the head): every
 margin is `m_j(X) = m_j(X0) + sum_ti C_ti (y_ti(X) - y_ti(X0))` with C the head's row
@@ -316,7 +316,7 @@ def signed_margin(u: Aff, r: Aff, w: np.ndarray, k0: float, d: int, ln_eps: floa
         I / (D f), f >= f_min on the segment), so g >= s + K (f(c) + f'(c) . D) + K
         rho^2 / (2 D f_min) with rho >= |u(X) - c|: linear in u, one second-order term.
     Then m >= r_lo g_lo (g_lo >= 0) or r_hi g_lo. None where a quantity is not finite.
-    (docs/local-bounds.md, "One token's margin by its sign")"""
+    (docs/local-affine.md, "One token's margin by its sign")"""
     cu = u.c.reshape(-1)
     nrm2 = float(np.dot(cu, cu))
     fc = math.sqrt(nrm2 / d + ln_eps)  # f at the computed centre c

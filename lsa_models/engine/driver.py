@@ -5,7 +5,7 @@ input-dependent nodes in graph order, applying each op's local rule (rules.py) t
 `LocalValue` per tensor. At the output, the Jacobian over the ball lies in `jc +- jr`, so
   ||J||_2   <= ||jc||_2 + ||jr||_2             (|E| <= jr entrywise => ||E||_2 <= ||jr||_2)
   ||J||_inf <= max_i sum_j (|jc_ij| + jr_ij)
-both computed with upward rounding (docs/local-bounds.md).
+both computed with upward rounding (docs/local-enclosure.md).
 """
 
 from __future__ import annotations
@@ -422,7 +422,7 @@ Values = dict[str, LocalValue | np.ndarray]
 
 
 def integrated(v: LocalValue, h: LocalValue | np.ndarray | None, ball: Ball) -> LocalValue:
-    """Values by the integrated mean value form (docs/local-bounds.md): the segment from X0 to
+    """Values by the integrated mean value form (docs/local-enclosure.md): the segment from X0 to
     X spends its first half in the ball of radius eps/2, where the Jacobian is within
     h.jr (+ |h.jc - jc|) of jc, so
     |T_i(X) - T_i(X0) - jc_i d| <= (eps/2) (||h.jr_i||_q + ||jr_i||_q)."""
@@ -518,7 +518,7 @@ def _rule(node: Node, centers: list[np.ndarray | None], ball: Ball) -> LocalRule
 DEFER = True
 
 # Relational value ranges (affine.py) in lockstep with the enclosure: measured on the issue-15
-# Transformers (see docs/local-bounds.md, "Affine value ranges").
+# Transformers (see docs/local-affine.md, "Affine value forms").
 AFFINE = True
 
 

@@ -1,5 +1,5 @@
-"""The centre's forward error by ball arithmetic (FLINT's arb at PREC bits; docs/local-bounds.md,
-"Rounding: the forward margin, checked").
+"""The centre's forward error by ball arithmetic (FLINT's arb at PREC bits; docs/local-rounding.md,
+"The forward margin by ball arithmetic").
 
 `forward_error.check` bounds |T(X0) - c_T| (c_T the float64 forward pass) by one interval
 evaluation in float64. Intervals forget which rounding errors cancel: each op's radius goes

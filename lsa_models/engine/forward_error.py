@@ -1,5 +1,5 @@
-"""A checked bound on the float64 forward pass's error at the centre (docs/local-bounds.md,
-"Rounding: the forward margin, checked").
+"""A checked bound on the float64 forward pass's error at the centre (docs/local-rounding.md,
+"The forward margin, checked").
 
 The engine takes every centre value c_T = fl(T(X0)) to be within FORWARD_MARGIN |c_T| +
 FORWARD_FLOOR max|c_T| of the true T(X0). This module proves it a posteriori for a graph:
@@ -31,7 +31,7 @@ from .values import FORWARD_FLOOR, FORWARD_MARGIN, gamma, widen_up
 
 CTX = RunContext(torch.float64)
 # A proven relative error above this means the interval evaluation is useless here: it is then
-# not used and FORWARD_MARGIN stays an assumption, reported (docs/local-bounds.md)
+# not used and FORWARD_MARGIN stays an assumption, reported (docs/local-rounding.md)
 PROVEN_CAP = 1e-3
 _LAYOUT = ("Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Slice",
            "Gather", "Concat", "Split", "Expand", "Dropout", "Cast", "Tile")

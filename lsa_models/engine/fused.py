@@ -3,7 +3,7 @@ Add/Sub/Mul/Div/Neg/Pow/Tanh/Erf/Sigmoid with scalar constants (the tanh form of
 torch exports it: 0.5 x (1 + tanh(c (x + a x^3))) is six such nodes). Bounding the chain link
 by link sums the absolute value of every link's remainder; as one function its remainder is
 |G| sup|f'(x) - f'(x0)| |J_x|, with the range of f' over the input's interval from interval
-automatic differentiation (docs/local-bounds.md, "Fused elementwise chains").
+automatic differentiation (docs/local-enclosure.md, "Fused elementwise chains").
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""LayerNorm's Jacobian as one matrix enclosed over the ball (docs/local-bounds.md,
-"LayerNorm, directly").
+"""LayerNorm's Jacobian as one matrix enclosed over the ball (docs/local-enclosure.md,
+"Rules", LayerNorm directly).
 
 Per token, with u = P x (P = I - 11^T/D), sigma = sqrt(||u||^2/D + eps), z = u / sigma:
     dz/dx = S(x) = (1/sigma) (P - z z^T / D)
@@ -25,7 +25,7 @@ _REL = 1e-12
 
 def token_radius(v: LocalValue, ball: Ball) -> np.ndarray:
     """Per token (the last axis, D entries): an upper bound on ||v(X) - c_v||_2 over the ball
-    (..., 1), from the Jacobian enclosure instead of the entrywise box (docs/local-bounds.md,
+    (..., 1), from the Jacobian enclosure instead of the entrywise box (docs/local-second-order.md,
     "Token radii"). By the mean value form v(X) - v(X0) = Jbar d with Jbar in jc +- jr, so
     ||v_S(X) - v_S(X0)||_2 <= ||jc_S||_{p->2} eps + ||jr_S |d| ||_2 for the token's rows S:
     p = 2: sigma_max(jc_S) eps + ||jr_S||_F eps; p = inf: min(sqrt(P) sigma_max(jc_S),
@@ -111,7 +111,7 @@ def direct(x: LocalValue, u: LocalValue, g: np.ndarray, beta: np.ndarray | None,
            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray,
                       np.ndarray]:
     """The direct enclosure of y = LayerNorm(x): (jc, jr, y_lo, y_hi, S_c, sr, sr0) with
-    sr0 the entries' radius over the centre's own forward margin (docs/local-bounds.md)."""
+    sr0 the entries' radius over the centre's own forward margin (docs/local-enclosure.md)."""
     d = x.shape[-1]
     uc = u.center
     sc = np.square(uc).sum(axis=-1, keepdims=True) / d + eps  # (..., 1)
@@ -144,8 +144,9 @@ def direct(x: LocalValue, u: LocalValue, g: np.ndarray, beta: np.ndarray | None,
 def chain_errors(x: LocalValue, uc: np.ndarray, sqc: np.ndarray, sc: np.ndarray,
                  rc: np.ndarray, zc: np.ndarray, eps: float) -> None:
     """In a run with proven forward errors, the proven errors of the centres the chain forms
-    (u = P x, u^2, s = mean(u^2) + eps, r = s^-1/2, z = u r) from x's (docs/local-bounds.md,
-    "Rounding"): errors propagate through each link's derivative plus its own rounding."""
+    (u = P x, u^2, s = mean(u^2) + eps, r = s^-1/2, z = u r) from x's (docs/local-rounding.md,
+    "The forward margin, checked"): errors propagate through each link's derivative plus its
+    own rounding."""
     known = PROVEN.get()
     if known is None:
         return

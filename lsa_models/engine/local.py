@@ -102,7 +102,7 @@ def _ball_candidate(om: OnnxModel, x: np.ndarray, eps: float, norm: str,
 
 
 TANGENT_METHOD = ("smallest here: the tangent graph's affine forms over the ball and the "
-                  "direction box (docs/local-bounds.md, 'The inf-ball by the tangent graph')")
+                  "direction box (docs/local-graphs.md, 'The inf-ball by the tangent graph')")
 
 
 # the tangent graph is tried where the best bound exceeds the centre's norm by this factor, on
@@ -146,7 +146,7 @@ def _use_quad(om: OnnxModel, x: np.ndarray) -> bool:
 
 
 ADJOINT_METHOD = ("smallest here: the adjoint graph's affine forms over the ball, one per "
-                  "output row (docs/local-bounds.md, 'Margin gradients by the adjoint graph')")
+                  "output row (docs/local-graphs.md, 'Margin gradients by the adjoint graph')")
 # the adjoint graph walks once per output entry: on outputs of at most this many entries
 ADJOINT_MAX_ROWS = 32
 
@@ -630,7 +630,7 @@ def _sweep(om: OnnxModel, x: np.ndarray, norm: str, label: int, margins: dict[in
            steps: int, progress: Callable[[str, float], None] | None = None,
            floor: float = 0.0, adjoint: bool = True, cap: float = math.inf,
            cut: list[bool] | None = None) -> tuple[float, int, dict[int, float]]:
-    """The certified radius by the integrated mean value theorem (docs/local-bounds.md,
+    """The certified radius by the integrated mean value theorem (docs/local-robustness.md,
     "Certified robustness radius"): for radii 0 = rho_0 < rho_1 < ... and X with
     ||X - X0|| <= rho_n, every point of the segment at distance in (rho_{i-1}, rho_i] lies in
     the ball of radius rho_i, so

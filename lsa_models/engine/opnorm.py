@@ -1,4 +1,5 @@
-"""Operator-norm remainders for the 2-ball (docs/local-bounds.md, "Operator-norm telescoping").
+"""Operator-norm remainders for the 2-ball (docs/local-second-order.md, "Operator-norm
+telescoping").
 
 The telescoped remainder of the output's Jacobian is a sum of terms
 `T_k = G_k (D_k(X) - D_k(X0)) J_in_k(X)` (driver.py). The entrywise bounds take absolute values

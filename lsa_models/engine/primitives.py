@@ -1,6 +1,6 @@
 """Enclosure arithmetic shared by the local rules: linear maps, elementwise functions with
 derivative ranges, bilinear products, softmax. Every function takes `LocalValue`s and returns
-one; derivations in docs/local-bounds.md.
+one; derivations in docs/local-enclosure.md.
 """
 
 from __future__ import annotations
@@ -170,7 +170,7 @@ _F: dict[str, Callable[[np.ndarray], np.ndarray]] = {
 
 def value_range(kind: str, lo: np.ndarray, hi: np.ndarray, exponent: float = 2.0
                 ) -> tuple[np.ndarray | None, np.ndarray | None]:
-    """An enclosure of f over [lo, hi] entrywise (interval arithmetic, docs/local-bounds.md):
+    """An enclosure of f over [lo, hi] entrywise (interval arithmetic, docs/local-enclosure.md):
     increasing functions map the ends; 1/x and x^p with p < 0 (on x > 0, checked by
     `derivative`) decrease; integer x^p (2 <= p <= 16) increase (p odd) or go from the end
     nearest to / farthest from 0 (p even); GELU has one
@@ -408,7 +408,7 @@ SIGNED_CHUNK_ENTRIES = 500_000
 def _matmul_signed(a: LocalValue, b: LocalValue, br2: np.ndarray, ar2: np.ndarray,
                    ball: Ball) -> SignedFn:
     """The signed bound for a product y = A B of two input-dependent tensors
-    (docs/local-bounds.md, "Signed adjoints"): the term's weight on J_A,nk is
+    (docs/local-second-order.md, "Signed adjoints"): the term's weight on J_A,nk is
     sum_m G_nm (B(X) - B(X0))_km, a linear functional of B's row k, bounded by the box
     sum_m |G_nm| (br + bm)_km or by its mean value form with B's Jacobian enclosure
     eps ||sum_m G_nm jc_B,km||_q + eps sum_m |G_nm| ||jr_B,km||_1; likewise on J_B,km."""
@@ -467,7 +467,7 @@ def _product_values(ac: np.ndarray, ar: np.ndarray, ajr: np.ndarray, am: np.ndar
                     bc: np.ndarray, br: np.ndarray, bjr: np.ndarray, bm: np.ndarray,
                     jc: np.ndarray, out_center: np.ndarray, ball: Ball, matmul: bool, k: int
                     ) -> tuple[np.ndarray, np.ndarray]:
-    """The second-order value form of a product (docs/local-bounds.md): with a(X) = ac + da,
+    """The second-order value form of a product (docs/local-enclosure.md): with a(X) = ac + da,
     da = jc_a d + e_a, |e_a| <= jr_a |d| + m_a (likewise b),
     ab - ac bc = (ac jc_b + jc_a bc) d + (ac e_b + e_a bc) + da db, so
     |ab - ac bc| <= eps ||jc row|| + eps ||(|ac| jr_b + jr_a |bc|) row|| + |ac| m_b + m_a |bc|
@@ -612,7 +612,7 @@ def _softmax_block(plo: np.ndarray, phi: np.ndarray, srs: np.ndarray) -> np.ndar
 
 def _softmax_signed(out: LocalValue, ax: int, pc: np.ndarray, srs: np.ndarray, ball: Ball
                     ) -> SignedFn:
-    """The signed bound for softmax's term (docs/local-bounds.md, "Signed adjoints"): for an
+    """The signed bound for softmax's term (docs/local-second-order.md, "Signed adjoints"): for an
     adjoint row G (on one softmax row), phi_j = sum_i G_i S_ij = p_j (G_j - G . p), so with
     dp = p(X) - p(X0) (sum 0), |phi_j(p) - phi_j(p0)| = |dp_j (G_j - G . p) - p0_j G . dp|
     <= |dp_j| (|G_j - G . p0| + B) + p0_j B, B >= |G . dp| = |(G - G . p0) . dp|: the box

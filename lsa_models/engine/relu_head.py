@@ -1,4 +1,4 @@
-"""Margins through a ReLU head (docs/local-bounds.md, "Margins through a ReLU head").
+"""Margins through a ReLU head (docs/local-affine.md, "Margins through a ReLU head").
 
 Classifiers often end `logits = L(ReLU(z))` with L linear (DistilBERT's pre-classifier,
 an MLP's last hidden layer): every margin is exactly

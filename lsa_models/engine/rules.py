@@ -333,7 +333,7 @@ class SoftmaxRule(LocalRule):
 def layernorm(x: LocalValue, gamma: np.ndarray, beta: np.ndarray | None, eps: float,
               out_center: np.ndarray, ball: Ball) -> LocalValue:
     """LayerNorm over the last axis, as its chain u = P x, s = mean(u^2), r = (s + eps)^-1/2,
-    y = gamma u r + beta; every link enclosed over the ball (docs/local-bounds.md)."""
+    y = gamma u r + beta; every link enclosed over the ball (docs/local-enclosure.md)."""
     d = x.shape[-1]
     jm = x.jc.mean(axis=-2, keepdims=True)  # (..., 1, P)
     uc = x.center - x.center.mean(axis=-1, keepdims=True)
@@ -413,7 +413,7 @@ def layernorm(x: LocalValue, gamma: np.ndarray, beta: np.ndarray | None, eps: fl
 def ln_block_norms(u: LocalValue, norm0: np.ndarray, rho: np.ndarray, d: int, eps: float,
                    z_radius: bool = False) -> np.ndarray:
     """Per token, a bound on ||S(X) - S(X0)||_2 for S = w (P - z z^T / D), w = 1/sigma
-    (docs/local-bounds.md, "Operator-norm telescoping"): with R = rho + rho0 >= ||u(X) -
+    (docs/local-second-order.md, "Operator-norm telescoping"): with R = rho + rho0 >= ||u(X) -
     u(X0)|| (rho: the token's radius around the computed centre, rho0: the centre's margin),
     w(X), w(X0) in [w_lo, w_hi] (sigma from ||u|| in ||u_c|| +- R),
     S(X) - S(X0) = (w - w0)(P - z z^T / D) + w0 (z0 z0^T - z z^T) / D, ||P - z z^T/D||_2 <= 1,
@@ -438,7 +438,7 @@ def ln_block_norms(u: LocalValue, norm0: np.ndarray, rho: np.ndarray, d: int, ep
 def ln_derivative_block(r: np.ndarray, s_lo: np.ndarray, s_hi: np.ndarray, d: int,
                         eps: float) -> np.ndarray:
     """||S(u) - S(u0)||_2 <= R sup ||DS||, the sup over the ball ||u - u0|| <= R (in range(P))
-    where sigma^2 = s lies in [s_lo, s_hi] (docs/local-bounds.md, "LayerNorm's Jacobian change
+    where sigma^2 = s lies in [s_lo, s_hi] (docs/local-second-order.md, "LayerNorm's Jacobian change
     by its derivative"): with n = ||u||, z = u w, zeta = ||z||, kappa = 1 - zeta^2 / D = eps w^2,
     and du = alpha zhat + beta t (t a unit vector orthogonal to z in range(P)),
       DS[du] = -(w^2 zeta / D) ([[alpha, beta], [beta, 3 kappa alpha]] on span(t, zhat),

@@ -1,4 +1,4 @@
-"""The local rule for Conv (docs/local-bounds.md, "Conv"): a Conv with a constant kernel and
+"""The local rule for Conv (docs/local-enclosure.md, "Conv"): a Conv with a constant kernel and
 bias on an input-dependent tensor is linear, y = K * x + b, so
 
 - centre: the op's float64 evaluation at X0 (the driver's forward pass);

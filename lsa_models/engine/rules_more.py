@@ -1,4 +1,4 @@
-"""More local rules (docs/local-bounds.md, "More ops: masks, Where, ReduceMax, fused tanh-Gelu"):
+"""More local rules (docs/local-enclosure.md, "More ops"):
 
 - masked softmax: logits holding mask entries (-inf, or finite fills such as float32's
   smallest value) whose probability is at most e^-1000 everywhere on the ball are dropped
@@ -83,7 +83,7 @@ def masked_softmax(x: LocalValue, axis: int, out_center: np.ndarray, ball: Ball)
     """Softmax along `axis` of logits that may hold mask entries: an entry whose upper end
     lies MASK_GAP below its row's largest lower end is replaced by a constant that far below
     (probability <= e^-1000 before and after), the primitives.py rule runs on the rest, and
-    TINY terms cover the difference (docs/local-bounds.md)."""
+    TINY terms cover the difference (docs/local-enclosure.md)."""
     ax = axis % len(x.shape)
     cand, lo, hi = _masked_ranges(x, ball)
     lo_m, hi_m, cand_m = (np.moveaxis(a, ax, -1) for a in (lo, hi, cand))  # (..., n)
@@ -378,7 +378,7 @@ def gelu_tanh(x: LocalValue, out_center: np.ndarray, ball: Ball) -> LocalValue:
     """y = h s with h = x / 2, s = 1 + tanh(u), u = c (x + a x^3): the chain of the unfused
     export, each link a primitive (pow, linear, tanh, linear, product); the remainder term
     sums the links' terms with adjoint bounds carried through the links' |centre
-    derivatives| (docs/local-bounds.md)."""
+    derivatives| (docs/local-enclosure.md)."""
     xc = x.center
     ajc = np.abs(x.jc)
     x3 = pr.elementwise(x, "pow", xc ** 3, ball, exponent=3.0)
@@ -432,7 +432,7 @@ class GeluRule(LocalRule):
 @register_local
 class SignedLayerNormRule(LocalRule):
     """LayerNormalization by the rule of rules.py, its telescoped term also in the signed
-    form (signed.py, docs/local-bounds.md "Signed adjoints")."""
+    form (signed.py, docs/local-second-order.md "Signed adjoints")."""
 
     types: ClassVar[tuple[str, ...]] = ("LayerNormalization",)
 

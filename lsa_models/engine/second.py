@@ -1,4 +1,4 @@
-"""Second-order signed output rows on the inf-ball (docs/local-bounds.md, "Second-order
+"""Second-order signed output rows on the inf-ball (docs/local-second-order.md, "Second-order
 signed rows").
 
 The signed rows (signed.py) bound `sum_p |J_ip(X)|` with, per telescoped op k, an O(eps) bound

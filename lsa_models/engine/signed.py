@@ -1,4 +1,4 @@
-"""Telescoped terms with the adjoint's signs kept (docs/local-bounds.md, "Signed adjoints").
+"""Telescoped terms with the adjoint's signs kept (docs/local-second-order.md, "Signed adjoints").
 
 The driver's remainder term of an op k is `G_k (D_k(X) - D_k(X0)) J_in(X)`; the rules bound it
 from `|G_k|`, so the signs of the adjoint are lost before the op's Jacobian change is bounded.
@@ -114,7 +114,7 @@ def layernorm_rules(x: LocalValue, gamma: np.ndarray, ln_eps: float, margin: np.
     Per output row i and token t: a = G_i,t * gamma, b = P a, h(x) = a . z(x) = (b . u)/sigma,
     hess h = (1/(D sigma^3)) (-(b u^T + u b^T) - s P) + 3 s u u^T / (D^2 sigma^5), s = b . u,
     and phi = grad h moves by at most sum_j sup_box |hess_kj| R_j (R = rad + margin: |x - x0|
-    for the true centre x0). Two bounds of that sup (docs/local-bounds.md, "Signed adjoints"):
+    for the true centre x0). Two bounds of that sup (docs/local-second-order.md, "Signed adjoints"):
     the box form (every factor at its largest magnitude over the box) and, with a ball, the
     relational form: hess(xi) = L + (hess(xi) - L), L = hess at the computed centre c, so
     |phi_k(x) - phi_k(x0)| <= |L_k . (x - x0)| + sum_j |hess(xi) - L|_kj R_j, the first by the
@@ -295,7 +295,7 @@ def signed_rows(st: Structured, terms: list[tuple[np.ndarray, list[Parts] | None
                 zr: np.ndarray, v: object, combos: np.ndarray | None,
                 rem: np.ndarray | None, norm: str) -> Structured:
     """Inf-ball output rows with the signs of the row's own Jacobian kept, in `rows_abs`
-    (docs/local-bounds.md, "Signed output rows"). With jc +- jr the rows' enclosure (jr the
+    (docs/local-second-order.md, "Signed output rows"). With jc +- jr the rows' enclosure (jr the
     smaller of the forward and the telescoped one), D the entries whose sign the enclosure
     fixes (jr < |jc|), s their signs and U the others:
       sum_p |J_ip(X)| <= ||jc_i||_1 + sum_p zr_ip + sum_k [sum_D s_p T_k,ip + sum_U |T_k,ip|],

@@ -1,4 +1,4 @@
-"""Structured output norms (docs/local-bounds.md, "Structured output norms").
+"""Structured output norms (docs/local-enclosure.md, "Structured output norms").
 
 The telescoped remainder J(X) - J(X0) = sum_k T_k, T_k = G_k (D_k(X) - D_k(X0)) J_in_k(X), is
 bounded entrywise by M_k = c_k |J_in_k| (c_k = |G_k| R_k >= 0, R_k an entrywise bound on the

@@ -1,4 +1,4 @@
-"""The Lipschitz constant on an inf-ball from the model's tangent graph (docs/local-bounds.md,
+"""The Lipschitz constant on an inf-ball from the model's tangent graph (docs/local-graphs.md,
 "The inf-ball by the tangent graph").
 
 On the ball B = {X : ||X - X0||_inf <= eps},

@@ -6,7 +6,7 @@ largest entry). Every input-dependent tensor T carries
   - `lo`, `hi`: an enclosure of every entry of T(X) over the ball;
   - `jc`, `jr`: a Jacobian enclosure, `dT/dX (X) in jc +- jr` entrywise for every X in the
     ball, stored with the tensor's shape first and the input's P = numel(X0) entries last:
-    (*shape, P). `jc` is the exact Jacobian at X0 up to rounding (docs/local-bounds.md).
+    (*shape, P). `jc` is the exact Jacobian at X0 up to rounding (docs/local-enclosure.md).
 Tensors that do not depend on the input are plain float64 arrays.
 """
 
@@ -21,7 +21,7 @@ import numpy as np
 from ..bounds.numerics import U
 
 # Relative margin on the centre values of every tensor: covers the rounding of the float64
-# forward pass at X0 (docs/local-bounds.md, "Rounding"). The smallest one used; a run whose
+# forward pass at X0 (docs/local-rounding.md, "Rounding"). The smallest one used; a run whose
 # forward error is proven larger (forward_error.py) uses that proven one instead.
 FORWARD_MARGIN = 1e-9
 # Absolute floor of that margin, relative to the tensor's largest centre entry.

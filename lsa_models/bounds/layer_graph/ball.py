@@ -5,7 +5,7 @@ its centre `T(X0)` (float64), `lip`, an upper bound on `sup ||J_T(X)||_2` over t
 `rho`, one bound per token (last-axis row) on `||t_i(X) - t_i(X0)||_2`. The constant of the
 whole map is the output's `lip` (chain rule at every point of the ball; the ball is convex,
 so the supremum of the Jacobian norm is the Lipschitz constant on it). Layers use the
-centre and the radii instead of a radius from the origin (docs/local-bounds.md, "Per-layer
+centre and the radii instead of a radius from the origin (docs/local-layer-graph.md, "Per-layer
 local rules on the layer graph"):
 
 - LayerNorm / RMSNorm: `max|gamma| / sqrt(max(0, ||P c_i|| - rho_i)^2 / D + eps)` per token
@@ -46,7 +46,7 @@ from .families import rmsnorm_bound
 from .layers import Activation, DPAttention, Identity, L2Attention, Layer, LayerGraph, Norm
 from .values import Verdicts
 
-# Relative allowance for the float64 rounding of one layer's centre (docs/local-bounds.md,
+# Relative allowance for the float64 rounding of one layer's centre (docs/local-layer-graph.md,
 # "Rounding"): added to every token's radius after every layer, so it is propagated by the
 # later layers' constants like any other deviation.
 CENTER_MARGIN = 1e-9
@@ -118,7 +118,7 @@ def norm_ball_factors(gamma: Any, eps: float, x: BallValue, rms: bool) -> np.nda
 def dp_centred_bound(layer: DPAttention, x: BallValue) -> float:
     """`||W^O|| sqrt(sum_h J_h^2)`, `J_h = sqrt(N) ||W^V_h|| + s ||W^V_h|| S ||W^K_h||
     (S ||W^Q_h|| + sqrt(N) Qmax_h)`, S the key/value spread around the centre tokens' mean,
-    `Qmax_h` the largest query on the ball (docs/local-bounds.md)."""
+    `Qmax_h` the largest query on the ball (docs/local-layer-graph.md)."""
     c = x.center.reshape(-1, x.center.shape[-1])  # (N, D)
     rho = x.rho.reshape(-1)
     m = c.mean(axis=0)
@@ -147,7 +147,7 @@ def _dp_head_at_center(wq: np.ndarray, wk: np.ndarray, wv: np.ndarray, bq: np.nd
                        p0: np.ndarray, c: np.ndarray, rho: np.ndarray, s: float
                        ) -> tuple[float, np.ndarray]:
     """One head around the centre's attention probabilities `p0` (N, N): its Jacobian bound
-    on the ball and per-token output deviation bounds (docs/local-bounds.md, "Dot-product
+    on the ball and per-token output deviation bounds (docs/local-layer-graph.md, "Dot-product
     attention around the centre")."""
     sq, sk, sv = (spectral_norm_upper(w) for w in (wq, wk, wv))
     q0 = c @ wq + bq  # (N, d)

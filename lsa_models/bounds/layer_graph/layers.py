@@ -90,7 +90,7 @@ class DPAttention(Layer):
     @property
     def plain(self) -> bool:
         """Neither replaced logits nor rotations: the centre-based ball rules
-        (docs/local-bounds.md) are derived for this form only."""
+        (docs/local-layer-graph.md) are derived for this form only."""
         return not (self.replaced or self.rotary)
 
 

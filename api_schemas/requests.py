@@ -1,11 +1,26 @@
-"""Request bodies of POST /bound and POST /certify."""
+"""Request bodies of POST /bound and POST /certify: each a union of shapes told apart by
+`kind` (OpenAPI: `oneOf` with a discriminator), every shape with its own required fields.
+
+A body without `kind` is still taken (deprecated, for one minor version): it is read by the
+old one-object schemas (`LegacyBoundRequest`, `LegacyCertifyRequest`, whose error messages
+it keeps), which infer the kind from the fields present as before; `BoundRequest.inferred`
+and `CertifyRequest.inferred` say so, and the routes answer with a `Deprecation` header.
+"""
 
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ModelWrapValidatorHandler,
+    PrivateAttr,
+    RootModel,
+    model_validator,
+)
 
 from .bounds import Norm
 from .training import TRAINING_EXAMPLE, TrainingSpec
@@ -78,7 +93,9 @@ class EmpiricalParams(BaseModel):
     time_budget_s: float = Field(default=60.0, gt=0, le=24 * 3600, allow_inf_nan=False)
 
 
-class BoundRequest(BaseModel):
+class LegacyBoundRequest(BaseModel):
+    """POST /bound without `kind` (deprecated): the kind is inferred from the fields."""
+
     model_config = ConfigDict(
         extra="forbid",
         json_schema_extra={"examples": [
@@ -103,7 +120,7 @@ class BoundRequest(BaseModel):
                               "(required with at, > 0)")
 
     @model_validator(mode="after")
-    def _local_form(self) -> BoundRequest:
+    def _local_form(self) -> LegacyBoundRequest:
         if self.at is None and self.eps is None:
             return self
         if self.at is None:
@@ -121,17 +138,12 @@ class BoundRequest(BaseModel):
 SET_FIELDS = ("inputs", "labels", "min_certified_accuracy")
 
 
-class CertifyRequest(BaseModel):
-    """Certify that a stored model's Lipschitz bound is at most `max_lipschitz` (201, the
-    certificate); or, with `at`, `label` and `min_radius`, that `label` is certified robust
-    on the ball of radius `min_radius` around `at` (a certificate of kind robustness: 201
-    when the radii of (model, at, label, norm) are stored, else 202, a job on the bound queue
-    whose result is the certificate); or, with `inputs`, `labels`, `min_radius` and
-    `min_certified_accuracy`, that at least that fraction of the inputs is certified robust
-    on the balls of radius `min_radius` (a certificate of kind robustness_set: 202, a job on
-    the bound queue); or, with `training` instead of `model_id`, train a model and certify it
-    (202, a job on the training queue). The fields present choose the kind; mixing kinds is
-    422."""
+class LegacyCertifyRequest(BaseModel):
+    """POST /certify without `kind` (deprecated): the kind is inferred from the fields. A
+    Lipschitz certificate with `max_lipschitz`; a robustness one with `at`, `label` and
+    `min_radius`; a certified-accuracy one with `inputs`, `labels`, `min_radius` and
+    `min_certified_accuracy`; with `training` instead of `model_id`, train a model and certify
+    it. Mixing kinds is 422."""
 
     model_config = ConfigDict(
         extra="forbid",
@@ -185,7 +197,7 @@ class CertifyRequest(BaseModel):
         "true")
 
     @model_validator(mode="after")
-    def _one_form(self) -> CertifyRequest:
+    def _one_form(self) -> LegacyCertifyRequest:
         in_set = [n for n in SET_FIELDS if getattr(self, n) is not None]
         if in_set:
             return self._set_form(in_set)
@@ -213,7 +225,7 @@ class CertifyRequest(BaseModel):
                              "min_radius for a robustness certificate)")
         return self
 
-    def _set_form(self, given: list[str]) -> CertifyRequest:
+    def _set_form(self, given: list[str]) -> LegacyCertifyRequest:
         missing = [n for n in (*SET_FIELDS, "min_radius", "model_id")
                    if getattr(self, n) is None]
         if missing:
@@ -226,18 +238,10 @@ class CertifyRequest(BaseModel):
             raise ValueError(f"{', '.join(mixed)}: not with inputs/labels (one certificate "
                              "kind per request)")
         assert self.inputs is not None and self.labels is not None
-        if not self.inputs:
-            raise ValueError("inputs: an empty list; give at least one input")
-        shapes = {center_shape(x, f"inputs[{i}]") for i, x in enumerate(self.inputs)}
-        if len(shapes) != 1:
-            raise ValueError(f"inputs: shapes {sorted(shapes)}; every input needs the same "
-                             "shape")
-        if len(self.labels) != len(self.inputs):
-            raise ValueError(f"labels: {len(self.labels)} for {len(self.inputs)} inputs; give "
-                             "one label per input")
+        check_set(self.inputs, self.labels)
         return self
 
-    def _robustness_form(self, given: list[str]) -> CertifyRequest:
+    def _robustness_form(self, given: list[str]) -> LegacyCertifyRequest:
         missing = [n for n in ("at", "label", "min_radius") if getattr(self, n) is None]
         if missing:
             raise ValueError(f"{', '.join(missing)}: required with {', '.join(given)} (a "
@@ -253,6 +257,267 @@ class CertifyRequest(BaseModel):
         assert self.at is not None
         center_shape(self.at)
         return self
+
+
+# ---- the explicit request kinds --------------------------------------------------------------
+
+EXAMPLE_MODEL_ID = "1b4e28ba-2fa1-11d2-883f-0016d3cca427"
+ModelIdField = Field(min_length=1, max_length=64,
+                     description="The stored model (POST /models returns its id; GET /models "
+                     "lists them)")
+EpsField = Field(gt=0, allow_inf_nan=False,
+                 description="Radius (> 0) of the ball around `at` in the `norm` norm")
+MinRadiusField = Field(gt=0, allow_inf_nan=False, description="The radius of the ball (in "
+                       "the norm): passed iff the certified radius >= min_radius (> 0: a "
+                       "label that is not the prediction has certified radius 0 and never "
+                       "passes)")
+LabelsField = Field(description="One class per input")
+EXAMPLE_EMPIRICAL = {"restarts": 4, "steps": 100, "seed": 0, "time_budget_s": 60}
+
+
+def _examples(*examples: dict[str, Any]) -> ConfigDict:
+    return ConfigDict(extra="forbid", json_schema_extra={"examples": list(examples)})
+
+
+class GlobalBoundRequest(BaseModel):
+    """The certified Lipschitz upper bound on all of R^{N x D} (or the tokens' ball of
+    `radius`): 200, the report."""
+
+    model_config = _examples({"kind": "global", "model_id": EXAMPLE_MODEL_ID, "norm": "2",
+                              "seq_len": 128})
+
+    kind: Literal["global"]
+    model_id: str = ModelIdField
+    norm: Norm = "2"
+    seq_len: int | None = SeqLenField
+    radius: float | None = RadiusField
+
+
+class EmpiricalBoundRequest(BaseModel):
+    """The certified upper bound and an empirical lower bound (gradient ascent): 202, a job
+    whose result is the report (200 when it is stored)."""
+
+    model_config = _examples({"kind": "empirical", "model_id": EXAMPLE_MODEL_ID,
+                              "norm": "inf", "seq_len": 64, "radius": 1.0,
+                              "empirical": EXAMPLE_EMPIRICAL})
+
+    kind: Literal["empirical"]
+    model_id: str = ModelIdField
+    norm: Norm = "2"
+    seq_len: int | None = SeqLenField
+    radius: float | None = RadiusField
+    empirical: EmpiricalParams = Field(description="The lower bound's search")
+
+
+class LocalBoundRequest(BaseModel):
+    """The local bound on the ball {X : ||X - X0||_norm <= eps} around one input (`lsa bound
+    --at`): 200, the report; with `empirical`, the in-ball lower bound too (202, a job)."""
+
+    model_config = _examples({"kind": "local", "model_id": EXAMPLE_MODEL_ID, "norm": "2",
+                              "at": EXAMPLE_AT, "eps": 0.01})
+
+    kind: Literal["local"]
+    model_id: str = ModelIdField
+    norm: Norm = "2"
+    at: list[Any] = Field(description=AT_SHAPES[0].upper() + AT_SHAPES[1:])
+    eps: float = EpsField
+    seq_len: int | None = Field(default=None, ge=1, le=MAX_SEQ_LEN,
+                                description="N, if given, must be the N of `at`")
+    empirical: EmpiricalParams | None = Field(
+        default=None, description="Also search the ball for a lower bound (202, a job)")
+
+    @model_validator(mode="after")
+    def _center(self) -> LocalBoundRequest:
+        center_shape(self.at)
+        return self
+
+
+BoundKind = Annotated[GlobalBoundRequest | LocalBoundRequest | EmpiricalBoundRequest,
+                      Field(discriminator="kind")]
+
+
+class LipschitzRequest(BaseModel):
+    """Is the stored model's certified Lipschitz bound at most max_lipschitz? 201, the
+    certificate."""
+
+    model_config = _examples({"kind": "lipschitz", "model_id": EXAMPLE_MODEL_ID, "norm": "2",
+                              "max_lipschitz": 1000.0, "seq_len": 128})
+
+    kind: Literal["lipschitz"]
+    model_id: str = ModelIdField
+    norm: Norm = "2"
+    max_lipschitz: float = Field(gt=0, allow_inf_nan=False, description="Threshold: passed "
+                                 "iff the certified upper bound <= it")
+    seq_len: int | None = SeqLenField
+    radius: float | None = RadiusField
+
+
+class RobustnessRequest(BaseModel):
+    """Is `label` certified robust on the ball of radius min_radius around `at`? 201 when the
+    radii of (model, at, label, norm) are stored, else 202: a job on the bound queue whose
+    result is the certificate."""
+
+    model_config = _examples({"kind": "robustness", "model_id": EXAMPLE_MODEL_ID,
+                              "norm": "2", "at": EXAMPLE_AT, "label": 1, "min_radius": 0.01})
+
+    kind: Literal["robustness"]
+    model_id: str = ModelIdField
+    norm: Norm = "2"
+    at: list[Any] = Field(description=AT_SHAPES[0].upper() + AT_SHAPES[1:])
+    label: int = Field(ge=0, description="The class whose margins f_label - f_j must stay "
+                       "positive")
+    min_radius: float = MinRadiusField
+
+    @model_validator(mode="after")
+    def _center(self) -> RobustnessRequest:
+        center_shape(self.at)
+        return self
+
+
+class CertifiedAccuracyRequest(BaseModel):
+    """Is at least min_certified_accuracy of the inputs certified robust on the balls of
+    radius min_radius? 201 when the verdicts are stored, else 202: a job on the bound queue
+    whose result is the certificate."""
+
+    model_config = _examples({"kind": "certified_accuracy", "model_id": EXAMPLE_MODEL_ID,
+                              "norm": "inf", "inputs": [EXAMPLE_AT, EXAMPLE_AT],
+                              "labels": [1, 0], "min_radius": 0.01,
+                              "min_certified_accuracy": 0.5})
+
+    kind: Literal["certified_accuracy"]
+    model_id: str = ModelIdField
+    norm: Norm = "2"
+    inputs: list[Any] = Field(description="The inputs, all of one shape, each " + AT_SHAPES)
+    labels: list[Annotated[int, Field(ge=0)]] = LabelsField
+    min_radius: float = Field(gt=0, allow_inf_nan=False,
+                              description="The radius every input is decided at")
+    min_certified_accuracy: float = Field(
+        ge=0, le=1, allow_inf_nan=False, description="Passed iff the fraction of the inputs "
+        "certified robust on the ball of radius min_radius is at least this")
+    sweep: bool = Field(
+        default=True, description="false skips the radius sweep on the inputs the affine "
+        "walks and the attack leave undecided (faster on attention models, where it rarely "
+        "decides one; they stay unknown; the certificate records it)")
+
+    @model_validator(mode="after")
+    def _set(self) -> CertifiedAccuracyRequest:
+        check_set(self.inputs, self.labels)
+        return self
+
+
+class TrainingRequest(BaseModel):
+    """Train a model and certify it: 202, a job on the training queue (the certificate is in
+    the 2-norm at the trained seq_len, threshold c)."""
+
+    model_config = _examples({"kind": "training", "training": TRAINING_EXAMPLE})
+
+    kind: Literal["training"]
+    training: TrainingSpec
+
+
+CertifyKind = Annotated[LipschitzRequest | RobustnessRequest | CertifiedAccuracyRequest
+                        | TrainingRequest, Field(discriminator="kind")]
+
+
+def check_set(inputs: list[Any], labels: list[int]) -> None:
+    """ValueError naming the field for an empty set, inputs of several shapes, or a label
+    count that is not the inputs'."""
+    if not inputs:
+        raise ValueError("inputs: an empty list; give at least one input")
+    shapes = {center_shape(x, f"inputs[{i}]") for i, x in enumerate(inputs)}
+    if len(shapes) != 1:
+        raise ValueError(f"inputs: shapes {sorted(shapes)}; every input needs the same "
+                         "shape")
+    if len(labels) != len(inputs):
+        raise ValueError(f"labels: {len(labels)} for {len(inputs)} inputs; give one label "
+                         "per input")
+
+
+def bound_kind_of(old: LegacyBoundRequest) -> dict[str, Any]:
+    """A body without `kind` as the explicit shape it was inferred to be."""
+    common = {"model_id": old.model_id, "norm": old.norm, "seq_len": old.seq_len}
+    empirical = None if old.empirical is None else old.empirical.model_dump()
+    if old.at is not None:
+        return {"kind": "local", **common, "at": old.at, "eps": old.eps,
+                "empirical": empirical}
+    if empirical is not None:
+        return {"kind": "empirical", **common, "radius": old.radius, "empirical": empirical}
+    return {"kind": "global", **common, "radius": old.radius}
+
+
+def certify_kind_of(old: LegacyCertifyRequest) -> dict[str, Any]:
+    """A body without `kind` as the explicit shape it was inferred to be (the legacy schema's
+    validator has checked that its fields make exactly one)."""
+    if old.training is not None:
+        return {"kind": "training", "training": old.training.model_dump()}
+    common = {"model_id": old.model_id, "norm": old.norm}
+    if old.inputs is not None:
+        return {"kind": "certified_accuracy", **common, "inputs": old.inputs,
+                "labels": old.labels, "min_radius": old.min_radius,
+                "min_certified_accuracy": old.min_certified_accuracy,
+                "sweep": old.sweep is not False}
+    if old.at is not None:
+        return {"kind": "robustness", **common, "at": old.at, "label": old.label,
+                "min_radius": old.min_radius}
+    return {"kind": "lipschitz", **common, "max_lipschitz": old.max_lipschitz,
+            "seq_len": old.seq_len, "radius": old.radius}
+
+
+class BoundRequest(RootModel[BoundKind]):
+    """POST /bound: `kind` global, local or empirical."""
+
+    _inferred: str | None = PrivateAttr(default=None)
+
+    @property
+    def inferred(self) -> str | None:
+        """The kind a body without `kind` (deprecated) was read as; None when it named one."""
+        return self._inferred
+
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        GlobalBoundRequest.model_config["json_schema_extra"]["examples"][0],  # type: ignore
+        LocalBoundRequest.model_config["json_schema_extra"]["examples"][0],  # type: ignore
+        EmpiricalBoundRequest.model_config["json_schema_extra"]["examples"][0],  # type: ignore
+    ]})
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _legacy(cls, data: Any, handler: ModelWrapValidatorHandler[BoundRequest]
+                ) -> BoundRequest:
+        if not (isinstance(data, dict) and "kind" not in data):
+            return handler(data)
+        explicit = bound_kind_of(LegacyBoundRequest.model_validate(data))
+        req = handler(explicit)
+        req._inferred = str(explicit["kind"])
+        return req
+
+
+class CertifyRequest(RootModel[CertifyKind]):
+    """POST /certify: `kind` lipschitz, robustness, certified_accuracy or training."""
+
+    _inferred: str | None = PrivateAttr(default=None)
+
+    @property
+    def inferred(self) -> str | None:
+        """The kind a body without `kind` (deprecated) was read as; None when it named one."""
+        return self._inferred
+
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        LipschitzRequest.model_config["json_schema_extra"]["examples"][0],  # type: ignore
+        RobustnessRequest.model_config["json_schema_extra"]["examples"][0],  # type: ignore
+        CertifiedAccuracyRequest.model_config["json_schema_extra"]["examples"][0],  # type: ignore
+        TrainingRequest.model_config["json_schema_extra"]["examples"][0],  # type: ignore
+    ]})
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _legacy(cls, data: Any, handler: ModelWrapValidatorHandler[CertifyRequest]
+                ) -> CertifyRequest:
+        if not (isinstance(data, dict) and "kind" not in data):
+            return handler(data)
+        explicit = certify_kind_of(LegacyCertifyRequest.model_validate(data))
+        req = handler(explicit)
+        req._inferred = str(explicit["kind"])
+        return req
 
 
 def example_of(model: type[BaseModel]) -> dict[str, Any]:

@@ -176,35 +176,37 @@ class LSAClient:
 
     def bound(self, model_id: str, norm: str, seq_len: int | None = None,
               radius: float | None = None, progress: ProgressFn | None = None) -> BoundReport:
-        body = _drop_none({"model_id": model_id, "norm": norm, "seq_len": seq_len,
-                           "radius": radius})
+        body = _drop_none({"kind": "global", "model_id": model_id, "norm": norm,
+                           "seq_len": seq_len, "radius": radius})
         return BoundReport.model_validate(self._maybe_job("POST", "/bound", body, progress))
 
     def certify(self, model_id: str, norm: str, max_lipschitz: float,
                 seq_len: int | None = None, radius: float | None = None,
                 progress: ProgressFn | None = None) -> Certificate:
-        body = _drop_none({"model_id": model_id, "norm": norm, "max_lipschitz": max_lipschitz,
-                           "seq_len": seq_len, "radius": radius})
+        body = _drop_none({"kind": "lipschitz", "model_id": model_id, "norm": norm,
+                           "max_lipschitz": max_lipschitz, "seq_len": seq_len,
+                           "radius": radius})
         return Certificate.model_validate(self._maybe_job("POST", "/certify", body, progress))
 
     def certify_robustness(self, model_id: str, at: list[Any], label: int, min_radius: float,
                            norm: str = "2", progress: ProgressFn | None = None) -> Certificate:
-        """POST /certify with at/label/min_radius: the certificate at once when the server
+        """POST /certify of kind robustness: the certificate at once when the server
         has the radii, else its job polled to the certificate (its progress: the bisection
         step)."""
-        body = {"model_id": model_id, "norm": norm, "at": at, "label": label,
-                "min_radius": min_radius}
+        body = {"kind": "robustness", "model_id": model_id, "norm": norm, "at": at,
+                "label": label, "min_radius": min_radius}
         return Certificate.model_validate(self._maybe_job("POST", "/certify", body, progress))
 
     def certify_accuracy(self, model_id: str, inputs: list[Any], labels: list[int],
                          min_radius: float, min_certified_accuracy: float, norm: str = "2",
                          progress: ProgressFn | None = None,
                          sweep: bool = True) -> Certificate:
-        """POST /certify with inputs/labels/min_radius/min_certified_accuracy: its job polled
+        """POST /certify of kind certified_accuracy: its job polled
         to the certified-accuracy certificate (its progress: the inputs decided);
         `sweep=False` sends "sweep": false (no radius sweep)."""
-        body: dict[str, Any] = {"model_id": model_id, "norm": norm, "inputs": inputs,
-                                "labels": labels, "min_radius": min_radius,
+        body: dict[str, Any] = {"kind": "certified_accuracy", "model_id": model_id,
+                                "norm": norm, "inputs": inputs, "labels": labels,
+                                "min_radius": min_radius,
                                 "min_certified_accuracy": min_certified_accuracy}
         if not sweep:
             body["sweep"] = False
@@ -219,10 +221,10 @@ class LSAClient:
     def bound_local(self, model_id: str, at: list[Any], eps: float, norm: str = "2",
                     empirical: dict[str, Any] | None = None,
                     progress: ProgressFn | None = None) -> BoundReport:
-        """POST /bound with at/eps: the local bound on the ball around `at` (with
+        """POST /bound of kind local: the bound on the ball around `at` (with
         `empirical`, a job: the in-ball lower bound too)."""
-        body = _drop_none({"model_id": model_id, "norm": norm, "at": at, "eps": eps,
-                           "empirical": empirical})
+        body = _drop_none({"kind": "local", "model_id": model_id, "norm": norm, "at": at,
+                           "eps": eps, "empirical": empirical})
         return BoundReport.model_validate(self._maybe_job("POST", "/bound", body, progress))
 
     def public_key(self) -> str:

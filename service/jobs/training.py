@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session
 
 from api_schemas.training import TrainingSpec
 
+from ..db import transaction
 from ..errors import InvalidRequest, NotFound
 from ..tables import CertificateRow, Corpus, Job
 from ..training import (
@@ -85,6 +86,13 @@ def submit_training(session: Session, runtime: Runtime, spec: TrainingSpec) -> J
     params = TrainingJobParams(spec=spec, corpus_id=None if corpus is None else corpus.id,
                                corpus_sha256=None if corpus is None else corpus.sha256)
     return submit_job(session, runtime, "train_certified", params.model_dump(mode="json"))
+
+
+def queue_training(runtime: Runtime, spec: TrainingSpec) -> str:
+    """`submit_training` in its own write transaction (the training kind of POST /certify):
+    the new job's id, sent to its queue once committed."""
+    with transaction(runtime.sessions) as session:
+        return submit_training(session, runtime, spec).id
 
 
 def _load_corpus(ctx: JobContext, p: TrainingJobParams) -> CharCorpus:

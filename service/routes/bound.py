@@ -14,7 +14,12 @@ from starlette.concurrency import run_in_threadpool
 
 from api_schemas import BoundReport
 from api_schemas.jobs import JobAccepted
-from api_schemas.requests import BoundRequest
+from api_schemas.requests import (
+    BoundKind,
+    BoundRequest,
+    GlobalBoundRequest,
+    LocalBoundRequest,
+)
 
 from ..bounding import ModelRef, check_empirical_size, request_key, resolve_seq_len
 from ..certifying import find_model, report_json, stored_report_json
@@ -24,25 +29,31 @@ from ..jobs.runner import submit_keyed_job
 from ..local import ball_key, local_report_json, model_center
 from ..runtime import Runtime
 from .jobs import accepted_response
+from .kinds import mark_inferred
 
 router = APIRouter(tags=["bounds"])
 
 
 @router.post(
     "/bound", response_model=BoundReport, dependencies=[WriteAccess],
-    summary="Certified Lipschitz upper bound (and, as a job, an empirical lower bound); with "
-            "`at` and `eps`: the local bound on the ball around one input",
+    summary="A bound of one `kind`: global (the certified Lipschitz upper bound), empirical "
+            "(and, as a job, an empirical lower bound) or local (the bound on the ball "
+            "around one input `at` of radius `eps`)",
     responses={202: {"model": JobAccepted, "description": "Empirical work was asked for: "
                      "poll GET /jobs/{job_id} (Location), waiting Retry-After seconds; its "
                      "result is this report"},
                **responses(404, 413, 503)},
 )
 async def bound(req: BoundRequest, runtime: RuntimeDep) -> Response:
+    return mark_inferred(await bound_kind(req.root, runtime), "POST /bound", req.inferred)
+
+
+async def bound_kind(req: BoundKind, runtime: Runtime) -> Response:
     model = await run_in_threadpool(find_model, runtime, req.model_id)
-    if req.at is not None:
+    if isinstance(req, LocalBoundRequest):
         return await local_bound(req, runtime, model)
     seq_len = resolve_seq_len(model, req.seq_len)
-    if req.empirical is None:
+    if isinstance(req, GlobalBoundRequest):
         body = await report_json(runtime, model, req.norm, seq_len, req.radius)
         return Response(body, media_type="application/json")
     empirical = req.empirical.model_dump(mode="json")
@@ -58,10 +69,9 @@ async def bound(req: BoundRequest, runtime: RuntimeDep) -> Response:
     return accepted_response(accepted, "bound")
 
 
-async def local_bound(req: BoundRequest, runtime: Runtime, model: ModelRef) -> Response:
+async def local_bound(req: LocalBoundRequest, runtime: Runtime, model: ModelRef) -> Response:
     """The bound on the ball around `at` (computed on the compute pool, stored, cached); on
     a pixel upload `at` is the image, cut into the patches the graph takes."""
-    assert req.at is not None and req.eps is not None  # the request validator's rule
     x0 = await model_center(runtime, model, req.at)
     n = int(x0.shape[-2])
     if req.seq_len is not None and req.seq_len != n:

@@ -18,15 +18,20 @@ from api_schemas.certificates import (
     VerifyResult,
 )
 from api_schemas.jobs import JobAccepted
-from api_schemas.requests import CertifyRequest
+from api_schemas.requests import (
+    CertifiedAccuracyRequest,
+    CertifyKind,
+    CertifyRequest,
+    RobustnessRequest,
+    TrainingRequest,
+)
 
 from ..bounding import resolve_seq_len
 from ..certificates import public_key_pem, verify_certificate
 from ..certifying import find_model, issue_certificate, report_json
-from ..db import transaction
 from ..deps import ReadAccess, ReadSessionDep, RuntimeDep, WriteAccess, in_thread
 from ..errors import NotFound, responses
-from ..jobs.training import submit_training
+from ..jobs.training import queue_training
 from ..robustness import (
     robustness_certificate,
     robustness_set_certificate,
@@ -35,6 +40,7 @@ from ..robustness import (
 from ..runtime import Runtime
 from ..tables import CertificateRow
 from .jobs import accepted_response
+from .kinds import mark_inferred
 
 router = APIRouter(tags=["certificates"])
 
@@ -51,12 +57,11 @@ class PublicKey(BaseModel):
 
 @router.post(
     "/certify", status_code=201, response_model=Certificate, dependencies=[WriteAccess],
-    summary="Issue a signed certificate: is the certified bound <= max_lipschitz? (with "
-            "`at`, `label`, `min_radius`: is the label certified robust on that ball? a job "
-            "unless its radii are stored; with `inputs`, `labels`, `min_radius`, "
-            "`min_certified_accuracy`: is that fraction of the inputs certified robust? a job "
-            "unless its verdicts are stored; "
-            "with `training`: train a model and certify it, as a job)",
+    summary="Issue a signed certificate of one `kind`: lipschitz (is the certified bound <= "
+            "max_lipschitz?), robustness (is the label certified robust on the ball of "
+            "min_radius around `at`? a job unless its radii are stored), certified_accuracy "
+            "(is that fraction of the inputs certified robust? a job unless its verdicts are "
+            "stored) or training (train a model and certify it, as a job)",
     responses={202: {"model": JobAccepted, "description": "Queued as a job: a training "
                      "request (queue training), or a robustness request whose radii are not "
                      "stored yet, or a certified-accuracy request whose verdicts are not "
@@ -65,25 +70,21 @@ class PublicKey(BaseModel):
                **responses(404, 413, 503)},
 )
 async def certify(req: CertifyRequest, runtime: RuntimeDep) -> Response:
-    if req.training is not None:
-        job = await run_in_threadpool(queue_training, runtime, req)
+    return mark_inferred(await certify_kind(req.root, runtime), "POST /certify", req.inferred)
+
+
+async def certify_kind(req: CertifyKind, runtime: Runtime) -> Response:
+    if isinstance(req, TrainingRequest):
+        job = await run_in_threadpool(queue_training, runtime, req.training)
         return accepted_response(JobAccepted(job_id=job, status="queued"), "training")
-    if req.inputs is not None:
-        # the validator's rule: model_id, labels, min_radius, min_certified_accuracy given
-        assert req.model_id is not None and req.labels is not None
-        assert req.min_radius is not None and req.min_certified_accuracy is not None
-        model = await run_in_threadpool(find_model, runtime, req.model_id)
+    model = await run_in_threadpool(find_model, runtime, req.model_id)
+    if isinstance(req, CertifiedAccuracyRequest):
         return certificate_or_job(await robustness_set_certificate(
             runtime, model, req.inputs, req.labels, req.norm, req.min_radius,
-            req.min_certified_accuracy, sweep=req.sweep is not False))
-    if req.at is not None:
-        assert req.model_id is not None and req.label is not None  # the validator's rule
-        assert req.min_radius is not None
-        model = await run_in_threadpool(find_model, runtime, req.model_id)
+            req.min_certified_accuracy, sweep=req.sweep))
+    if isinstance(req, RobustnessRequest):
         return certificate_or_job(await robustness_certificate(
             runtime, model, req.at, req.label, req.norm, req.min_radius))
-    assert req.model_id is not None and req.max_lipschitz is not None  # the validator's rule
-    model = await run_in_threadpool(find_model, runtime, req.model_id)
     seq_len = resolve_seq_len(model, req.seq_len)
     report = BoundReport.model_validate_json(
         await report_json(runtime, model, req.norm, seq_len, req.radius))
@@ -98,12 +99,6 @@ def certificate_or_job(robust: Certificate | JobAccepted) -> Response:
     if isinstance(robust, JobAccepted):
         return accepted_response(robust, "bound")
     return Response(robust.model_dump_json(), status_code=201, media_type="application/json")
-
-
-def queue_training(runtime: Runtime, req: CertifyRequest) -> str:
-    assert req.training is not None
-    with transaction(runtime.sessions) as session:
-        return submit_training(session, runtime, req.training).id
 
 
 @router.get("/certificates/public-key", response_model=PublicKey,

@@ -85,7 +85,7 @@ SPACE: ContextVar[list[int] | None] = ContextVar("affine_symbols", default=None)
 # so sums of such products keep their cancellations.
 PAIRS: ContextVar[tuple[int, int] | None] = ContextVar("pair_symbols", default=None)
 
-# Second-order symbols (the affine route's walks, `affine_rules.walk(quad=True)`; session 14):
+# Second-order symbols (the affine route's walks, `affine_rules.walk(quad=True)`):
 # the P(P+1)/2 columns from QUAD's base hold, for p <= q in row-major upper-triangle order,
 #     sigma_pq = d_p d_q / eps^2 (p < q)   and   sigma_pp = 2 d_p^2 / eps^2 - 1,
 # both in [-1, 1] for every d in either ball (|d_p d_q| <= eps^2), so every rule treats them as
@@ -98,7 +98,7 @@ PAIRS: ContextVar[tuple[int, int] | None] = ContextVar("pair_symbols", default=N
 QUAD: ContextVar[int | None] = ContextVar("quad_symbols", default=None)
 
 
-# l1 groups of noise symbols (session 15; the products of the second-order walks, set by
+# l1 groups of noise symbols (the products of the second-order walks, set by
 # driver.margin_lower_bounds, either ball): an op whose errors e_i = err_i eta_i (one symbol per
 # entry, |eta_i| <= 1) also satisfy sum_i |e_i| <= S (second-order errors: Cauchy-Schwarz over
 # the whole tensor) records (first column, end column, w_i = err_i / S): the symbols then lie in
@@ -244,7 +244,7 @@ def quad_two(c: np.ndarray, p: int) -> np.ndarray:
 
 
 # The margins' lower bounds read the input's linear part and the second-order symbols together
-# (`quad_low`, session 17): both are functions of the one change d, and bounding them apart
+# (`quad_low`): both are functions of the one change d, and bounding them apart
 # (`li` + the quadratic part's own bound) gives each its worst d. Forms up to this many input
 # entries (one symmetric eigenproblem of that size per margin).
 JOINT_MAX_P = 1024
@@ -324,7 +324,7 @@ def extreme_eigs(m: np.ndarray, uplo: Literal["L", "U"] = "L"
     (`_support_groups`): a matrix that vanishes outside S x S has the eigenvalues of its
     S x S block and zeros, and a zero matrix both ends 0; the callers clip the ends at 0, so
     the zeros never matter. An eigenproblem costs P^3, and before attention mixes the tokens
-    an entry reads one or two tokens' inputs (16 or 32 of the issue's tf1's 128)."""
+    an entry reads one or two tokens' inputs (16 or 32 of 128 in an 8-token, D = 16 model)."""
     lam_lo, lam_hi = np.zeros(m.shape[0]), np.zeros(m.shape[0])
     for rows, sup in _support_groups(m):
         if sup.size == 0:
@@ -486,10 +486,10 @@ def range_low(x: Aff, ball: Ball) -> np.ndarray:
     return x.c - x.m + lo - pad
 
 
-# The 2-ball's second-order part by the quadratic form's eigenvalues (`quad_two_eig`; session
-# 17), in the walks that set QUAD_EIG (the radius search's last stage, local.py), for the
+# The 2-ball's second-order part by the quadratic form's eigenvalues (`quad_two_eig`), in the
+# walks that set QUAD_EIG (the radius search's last stage, local.py), for the
 # entries whose Frobenius bound is at least QUAD_EIG_SHARE of their whole size: one P x P
-# eigenvalue problem per entry makes a walk ~4x slower (tf1: 0.8 -> 3 s).
+# eigenvalue problem per entry makes a walk ~4x slower.
 QUAD_EIG: ContextVar[bool] = ContextVar("quad_eig", default=False)
 QUAD_EIG_SHARE = 0.02
 QUAD_EIG_BATCH = 512
@@ -508,7 +508,7 @@ def quad_two_eig(c: np.ndarray, p: int) -> np.ndarray:
     for s0 in range(0, c.shape[0], QUAD_EIG_BATCH):
         cc = c[s0:s0 + QUAD_EIG_BATCH]
         n = cc.shape[0]
-        # per support (a third of tf1's entries read one or two tokens' inputs)
+        # per support (before attention mixes the tokens an entry reads one or two tokens' inputs)
         lam_lo, lam_hi = extreme_eigs(_quad_upper(cc, p), "U")
         err = _eig_allowance(_quad_fro(cc, p), p)
         cd = cc[:, diag]
@@ -544,7 +544,7 @@ def rough_lin(x: Aff, ball: Ball) -> np.ndarray:
     """`lin` for a term that only scales a rounding allowance (gamma_k times it): the sizes
     already computed when there are some, else without the eigenvalue stage (QUAD_EIG: any
     upper bound is sound there, and the eigenproblems of an entry read by linear ops alone
-    were a third of an eigenvalue walk's time on tf1; session 19)."""
+    were a third of an eigenvalue walk's time on a small Transformer)."""
     if not QUAD_EIG.get() or _lin_memo(x, _lin_key(x, ball)) is not None:
         return lin(x, ball)
     token = QUAD_EIG.set(False)

@@ -10,7 +10,7 @@ difference, exactly (the tail is affine in y). With `y_ti = gamma_i u_ti r_t + b
 
 so each token needs ONE product of two scalar forms, s_t (linear in u: exact) and r_t,
 instead of D products `u_ti r_t` whose quadratic parts are bounded one by one and then summed
-with |C_ti gamma_i| (the affine route's largest loss on the issue-15 Transformers).
+with |C_ti gamma_i| (on Transformer classifiers the affine route's largest loss).
 """
 
 from __future__ import annotations

@@ -214,8 +214,8 @@ class Centre:
         MARGIN.reset(self._tokens[0])
 
 
-# the affine route's products record their cross terms' l1 budgets (affine.GROUPS; session 15:
-# tf1's 2-ball radius 0.302 -> 0.318, inf 0.0658 -> 0.0665)
+# the affine route's products record their cross terms' l1 budgets (affine.GROUPS: a
+# perturbation cannot put every entry's cross term at its extreme at once; larger radii)
 SYMBOL_GROUPS = True
 
 
@@ -412,8 +412,8 @@ def _opnorm_margins(tight: _Telescope, name: str, values: Values, combos: np.nda
 # entries of _Telescope.plain_memo before it starts afresh (a walk asks for ~100 terms)
 PLAIN_MEMO = 512
 # Balls of radius eps/2, eps/4, ... walked before the ball itself (values by the integrated
-# mean value form); each costs one more walk. Measured on the issue-15 Transformers: one
-# halving takes tf1's inf-ball bound at eps = 1e-2 from 7.40 to 6.92, three give 6.916.
+# mean value form); each costs one more walk. One halving tightens a Transformer's inf-ball
+# bound by a few percent; more add almost nothing (bench/local_tightness.py).
 HALVINGS = 1
 # Ops whose enclosures depend most on their input's range: their inputs are tightened.
 CHECKPOINTS = ("LayerNormalization", "Softmax", "Erf", "Gelu", "Tanh", "Sigmoid", "Div", "Relu",
@@ -517,8 +517,9 @@ def _rule(node: Node, centers: list[np.ndarray | None], ball: Ball) -> LocalRule
 # the margins past a final LayerNorm with its product deferred past the head (deferred.py)
 DEFER = True
 
-# Relational value ranges (affine.py) in lockstep with the enclosure: measured on the issue-15
-# Transformers (see docs/local-affine.md, "Affine value forms").
+# Relational value ranges (affine.py) in lockstep with the enclosure: they keep the value
+# ranges from compounding through LayerNorm and attention (docs/local-affine.md, "Affine value
+# forms").
 AFFINE = True
 
 

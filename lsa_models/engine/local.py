@@ -116,8 +116,9 @@ def _tangent_candidate(om: OnnxModel, x: np.ndarray, eps: float, norm: str) -> f
     if norm != "inf" or eps <= 0 or x.size > TANGENT_MAX_INPUT:
         return None
     try:
-        # with second-order symbols where the graph has attention (its forms 1.4x the time;
-        # tf2 at 1e-2 2.853 -> 2.757, at 3e-2 14.6 -> 6.8; tf1 at 5e-2 11.0 -> 7.5)
+        # with second-order symbols where the graph has attention (its forms 1.4x the time,
+        # 2x tighter on larger balls: products of two input-dependent tensors keep their
+        # quadratic parts)
         rows = TangentGraph(om, x).bound(eps, quad=_use_quad(om, x))
     except (NoTangent, NotAffine, FloatingPointError, ValueError, LocalNotCertified,
             RuntimeError, KeyError, IndexError, TypeError):
@@ -134,8 +135,8 @@ def _has_attention(om: OnnxModel) -> bool:
 def _use_quad(om: OnnxModel, x: np.ndarray) -> bool:
     """Whether the walks get second-order symbols (affine.QUAD): graphs with attention
     (products of two input-dependent tensors, where they pay), while the widest tensor's form
-    with their P(P+1)/2 columns fits half the form budget (the issue's Transformers: 512 x
-    8384 entries; HF GPT-2 at P = 256 does not fit and keeps the plain walks)."""
+    with their P(P+1)/2 columns fits half the form budget (an 8-token, D = 16 Transformer:
+    512 x 8384 entries; HF GPT-2 at P = 256 does not fit and keeps the plain walks)."""
     if not _has_attention(om):
         return False
     module = om.module.with_dtype(torch.float64)
@@ -184,8 +185,8 @@ def _graph_candidates(om: OnnxModel, x: np.ndarray, eps: float, norm: str,
     """Adds the adjoint graph's bound, then the tangent graph's, to `candidates`, each only
     where the best bound so far leaves more than TANGENT_GAIN over the centre's own norm
     (neither is ever below it; each costs about one engine run); the method string names the
-    one that gave the smallest. Neither dominates: on tf1's inf-ball the adjoint rows are
-    smaller (3e-2: 2.69 vs 3.67), on tf2's the tangent graph (1e-2: 2.83 vs 23.8)."""
+    one that gave the smallest. Neither dominates: the adjoint graph's products compound with
+    depth, the tangent graph's pair symbols are looser on one block."""
     def loose() -> bool:
         return engine is None or bool(candidates) and \
             min(candidates) > TANGENT_GAIN * engine.center_norm()
@@ -223,8 +224,7 @@ def certify_local(model: Any, at: np.ndarray, eps: float, norm: NormName) -> Bou
     reason = None
     try:
         # the value forms with second-order symbols where the graph has attention (2.5x the
-        # time of a run; tf2's 2-ball at 0.1 0.800 -> 0.699, tf1's inf-ball at 3e-2 17.2 ->
-        # 12.7 before the adjoint and tangent graphs)
+        # time of a run, 10-25% tighter on larger balls)
         engine = local_jacobian(om, x, eps, norm, quad=_use_quad(om, x))
     except LocalNotCertified as exc:
         reason = f"local engine: {exc}"
@@ -344,16 +344,14 @@ def _constants_at(om: OnnxModel, x: np.ndarray, r: float, norm: str, label: int,
 
 
 # the balls of radius r/2, ... the enclosure walks first in a sweep (the engine's default,
-# driver.HALVINGS = 1, tightens a single bound: tf1's inf-ball at 1e-2 7.40 -> 6.92): in a
-# sweep the half ball's integrated values buy little for a third to a half of each run's
-# time (radii: tf1's 2-ball 0.2643 -> 0.2639, the rest of the issue-15 classifiers' to four
-# digits; certify seconds tf1 2-ball 25 -> 9, tf2 inf 22 -> 14)
+# driver.HALVINGS = 1, tightens a single bound by a few percent): in a sweep the half ball's
+# integrated values change the radii in the fourth digit for a third to a half of each run's
+# time
 SWEEP_HALVINGS = 0
 # the margins' gradients also through the adjoint graph (adjoint.py), the smaller standing:
-# on the inf-ball (tf1 3e-2: 3.3 vs the enclosure's 18.9; the MLP's radius 0.0702 -> 0.0713);
-# on the 2-ball it is smaller only on small balls (tf1 0.1: 0.33 vs 0.41, 0.25: 8.8 vs 2.7)
-# and walks slower there (eigenvalues in every product): tf1's radius 0.2643 -> 0.2662 in 3x
-# the time, so it is off
+# on the inf-ball (several times below the enclosure's on larger balls); on the 2-ball it is
+# smaller only on small balls and walks slower there (eigenvalues in every product): under
+# 1% of radius for 3x the time, so it is off
 ADJOINT_NORMS: tuple[str, ...] = ("inf",)
 ENCLOSURE_EVERY = 8
 # the enclosure "won" at a ball where it was below this fraction of the adjoint constant
@@ -515,15 +513,15 @@ def _regula_falsi(value: Callable[[float], float], lo: float, flo: float, hi: fl
     side = 0  # Illinois: which end was kept last (-1 lo, +1 hi)
     # (a bracket of exactly tol, as one growth step of the eigenvalue stage leaves it, EIG_GROWTH
     # = 1 + EIG_TOL, is narrow enough: without the slack its rounding decided whether one
-    # more walk ran, and tf1's 2-ball radius was 0.3366 on one machine and 0.3417 on another)
+    # more walk ran, and the same radius search ended 1.5% apart on two machines)
     while more() and hi - lo > tol * lo * (1 + 1e-9):
         width = hi - lo
         if math.isfinite(fhi) and math.isfinite(flo) and flo > fhi:
             r = hi - fhi * width / (fhi - flo)
             if side == -1 and r < lo + 0.05 * width:
                 # the secant at the low clamp again after lo moved: the bound falls far
-                # faster near hi than the line says (tf2's 2-ball: -1e2 at 4x the radius),
-                # and Illinois' halvings of fhi would take one walk each: the middle
+                # faster near hi than the line says (on a Transformer's 2-ball: -1e2 at 4x
+                # the radius), and Illinois' halvings of fhi would take one walk each: the middle
                 r = math.sqrt(lo * hi) if lo > 0 else lo + 0.5 * width
             r = min(max(r, lo + 0.05 * width), hi - 0.05 * width)
         else:
@@ -546,22 +544,22 @@ AFFINE_START = 0.25  # of the first-order radius: where the affine search starts
 # the affine route's second search, with second-order symbols (affine.QUAD), on these balls
 # for graphs with attention (products of two input-dependent tensors): on the 2-ball their
 # coefficients' l1 sum is far above the quadratic forms' eigenvalue bound the plain walk
-# uses (tf1 at 0.251: margins -10.3 against +0.001), and the MLP (no such products) gains
+# uses (a margin bound of -10 against +0.001 near the radius), and an MLP (no such products) gains
 # nothing; it starts QUAD_GROWTH past the plain radius and steps by that factor
 QUAD_NORMS: tuple[str, ...] = ("inf", "2")
 QUAD_GROWTH = 1.15
 # its growth steps past that start per norm: on the inf-ball the second-order radius is
-# 1.18-1.22x the plain one (tf1, tf2), so steps of 1.08 leave a bracket half as wide as
-# 1.15's (tf1's inf job 7 -> 6 second-order walks, tf2's 7 -> 5; session 20); on the
-# 2-ball it is 1.28x and 1.08 takes more steps (tf1 5 -> 9)
+# about 1.2x the plain one on Transformer classifiers, so steps of 1.08 leave a bracket half
+# as wide as 1.15's (one or two second-order walks fewer); on the 2-ball it is about 1.28x and
+# 1.08 takes more steps
 QUAD_STEP: dict[str, float] = {"inf": 1.08, "2": QUAD_GROWTH}
 # the searches' relative tolerances where the second-order one follows: the plain one only
-# gives it a start, and each of its walks costs 4 plain ones (tf1's 2-ball job: 7 + 7 -> 5 +
-# 5 walks, the radius 0.3% lower at most)
+# gives it a start, and each of its walks costs 4 plain ones (4 walks fewer, the radius 0.3%
+# lower at most)
 QUAD_PLAIN_TOL, QUAD_TOL = 1e-2, 1e-2
 # the third search on these balls: the second-order walks with the symbols' sizes by the
 # quadratic forms' eigenvalues (affine.QUAD_EIG, ~4x a second-order walk's time), from
-# EIG_GROWTH past the second-order radius (tf1's 2-ball 0.3206 -> 0.3366 in two walks)
+# EIG_GROWTH past the second-order radius (5% more radius in two or three walks)
 EIG_NORMS: tuple[str, ...] = ("2",)
 EIG_GROWTH = 1.05
 EIG_TOL = 5e-2
@@ -585,7 +583,7 @@ def affine_route(om: OnnxModel, x: np.ndarray, norm: str, label: int, start: flo
                                tol=QUAD_PLAIN_TOL if quad else AFFINE_TOL)
     if aff > 0 and quad:
         # then the walks with second-order symbols, from just past it (4x a plain walk's
-        # time; tf1's inf radius 0.0574 -> 0.0659)
+        # time; about 15% more radius on attention models)
         eig = norm in EIG_NORMS
         mid = AFFINE_SHARE * (0.75 if eig else 1.0)
         aq, wq = affine_radius(om, x, norm, label, aff * QUAD_GROWTH,
@@ -594,7 +592,7 @@ def affine_route(om: OnnxModel, x: np.ndarray, norm: str, label: int, start: flo
         aff, walks = max(aff, aq), walks + wq
         if aff > 0 and eig:
             # and those with the 2-ball's sizes by eigenvalues (~3.5x a second-order walk;
-            # tf1's 2-ball 0.3206 -> 0.3366)
+            # about 5% more radius)
             ae, we = affine_radius(om, x, norm, label, aff * EIG_GROWTH,
                                    _scaled_progress(progress, mid, AFFINE_SHARE),
                                    quad=True, floor=aff, growth=EIG_GROWTH, tol=EIG_TOL,
@@ -660,7 +658,7 @@ def _sweep(om: OnnxModel, x: np.ndarray, norm: str, label: int, margins: dict[in
         # (the engines the next piece would walk, by a copy of the sweep's turns, so the
         # pieces' schedule does not depend on the probe: the MLP's inf-ball, where the
         # adjoint graph beat the enclosure at the centre, probes with it alone: its job
-        # 0.94 -> 0.87 s, session 20; on the Transformers' inf-balls the first sweep walks
+        # 7% shorter; on the Transformers' inf-balls the first sweep walks
         # the enclosure alone, and so does its probe, see `robustness`)
         cp = _constants_at(om, x, SWEEP_PROBE * floor, norm, label, replace(turns), adjoint)
         _tick(progress, 2, steps, floor)
@@ -825,9 +823,9 @@ def robustness(model: Any, at: np.ndarray, label: int, norm: NormName,
         if 0 < lo < cap * (1 - SWEEP_CAP_TOL) and norm in ADJOINT_NORMS and not one \
                 and not cut:
             # the sweep again with the adjoint graph's constants too, where the enclosure's
-            # sweep was not cut off by the affine radius (a choice of time: on tf1's inf-ball
-            # the enclosure's sweep stops at its probe in 2 runs, and the adjoint's would
-            # reach 0.0566 of the affine 0.0574 in 10 runs; the MLP's 0.0702 -> 0.0709)
+            # sweep was not cut off by the affine radius (a choice of time: where the affine
+            # route wins, the adjoint's sweep would walk 10 runs to stay below it; on an MLP
+            # it adds about 1% of radius)
             lo2, n2, consts2 = _sweep(om, x, norm, label, margins, steps, None, max(aff, lo),
                                       cap=cap)
             n_steps += n2

@@ -88,10 +88,10 @@ def bind(u: LocalValue, g: np.ndarray, ga: np.ndarray) -> LocalValue:
 
 # the relational form's arrays hold K * numel(jc_x) entries each (K adjoint rows; its |L| jr
 # product K T D^2 P flops): beyond this it is skipped and the box form stands. HF GPT-2 (D 32,
-# N 8, P 256) on the inf-ball at eps 1e-2, session 8: the session-7 code took 671 s (the
-# other core busy; 5.7 s per LayerNorm at its FFN checkpoints, K = 1024), upper / lower 1.038;
-# with batched BLAS and a 2e7 cap (K <= 256) 205 s, 1.038; 1e7 (K <= 128) 112-126 s, 1.069.
-# The issue-15 Transformers stay under it (K <= 256, numel(jc_x) = 16384)
+# N 8, P 256) on the inf-ball at eps 1e-2: without a cap 5.7 s per LayerNorm at its FFN
+# checkpoints (K = 1024), upper / lower 1.038; with a 2e7 cap (K <= 256) 205 s, 1.038; 1e7
+# (K <= 128) 112-126 s, 1.069. Models of N D = 128 inputs stay under it (K <= 256,
+# numel(jc_x) = 16384)
 RELATIONAL_MAX_ENTRIES = 10_000_000
 # the same for the output's own rows, bound a few times per certificate rather than at every
 # checkpoint (driver._Telescope sets RELATIONAL_CAP while it binds them): GPT-2 1.069 -> 1.038

@@ -44,8 +44,8 @@ def alternatives(parts: list) -> list[list[Parts]]:
 
 
 # the box's l2 bound in _inf_to_one costs an eigenvalue problem per row and part: kept for
-# parts of at most this many entries (n P), the issue-15 classifiers' (<= 3.3e4); on HF GPT-2
-# (parts up to 2.6e5) it took 7 of 47 s, and 5 of 27 s with a 1e5 cap (session 9)
+# parts of at most this many entries (n P), small classifiers' (<= 3.3e4); on HF GPT-2
+# (parts up to 2.6e5) it took 7 of 47 s, and 5 of 27 s with a 1e5 cap
 BOX_MAX_ENTRIES = 40_000
 
 

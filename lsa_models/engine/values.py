@@ -114,8 +114,8 @@ def gamma(k: int) -> float:
 # The absolute floor every upward widening adds (covers a result that underflowed). Not the
 # smallest normal float (2.2e-308): the enclosures are full of such floors where a Jacobian
 # entry is exactly 0 (a token's rows before attention), and their products with ordinary
-# entries are subnormal, which x86 computes ~30x slower (tf1's 2-ball walk: a 128 x 128 term
-# product 6.7 ms -> 0.23 ms). FLOOR x anything above 1e-127 stays normal and FLOOR x FLOOR
+# entries are subnormal, which x86 computes ~30x slower (a 128 x 128 remainder term product:
+# 6.7 ms against 0.23 ms). FLOOR x anything above 1e-127 stays normal and FLOOR x FLOOR
 # underflows to 0 at full speed; as a bound it is only larger, so every widening stays sound.
 FLOOR = 2.0**-600
 

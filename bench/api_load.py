@@ -6,11 +6,11 @@ baseline (the server's floor: routing, JSON, the event loop, no database).
 Each database gets a real `lsa serve` process (uvicorn, in-process worker) on 127.0.0.1;
 requests come from an asyncio httpx client in this process with `concurrency` connections.
 On a small machine that client competes with the server for the cores, and at 200
-connections its own cost dominates (session 23, 2 cores: GET /models/{id} at c=200 78 rps
+connections its own cost dominates (2 cores: GET /models/{id} at c=200 78 rps
 through httpx, 395 rps through a raw asyncio HTTP/1.1 keep-alive client; c=20 312 vs 503):
 read the cells against the same run's /healthz cells, which carry the same client cost.
 Bounded: `--requests` per cached/healthz cell, uncached cells use exactly `concurrency`
-distinct requests (1, 50, 200; plus the issue's 60 at once), every request has a timeout, and
+distinct requests (1, 50, 200; plus 60 at once), every request has a timeout, and
 the whole run stops at `--max-seconds`. Also reports every status code seen (the claim under
 test: all 200, no 5xx, no dropped connection) and that the server is healthy after.
 

@@ -1,8 +1,8 @@
 """Certified accuracy at a radius on a set of inputs: lsa (`lsa_models.engine.at_radius`,
 what `lsa robustness --inputs --labels --radius` runs) against auto_LiRPA's CROWN (and
 alpha-CROWN where it runs: its LayerNorm relaxation asserts on the Transformers) on the same
-classifiers (bench/local_models.py: the MLP and the 1- and 2-layer pre-norm Transformers of
-issue 15), inputs and radii, one thread, in one run.
+classifiers (bench/local_models.py: the MLP and the 1- and 2-layer pre-norm Transformers),
+inputs and radii, one thread, in one run.
 
 Per (model, norm, radius): how many inputs each tool certifies, how many lsa's PGD flips
 (an upper bound on the robust ones), the inputs one tool certifies and the other does not,
@@ -37,7 +37,7 @@ from bench.local_vs_autolirpa import ALIRPA, ensure_alirpa  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"
 
-# two radii per model and norm: about CROWN's certified radius at the issue's centre and
+# two radii per model and norm: about CROWN's certified radius at the models' centre and
 # about lsa's (bench/local_vs_autolirpa.py: MLP 0.039 / 0.071 inf, 0.37 / 0.66 2-ball; tf1
 # 0.043 / 0.068, 0.15 / 0.34; tf2 0.029 / 0.049, 0.11 / 0.24)
 RADII: dict[str, dict[str, list[float]]] = {

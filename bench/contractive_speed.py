@@ -1,12 +1,13 @@
 """Training throughput of contractive L2 attention against dot-product and tied L2, one run.
 
 Character LMs (`lsa_models.lm`), one CPU thread, D=64, 4 layers, N=64, batch 16 by default
-(issue 15's setting), AdamW steps with gradient clipping as `training.train_lm` takes them.
+(the setting of docs/theory.md's experiment), AdamW steps with gradient clipping as
+`training.train_lm` takes them.
 Variants, their timed steps interleaved in short rounds so that drifting machine load hits all
 alike; tokens/s from each step's process CPU time (median), with wall-clock figures beside:
 
 - `dp`, `l2_tied`: the baselines;
-- `contractive_old`: the scheme before issue 15: the Theorem 3.2 bound, certified in float64
+- `contractive_old`: the earlier scheme: the Theorem 3.2 bound, certified in float64
   at every step, with an SVD surrogate for its gradient;
 - `contractive`: the current scheme: the tighter bound, driven during training by
   warm-started power-iteration estimates (one power step per training step, all blocks in

@@ -3,7 +3,7 @@
 One L2-MHA layer at a random input, float32, one thread. For N*D in --baseline sizes both
 methods run in the same process (time ratio, relative difference); for --free-only sizes the
 matrix-free method runs alone (J would not fit: at N*D = 262144 it has 6.9e10 entries).
-Targets (issue 3): >= 100x faster at 16384 with relative difference <= 1e-4; 262144 within
+Targets: >= 100x faster at 16384 with relative difference <= 1e-4; 262144 within
 60 s. Writes bench/out/jacobian_speed.json and .png and prints the JSON.
 
     .venv/bin/python bench/jacobian_speed.py [--baseline 1024 4096 16384]

@@ -1,4 +1,5 @@
-"""Where the local engine loses tightness: per op of one issue-15 classifier on one ball, the
+"""Where the local engine loses tightness: per op of one classifier of
+bench/local_models.py on one ball, the
 enclosure's value width (max hi - lo) against the width seen at sampled points of the ball
 (corners / sphere points, an inner estimate), and its Jacobian radius (max jr) against the
 largest |J(X) - jc| seen at those points (forward-mode Jacobians, float64). Ratios far above 1

@@ -1,4 +1,4 @@
-"""The three small classifiers of issue 15 (an MLP, 1- and 2-layer pre-norm Transformers
+"""Three small classifiers (an MLP, 1- and 2-layer pre-norm Transformers: kinds mlp, tf1, tf2
 with standard LayerNorm, D=16, N=8), built from seeds and exported to ONNX; shared by the local
 tests and the benchmarks.
 
@@ -89,7 +89,7 @@ KINDS = ("mlp", "tf1", "tf2")
 
 def relu_mlp(seed: int = 0) -> nn.Module:
     """A ReLU MLP of the same input (128-64-32-4): the commonest model there is, for the
-    ReLU rules' tests (not one of the issue's three)."""
+    ReLU rules' tests (not one of the three KINDS)."""
     torch.manual_seed(seed)
     return nn.Sequential(nn.Flatten(1), nn.Linear(N * D, 64), nn.ReLU(), nn.Linear(64, 32),
                          nn.ReLU(), nn.Linear(32, CLASSES)).eval()

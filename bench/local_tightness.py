@@ -1,4 +1,5 @@
-"""Tightness of lsa's local engine on the three issue-15 classifiers (an MLP, 1- and 2-layer
+"""Tightness of lsa's local engine on the three classifiers of
+bench/local_models.py (an MLP, 1- and 2-layer
 pre-norm Transformers, D=16, N=8, exported to ONNX): for both norms and eps in {1e-3, 1e-2,
 1e-1}, the certified local constant, the in-ball float64 lower bound (projected Jacobian
 ascent), their ratio and the seconds; and the certified robustness radius against the PGD

@@ -1,4 +1,5 @@
-"""Local Lipschitz constants and robustness radii on the three issue-15 classifiers (an MLP,
+"""Local Lipschitz constants and robustness radii on the three classifiers of
+bench/local_models.py (an MLP,
 1- and 2-layer pre-norm Transformers with explicit attention, D=16, N=8, exported to ONNX):
 lsa's local engine and auto_LiRPA on the same models, eps and centres, in one run, against
 the in-ball float64 lower bound (projected Jacobian ascent). One thread; writes

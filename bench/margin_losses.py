@@ -12,7 +12,7 @@ certified radius itself comes from `lsa_models.engine.local.robustness`.
     .venv/bin/python bench/margin_losses.py tf1 --norm 2 --radius 0.342 [--quad]
     .venv/bin/python bench/margin_losses.py hf-vit --norm inf --radius 0.04
 
-Models: the issue-15 classifiers (mlp, tf1, tf2; bench/local_models.py) and the library
+Models: the classifiers of bench/local_models.py (mlp, tf1, tf2) and the library
 classifiers of bench/robustness_zoo.py. Writes bench/out/margin_losses.json.
 """
 

@@ -1,10 +1,11 @@
 """Replay the certified-radius search (lsa_models.engine.local.affine_radius: the plain,
 second-order and eigenvalue stages) on recorded margin lower bounds, to tune its constants
-without walking the engine: `record` walks each stage of the issue-15 Transformers at a grid
-of radii once (minutes) and writes the margins' lower bounds; `replay` runs the real search
-code with the walks replaced by interpolation on that grid (milliseconds) and prints each
-stage's radius and walks. The replay reproduces the real searches' walk counts (session 20:
-tf1/tf2, both norms); a choice it suggests must still be measured on real walks.
+without walking the engine: `record` walks each stage of the tf1 and tf2 classifiers
+(bench/local_models.py) at a grid of radii once (minutes) and writes the margins' lower bounds;
+`replay` runs the real search code with the walks replaced by interpolation on that grid
+(milliseconds) and prints each stage's radius and walks. The replay reproduces the real
+searches' walk counts (tf1/tf2, both norms); a choice it suggests must still be measured on real
+walks.
 
     .venv/bin/python bench/radius_search_replay.py record   # bench/out/radius_search_grid.json
     .venv/bin/python bench/radius_search_replay.py replay [--quad-step-inf 1.08] [...]

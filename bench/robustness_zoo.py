@@ -3,7 +3,7 @@ LLaMA sequence classification on inputs_embeds, HF and timm ViT on pixels, x-tra
 torch encoders under a mean-pool head; tiny configs, random weights, nothing downloads):
 certified radius against the PGD attack radius (certified <= true <= attack), both norms.
 With --baseline each model also runs with the centre's forward error bounded by float64
-intervals alone (forward_ball.MAX_OPS = 0: the engine before session 16), in the same run.
+intervals alone (forward_ball.MAX_OPS = 0: no ball arithmetic), in the same run.
 Writes bench/out/robustness_zoo.json and .png and prints a table.
 
     .venv/bin/python bench/robustness_zoo.py [--only xt-encoder ...] [--norms inf 2] [--baseline]

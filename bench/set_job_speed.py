@@ -1,11 +1,10 @@
-"""A certified-accuracy set through the server (`POST /certify` with inputs: a
-`robustness_set` job), in one run against its own baseline: the same set on a real `lsa serve`
-process (SQLite, in-process worker) with LSA_SET_WORKERS=1 (the inputs one after another, as
-before session 23) and with LSA_SET_WORKERS=N (worker processes from a forkserver). Per
-model: the job's seconds (POST to its end, polled every 0.2 s) for a first set posted as
-soon as the server is ready and a second one (radius x1.25) after it, the speed-ups, and
-whether the statuses are identical. The classifiers of bench/local_models.py; a fresh server
-per setting.
+"""A certified-accuracy set through the server (`POST /certify` with inputs: a `robustness_set`
+job), in one run against its own baseline: the same set on a real `lsa serve` process (SQLite,
+in-process worker) with LSA_SET_WORKERS=1 (the inputs one after another) and with
+LSA_SET_WORKERS=N (worker processes from a forkserver). Per model: the job's seconds (POST to
+its end, polled every 0.2 s) for a first set posted as soon as the server is ready and a second
+one (radius x1.25) after it, the speed-ups, and whether the statuses are identical. The
+classifiers of bench/local_models.py; a fresh server per setting.
 
     .venv/bin/python bench/set_job_speed.py [--kinds mlp tf1] [--inputs 12] [--workers 2]
 

@@ -3,7 +3,7 @@ the baseline (one process, every step of `at_radius.decide`) against `--workers 
 processes) and `--no-sweep` (no radius sweep on the inputs the affine walks and the attack
 leave undecided), in one run on the same inputs: seconds, speed-up, and whether every verdict
 matches the baseline's (workers: all must; no-sweep: all but the sweep's, which become
-unknown). The issue-15 classifiers (bench/local_models.py), labels their own predictions.
+unknown). The classifiers of bench/local_models.py, labels their own predictions.
 Writes bench/out/set_speed.json and .png.
 
     .venv/bin/python bench/set_speed.py [--kinds mlp tf1 tf2] [--inputs 20] [--workers 2]

@@ -3,10 +3,10 @@
 As in the paper's figure (Kim et al. 2021): for each N, the Theorem 3.2 inf-norm bound and the
 best `||J(X)||_inf` found by gradient ascent with random restarts, for L2-MHA with D = H = 1 and
 unit weights, and for random weights (D=4, H=2; D=16, H=4); plus the lower bound found the
-same way for DP-MHA (D = H = 1, unit weights), which keeps growing. Target (issue 3): for
+same way for DP-MHA (D = H = 1, unit weights), which keeps growing. Target: for
 D = H = 1, upper/lower <= 1.35 for every N <= 50.
 
-Also docs/theory.md's random-weight case (issue 15: D = 8, H = 2, N = 12, weight entries of
+Also docs/theory.md's random-weight case (D = 8, H = 2, N = 12, weight entries of
 scale 0.6) in both norms: Theorem 3.2 alone and the certified bound `l2_mha_bound` reports
 (the smallest of the chained candidates, docs/certification.md), each against the best lower
 bound found (`--d8-restarts` restarts, float64). Writes bench/out/tightness.json and .png and

@@ -93,9 +93,10 @@ def test_onnx_recognition_l2_forms_certify_theorem_bound(
         got = analyse(model, norm)  # type: ignore[arg-type]
         assert got.verdict == "certified", got.reason
         want = _theorem(m, norm)
-        # A = W^Q W^Q^T / sqrt(d) folded in float32 by the exporter: its fitted scale may sit
-        # a float32 rounding above 1/sqrt(d), and the bound with it (never below)
-        assert got.upper is not None and want * (1 - REL) <= got.upper <= want * (1 + 1e-6), \
+        # A = W^Q W^Q^T / sqrt(d) folded in float32 by the exporter: the graph's constant is
+        # a float32 rounding away from the module's product, and the bound with it
+        rel = 1e-6 if dynamo else REL
+        assert got.upper is not None and want * (1 - rel) <= got.upper <= want * (1 + 1e-6), \
             (got.upper, want)
         assert got.upper >= _jacobian_lower(m, x, norm)
     kinds = [lb.kind for lb in got.layers]

@@ -120,7 +120,7 @@ def _l2_values(probe: Probe, envs: Sequence[Mapping[str, Tensor]], xs: list[np.n
         wv.append(math.sqrt(d) * (u / (s * s)) @ um)
     if worst > 1e-12:
         # beyond float64 rounding (~1e-16): a product folded in float32 (~1e-8)
-        note = ("the value path's folded constant (A W^V, float32) is read as the exact "
+        note = ("the folded value-path constant (A W^V, float32) is read as the exact "
                 "product with A = W^Q W^Q^T / sqrt(d) (matched to 2^-20 relative)")
         if note not in layer.notes:
             layer.notes.append(note)

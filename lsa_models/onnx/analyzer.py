@@ -184,7 +184,7 @@ def _attention(c: Composite, io: dict[str, Any]) -> Layer:
                            # bias: the bound without row centring, where the key bias counts
                            bk=a.bk, replaced=a.replaced or a.rotated_key_bias,
                            rotary=ROTARY_NOTE in a.notes, **io)
-    return L2Attention(name, a.wq, a.wv, a.wo, a.n, a.causal, a.value_factor,
+    return L2Attention(name, a.wq, a.wv, a.wo, a.n, a.causal,
                        notes=list(a.notes), **io)
 
 

@@ -125,4 +125,3 @@ def _l2_values(probe: Probe, envs: Sequence[Mapping[str, Tensor]], xs: list[np.n
         if note not in layer.notes:
             layer.notes.append(note)
     layer.wv = np.stack(wv)  # (H, D, w)
-    layer.value_factor = 1.0

@@ -50,7 +50,6 @@ class AttentionLayer:
     # DP logits replaced by constants on a fixed set of entries (masked_fill with a finite
     # value): the bound takes the key bias into account (docs/bounds.md)
     replaced: bool = False
-    value_factor: float = 1.0  # L2: max_h c'_h sqrt(d) (1.0 for the canonical scale)
     extra: dict[str, float] = field(default_factory=dict)
     n: int = 0  # tokens the attention sees (N + 1 after a class token); 0: not recognised
     # DP with rotary embeddings: certified rho_q rho_k >= max_i ||R_i||_2 (query, key), folded

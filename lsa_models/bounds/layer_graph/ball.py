@@ -295,8 +295,6 @@ def _dp(layer: DPAttention, args: list[Any], ball: Ball) -> list[BallValue | Non
 def _l2(layer: L2Attention, args: list[Any], ball: Ball) -> list[BallValue | None]:
     x = _need(args[0], layer)
     f = l2_mha_bound(layer.wq, layer.wv, layer.wo, layer.n, "2", layer.causal)
-    if layer.value_factor > 1.0:
-        f = mul_up(f, up(layer.value_factor))
     _report(ball, layer, "l2_mha", f, "global L2 attention bound")
     return [settle(_center(layer, ball), mul_up(x.lip, f), math.inf, ball)]
 

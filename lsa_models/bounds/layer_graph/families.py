@@ -24,7 +24,6 @@ from ..numerics import (
     inv_sqrt_up,
     mul_up,
     sqrt_up,
-    up,
 )
 from ..report import Domain, LayerBound, Verdict
 from .layers import (
@@ -183,8 +182,6 @@ class L2AttentionFamily(Family):
     def local(self, layer: L2Attention, x: Value, ctx: Context) -> Value | None:
         ctx.acc.note(layer.notes)
         upper = l2_mha_bound(layer.wq, layer.wv, layer.wo, layer.n, ctx.norm, layer.causal)
-        if layer.value_factor > 1.0:  # docs/bounds.md, "the scale of the value path"
-            upper = mul_up(upper, up(layer.value_factor))
         kind = "l2_mha_causal" if layer.causal else "l2_mha"
         ctx.acc.report(LayerBound(layer.name, kind, upper, nodes=layer.nodes))
         return Value(upper, None, layer.shape)

@@ -101,7 +101,6 @@ class L2Attention(Layer):
     wo: ArrayLike
     n: int
     causal: bool = False
-    value_factor: float = 1.0  # > 1: the graph scales the value path (docs/bounds.md)
     notes: list[str] = field(default_factory=list)
 
 

@@ -86,7 +86,7 @@ def test_decide_names_the_stage_that_certified(tmp_path: Path) -> None:
     om = load_onnx(export(build("tf1", seed=0), tmp_path / "tf1.onnx").read_bytes())
     x0 = center(1).numpy().astype(np.float64)
     label = _label(om, x0)
-    # issue-15's tf1: plain radius 0.0574, second order 0.0679 (docs/local-bounds.md)
+    # issue-15's tf1: plain radius 0.0574, second order 0.0679 (docs/local-robustness.md)
     v = decide(om, x0, label, "inf", 0.0640)
     assert v.status == "certified" and v.certified_by == "affine (second order)"
     assert v.walks == 2 and v.margin_lower is not None and v.margin_lower > 0

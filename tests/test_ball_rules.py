@@ -1,5 +1,5 @@
 """Soundness of the per-layer local rules on the layer graph (lsa_models/bounds/layer_graph/
-ball.py, docs/local-bounds.md "Per-layer local rules on the layer graph"): exact float64
+ball.py, docs/local-layer-graph.md "Per-layer local rules on the layer graph"): exact float64
 Jacobians at points of the ball, including the worst-placed ones, never exceed them."""
 
 from __future__ import annotations

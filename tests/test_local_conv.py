@@ -1,4 +1,4 @@
-"""The local Conv rule (lsa_models/engine/rules_conv.py, docs/local-bounds.md "Conv"): the
+"""The local Conv rule (lsa_models/engine/rules_conv.py, docs/local-enclosure.md "Conv"): the
 enclosure holds the exact float64 Jacobian and value at points of the ball for strided,
 padded, dilated, grouped 1-D/2-D Convs; ViT blocks on pixels get local bounds between the
 in-ball lower bound and the global bound; a pixel classifier gets a robustness radius."""

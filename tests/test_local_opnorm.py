@@ -1,4 +1,4 @@
-"""The operator-norm pieces of the 2-ball engine (docs/local-bounds.md, "Token radii" and
+"""The operator-norm pieces of the 2-ball engine (docs/local-second-order.md, "Token radii" and
 "Operator-norm telescoping"): each bound is hunted with exact float64 values at adversarial
 points (towards the origin, the top singular directions, sign vectors at the box corners)."""
 
@@ -481,7 +481,7 @@ def test_group_norms_bound_every_groups_spectral_norm(seed: int, tokens: int, d:
 def test_widened_zeros_stay_out_of_subnormal_products() -> None:
     """An enclosure entry that is exactly 0 is widened to FLOOR (it must stay above a result
     that underflowed), and FLOOR times any entry above 1e-120 is a normal float: products of
-    widened arrays never take x86's ~30x slower subnormal path (docs/local-bounds.md)."""
+    widened arrays never take x86's ~30x slower subnormal path (docs/local-rounding.md)."""
     tiny = np.finfo(np.float64).tiny
     w = widen_up(np.zeros(4), 8)
     assert np.all(w >= tiny)

@@ -1,5 +1,5 @@
 """The second-order signed rows of the inf-ball (lsa_models/engine/second.py,
-docs/local-bounds.md "Second-order signed rows"): each elementwise op's split of its term into
+docs/local-second-order.md "Second-order signed rows"): each elementwise op's split of its term into
 a Hessian part and a rest, against the exact float64 term at corners and inside points of the
 ball; and the output rows and margin constants of MLPs spelled with torch's own activations
 against exact Jacobians at corners of the ball and at the projected-ascent witness."""

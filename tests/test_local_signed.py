@@ -1,4 +1,4 @@
-"""The signed telescoped terms (lsa_models/engine/signed.py, docs/local-bounds.md "Signed
+"""The signed telescoped terms (lsa_models/engine/signed.py, docs/local-second-order.md "Signed
 adjoints"): the bound on G (D(x) - D(x0)) for LayerNorm against exact float64 gradients of
 G . LayerNorm(x) at points of the input box (corners included), with the adjoint known only
 to within its margin; and whole graphs against exact Jacobians at the corners of the ball."""

@@ -48,7 +48,8 @@ from api_schemas.certificates import (
     canonical_bytes,
 )
 
-from .db import after_commit
+from .db import after_commit, transaction
+from .errors import NotFound
 from .tables import CertificateRow
 
 if TYPE_CHECKING:
@@ -260,10 +261,18 @@ def issue(session: Session, runtime: Runtime, model_id: str,
     return cert
 
 
-def stored(session: Session, certificate_id: str) -> Certificate | None:
-    """The certificate stored under `certificate_id`, as issued, or None."""
+def stored(session: Session, certificate_id: str) -> Certificate:
+    """The certificate stored under `certificate_id`, as issued; NotFound when none is."""
     row = session.get(CertificateRow, certificate_id)
-    return None if row is None else Certificate.model_validate(row.body)
+    if row is None:
+        raise NotFound(f"no certificate with id {certificate_id}")
+    return Certificate.model_validate(row.body)
+
+
+def find_certificate(runtime: Runtime, certificate_id: str) -> Certificate:
+    """`stored` in a read-only transaction (GET /certificates/{id})."""
+    with transaction(runtime.read_sessions) as s:
+        return stored(s, certificate_id)
 
 
 # ---- verification -----------------------------------------------------------------------------

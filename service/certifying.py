@@ -15,7 +15,7 @@ import json
 import logging
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from starlette.concurrency import run_in_threadpool
 
 from api_schemas import BoundReport
@@ -47,14 +47,30 @@ def find_model(runtime: Runtime, model_id: str) -> ModelRef:
     cached = runtime.model_refs.get(model_id)
     if isinstance(cached, ModelRef):
         return cached
+    ref = ModelRef.of(get_model(runtime, model_id))
+    runtime.model_refs.put(model_id, ref)
+    return ref
+
+
+def get_model(runtime: Runtime, model_id: str) -> UploadedModel:
+    """The stored model row (a read-only transaction); NotFound when there is none."""
     with transaction(runtime.read_sessions) as s:
         row = s.get(UploadedModel, model_id)
         if row is None:
             raise NotFound(f"no model with id {model_id}; upload one with POST /models "
                            "(GET /models lists them)")
-        ref = ModelRef.of(row)
-    runtime.model_refs.put(model_id, ref)
-    return ref
+        return row
+
+
+def models_page(runtime: Runtime, limit: int, offset: int) -> tuple[list[UploadedModel], int]:
+    """A page of the stored models, newest first, and how many there are (one read-only
+    transaction)."""
+    with transaction(runtime.read_sessions) as s:
+        total = s.scalar(select(func.count()).select_from(UploadedModel)) or 0
+        rows = list(s.scalars(select(UploadedModel)
+                              .order_by(UploadedModel.created_at.desc(), UploadedModel.id)
+                              .limit(limit).offset(offset)))
+        return rows, int(total)
 
 
 def stored_report_json(runtime: Runtime, key: str) -> bytes | None:

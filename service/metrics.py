@@ -13,6 +13,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .db import transaction
 from .tables import JOB_STATUSES, Job, UploadedModel
 
 
@@ -47,7 +48,7 @@ class _StoreCollector(Collector):
         jobs = GaugeMetricFamily("lsa_jobs", "Jobs by status", labels=["status"])
         models = GaugeMetricFamily("lsa_models", "Models stored")
         try:
-            with self.sessions() as s:
+            with transaction(self.sessions) as s:
                 counts = {status: int(n) for status, n in s.execute(
                     select(Job.status, func.count()).group_by(Job.status))}
                 n_models = s.scalar(select(func.count()).select_from(UploadedModel)) or 0

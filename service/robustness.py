@@ -26,7 +26,7 @@ from api_schemas.certificates import Certificate, Counterexamples
 from api_schemas.jobs import JobAccepted
 
 from .bounding import ModelRef, load_model
-from .certificates import certified_accuracy_body, issue, robustness_body
+from .certificates import certified_accuracy_body, issue, robustness_body, stored
 from .db import transaction
 from .errors import InvalidRequest, NotFound, PayloadTooLarge
 from .jobs.runner import submit_keyed_job
@@ -258,11 +258,19 @@ async def robustness_set_certificate(runtime: Runtime, model: ModelRef, inputs: 
                                    "robustness_set")
 
 
+def counterexamples(runtime: Runtime, certificate_id: str) -> Counterexamples:
+    """The counterexamples behind a stored certified-accuracy certificate, read in one
+    read-only transaction (one connection per request: a second would exhaust the pool
+    under load); NotFound for no such certificate, another kind, or verdicts no longer
+    stored."""
+    with transaction(runtime.read_sessions) as s:
+        return set_counterexamples(s, stored(s, certificate_id))
+
+
 def set_counterexamples(session: Session, cert: Certificate) -> Counterexamples:
-    """The counterexamples stored with the verdicts a certified-accuracy certificate was
-    signed from, read in the request's session (a second connection per request would
-    exhaust the pool under load); NotFound for another kind of certificate or verdicts no
-    longer stored."""
+    """The counterexamples stored with the verdicts `cert` was signed from, read in the
+    caller's transaction; NotFound for another kind of certificate or verdicts no longer
+    stored."""
     rs = cert.robustness_set
     if rs is None:
         raise NotFound(f"certificate {cert.id} is not a certified-accuracy certificate "

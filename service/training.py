@@ -22,12 +22,13 @@ from sqlalchemy.orm import Session
 
 from api_schemas.training import ArtifactLink, TrainingResult, TrainingSpec
 
-from .artifacts import store_artifact
+from .artifacts import Staged, store_artifact, store_once
 from .bounding import load_bytes
 from .certificates import issue, training_body
-from .errors import InvalidRequest
+from .db import transaction
+from .errors import InvalidRequest, NotFound, Unprocessable
 from .settings import Settings
-from .tables import Corpus, UploadedModel
+from .tables import Artifact, Corpus, UploadedModel
 
 if TYPE_CHECKING:
     from lsa_models.lm import LMConfig
@@ -96,6 +97,56 @@ def check_training_limits(spec: TrainingSpec, settings: Settings) -> None:
             f"training.batch_size: a step of batch_size x n_layers x seq_len x (d_model + d_ff "
             f"+ n_heads x seq_len) = {elements} exceeds LSA_MAX_TRAINING_ELEMENTS="
             f"{settings.max_training_elements}: lower batch_size, seq_len or the model size")
+
+
+class InvalidCorpus(Unprocessable):
+    error = "invalid_corpus"
+
+
+def store_corpus(runtime: Runtime, staged: Staged, filename: str) -> tuple[Corpus, bool]:
+    """Store an uploaded text once, in one write transaction: (row, True) when new, (the
+    stored row, False) for a text seen before; InvalidCorpus for one that is not UTF-8 or is
+    empty."""
+    with transaction(runtime.sessions) as session:
+        def existing() -> Corpus | None:
+            return session.scalar(select(Corpus).where(Corpus.sha256 == staged.sha256))
+
+        found = existing()
+        if found is not None:
+            return found, False
+        try:
+            text = staged.path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InvalidCorpus(f"{filename} is not valid UTF-8 (byte {exc.start}: "
+                                f"{exc.reason}): upload a UTF-8 encoded text file") from None
+        if not text:
+            raise InvalidCorpus(f"{filename} is empty: upload a text to train on")
+        corpus = Corpus(sha256=staged.sha256, filename=filename, size_bytes=staged.size,
+                        chars=len(text), vocab_size=len(set(text)))
+        return store_once(session, runtime.artifacts, staged, "corpus", corpus, existing)
+
+
+def find_corpus(runtime: Runtime, corpus_id: str) -> Corpus:
+    """The stored corpus (a read-only transaction); NotFound when there is none."""
+    with transaction(runtime.read_sessions) as session:
+        corpus = session.get(Corpus, corpus_id)
+        if corpus is None:
+            raise NotFound(f"no corpus with id {corpus_id}; upload a text with POST /corpora")
+        return corpus
+
+
+def find_artifact(runtime: Runtime, sha256: str) -> Artifact:
+    """A stored output (ONNX export, training plot, ...) whose bytes are in the artifact
+    directory; NotFound otherwise."""
+    with transaction(runtime.read_sessions) as session:
+        row = session.get(Artifact, sha256)
+        if row is None:
+            raise NotFound(f"no artifact with sha256 {sha256}")
+    if not runtime.artifacts.path_for(row.sha256).is_file():
+        raise NotFound(f"artifact {sha256} is missing from LSA_ARTIFACT_DIR "
+                       f"({runtime.settings.artifact_dir}): the server and its workers must "
+                       "share that directory")
+    return row
 
 
 def _finite(value: Any) -> float | None:
@@ -182,5 +233,6 @@ def result_from_certificate(body: dict[str, Any], model_id: str,
     ).model_dump(mode="json")
 
 
-__all__ = ["certificate_id_for_job", "check_corpus_fits", "check_training_limits",
+__all__ = ["InvalidCorpus", "certificate_id_for_job", "check_corpus_fits",
+           "check_training_limits", "find_artifact", "find_corpus", "store_corpus",
            "result_from_certificate", "store_outcome", "training_configs"]

@@ -197,8 +197,8 @@ def test_client_robustness_job_honours_retry_after() -> None:
         got = client.certify_robustness("m1", [[0.0, 1.0]], 1, 0.01,
                                         progress=lambda s, p: stages.append(s))
     assert got.robustness == cert["robustness"] and got.id == cert["id"]
-    assert seen == [{"model_id": "m1", "norm": "2", "at": [[0.0, 1.0]], "label": 1,
-                     "min_radius": 0.01}]
+    assert seen == [{"kind": "robustness", "model_id": "m1", "norm": "2",
+                     "at": [[0.0, 1.0]], "label": 1, "min_radius": 0.01}]
     # The 202's Retry-After before the first poll, each answer's after it; none: the default.
     assert sleeps == [2.0, 3.0, 0.25]
     assert stages[0] == "radius sweep 7/30, certified 0.041"
@@ -219,8 +219,9 @@ def test_client_certify_parses_the_certificate_and_sends_the_request_body() -> N
     with make_client(handler, []) as client:
         cert = client.certify("m1", "inf", 10.0, seq_len=64)
     assert cert.model_dump(mode="json")["model_sha256"] == CERT["model_sha256"]
-    assert json.loads(seen[0].content) == {"model_id": "m1", "norm": "inf",
-                                           "max_lipschitz": 10.0, "seq_len": 64}
+    assert json.loads(seen[0].content) == {"kind": "lipschitz", "model_id": "m1",
+                                           "norm": "inf", "max_lipschitz": 10.0,
+                                           "seq_len": 64}
 
 
 def test_client_rejects_an_answer_that_breaks_the_schema() -> None:

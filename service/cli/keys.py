@@ -6,19 +6,12 @@ from typing import Annotated
 
 import typer
 from pydantic import ValidationError
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.auth import create_key, revoke_key
-from service.db import (
-    NotMigratedError,
-    ensure_migrated,
-    make_engine,
-    make_session_factory,
-    transaction,
-)
+from service.auth import api_keys, new_api_key, revoke_api_key
+from service.db import NotMigratedError, ensure_migrated, make_engine, make_session_factory
 from service.settings import Settings
-from service.tables import ApiKey
 
 from .common import app, fail, settings_error
 
@@ -48,9 +41,7 @@ def keys_create(
     if scope not in ("read", "write"):
         fail(f"--scope must be read or write, got {scope!r}")
     engine, sessions = _runtime()
-    with transaction(sessions) as s:
-        row, key = create_key(s, scope, name)
-        prefix = row.prefix
+    prefix, key = new_api_key(sessions, scope, name)
     engine.dispose()
     typer.echo(key)
     typer.echo(f"lsa: created {scope} key {prefix}; it is not shown again", err=True)
@@ -60,10 +51,9 @@ def keys_create(
 def keys_list() -> None:
     """List keys (prefix, scope, name, state); never the keys themselves."""
     engine, sessions = _runtime()
-    with sessions() as s:
-        for row in s.scalars(select(ApiKey).order_by(ApiKey.created_at)):
-            state = "revoked" if row.revoked_at else "active"
-            typer.echo(f"{row.prefix}  {row.scope:5}  {state:7}  {row.name or ''}")
+    for prefix, scope, revoked, name in api_keys(sessions):
+        state = "revoked" if revoked else "active"
+        typer.echo(f"{prefix}  {scope:5}  {state:7}  {name or ''}")
     engine.dispose()
 
 
@@ -72,8 +62,7 @@ def keys_revoke(prefix: Annotated[str, typer.Argument(help="The key's prefix (ls
                 ) -> None:
     """Revoke a key by its prefix."""
     engine, sessions = _runtime()
-    with transaction(sessions) as s:
-        done = revoke_key(s, prefix)
+    done = revoke_api_key(sessions, prefix)
     engine.dispose()
     if not done:
         fail(f"no active key with prefix {prefix!r}")

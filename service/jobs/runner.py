@@ -26,7 +26,8 @@ from .registry import get_job_kind
 
 log = logging.getLogger("lsa.jobs")
 
-__all__ = ["JobAborted", "JobContext", "cancel_job", "recover_jobs", "run_job", "submit_job"]
+__all__ = ["JobAborted", "JobContext", "cancel", "cancel_job", "job_status", "recover_jobs",
+           "run_job", "submit_job"]
 
 
 def _claim(runtime: Runtime, job_id: str) -> tuple[int, str, dict[str, Any]] | None:
@@ -194,6 +195,21 @@ def recover_jobs(runtime: Runtime, *, all_running: bool, resend_queued: bool = T
     for job_id, queue in resend:
         runtime.queue.enqueue(job_id, queue)
     return [job_id for job_id, _ in resend]
+
+
+def job_status(runtime: Runtime, job_id: str) -> Job:
+    """The job row as it is now (a read-only transaction); NotFound when there is none."""
+    with transaction(runtime.read_sessions) as s:
+        job = s.get(Job, job_id)
+        if job is None:
+            raise NotFound(f"no job with id {job_id}")
+        return job
+
+
+def cancel(runtime: Runtime, job_id: str) -> Job:
+    """`cancel_job` in its own write transaction (DELETE /jobs/{id})."""
+    with transaction(runtime.sessions) as s:
+        return cancel_job(s, job_id)
 
 
 def cancel_job(session: Session, job_id: str) -> Job:

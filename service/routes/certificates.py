@@ -7,7 +7,6 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict
-from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from api_schemas import BoundReport
@@ -27,18 +26,17 @@ from api_schemas.requests import (
 )
 
 from ..bounding import resolve_seq_len
-from ..certificates import public_key_pem, verify_certificate
+from ..certificates import find_certificate, public_key_pem, verify_certificate
 from ..certifying import find_model, issue_certificate, report_json
-from ..deps import ReadAccess, ReadSessionDep, RuntimeDep, WriteAccess, in_thread
-from ..errors import NotFound, responses
+from ..deps import ReadAccess, RuntimeDep, WriteAccess, in_thread
+from ..errors import responses
 from ..jobs.training import queue_training
 from ..robustness import (
+    counterexamples,
     robustness_certificate,
     robustness_set_certificate,
-    set_counterexamples,
 )
 from ..runtime import Runtime
-from ..tables import CertificateRow
 from .jobs import accepted_response
 from .kinds import mark_inferred
 
@@ -127,15 +125,8 @@ def verify(
             dependencies=[ReadAccess], summary="A certificate as issued",
             responses=responses(404))
 @in_thread
-def read_certificate(certificate_id: str, session: ReadSessionDep) -> Certificate:
-    return stored_certificate(session, certificate_id)
-
-
-def stored_certificate(session: Session, certificate_id: str) -> Certificate:
-    row = session.get(CertificateRow, certificate_id)
-    if row is None:
-        raise NotFound(f"no certificate with id {certificate_id}")
-    return Certificate.model_validate(row.body)
+def read_certificate(certificate_id: str, runtime: RuntimeDep) -> Certificate:
+    return find_certificate(runtime, certificate_id)
 
 
 @router.get("/certificates/{certificate_id}/counterexamples", response_model=Counterexamples,
@@ -143,5 +134,5 @@ def stored_certificate(session: Session, certificate_id: str) -> Certificate:
             summary="The label flips behind a certified-accuracy certificate (one per "
                     "attacked input: the point, its distance and class)")
 @in_thread
-def read_counterexamples(certificate_id: str, session: ReadSessionDep) -> Counterexamples:
-    return set_counterexamples(session, stored_certificate(session, certificate_id))
+def read_counterexamples(certificate_id: str, runtime: RuntimeDep) -> Counterexamples:
+    return counterexamples(runtime, certificate_id)

@@ -7,24 +7,19 @@ from typing import Annotated
 
 from fastapi import APIRouter, File, Response, UploadFile
 from fastapi.responses import FileResponse
-from sqlalchemy import select
 
 from api_schemas.training import CorpusOut
 
-from ..artifacts import store_once
-from ..deps import ReadAccess, ReadSessionDep, RuntimeDep, SessionDep, WriteAccess, in_thread
-from ..errors import NotFound, Unprocessable, responses
-from ..tables import Artifact, Corpus
+from ..deps import ReadAccess, RuntimeDep, WriteAccess, in_thread
+from ..errors import responses
+from ..tables import Corpus
+from ..training import find_artifact, find_corpus, store_corpus
 from .uploads import stage_upload
 
 router = APIRouter(tags=["training"])
 
 MEDIA_TYPES = {"plot": "image/png", "corpus": "text/plain; charset=utf-8"}
 SUFFIXES = {"plot": ".png", "onnx": ".onnx", "model": ".safetensors", "corpus": ".txt"}
-
-
-class InvalidCorpus(Unprocessable):
-    error = "invalid_corpus"
 
 
 def corpus_out(c: Corpus) -> CorpusOut:
@@ -42,42 +37,24 @@ def corpus_out(c: Corpus) -> CorpusOut:
 def upload_corpus(
     file: Annotated[UploadFile, File(description="A UTF-8 text file (at most "
                                                  "LSA_MAX_CORPUS_BYTES)")],
-    runtime: RuntimeDep, session: SessionDep, response: Response,
+    runtime: RuntimeDep, response: Response,
 ) -> CorpusOut:
     filename, staged = stage_upload(runtime, file, runtime.settings.max_corpus_bytes,
                                     "LSA_MAX_CORPUS_BYTES")
     try:
-        existing = session.scalar(select(Corpus).where(Corpus.sha256 == staged.sha256))
-        if existing is not None:
-            response.status_code = 200
-            return corpus_out(existing)
-        try:
-            text = staged.path.read_bytes().decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise InvalidCorpus(f"{filename} is not valid UTF-8 (byte {exc.start}: "
-                                f"{exc.reason}): upload a UTF-8 encoded text file") from None
-        if not text:
-            raise InvalidCorpus(f"{filename} is empty: upload a text to train on")
-        corpus = Corpus(sha256=staged.sha256, filename=filename, size_bytes=staged.size,
-                        chars=len(text), vocab_size=len(set(text)))
-        stored, created = store_once(
-            session, runtime.artifacts, staged, "corpus", corpus,
-            lambda: session.scalar(select(Corpus).where(Corpus.sha256 == staged.sha256)))
-        if not created:
-            response.status_code = 200
-        return corpus_out(stored)
+        stored, created = store_corpus(runtime, staged, filename)
     finally:
         staged.discard()
+    if not created:
+        response.status_code = 200
+    return corpus_out(stored)
 
 
 @router.get("/corpora/{corpus_id}", response_model=CorpusOut, dependencies=[ReadAccess],
             summary="One uploaded corpus", responses=responses(404))
 @in_thread
-def read_corpus(corpus_id: str, session: ReadSessionDep) -> CorpusOut:
-    corpus = session.get(Corpus, corpus_id)
-    if corpus is None:
-        raise NotFound(f"no corpus with id {corpus_id}; upload a text with POST /corpora")
-    return corpus_out(corpus)
+def read_corpus(corpus_id: str, runtime: RuntimeDep) -> CorpusOut:
+    return corpus_out(find_corpus(runtime, corpus_id))
 
 
 @router.get(
@@ -89,14 +66,8 @@ def read_corpus(corpus_id: str, session: ReadSessionDep) -> CorpusOut:
         "description": "The stored bytes"}, **responses(404)},
 )
 @in_thread
-def download_artifact(sha256: str, session: ReadSessionDep, runtime: RuntimeDep) -> FileResponse:
-    row = session.get(Artifact, sha256)
-    if row is None:
-        raise NotFound(f"no artifact with sha256 {sha256}")
-    path = runtime.artifacts.path_for(row.sha256)
-    if not path.is_file():
-        raise NotFound(f"artifact {sha256} is missing from LSA_ARTIFACT_DIR "
-                       f"({runtime.settings.artifact_dir}): the server and its workers must "
-                       "share that directory")
-    return FileResponse(path, media_type=MEDIA_TYPES.get(row.kind, "application/octet-stream"),
+def download_artifact(sha256: str, runtime: RuntimeDep) -> FileResponse:
+    row = find_artifact(runtime, sha256)
+    return FileResponse(runtime.artifacts.path_for(row.sha256),
+                        media_type=MEDIA_TYPES.get(row.kind, "application/octet-stream"),
                         filename=f"{row.kind}-{sha256[:12]}{SUFFIXES.get(row.kind, '')}")

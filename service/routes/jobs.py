@@ -7,9 +7,9 @@ from fastapi.responses import JSONResponse
 
 from api_schemas.jobs import JobAccepted, JobOut
 
-from ..deps import ReadAccess, ReadSessionDep, SessionDep, WriteAccess, in_thread
-from ..errors import NotFound, responses
-from ..jobs.runner import cancel_job
+from ..deps import ReadAccess, RuntimeDep, WriteAccess, in_thread
+from ..errors import responses
+from ..jobs.runner import cancel, job_status
 from ..tables import ACTIVE_JOB_STATUSES, Job
 
 router = APIRouter(tags=["jobs"])
@@ -41,10 +41,8 @@ def job_out(job: Job) -> JobOut:
 @router.get("/jobs/{job_id}", response_model=JobOut, dependencies=[ReadAccess],
             summary="A job's status, progress and result", responses=responses(404))
 @in_thread
-def read_job(job_id: str, session: ReadSessionDep, response: Response) -> JobOut:
-    job = session.get(Job, job_id)
-    if job is None:
-        raise NotFound(f"no job with id {job_id}")
+def read_job(job_id: str, runtime: RuntimeDep, response: Response) -> JobOut:
+    job = job_status(runtime, job_id)
     if job.status in ACTIVE_JOB_STATUSES:
         response.headers["Retry-After"] = poll_after(job.queue)
     return job_out(job)
@@ -53,5 +51,5 @@ def read_job(job_id: str, session: ReadSessionDep, response: Response) -> JobOut
 @router.delete("/jobs/{job_id}", response_model=JobOut, dependencies=[WriteAccess],
                summary="Cancel a queued or running job", responses=responses(404, 409))
 @in_thread
-def delete_job(job_id: str, session: SessionDep) -> JobOut:
-    return job_out(cancel_job(session, job_id))
+def delete_job(job_id: str, runtime: RuntimeDep) -> JobOut:
+    return job_out(cancel(runtime, job_id))

@@ -6,26 +6,16 @@ from typing import Annotated
 
 from fastapi import APIRouter, File, Query, Response, UploadFile
 from fastapi.responses import FileResponse
-from sqlalchemy import func, select
-from sqlalchemy.orm import Session
 
 from api_schemas.uploads import ModelList, ModelOut
 
-from ..certifying import register_model
-from ..deps import ReadAccess, ReadSessionDep, RuntimeDep, WriteAccess, in_thread
+from ..certifying import get_model, models_page, register_model
+from ..deps import ReadAccess, RuntimeDep, WriteAccess, in_thread
 from ..errors import NotFound, responses
 from ..tables import UploadedModel
 from .uploads import stage_upload
 
 router = APIRouter(tags=["models"])
-
-
-def get_model(session: Session, model_id: str) -> UploadedModel:
-    model = session.get(UploadedModel, model_id)
-    if model is None:
-        raise NotFound(f"no model with id {model_id}; upload one with POST /models "
-                       "(GET /models lists them)")
-    return model
 
 
 def model_out(m: UploadedModel) -> ModelOut:
@@ -61,22 +51,19 @@ def upload_model(
             summary="List uploaded models, newest first", responses=responses())
 @in_thread
 def list_models(
-    session: ReadSessionDep,
+    runtime: RuntimeDep,
     limit: Annotated[int, Query(ge=1, le=500)] = 100,
     offset: Annotated[int, Query(ge=0, le=2**31)] = 0,
 ) -> ModelList:
-    total = session.scalar(select(func.count()).select_from(UploadedModel)) or 0
-    rows = session.scalars(select(UploadedModel)
-                           .order_by(UploadedModel.created_at.desc(), UploadedModel.id)
-                           .limit(limit).offset(offset))
+    rows, total = models_page(runtime, limit, offset)
     return ModelList(items=[model_out(m) for m in rows], total=total)
 
 
 @router.get("/models/{model_id}", response_model=ModelOut, dependencies=[ReadAccess],
             summary="One model's metadata", responses=responses(404))
 @in_thread
-def read_model(model_id: str, session: ReadSessionDep) -> ModelOut:
-    return model_out(get_model(session, model_id))
+def read_model(model_id: str, runtime: RuntimeDep) -> ModelOut:
+    return model_out(get_model(runtime, model_id))
 
 
 @router.get(
@@ -87,9 +74,8 @@ def read_model(model_id: str, session: ReadSessionDep) -> ModelOut:
         "description": "The file exactly as uploaded"}, **responses(404)},
 )
 @in_thread
-def download_model(model_id: str, session: ReadSessionDep,
-                   runtime: RuntimeDep) -> FileResponse:
-    model = get_model(session, model_id)
+def download_model(model_id: str, runtime: RuntimeDep) -> FileResponse:
+    model = get_model(runtime, model_id)
     path = runtime.artifacts.path_for(model.sha256)
     if not path.is_file():
         raise NotFound(f"the file of model {model_id} is missing from LSA_ARTIFACT_DIR "

@@ -113,3 +113,46 @@ def test_l2_value_path_bound_never_below_exact_jacobians(
     assert got.verdict == "certified", got.reason
     assert got.upper is not None and got.upper <= _theorem(m, norm) * (1 + F32)
     assert got.upper >= _jacobian_lower(m, x, norm, samples=4)
+
+
+@pytest.mark.parametrize("eq,shapes", [
+    ("bnd,hde->bhne", [(2, 5, 4), (3, 4, 6)]),  # heads by einsum
+    ("tbe,hed->tbhd", [(5, 2, 4), (3, 4, 6)]),  # sequence first
+    ("bnd,hdf,hfe->bhne", [(2, 5, 4), (3, 4, 4), (3, 4, 6)]),  # the paper's X A^h W^V,h
+    ("bhnm,bhme->bnhe", [(2, 3, 5, 5), (2, 3, 5, 6)]),
+])
+def test_einsum_lowering_computes_the_same(eq: str, shapes: list[tuple[int, ...]]) -> None:
+    import onnx
+
+    from lsa_models.onnx.ops import OPS, Node, RunContext
+    from lsa_models.onnx.rewrite import canonical_layouts
+
+    gen = torch.Generator().manual_seed(0)
+    names = [f"t{k}" for k in range(len(shapes))]
+    env = {n: torch.randn(s, generator=gen, dtype=torch.float64)
+           for n, s in zip(names, shapes, strict=True)}
+    model = onnx.helper.make_model(onnx.helper.make_graph([], "g", [], []))
+    lowered = canonical_layouts([Node("e", "Einsum", names, ["y"], {"equation": eq.encode()})],
+                                model)
+    assert "Einsum" not in [nd.op_type for nd in lowered if nd.outputs == ["y"]]
+    env.update({t.name: torch.from_numpy(onnx.numpy_helper.to_array(t).copy())
+                for t in model.graph.initializer})
+    ctx = RunContext(torch.float64)
+    for nd in lowered:
+        (env[nd.outputs[0]],) = OPS[nd.op_type].run(nd, [env[i] for i in nd.inputs], ctx)
+    want = torch.einsum(eq, *(env[n] for n in names))
+    assert torch.allclose(env["y"], want, rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.parametrize("dynamo", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_l2_sequence_first_einsum_heads_certify(tmp_path: Path, dynamo: bool,
+                                                causal: bool) -> None:
+    # neural_stpp's layout: (T, B, D) input, einsum heads, (T, S, B, H) logits softmaxed
+    # over S, causal by an added triu(full(-1e9), 1)[..., None, None]
+    m = L2Attention(D, 2, "stpp", causal=causal, seed=5).eval()
+    x = _input("stpp", 3)
+    got = analyse(load_onnx(_export(m, x, tmp_path / "m.onnx", dynamo)), "2")
+    assert got.verdict == "certified", got.reason
+    assert ("l2_mha_causal" if causal else "l2_mha") in [lb.kind for lb in got.layers]
+    assert got.upper is not None and got.upper >= _jacobian_lower(m, x, "2")

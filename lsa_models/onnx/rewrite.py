@@ -3,12 +3,16 @@
 Two-operand Einsums that are batched matrix products (x-transformers writes attention as
 `b h i d, b h j d -> b h i j` and `b h i j, b h j d -> b h i d`) become MatMul (with a
 Transpose of the second operand for the `...ik,...jk` form): the same sums of products in
-the same order, so nothing the analysis reads changes. The rewrite acts on the analyser's node
-list only; onnxruntime still checks the uploaded graph.
+the same order, so nothing the analysis reads changes. Einsums of three or more operands are
+contracted pairwise from the right (the paper's `bnd,hdf,hfe->bhne`: the two weights first,
+a constant), and a product with more than one free index per operand (`bnd,hde->bhne`, heads
+by einsum) becomes Transpose, Unsqueeze and a broadcast MatMul. The rewrite acts on the
+analyser's node list only; onnxruntime still checks the uploaded graph.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
 
 from .ops import Node
@@ -128,6 +132,101 @@ def _lower_permuted(nd: Node, perms: tuple[list[int], list[int], list[int]]) -> 
     return out
 
 
+def _split_einsum(nd: Node) -> list[Node]:
+    """An Einsum of three or more operands as two-operand Einsums, the last two operands
+    first (exact in real arithmetic: a sum over the same products; each intermediate keeps
+    the indices a later operand or the output reads)."""
+    eq = nd.attrs.get("equation", b"")
+    eq = (eq.decode() if isinstance(eq, bytes) else str(eq)).replace(" ", "")
+    if "..." in eq or "->" not in eq or len(nd.inputs) < 3:
+        return [nd]
+    lhs, out = eq.split("->")
+    terms, names = lhs.split(","), list(nd.inputs)
+    if len(terms) != len(names):
+        return [nd]
+    nodes: list[Node] = []
+    k = 0
+    while len(terms) > 2:
+        a, b = terms[-2], terms[-1]
+        rest = "".join(terms[:-2]) + out
+        mid = "".join(c for c in dict.fromkeys(a + b) if c in rest)
+        t = f"{nd.outputs[0]}__einsum_pair{k}"
+        nodes.append(Node(f"{nd.name}/Einsum_pair{k}", "Einsum", names[-2:], [t],
+                          {"equation": f"{a},{b}->{mid}".encode()}, nd.domain))
+        terms, names = [*terms[:-2], mid], [*names[:-2], t]
+        k += 1
+    nodes.append(Node(nd.name, "Einsum", names, list(nd.outputs),
+                      {"equation": f"{terms[0]},{terms[1]}->{out}".encode()}, nd.domain))
+    return nodes
+
+
+def _broadcast_matmul(eq: str, a_dims: tuple[int | str, ...] | None = None
+                      ) -> tuple[list[int], list[int], list[int], list[int], list[int]] | None:
+    """For a two-operand Einsum that sums over one index and keeps every other (each at most
+    once per operand): Transpose perms of a and b to `(their broadcast indices, i, k)` and
+    `(..., k, j)`, the axes Unsqueeze inserts in each for the other's free indices, and the
+    perm of the product `(broadcast indices, i, j)` to the output's order. `j` is b's free
+    index that comes last in the output; `i` is a's largest free axis by `a_dims` (the
+    tokens, not a batch of one: the recogniser reads rows of the product), the last in the
+    output among equals. None otherwise."""
+    parsed = _two_operands(eq)
+    if parsed is None:
+        return None
+    a, b, out = parsed
+    if any(len(set(t)) != len(t) for t in (a, b, out)) or not set(out) <= set(a + b):
+        return None
+    contr = [c for c in a if c in b and c not in out]
+    if len(contr) != 1 or set(a + b) != set(out) | set(contr):
+        return None
+    k = contr[0]
+    a_free = [c for c in out if c in a and c not in b]
+    b_free = [c for c in out if c in b and c not in a]
+    if not a_free or not b_free:
+        return None
+    def size(c: str) -> int:
+        d = a_dims[a.index(c)] if a_dims is not None and len(a_dims) == len(a) else 0
+        return d if isinstance(d, int) else 0
+
+    i, j = max(reversed(a_free), key=size), b_free[-1]
+    rest = [c for c in out if c not in (i, j)]  # broadcast indices, in the output's order
+    pa = [a.index(c) for c in rest if c in a] + [a.index(i), a.index(k)]
+    pb = [b.index(c) for c in rest if c in b] + [b.index(k), b.index(j)]
+    ua = [n for n, c in enumerate(rest) if c not in a]
+    ub = [n for n, c in enumerate(rest) if c not in b]
+    prod = [*rest, i, j]
+    return pa, ua, pb, ub, [prod.index(c) for c in out]
+
+
+def _lower_broadcast(nd: Node, plan: tuple[list[int], list[int], list[int], list[int],
+                                           list[int]], model: onnx.ModelProto) -> list[Node]:
+    """Transpose, Unsqueeze (axes as an initializer) and a broadcast MatMul, then the
+    product's Transpose: each output entry the same dot product over the summed index."""
+    pa, ua, pb, ub, po = plan
+    out: list[Node] = []
+    ins = []
+    for tag, name, perm, axes in (("a", nd.inputs[0], pa, ua), ("b", nd.inputs[1], pb, ub)):
+        if perm != list(range(len(perm))):
+            t = f"{nd.outputs[0]}__einsum_{tag}"
+            out.append(_transpose(f"{nd.name}/Transpose_{tag}", name, t, perm, nd))
+            name = t
+        if axes:
+            const = f"{nd.outputs[0]}__einsum_{tag}_axes"
+            model.graph.initializer.append(
+                onnx.numpy_helper.from_array(np.array(axes, dtype=np.int64), const))
+            t = f"{nd.outputs[0]}__einsum_{tag}_wide"
+            out.append(Node(f"{nd.name}/Unsqueeze_{tag}", "Unsqueeze", [name, const], [t], {},
+                            nd.domain))
+            name = t
+        ins.append(name)
+    if po == list(range(len(po))):
+        out.append(Node(nd.name, "MatMul", ins, list(nd.outputs), {}, nd.domain))
+        return out
+    prod = f"{nd.outputs[0]}__einsum_ab"
+    out.append(Node(nd.name, "MatMul", ins, [prod], {}, nd.domain))
+    out.append(_transpose(f"{nd.name}/Transpose_out", prod, nd.outputs[0], po, nd))
+    return out
+
+
 def _dims(model: onnx.ModelProto) -> dict[str, tuple[int | str, ...]]:
     """Each tensor's shape from shape inference (`value_info`): sizes, or the symbol of a
     dynamic axis (two axes with the same symbol have the same size)."""
@@ -193,12 +292,18 @@ def canonical_layouts(nodes: list[Node], model: onnx.ModelProto) -> list[Node]:
     Transpose and the value product's Transpose of P cancel)."""
     dims = _dims(model)
     out: list[Node] = []
-    for nd in lower_einsum(nodes):
+    split = [p for nd in nodes for p in (_split_einsum(nd) if nd.op_type == "Einsum" else [nd])]
+    for nd in lower_einsum(split):
         if nd.op_type == "Einsum" and len(nd.inputs) == 2:
             eq = nd.attrs.get("equation", b"")
-            perms = _permuted_matmul(eq.decode() if isinstance(eq, bytes) else str(eq))
+            eq = eq.decode() if isinstance(eq, bytes) else str(eq)
+            perms = _permuted_matmul(eq)
             if perms is not None:
                 out.extend(_lower_permuted(nd, perms))
+                continue
+            plan = _broadcast_matmul(eq, dims.get(nd.inputs[0]))
+            if plan is not None:
+                out.extend(_lower_broadcast(nd, plan, model))
                 continue
         shape = dims.get(nd.inputs[0]) if nd.op_type == "Softmax" and nd.inputs else None
         perm = None if shape is None else _softmax_perm(shape, int(nd.attrs.get("axis", -1)))

@@ -190,9 +190,10 @@ def decide_set(loaded: Any, inputs: np.ndarray, labels: np.ndarray, norm: str,
     the service's `set_inputs`). `workers` > 1: that many processes (the CLI's --workers,
     the server's LSA_SET_WORKERS; the verdicts are the same); `sweep=False` skips the
     radius sweep (lsa robustness --no-sweep). Raises ValueError for bad inputs, labels,
-    norm or radius."""
-    from lsa_models.engine.at_radius import decide_all  # deferred: torch
+    norm, radius or workers."""
     from lsa_models.engine.values import LocalNotCertified
+
+    from .set_pool import decide_all  # deferred: torch
 
     if norm not in ("2", "inf"):
         raise ValueError(f"norm must be 2 or inf, got {norm!r}")

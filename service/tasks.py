@@ -18,9 +18,9 @@ from .jobs.runner import recover_jobs, run_job
 from .runtime import Runtime
 
 HANDLER_MODULES = (bound_jobs, robustness_jobs, training_jobs)
-# lsa_models.engine.at_radius.FORKSERVER_PRELOAD, named here so that starting the forkserver
-# imports no torch into this process (a test pins the two equal)
-SET_WORKERS_PRELOAD = ["lsa_models.engine.at_radius"]
+# service.set_pool.FORKSERVER_PRELOAD, named here so that starting the forkserver imports no
+# torch into this process (a test pins the two equal)
+SET_WORKERS_PRELOAD = ["service.set_pool"]
 
 
 def start_worker(runtime: Runtime, queues: set[str] | None = None) -> dramatiq.Worker:
@@ -40,7 +40,7 @@ def start_worker(runtime: Runtime, queues: set[str] | None = None) -> dramatiq.W
 
 
 def prepare_set_workers() -> bool:
-    """Start the forkserver that set jobs fork their worker processes from (at_radius
+    """Start the forkserver that set jobs fork their worker processes from (set_pool
     ._in_processes) now rather than in the first set job: its start is a fresh interpreter
     importing torch (seconds). Only spawns it (it preloads on its own): this process imports
     nothing, since importing torch on a second thread while a request imports it can fail

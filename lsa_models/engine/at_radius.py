@@ -20,11 +20,8 @@ at r is exactly as sound as a certified radius >= r.
 from __future__ import annotations
 
 import math
-import multiprocessing as mp
-import threading
 import time
-from collections.abc import Callable, Iterator
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -227,17 +224,24 @@ class SetReport:
 
 def decide_all(model: Any, inputs: np.ndarray, labels: np.ndarray, norm: str, radius: float,
                progress: Callable[[int, int, Verdict], None] | None = None, *,
-               seed: int = 0, sweep: bool = True, workers: int = 1,
+               seed: int = 0, sweep: bool = True,
                decided: Callable[[int, int], None] | None = None) -> SetReport:
-    """`decide` for every (inputs[i], labels[i]) (inputs: a stack along the first axis);
-    `progress(i, n, verdict)` after each, in the inputs' order; `decided(k, n)` each time
-    the count of inputs decided grows to k, in any order (with workers a slow input holds
-    `progress` back, not `decided`), both on the caller's thread. With `workers` > 1 the inputs
-    are decided by that many processes (`start_method`: forked from a single-threaded
-    caller, else from a forkserver; each input's verdict is the one `decide` gives alone:
-    the attack is seeded per input, so the verdicts do not depend on the workers); for one
-    input, or where no process can be started, serially. ValueError for mismatched inputs
-    and labels or workers < 1."""
+    """`decide` for every (inputs[i], labels[i]) (inputs: a stack along the first axis), one
+    after the other in this process; `progress(i, n, verdict)` and `decided(i + 1, n)` after
+    each. Each verdict is the one `decide` gives alone (the attack is seeded per input), so a
+    caller may decide the inputs anywhere (the service's worker processes:
+    service.set_pool) and gather them with `gather_set`. ValueError for mismatched inputs
+    and labels."""
+    t0 = time.monotonic()
+    om, jobs = prepare_set(model, inputs, labels)
+    verdicts = (decide(om, x, y, norm, radius, seed=seed, sweep=sweep) for x, y in jobs)
+    return gather_set(norm, radius, verdicts, len(jobs), t0, sweep, progress, decided)
+
+
+def prepare_set(model: Any, inputs: np.ndarray, labels: np.ndarray
+                ) -> tuple[OnnxModel, list[tuple[np.ndarray, int]]]:
+    """The graph the set is decided on and its (input, label) pairs, every input and label
+    checked first (a bad one late in a long set fails at once); ValueError naming it."""
     inputs = np.asarray(inputs)
     labels = np.asarray(labels)
     if not np.issubdtype(labels.dtype, np.integer):
@@ -249,25 +253,21 @@ def decide_all(model: Any, inputs: np.ndarray, labels: np.ndarray, norm: str, ra
                          "axis)")
     if labels.shape[0] == 0:
         raise ValueError("no inputs: give at least one")
-    if not (isinstance(workers, int) and workers >= 1):
-        raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
-    t0 = time.monotonic()
     # once for the set: a native model is exported to ONNX by each conversion
     om = as_onnx(model, inputs.shape[-2])
-    n = labels.shape[0]
     _check_set(om, inputs, labels)
-    jobs = [(inputs[i], int(labels[i])) for i in range(n)]
-    verdicts: Iterator[Verdict]
-    method = None if workers == 1 or n == 1 else start_method()
-    if method is None:
-        verdicts = (decide(om, x, y, norm, radius, seed=seed, sweep=sweep) for x, y in jobs)
-    else:
-        verdicts = _in_processes(om, jobs, norm, radius, seed, sweep, min(workers, n), method,
-                                 decided)
+    return om, [(inputs[i], int(labels[i])) for i in range(labels.shape[0])]
+
+
+def gather_set(norm: str, radius: float, verdicts: Iterable[Verdict], n: int, t0: float,
+               sweep: bool, progress: Callable[[int, int, Verdict], None] | None = None,
+               decided: Callable[[int, int], None] | None = None) -> SetReport:
+    """The SetReport of `n` verdicts arriving in the inputs' order (started at monotonic time
+    `t0`); `progress(i, n, verdict)` and `decided(i + 1, n)` as each arrives."""
     out: list[Verdict] = []
     for i, v in enumerate(verdicts):
         out.append(v)
-        if method is None and decided is not None:  # the workers' count comes as they end
+        if decided is not None:
             decided(i + 1, n)
         if progress is not None:
             progress(i, n, v)
@@ -290,83 +290,3 @@ def _check_set(om: OnnxModel, inputs: np.ndarray, labels: np.ndarray) -> None:
         i = int(bad[0])
         raise ValueError(f"labels[{i}]: label must be in 0..{k - 1} (the model has {k} "
                          f"outputs), got {int(labels[i])}")
-
-
-# The modules a forkserver imports once, before it forks the workers: a worker starts in
-# milliseconds instead of importing torch (seconds).
-FORKSERVER_PRELOAD = ["lsa_models.engine.at_radius"]
-
-
-def start_method() -> str | None:
-    """How `decide_all` starts its workers: forked where this process runs one thread (the
-    CLI: the workers inherit the graph), else from a forkserver (a server's or a job
-    worker's threads may hold locks at the moment of a fork, which the child would inherit
-    held: the forkserver is a fresh single-threaded process, started once, that forks them),
-    spawned where neither exists; None: no processes on this platform."""
-    methods = mp.get_all_start_methods()
-    if "fork" in methods and threading.active_count() == 1:
-        return "fork"
-    for method in ("forkserver", "spawn"):
-        if method in methods:
-            return method
-    return None
-
-
-_WORKER_MODEL: list[OnnxModel] = []  # the graph a worker decides with
-
-
-def _worker_start(om: OnnxModel | None = None) -> None:
-    # as torch's DataLoader workers: one thread per process (a forked child's OpenMP pool is
-    # not carried over the fork; the parent's setting anyway)
-    torch.set_num_threads(1)
-    if om is not None:  # a forkserver's or spawned worker: the graph came in pickled
-        _WORKER_MODEL[:] = [om]
-
-
-def _decide_in_worker(x: np.ndarray, label: int, norm: str, radius: float, seed: int,
-                      sweep: bool) -> Verdict:
-    return decide(_WORKER_MODEL[0], x, label, norm, radius, seed=seed, sweep=sweep)
-
-
-def _in_processes(om: OnnxModel, jobs: list[tuple[np.ndarray, int]], norm: str,
-                  radius: float, seed: int, sweep: bool, workers: int, method: str,
-                  decided: Callable[[int, int], None] | None = None) -> Iterator[Verdict]:
-    """The verdicts of `jobs` from `workers` processes, yielded in the jobs' order as soon as
-    each and those before it are done; `decided(k, n)` (on the consumer's thread) each time
-    k of them are done, in any order. Forked workers inherit the loaded graph (nothing is
-    pickled into them but the inputs); the others get it pickled once each, from this
-    process (never from a file). A consumer that stops early (a cancelled job, an error)
-    ends the workers at once rather than after the inputs they are deciding."""
-    ctx = mp.get_context(method)
-    if method == "forkserver":
-        ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
-    if method == "fork":
-        _WORKER_MODEL[:] = [om]
-    pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_worker_start,
-                               initargs=(None if method == "fork" else om,))
-    done = False
-    try:
-        futures = [pool.submit(_decide_in_worker, x, y, norm, radius, seed, sweep)
-                   for x, y in jobs]
-        # while some input is left to yield, the next in order is not done, so one is pending
-        pending, i = set(futures), 0
-        while i < len(futures):
-            _, pending = wait(pending, return_when=FIRST_COMPLETED)
-            if decided is not None:
-                decided(len(futures) - len(pending), len(futures))
-            while i < len(futures) and futures[i].done():
-                yield futures[i].result()
-                i += 1
-        done = True
-    finally:
-        if not done:
-            # Python 3.14's terminate_workers(); before it the pool's own process table
-            procs = list((getattr(pool, "_processes", None) or {}).values())
-            pool.shutdown(wait=False, cancel_futures=True)
-            for proc in procs:
-                proc.terminate()
-            for proc in procs:
-                proc.join(timeout=5)
-        pool.shutdown(wait=True)
-        if method == "fork":
-            _WORKER_MODEL.clear()

@@ -80,7 +80,8 @@ def issued_pair(c: TestClient, kind: str, tmp_path: Path) -> tuple[dict[str, Any
     if kind == "certified_accuracy":
         # the second input's label is not its prediction: misclassified, so accuracy < 1
         req = {"kind": "certified_accuracy", "model_id": m["id"], "norm": "inf",
-               "inputs": [x.tolist() for x in xs], "labels": [labels[0], 1 if labels[1] == 0 else 0],
+               "inputs": [x.tolist() for x in xs],
+               "labels": [labels[0], 1 if labels[1] == 0 else 0],
                "min_radius": 1e-6}
         return (_certify(c, {**req, "min_certified_accuracy": 0.0}),
                 _certify(c, {**req, "min_certified_accuracy": 1.0}))

@@ -476,8 +476,7 @@ def test_certified_accuracy_certificate_is_a_job_that_signs_the_verdicts(
                                      "--labels", str(tmp_path / "ys2.npy")])
     assert other.exit_code == 1 and "the certificate is for the set" in other.stdout
     # a correctly signed certificate whose statuses are not what the inputs get
-    from service.certificates import load_or_create_signing_key
-    from service.certificates import certified_accuracy_body, sign
+    from service.certificates import certified_accuracy_body, load_or_create_signing_key, sign
 
     key = load_or_create_signing_key(tmp_path / "k.pem")
     n = len(rs["statuses"])
@@ -663,27 +662,28 @@ def test_certified_accuracy_job_decides_in_worker_processes_and_a_cancel_ends_th
     """LSA_SET_WORKERS=2: a set job decides its inputs in processes from a forkserver (the
     server's threads are never forked), with the serial verdicts; a job cancelled while its
     inputs are being decided ends its worker processes (idle ones shut down, busy ones
-    killed: tests/test_at_radius.py pins that on slower inputs) and stores nothing."""
+    killed: tests/service/test_set_pool.py pins that on slower inputs) and stores nothing."""
     from lsa_models.engine import at_radius
     from lsa_models.onnx import load_onnx
+    from service import set_pool
 
     methods: list[str] = []
     pools: list[Any] = []
-    real = at_radius._in_processes
+    real = set_pool._in_processes
 
     def spy(*args: Any) -> Any:
         methods.append(args[7])  # the start method
         return real(*args)
 
-    class Recorded(at_radius.ProcessPoolExecutor):
+    class Recorded(set_pool.ProcessPoolExecutor):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             pools.append(self)
 
     # the server starts the forkserver with the preload its jobs' pools ask for
-    assert SET_WORKERS_PRELOAD == at_radius.FORKSERVER_PRELOAD
-    monkeypatch.setattr(at_radius, "_in_processes", spy)
-    monkeypatch.setattr(at_radius, "ProcessPoolExecutor", Recorded)
+    assert SET_WORKERS_PRELOAD == set_pool.FORKSERVER_PRELOAD
+    monkeypatch.setattr(set_pool, "_in_processes", spy)
+    monkeypatch.setattr(set_pool, "ProcessPoolExecutor", Recorded)
     path = seed4_mlp(tmp_path)
     om = load_onnx(path.read_bytes())
     xs = np.stack([center(s).numpy().astype(np.float64)[0] for s in (5, 6, 7, 8)])

@@ -66,7 +66,9 @@ class MeanPoolViT(nn.Module):
 
 def timm_vit(d: int = D, depth: int = 2) -> nn.Module:
     """timm's VisionTransformer: class token, depth 2, 4 heads, its own Conv patch embedding."""
-    import tests.zoo.tv_schemas  # noqa: F401  (before timm imports torchvision)
+    from tests.zoo.tv_schemas import declare
+
+    declare()  # before timm imports torchvision (tests/zoo/tv_schemas.py says why)
     from timm.models.vision_transformer import VisionTransformer
 
     model = VisionTransformer(img_size=IMAGE, patch_size=PATCH, in_chans=1,
@@ -177,8 +179,9 @@ MODELS: dict[str, Spec] = {
     "xt_vit": Spec(xt_vit, 30, describe="x-transformers Encoder, depth 2, mean pool"),
     "lsa_l2_vit": Spec(lsa_l2_vit, 30, describe="lsa_models Transformer, 2 pre-norm blocks, "
                        "tied L2 attention, final LayerNorm, mean pool"),
-    "paper_l2_vit": Spec(paper_l2_vit, 30, lr=6e-3, describe="the paper's L2 attention in plain torch "
-                         "(einsum heads), 2 residual blocks, no LayerNorm, mean pool"),
+    "paper_l2_vit": Spec(paper_l2_vit, 30, lr=6e-3, describe="the paper's L2 attention in "
+                         "plain torch (einsum heads), 2 residual blocks, no LayerNorm, "
+                         "mean pool"),
     "mlp": Spec(mlp, 30, describe="MLP on the flattened image, 64-64"),
     "cnn": Spec(cnn, 20, describe="CNN, conv 3x3 16, conv 3x3/2 32, linear"),
     "torch_encoder_vit_pgd": Spec(torch_encoder_vit, 30, robust_eps=ROBUST_EPS,
@@ -187,13 +190,15 @@ MODELS: dict[str, Spec] = {
 }
 
 
-def pgd(model: nn.Module, x: Tensor, y: Tensor, eps: float, norm: str, *, steps: int = 20,
-        restarts: int = 1, seed: int = 0) -> Tensor:
+def pgd(model: nn.Module, x: Tensor, y: Tensor, eps: float | Tensor, norm: str, *,
+        steps: int = 20, restarts: int = 1, seed: int = 0) -> Tensor:
     """Projected gradient ascent on the cross-entropy inside the ball ||delta||_norm <= eps
-    (per image; norm "inf" or "2"), pixels kept in [0, 1]: the points found, one per image,
-    the first restart that flips the label kept. An attack: any flip it finds is real, what it
-    misses proves nothing."""
+    (per image; norm "inf" or "2"; `eps` one radius or one per image), pixels kept in
+    [0, 1]: the points found, one per image, the first restart that flips the label kept. An
+    attack: any flip it finds is real, what it misses proves nothing."""
     gen = torch.Generator().manual_seed(seed)
+    if isinstance(eps, Tensor):
+        eps = eps.to(x.dtype).view(-1, 1, 1, 1)
     step = 2.5 * eps / steps
     best = x.clone()
     flipped = torch.zeros(len(x), dtype=torch.bool)
@@ -220,16 +225,16 @@ def pgd(model: nn.Module, x: Tensor, y: Tensor, eps: float, norm: str, *, steps:
     return best.detach()
 
 
-def _random_start(x: Tensor, eps: float, norm: str, gen: torch.Generator) -> Tensor:
+def _random_start(x: Tensor, eps: float | Tensor, norm: str, gen: torch.Generator) -> Tensor:
     u = torch.rand(x.shape, generator=gen) * 2 - 1
     if norm == "inf":
         return u * eps
     return u / u.flatten(1).norm(dim=1).clamp_min(1e-12).view(-1, 1, 1, 1) * eps * 0.5
 
 
-def _project(delta: Tensor, x: Tensor, eps: float, norm: str) -> Tensor:
+def _project(delta: Tensor, x: Tensor, eps: float | Tensor, norm: str) -> Tensor:
     if norm == "inf":
-        delta = delta.clamp(-eps, eps)
+        delta = torch.maximum(torch.minimum(delta, torch.as_tensor(eps)), -torch.as_tensor(eps))
     else:
         n = delta.flatten(1).norm(dim=1).view(-1, 1, 1, 1)
         delta = delta * torch.clamp(eps / n.clamp_min(1e-12), max=1.0)
@@ -243,15 +248,16 @@ def accuracy(model: nn.Module, x: Tensor, y: Tensor) -> float:
 
 
 def train(name: str, *, epochs: int | None = None, steps: int | None = None, seed: int = 0,
-          batch: int = 64, data: tuple[Tensor, Tensor, Tensor, Tensor] | None = None
-          ) -> tuple[nn.Module, dict[str, Any]]:
-    """Train MODELS[name] with Adam (cosine learning rate) from a seeded start; `steps` caps
-    the number of batches (a quick model for tests). (the model in eval mode, its record:
-    clean test accuracy, epochs, steps, seconds)."""
+          batch: int = 64, data: tuple[Tensor, Tensor, Tensor, Tensor] | None = None,
+          build: Callable[[], nn.Module] | None = None) -> tuple[nn.Module, dict[str, Any]]:
+    """Train MODELS[name] (built by `build` instead where given: a smaller model of the same
+    kind for tests) with Adam (one-cycle learning rate) from a seeded start; `steps` caps the
+    number of batches. (the model in eval mode, its record: clean test accuracy, epochs,
+    steps, seconds)."""
     spec = MODELS[name]
     x_tr, y_tr, x_te, y_te = data if data is not None else digits()
     torch.manual_seed(seed)
-    model = spec.build()
+    model = (build or spec.build)()
     n_epochs = spec.epochs if epochs is None else epochs
     per_epoch = math.ceil(len(y_tr) / batch)
     total = n_epochs * per_epoch if steps is None else min(steps, n_epochs * per_epoch)

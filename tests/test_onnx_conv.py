@@ -15,7 +15,6 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 from lsa_models.onnx import analyse, load_onnx, load_onnx_model
-from lsa_models.onnx.errors import OnnxInputError
 from lsa_models.onnx.ops import OPS, Flow, Node, NotCertified
 
 from .jacobians import jacobian_norm
@@ -94,16 +93,38 @@ def test_onnx_conv_pixel_upload_summary_says_pixels(tmp_path: Path) -> None:
     assert (loaded.summary["seq_len"], loaded.summary["d_model"]) == (4, C * PATCH ** 2)
 
 
-def test_onnx_conv_overlapping_pixel_conv_refused_naming_node(tmp_path: Path) -> None:
-    m = _Patches(kernel=PATCH, stride=PATCH // 2).eval()
-    with pytest.raises(OnnxInputError, match=r"Conv node .*not a patch embedding.*strides"):
-        load_onnx(_export(m, _pixels(), tmp_path / "m.onnx", False))
+class _PixelMLP(nn.Module):
+    """An MLP on the flattened image: its first op is a Flatten, not a patch embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(C * IMAGE * IMAGE, 32), nn.ReLU(),
+                                 nn.Linear(32, 10))
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, C, H, W) -> (B, 10)
+        return self.net(x)
 
 
-def test_onnx_conv_image_not_whole_patches_refused(tmp_path: Path) -> None:
-    m = _Patches(kernel=3, stride=3).eval()
-    with pytest.raises(OnnxInputError, match="not a whole number of 3x3 patches"):
-        load_onnx(_export(m, _pixels(), tmp_path / "m.onnx", False))
+@pytest.mark.parametrize("name,module", [
+    ("overlapping Conv", lambda: _Patches(kernel=PATCH, stride=PATCH // 2)),
+    ("padded Conv", lambda: _Patches(kernel=3, stride=1, padding=1)),
+    ("partial patches", lambda: _Patches(kernel=3, stride=3)),
+    ("Flatten", _PixelMLP),
+])
+def test_onnx_image_not_read_by_a_patch_conv_is_one_token(
+        tmp_path: Path, name: str, module: type[nn.Module]) -> None:
+    # any other first reader: the whole image is one token in its own (C, H, W) order, a
+    # permutation of nothing, so the bound is on the pixels themselves
+    m = module().eval()
+    x = _pixels()
+    loaded = load_onnx_model(_export(m, x, tmp_path / "m.onnx", False))
+    assert loaded.summary["layout"] == "pixels"
+    assert (loaded.summary["seq_len"], loaded.summary["d_model"]) == (1, C * IMAGE * IMAGE)
+    for norm in ("2", "inf"):
+        got = analyse(load_onnx(_export(m, x, tmp_path / "m.onnx", False)), norm)  # type: ignore[arg-type]
+        assert got.verdict == "certified", (name, got.reason)
+        assert got.upper is not None and got.upper >= _jacobian_lower(m, x, norm)
 
 
 def test_onnx_conv_padded_conv_is_bounded_by_its_overlap() -> None:

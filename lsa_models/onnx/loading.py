@@ -284,14 +284,29 @@ def _to_batch_first(model: onnx.ModelProto) -> bool:
 _PATCHES = "__patches"
 
 
+def _patch_kernel(g: onnx.GraphProto, x: str, inits: dict[str, onnx.TensorProto]
+                  ) -> list[int] | None:
+    """(kh, kw) of the image's only reader when it is a patch-embedding Conv (kernel ==
+    stride, no padding, dilation or groups, a constant 2-D kernel), else None."""
+    users = [nd for nd in g.node if x in nd.input]
+    if len(users) != 1 or users[0].op_type != "Conv" or list(users[0].input[:1]) != [x] \
+            or users[0].input[1] not in inits:
+        return None
+    kernel = [int(d) for d in inits[users[0].input[1]].dims[2:]]
+    if len(kernel) != 2 or patchwise_reason(Node.from_proto(users[0], 0), kernel) is not None:
+        return None
+    return kernel
+
+
 def _pixels_to_patches(model: onnx.ModelProto) -> tuple[int, ...] | None:
-    """A graph on pixels (B, C, H, W) whose only reader is a patch-embedding Conv (kernel ==
-    stride, no padding, dilation or groups: ViT, DeiT) takes its patches instead: the input
-    becomes (B, P, C * kh * kw) tokens (P = (H / kh) (W / kw), each patch flattened in the
-    Conv kernel's (C, kh, kw) order), put back into an image by a Reshape, Transpose, Reshape
-    in front of the Conv. That map only permutes coordinates, so every norm, the Lipschitz
-    constant and the outputs are those of the upload. The (C, H, W) of the upload, or None
-    when the input is not 4-D."""
+    """A graph on pixels (B, C, H, W) takes tokens instead, put back into the image by a
+    Reshape, Transpose, Reshape in front of the graph. When the image's only reader is a
+    patch-embedding Conv (kernel == stride, no padding, dilation or groups: ViT, DeiT) the
+    tokens are its patches, (B, P, C * kh * kw) (P = (H / kh) (W / kw), each patch flattened
+    in the Conv kernel's (C, kh, kw) order); any other reader (an MLP's Flatten, a CNN's
+    Conv, a reshape into tokens) gets the whole image as one token (B, 1, C H W). Either map
+    only permutes coordinates, so every norm, the Lipschitz constant and the outputs are
+    those of the upload. The (C, H, W) of the upload, or None when the input is not 4-D."""
     g = model.graph
     inits = {t.name: t for t in g.initializer}
     floats = [vi for vi in g.input if vi.name not in inits
@@ -300,25 +315,19 @@ def _pixels_to_patches(model: onnx.ModelProto) -> tuple[int, ...] | None:
         return None
     vi = floats[0]
     b, c, h, w = _dims(vi)
-    users = [nd for nd in g.node if vi.name in nd.input]
-    conv = users[0] if len(users) == 1 and users[0].op_type == "Conv" else None
-    if conv is None or list(conv.input[:1]) != [vi.name] or conv.input[1] not in inits:
-        raise OnnxInputError(
-            f"input {vi.name!r} is an image (rank 4) read by "
-            + (", ".join(f"{nd.op_type} node {nd.name!r}" for nd in users) or "no node")
-            + "; lsa reads images only through one patch-embedding Conv with a constant "
-            "kernel (kernel == stride), or export the model on (batch, N, D) tokens")
-    kernel = [int(d) for d in inits[conv.input[1]].dims[2:]]
-    node = Node.from_proto(conv, 0)
-    why = patchwise_reason(node, kernel)
-    if why is None and (None in (c, h, w) or len(kernel) != 2):
-        why = "the image needs a fixed (C, H, W)"
-    if why is None and (h % kernel[0] or w % kernel[1]):  # type: ignore[operator]
-        why = f"the image {h}x{w} is not a whole number of {kernel[0]}x{kernel[1]} patches"
-    if why is not None:
-        raise OnnxInputError(f"input {vi.name!r} is an image read by Conv node {node.name!r}, "
-                             f"which is not a patch embedding: {why}; only kernel == stride "
-                             "without padding, dilation or groups is supported")
+    kernel = _patch_kernel(g, vi.name, inits)
+    if kernel is None:
+        # any other reader (a Flatten, a CNN's Conv, a reshape into tokens): the whole image
+        # is one token (C H W) in the image's own order, which the same Reshapes put back
+        if None in (c, h, w):
+            raise OnnxInputError(f"input {vi.name!r} is an image (rank 4) of shape "
+                                 f"{(b, c, h, w)}: export it with a fixed (C, H, W)")
+        kernel = [int(h), int(w)]  # type: ignore[arg-type]
+    elif None in (c, h, w):
+        raise OnnxInputError(f"input {vi.name!r} is an image read by a patch-embedding Conv: "
+                             "the image needs a fixed (C, H, W)")
+    elif h % kernel[0] or w % kernel[1]:  # type: ignore[operator]
+        kernel = [int(h), int(w)]  # type: ignore[arg-type]  # partial patches: one token
     assert c is not None and h is not None and w is not None
     kh, kw = kernel
     hp, wp = h // kh, w // kw

@@ -46,8 +46,9 @@ LAYOUTS: tuple[tuple[str, str], ...] = (
     ("(batch, N, D)", "one float input, batch first"),
     ("(N, D)", "one float input without a batch axis"),
     ("(N, 1, D)", "sequence first (torch's batch_first=False), analysed through transposes"),
-    ("pixels (batch, C, H, W)", ("an image read by one patch-embedding Conv (kernel == stride, no "
-     "padding): analysed on its patches (batch, P, C kh kw), a permutation of the pixels")),
+    ("pixels (batch, C, H, W)", ("an image: read by one patch-embedding Conv (kernel == stride, "
+     "no padding) it is analysed on its patches (batch, P, C kh kw), by anything else (a "
+     "Flatten, a CNN's Conv) as one token (batch, 1, C H W); both are the pixels permuted")),
     ("token ids (batch, N)", ("an integer input whose only use is a Gather from a constant "
      "(V, D) table: the map after the embedding lookup is bounded")),
     ("native .safetensors", "lsa_models checkpoints (lsa_models.save)"),

@@ -36,6 +36,9 @@ class LoadedModel(ABC):
     seq_len: int | None = None
     # Token width D of the continuous input (B, N, D).
     d_model: int | None = None
+    # A fixed graph: the token counts a user may name for it (its input's N, and the N + 1 its
+    # attention sees after a class token); any of them means the graph's own N
+    seq_len_choices: tuple[int, ...] = ()
 
     @abstractmethod
     def certify(self, norm: NormName | float, seq_len: int | None = None,
@@ -44,16 +47,30 @@ class LoadedModel(ABC):
 
     def resolve_seq_len(self, seq_len: int | None) -> int:
         if seq_len is not None:
-            if seq_len < 1:
-                raise ValueError(f"seq_len must be >= 1, got {seq_len}")
-            if self.seq_len is not None and seq_len != self.seq_len:
-                raise ValueError(f"seq_len={seq_len} differs from the model's fixed sequence "
-                                 f"length {self.seq_len}")
-            return seq_len
+            return fixed_seq_len(seq_len, self.seq_len, self.seq_len_choices)
         if self.seq_len is not None:
             return self.seq_len
         default = getattr(self.module, "default_seq_len", None)
         return int(default) if default else DEFAULT_SEQ_LEN
 
 
-__all__ = ["DEFAULT_SEQ_LEN", "LoadedModel", "sha256_hex"]
+def fixed_seq_len(seq_len: int, fixed: int | None, choices: tuple[int, ...] = ()) -> int:
+    """The sequence length to analyse when a user names `seq_len`: itself for a dynamic graph;
+    for a fixed one its own N when `seq_len` is N or a count its attention sees (`choices`:
+    N + 1 with a class token), else ValueError saying which numbers it takes."""
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    if fixed is None:
+        return seq_len
+    accepted = sorted({fixed, *choices})
+    if seq_len in accepted:
+        return fixed
+    seen = [n for n in accepted if n != fixed]
+    also = (f" and its attention sees {', '.join(map(str, seen))} (with a class token)"
+            if seen else "")
+    raise ValueError(f"seq_len={seq_len} does not fit this fixed-shape graph: its input has "
+                     f"{fixed} tokens{also}; omit seq_len or give "
+                     + (f"one of {', '.join(map(str, accepted))}" if seen else str(fixed)))
+
+
+__all__ = ["DEFAULT_SEQ_LEN", "LoadedModel", "fixed_seq_len", "sha256_hex"]

@@ -44,6 +44,8 @@ class ModelRef:
     # The upload's input layout (summary "layout"): "pixels" means `at` is an image that is
     # cut into the patches the graph takes (service.local.model_input).
     layout: str | None = None
+    # A fixed graph also answers to the tokens its attention sees (summary "seq_len_choices")
+    seq_len_choices: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, row: UploadedModel) -> ModelRef:
@@ -51,17 +53,19 @@ class ModelRef:
                    parameters=row.parameters, d_model=row.d_model,
                    default_seq_len=row.default_seq_len, fixed_seq_len=row.fixed_seq_len,
                    ort_verified=row.ort_verified_at is not None,
-                   layout=(row.summary or {}).get("layout"))
+                   layout=(row.summary or {}).get("layout"),
+                   seq_len_choices=tuple((row.summary or {}).get("seq_len_choices") or ()))
 
 
 def resolve_seq_len(model: ModelRef, seq_len: int | None) -> int:
     if seq_len is None:
         return model.default_seq_len
-    if model.fixed_seq_len is not None and seq_len != model.fixed_seq_len:
-        raise InvalidRequest(f"seq_len={seq_len} differs from the model's fixed sequence length "
-                             f"{model.fixed_seq_len}: omit seq_len or set it to "
-                             f"{model.fixed_seq_len}")
-    return seq_len
+    from lsa_models.loaded import fixed_seq_len  # deferred: torch loads with the library
+
+    try:
+        return fixed_seq_len(seq_len, model.fixed_seq_len, model.seq_len_choices)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
 
 
 def request_key(model_sha256: str, norm: str, seq_len: int, radius: float | None,

@@ -13,9 +13,11 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
+from typer.testing import CliRunner
 
 from lsa_models.onnx import analyse, load_onnx, load_onnx_model
 from lsa_models.onnx.ops import OPS, Flow, Node, NotCertified
+from service.cli import app
 
 from .jacobians import jacobian_norm
 from .test_onnx_recognition import _export, _jacobian_lower
@@ -231,3 +233,23 @@ def test_onnx_conv_rule_never_below_exact_jacobian(scale: float, out: int, k: in
                              [(1, out, 2, 3)], norm)[0]
     assert flow is not None
     assert jacobian_norm(lambda z: F.conv2d(z, w, stride=k), x, norm) <= flow.lip
+
+
+def test_onnx_pixel_vit_takes_the_token_counts_it_has(tmp_path: Path) -> None:
+    # 4 patches and a class token: --seq-len 4 (the patches) and 5 (what the attention sees)
+    # both mean the graph's own shape; anything else is refused naming both, exit 2
+    path = tmp_path / "vit.onnx"
+    _export(_ViT().eval(), _pixels(), path, False)
+    loaded = load_onnx_model(path.read_bytes())
+    assert loaded.summary["seq_len_choices"] == [5]
+    want = loaded.certify("2")
+    for n in (4, 5):
+        assert loaded.certify("2", seq_len=n).upper == want.upper
+    with pytest.raises(ValueError, match=r"its input has 4 tokens and its attention sees 5.*"
+                                         r"one of 4, 5"):
+        loaded.certify("2", seq_len=9)
+    res = CliRunner().invoke(app, ["bound", str(path), "--seq-len", "9"])
+    assert res.exit_code == 2
+    assert "one of 4, 5" in res.output
+    ok = CliRunner().invoke(app, ["bound", str(path), "--seq-len", "5", "--json"])
+    assert ok.exit_code == 0, ok.output

@@ -60,6 +60,8 @@ def load_onnx_model(data: bytes, filename: str = "", *, check_ort: bool = True) 
         "parameters": int(sum(_numel(t) for t in spec.model.graph.initializer)),
         "d_model": spec.d_model,
         "seq_len": spec.seq_len,
+        # a fixed graph also answers to the tokens its attention sees (N + 1: class token)
+        "seq_len_choices": list(spec.attention_tokens),
         "input": spec.input_name,
         # "seq_first": the upload takes (N, 1, D); analysed (and reported) as (1, N, D);
         # "pixels": it takes (B, C, H, W); analysed (and reported) on its patches (B, P, D)
@@ -68,7 +70,8 @@ def load_onnx_model(data: bytes, filename: str = "", *, check_ort: bool = True) 
         "onnxruntime_max_abs_diff": model.max_abs_diff,
     }
     return OnnxLoadedModel(model.format, sha256_hex(data), model.module, summary,
-                           seq_len=spec.seq_len, d_model=spec.d_model, onnx=model)
+                           seq_len=spec.seq_len, d_model=spec.d_model,
+                           seq_len_choices=spec.attention_tokens, onnx=model)
 
 
 def _numel(t: Any) -> int:  # an onnx TensorProto

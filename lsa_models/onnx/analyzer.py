@@ -33,6 +33,7 @@ from ..bounds.layer_graph import (
 )
 from ..bounds.layer_graph.families import Family, register_family
 from ..bounds.report import BoundResult, LayerBound, NormName, Verdict
+from ..loaded import fixed_seq_len
 from .attention_rotary import ROTARY_NOTE
 from .graph import GraphInfo
 from .loading import DynamicSeqLenError, OnnxModel
@@ -56,12 +57,7 @@ def resolve_seq_len(model: OnnxModel, seq_len: int | None) -> int:
             raise DynamicSeqLenError("the graph has a dynamic sequence length: give the length "
                                      "to certify with --seq-len N (the bound depends on N)")
         return fixed
-    if seq_len < 1:
-        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
-    if fixed is not None and seq_len != fixed:
-        raise ValueError(f"seq_len={seq_len} differs from the graph's fixed sequence length "
-                         f"{fixed}")
-    return seq_len
+    return fixed_seq_len(seq_len, fixed, model.spec.attention_tokens)
 
 
 def _method(notes: list[str]) -> str:

@@ -60,6 +60,21 @@ class GraphSpec:
     def initializers(self) -> dict[str, onnx.TensorProto]:
         return {t.name: t for t in self.model.graph.initializer}
 
+    @property
+    def attention_tokens(self) -> tuple[int, ...]:
+        """The key counts of the graph's Softmaxes over square logits (shape inference): the
+        tokens its attention sees, N + 1 after a class token."""
+        shapes = {vi.name: [d.dim_value if d.HasField("dim_value") else 0
+                            for d in vi.type.tensor_type.shape.dim]
+                  for vi in self.model.graph.value_info}
+        out = set()
+        for nd in self.model.graph.node:
+            s = shapes.get(nd.input[0]) if nd.op_type == "Softmax" and nd.input else None
+            axis = next((a.i for a in nd.attribute if a.name == "axis"), -1)
+            if s and len(s) >= 2 and s[axis % len(s)] > 0 and s.count(s[axis % len(s)]) >= 2:
+                out.add(s[axis % len(s)])
+        return tuple(sorted(out))
+
 
 _UPB = api_implementation.Type() == "upb"
 

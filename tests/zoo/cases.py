@@ -111,6 +111,18 @@ def _cases_l2() -> list[Case]:
         name = "l2-stpp-causal" if causal else "l2-stpp"
         cases.append(Case(name, "(N, 1, D)", lambda causal=causal: _float(  # type: ignore[misc]
             _seeded(lambda: l2.L2Stpp(D, H, causal)), (N, 1, D)), "certified"))
+    # neural_stpp's own mask: triu(full(-1e9), 1) added
+    cases.append(Case("l2-stpp-causal-1e9", "(N, 1, D)", lambda: _float(
+        _seeded(lambda: l2.L2Stpp(D, H, True, mask=-1e9)), (N, 1, D)), "certified"))
+    add("l2-einsum-folded", lambda: l2.L2EinsumHeads(D, H), ("(1, N, D)",))
+    add("l2-einsum-folded-residual-2", lambda: nn.Sequential(
+        l2.Residual(l2.L2EinsumHeads(D, H)), l2.Residual(l2.L2EinsumHeads(D, H))), ("(1, N, D)",))
+    add("l2-einsum-queries-first", lambda: l2.L2EinsumHeads(D, H, "queries"), ("(1, N, D)",))
+    add("l2-einsum-independent", lambda: l2.L2EinsumHeads(D, H, "independent"), ("(1, N, D)",),
+        "not_certified")
+    cases.append(Case("l2-cdist-values-after", "(N, D)", lambda: _float(
+        _seeded(lambda: l2.CdistValuesAfter(D, 8)), (N, D)), "certified",
+        exporters=("torchscript",)))
     return cases
 
 

@@ -83,9 +83,10 @@ class L2Stpp(nn.Module):
     """neural_stpp / semi-discrete-flow style: `(T, B, E)` input, einsum over heads, additive
     causal mask, softmax over the key axis 1 of `(T, S, B, H)` logits."""
 
-    def __init__(self, d: int, heads: int, causal: bool = True) -> None:
+    def __init__(self, d: int, heads: int, causal: bool = True, mask: float = float("-inf")
+                 ) -> None:
         super().__init__()
-        self.heads, self.dh, self.causal = heads, d // heads, causal
+        self.heads, self.dh, self.causal, self.fill = heads, d // heads, causal, mask
         self.q_weight = nn.Parameter(torch.randn(d, heads, self.dh) / math.sqrt(d))  # (D, H, d)
         self.v_weight = nn.Parameter(torch.randn(heads, d, self.dh) / math.sqrt(d))  # (H, D, d)
         self.out_proj = nn.Linear(d, d)
@@ -98,7 +99,7 @@ class L2Stpp(nn.Module):
             "tbhd,sbhd->tsbh", q, q)  # (T, S, B, H)
         logits = -dist / math.sqrt(self.dh)
         if self.causal:
-            mask = torch.full((t, t), float("-inf"), device=x.device).triu(1)  # (T, S)
+            mask = torch.full((t, t), self.fill, device=x.device).triu(1)  # (T, S)
             logits = logits + mask[..., None, None]
         p = F.softmax(logits, dim=1)  # (T, S, B, H)
         a = torch.einsum("mhd,nhd->hmn", self.q_weight, self.q_weight) / math.sqrt(self.dh)
@@ -106,6 +107,52 @@ class L2Stpp(nn.Module):
         pxa = torch.einsum("tsbh,sbhm->tbhm", p, xa)  # (T, B, H, D)
         pxav = torch.einsum("tbhm,hmd->tbhd", pxa, self.v_weight)  # (T, B, H, d)
         return self.out_proj(pxav.reshape(t, b, e))  # (T, B, E)
+
+
+class L2EinsumHeads(nn.Module):
+    """The paper's `f^h(X) = P^h X A^h W^{V,h}` with heads by einsum and the value weights
+    folded into one matrix per head, `M^h = A^h W^{V,h}` (computed in forward: exporters fold
+    it into a constant). `values="queries"` applies the weights to the queries first and
+    `W^{Q,h T} W^{V,h} / sqrt(d)` after them; `values="independent"` uses `X W^{V,h}` (not
+    Theorem 3.2's map)."""
+
+    def __init__(self, d: int, heads: int, values: str = "folded") -> None:
+        super().__init__()
+        self.heads, self.dh, self.mode = heads, d // heads, values
+        self.wq = nn.Parameter(torch.randn(heads, d, self.dh) / math.sqrt(d))  # (H, D, d)
+        self.wv = nn.Parameter(torch.randn(heads, d, self.dh) / math.sqrt(d))  # (H, D, d)
+        self.wo = nn.Parameter(torch.randn(heads * self.dh, d) / math.sqrt(d))  # (H d, D)
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, N, D)
+        s = math.sqrt(self.dh)
+        q = torch.einsum("bnd,hde->bhne", x, self.wq)  # (B, H, N, d)
+        sq = (q * q).sum(-1)  # (B, H, N)
+        dist = sq.unsqueeze(-1) + sq.unsqueeze(-2) - 2 * torch.einsum("bhne,bhme->bhnm", q, q)
+        p = torch.softmax(-dist / s, dim=-1)  # (B, H, N, N)
+        if self.mode == "queries":
+            back = torch.einsum("hde,hdf->hef", self.wq, self.wv) / s  # (H, d, d)
+            o = torch.einsum("bhnm,bhme,hef->bnhf", p, q, back)  # (B, N, H, d)
+        else:
+            m = torch.einsum("hde,hfe,hfg->hdg", self.wq, self.wq, self.wv) / s \
+                if self.mode == "folded" else self.wv  # (H, D, d)
+            o = torch.einsum("bhnm,bmd,hdg->bnhg", p, x, m)  # (B, N, H, d)
+        return o.flatten(2) @ self.wo  # (B, N, D)
+
+
+class CdistValuesAfter(nn.Module):
+    """One head on `(N, D)`: `-cdist(q, q)^2 / sqrt(d)` logits, `V(P X A)` with `V` an
+    `nn.Linear` applied after the weights."""
+
+    def __init__(self, d: int, dh: int) -> None:
+        super().__init__()
+        self.dh = dh
+        self.wq = nn.Parameter(torch.randn(d, dh) / math.sqrt(d))  # (D, d)
+        self.v = nn.Linear(d, d)
+
+    def forward(self, x: Tensor) -> Tensor:  # (N, D)
+        q = x @ self.wq  # (N, d)
+        p = torch.softmax(-torch.cdist(q, q) ** 2 / math.sqrt(self.dh), dim=-1)  # (N, N)
+        return self.v(p @ (x @ (self.wq @ self.wq.T) / math.sqrt(self.dh)))  # (N, D)
 
 
 class Residual(nn.Module):

@@ -191,11 +191,12 @@ MODELS: dict[str, Spec] = {
 
 
 def pgd(model: nn.Module, x: Tensor, y: Tensor, eps: float | Tensor, norm: str, *,
-        steps: int = 20, restarts: int = 1, seed: int = 0) -> Tensor:
+        steps: int = 20, restarts: int = 1, seed: int = 0, clip: bool = True) -> Tensor:
     """Projected gradient ascent on the cross-entropy inside the ball ||delta||_norm <= eps
     (per image; norm "inf" or "2"; `eps` one radius or one per image), pixels kept in
-    [0, 1]: the points found, one per image, the first restart that flips the label kept. An
-    attack: any flip it finds is real, what it misses proves nothing."""
+    [0, 1] when `clip` (else the whole ball, the set lsa certifies): the points found, one
+    per image, the first restart that flips the label kept. An attack: any flip it finds is
+    real, what it misses proves nothing."""
     gen = torch.Generator().manual_seed(seed)
     if isinstance(eps, Tensor):
         eps = eps.to(x.dtype).view(-1, 1, 1, 1)
@@ -215,7 +216,7 @@ def pgd(model: nn.Module, x: Tensor, y: Tensor, eps: float | Tensor, norm: str, 
                 else:
                     gn = g.flatten(1).norm(dim=1).clamp_min(1e-12).view(-1, 1, 1, 1)
                     delta = delta + step * g / gn
-                delta = _project(delta, x, eps, norm)
+                delta = _project(delta, x, eps, norm, clip)
         with torch.no_grad():
             hit = (model(x + delta).argmax(1) != y) & ~flipped
             best[hit] = (x + delta)[hit]
@@ -232,13 +233,13 @@ def _random_start(x: Tensor, eps: float | Tensor, norm: str, gen: torch.Generato
     return u / u.flatten(1).norm(dim=1).clamp_min(1e-12).view(-1, 1, 1, 1) * eps * 0.5
 
 
-def _project(delta: Tensor, x: Tensor, eps: float | Tensor, norm: str) -> Tensor:
+def _project(delta: Tensor, x: Tensor, eps: float | Tensor, norm: str, clip: bool) -> Tensor:
     if norm == "inf":
         delta = torch.maximum(torch.minimum(delta, torch.as_tensor(eps)), -torch.as_tensor(eps))
     else:
         n = delta.flatten(1).norm(dim=1).view(-1, 1, 1, 1)
         delta = delta * torch.clamp(eps / n.clamp_min(1e-12), max=1.0)
-    return (x + delta).clamp(0.0, 1.0) - x
+    return (x + delta).clamp(0.0, 1.0) - x if clip else delta
 
 
 def accuracy(model: nn.Module, x: Tensor, y: Tensor) -> float:

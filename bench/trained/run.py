@@ -4,7 +4,8 @@ certified radius and PGD attack radius), one process per image under a wall-cloc
 the bench's own PGD. Per model:
 
 - clean test accuracy (500 images) and PGD accuracy at L_inf {0.005, 0.01, 0.02} and
-  L2 {0.05, 0.1, 0.25} (pixels kept in [0, 1]; robust = no restart flips the label);
+  L2 {0.05, 0.1, 0.25} (on the whole ball, the set lsa certifies; --clip keeps pixels in
+  [0, 1]; robust = no restart flips the label);
 - on the first K correctly classified test images, each norm: lsa's certified radius, its
   route, its attack radius, its seconds (certify, attack, wall with the process start), or
   the cap it ran into, or the refusal message (exit 2; the model is then not tried again in
@@ -13,8 +14,8 @@ the bench's own PGD. Per model:
   into the cap counts as not certified); with --decide also `lsa robustness --radius r`'s
   verdict at each radius (certified / attacked / unknown), one capped process each;
 - soundness: an image certified at a radius where any attack (the bench's PGD or lsa's own)
-  flips it is listed under "unsound" (lsa's ball is not clipped to [0, 1], so it holds more
-  points than the attacks search: a certificate there covers the clipped ball too).
+  flips it is listed under "unsound" (lsa's ball is not clipped to [0, 1]: a certificate
+  covers the clipped ball too).
 
 Writes bench/out/trained/results.json and results.png and prints a table. One thread per
 process. Run train.py first.
@@ -51,16 +52,17 @@ LSA = Path(sys.executable).with_name("lsa")
 
 
 def pgd_accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, eps: float,
-                 norm: str, steps: int, restarts: int) -> float:
+                 norm: str, steps: int, restarts: int, clip: bool) -> float:
     """The fraction of images PGD does not flip at radius `eps` (an upper bound on the
     robust accuracy)."""
-    adv = pgd(model, x, y, eps, norm, steps=steps, restarts=restarts)
+    adv = pgd(model, x, y, eps, norm, steps=steps, restarts=restarts, clip=clip)
     with torch.no_grad():
         return float((model(adv).argmax(1) == y).float().mean())
 
 
 def attack_radius(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, norm: str,
-                  steps: int, restarts: int, iters: int = 12) -> list[float | None]:
+                  steps: int, restarts: int, clip: bool, iters: int = 12
+                  ) -> list[float | None]:
     """Per image, the smallest radius (to a bisection's precision) at which the bench's PGD
     flips the label: every image's ball of that radius holds a flip. None: no flip found
     even at ATTACK_HI."""
@@ -68,7 +70,7 @@ def attack_radius(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, norm
     hi = torch.full((len(y),), ATTACK_HI[norm], dtype=torch.float64)
 
     def flips(eps: torch.Tensor) -> torch.Tensor:
-        adv = pgd(model, x, y, eps, norm, steps=steps, restarts=restarts)
+        adv = pgd(model, x, y, eps, norm, steps=steps, restarts=restarts, clip=clip)
         with torch.no_grad():
             return model(adv).argmax(1) != y
 
@@ -107,29 +109,45 @@ def lsa_call(args: list[str], cap: float) -> dict[str, Any]:
     return {"outcome": "ok", "json": json.loads(lines[-1]), "wall_seconds": wall}
 
 
-def lsa_image(onnx: Path, image: Path, label: int, norm: str, cap: float,
-              decide: bool) -> dict[str, Any]:
-    """lsa's radius search on one image (and with `decide` its verdict at each radius)."""
-    common = [str(onnx), "--at", str(image), "--label", str(label), "--norm", norm]
-    r = lsa_call(common, cap)
-    row: dict[str, Any] = {"outcome": r["outcome"], "wall_seconds": r["wall_seconds"]}
-    if r["outcome"] == "ok":
-        j = r["json"]
-        row.update(certified_radius=j["certified_radius"], certified_by=j["certified_by"],
-                   lsa_attack_radius=j["attack_radius"], affine_walks=j["affine_walks"],
-                   seconds=j["seconds"])
-    elif "message" in r:
-        row["message"] = r["message"]
-    if decide and r["outcome"] != "refused":
+def lsa_image(onnx: Path, image: Path, labels: Path, label: int, norm: str,
+              args: argparse.Namespace) -> dict[str, Any]:
+    """lsa on one image: its radius search (unless --no-search) and with --decide its verdict
+    at each radius, each one capped process."""
+    row: dict[str, Any] = {}
+    if args.search:
+        r = lsa_call([str(onnx), "--at", str(image), "--label", str(label), "--norm", norm],
+                     args.cap)
+        row.update(outcome=r["outcome"], wall_seconds=r["wall_seconds"])
+        if r["outcome"] == "ok":
+            j = r["json"]
+            row.update(certified_radius=j["certified_radius"], certified_by=j["certified_by"],
+                       lsa_attack_radius=j["attack_radius"], affine_walks=j["affine_walks"],
+                       seconds=j["seconds"])
+        elif "message" in r:
+            row["message"] = r["message"]
+        if r["outcome"] == "refused":
+            return row
+    if args.decide:
+        # the set mode on this one image: the per-radius verdict a certified-accuracy gate
+        # takes; --no-sweep (its documented faster mode) unless --sweep
         row["verdicts"] = {}
         for radius in RADII[norm]:
-            v = lsa_call([*common, "--radius", str(radius)], cap)
+            v = lsa_call([str(onnx), "--inputs", str(image), "--labels", str(labels),
+                          "--radius", str(radius), "--norm", norm, "--workers", "1",
+                          *([] if args.sweep else ["--no-sweep"])], args.cap)
             cell: dict[str, Any] = {"outcome": v["outcome"], "wall_seconds": v["wall_seconds"]}
             if v["outcome"] == "ok":
-                j = v["json"]
+                j = v["json"]["samples"][0]
                 cell.update(status=j["status"], certified_by=j["certified_by"],
-                            flip_distance=j["flip_distance"], seconds=j["seconds"])
+                            flip_distance=j["flip_distance"], seconds=j["seconds"],
+                            affine_walks=j["affine_walks"])
+            elif "message" in v:
+                cell["message"] = v["message"]
             row["verdicts"][str(radius)] = cell
+            if v["outcome"] == "refused":
+                row.setdefault("outcome", "refused")
+                row.setdefault("message", v.get("message", ""))
+                break
     return row
 
 
@@ -172,47 +190,79 @@ def run_model(name: str, data: tuple[torch.Tensor, ...], args: argparse.Namespac
     t0 = time.monotonic()
     for norm in args.norms:
         res["pgd_accuracy"][norm] = {
-            str(r): pgd_accuracy(model, x_te, y_te, r, norm, args.pgd_steps, args.restarts)
-            for r in RADII[norm]}
+            str(r): pgd_accuracy(model, x_te, y_te, r, norm, args.pgd_steps, args.restarts,
+                                 args.clip) for r in RADII[norm]}
     res["pgd_seconds"] = time.monotonic() - t0
     idx = [int(i) for i in torch.nonzero(pred == y_te).flatten()[:args.k]]
     onnx = args.out / f"{name}.onnx"
     for norm in args.norms:
-        att = attack_radius(model, x_te[idx], y_te[idx], norm, args.pgd_steps, args.restarts)
+        att = attack_radius(model, x_te[idx], y_te[idx], norm, args.pgd_steps, args.restarts,
+                            args.clip)
         rows: list[dict[str, Any]] = []
         refusal: dict[str, Any] | None = None
         for i, a in zip(idx, att, strict=True):
-            image = tmp / f"{name}_{i}.npy"
-            np.save(image, x_te[i].numpy().astype(np.float64))  # (1, 8, 8)
+            image, labels = tmp / f"{name}_{i}.npy", tmp / f"{name}_{i}_label.npy"
+            np.save(image, x_te[i:i + 1].numpy().astype(np.float64))  # (1, 1, 8, 8)
             label = int(y_te[i])
+            np.save(labels, np.array([label], dtype=np.int64))
             if refusal is not None:  # a refused model is refused on every image
                 rows.append({"index": i, "label": label, "outcome": "refused (not tried)",
                              "pgd_attack_radius": a})
                 continue
             row = {"index": i, "label": label, "pgd_attack_radius": a,
-                   **lsa_image(onnx, image, label, norm, args.cap, args.decide)}
+                   **lsa_image(onnx, image, labels, label, norm, args)}
             c = row.get("certified_radius")
             row["ratio"] = c / a if c is not None and a else None
             rows.append(row)
-            if row["outcome"] == "refused":
+            if row.get("outcome") == "refused":
                 refusal = row
-            print(f"  {name} {norm} image {i}: {row['outcome']}"
-                  + (f" certified {c:.4g} ({row['certified_by']}), PGD {a}, "
-                     f"{row['wall_seconds']:.1f} s" if c is not None else
-                     f" {row.get('message', '')} {row['wall_seconds']:.1f} s"), flush=True)
+            print(f"  {name} {norm} image {i} (PGD flips at {a}): " + _line(row), flush=True)
         res["norms"][norm] = _summary(rows, norm, refusal)
     return res
+
+
+def _line(row: dict[str, Any]) -> str:
+    parts = []
+    if "outcome" in row and "verdicts" not in row or row.get("certified_radius") is not None:
+        c = row.get("certified_radius")
+        parts.append(f"search {row['outcome']}"
+                     + (f" certified {c:.4g} ({row['certified_by']})" if c is not None else "")
+                     + f" {row['wall_seconds']:.1f} s")
+    for r, v in row.get("verdicts", {}).items():
+        parts.append(f"{r}: {v.get('status', v['outcome'])} {v['wall_seconds']:.1f} s")
+    if row.get("message"):
+        parts.append(row["message"])
+    return "; ".join(parts)
+
+
+def _verdict_counts(rows: list[dict[str, Any]], norm: str) -> dict[str, Any] | None:
+    """Per radius, how many images got each verdict (or ran into the cap, or were
+    refused)."""
+    if not any("verdicts" in r for r in rows):
+        return None
+    out: dict[str, Any] = {}
+    for rad in RADII[norm]:
+        cells = [r.get("verdicts", {}).get(str(rad)) for r in rows]
+        words = [c.get("status", c["outcome"]) for c in cells if c is not None]
+        out[str(rad)] = {w: words.count(w) for w in sorted(set(words))}
+    return out
 
 
 def _summary(rows: list[dict[str, Any]], norm: str, refusal: dict[str, Any] | None
              ) -> dict[str, Any]:
     k = len(rows)
     walls = [r["wall_seconds"] for r in rows if "wall_seconds" in r]
+    verdict_walls = [v["wall_seconds"] for r in rows for v in r.get("verdicts", {}).values()]
     ratios = [r["ratio"] for r in rows if r.get("ratio") is not None]
     return {
         "k": k,
         "refused": None if refusal is None else refusal.get("message", ""),
-        "capped": sum(r["outcome"] == "cap" for r in rows),
+        "capped": sum(r.get("outcome") == "cap" for r in rows),
+        "verdicts_capped": sum(v["outcome"] == "cap" for r in rows
+                               for v in r.get("verdicts", {}).values()),
+        "verdict_counts": _verdict_counts(rows, norm),
+        "median_verdict_wall_seconds": (float(np.median(verdict_walls)) if verdict_walls
+                                        else None),
         "certified_accuracy_of_k": {str(r): (sum(certified_at(row, r) for row in rows) / k
                                              if k else None) for r in RADII[norm]},
         "median_ratio": float(np.median(ratios)) if ratios else None,
@@ -264,7 +314,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 def table(results: dict[str, Any]) -> str:
     head = ("| model | norm | clean | PGD acc | lsa cert. acc (of K) | median cert/PGD "
-            "radius | median s/image | capped | refused |")
+            "radius | median s (search/verdict) | capped (search/verdicts) | refused |")
     lines = [head, "|---|---|---|---|---|---|---|---|---|"]
     for name, m in results["models"].items():
         for norm, s in m["norms"].items():
@@ -272,9 +322,11 @@ def table(results: dict[str, Any]) -> str:
             ce = " / ".join("-" if v is None else f"{v:.2f}"
                             for v in s["certified_accuracy_of_k"].values())
             mr = "-" if s["median_ratio"] is None else f"{s['median_ratio']:.3f}"
-            mw = "-" if s["median_wall_seconds"] is None else f"{s['median_wall_seconds']:.1f}"
+            mw = "/".join("-" if v is None else f"{v:.1f}" for v in (
+                s["median_wall_seconds"], s["median_verdict_wall_seconds"]))
             lines.append(f"| {name} | {norm} | {m['clean_accuracy']:.3f} | {pg} | {ce} | {mr} "
-                         f"| {mw} | {s['capped']}/{s['k']} | {s['refused'] or ''} |")
+                         f"| {mw} | {s['capped']}, {s['verdicts_capped']} of {s['k']} images | "
+                         f"{s['refused'] or ''} |")
     return "\n".join(lines)
 
 
@@ -285,9 +337,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "given to lsa")
     ap.add_argument("--norms", nargs="*", choices=("inf", "2"), default=["inf", "2"])
     ap.add_argument("--cap", type=float, default=120.0, help="wall seconds per lsa process")
-    ap.add_argument("--decide", action="store_true", help="also lsa's verdict at each radius")
+    ap.add_argument("--decide", action="store_true", help="also lsa's verdict at each radius "
+                    "(the set mode on each image)")
+    ap.add_argument("--sweep", action="store_true", help="with --decide: let the verdicts try "
+                    "the radius sweep (minutes per input on these models)")
+    ap.add_argument("--no-search", dest="search", action="store_false",
+                    help="skip the radius search (with --decide: the verdicts only)")
     ap.add_argument("--pgd-steps", type=int, default=40)
     ap.add_argument("--restarts", type=int, default=2)
+    ap.add_argument("--clip", action="store_true", help="the attacks keep pixels in [0, 1] "
+                    "(default: the whole ball, the set lsa certifies)")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -296,8 +355,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results: dict[str, Any] = {
         "k": args.k, "cap_seconds": args.cap, "radii": RADII, "pgd_steps": args.pgd_steps,
         "restarts": args.restarts, "torch_threads": 1, "cpu_count": os.cpu_count(),
+        "clip": args.clip, "search": args.search, "decide": args.decide,
+        "verdict_sweep": args.sweep,
         "models": {}}
     t0 = time.monotonic()
+    stem = "results" if args.only is None else "results_" + "_".join(args.only)
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.only or list(MODELS):
             if name not in trained or not trained[name].get("onnx"):
@@ -305,9 +367,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 continue
             results["models"][name] = {**run_model(name, data, args, Path(tmp)),
                                        "train": trained[name]}
-    results["seconds"] = time.monotonic() - t0
-    stem = "results" if args.only is None else "results_" + "_".join(args.only)
-    (args.out / f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
+            results["seconds"] = time.monotonic() - t0
+            # written after each model: a run stopped early keeps what it measured
+            (args.out / f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
     plot(results, args.out / f"{stem}.png")
     print(table(results))
     print(f"wrote {args.out / stem}.json and .png ({results['seconds']:.0f} s)")

@@ -205,7 +205,7 @@ def pgd(model: nn.Module, x: Tensor, y: Tensor, eps: float | Tensor, norm: str, 
     flipped = torch.zeros(len(x), dtype=torch.bool)
     for r in range(restarts):
         delta = _project(_random_start(x, eps, norm, gen) if r else torch.zeros_like(x),
-                         x, eps, norm)
+                         x, eps, norm, clip)
         for _ in range(steps):
             delta.requires_grad_(True)
             loss = nn.functional.cross_entropy(model(x + delta), y)

@@ -173,6 +173,12 @@ def unsound(row: dict[str, Any], norm: str) -> list[str]:
         if v.get("status") == "certified" and row.get("pgd_attack_radius") is not None \
                 and row["pgd_attack_radius"] <= r:
             bad.append(f"certified at {r} where PGD flips at {row['pgd_attack_radius']:.6g}")
+    verdicts = row.get("verdicts", {}).values()
+    flips = [v["flip_distance"] for v in verdicts if v.get("status") == "attacked"]
+    for r in RADII[norm]:
+        v = row.get("verdicts", {}).get(str(r), {})
+        if v.get("status") == "certified" and flips and min(flips) <= r:
+            bad.append(f"certified at {r} where lsa's attack flips at {min(flips):.6g}")
     return bad
 
 
@@ -223,7 +229,7 @@ def run_model(name: str, data: tuple[torch.Tensor, ...], args: argparse.Namespac
 
 def _line(row: dict[str, Any]) -> str:
     parts = []
-    if "outcome" in row and "verdicts" not in row or row.get("certified_radius") is not None:
+    if "wall_seconds" in row:  # the radius search ran
         c = row.get("certified_radius")
         parts.append(f"search {row['outcome']}"
                      + (f" certified {c:.4g} ({row['certified_by']})" if c is not None else "")
@@ -330,6 +336,18 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def replot(path: Path) -> dict[str, Any]:
+    results = json.loads(path.read_text())
+    for m in results["models"].values():
+        for norm, s in m["norms"].items():
+            refusal = next((r for r in s["images"] if r.get("outcome") == "refused"), None)
+            m["norms"][norm] = _summary(s["images"], norm, refusal)
+    path.write_text(json.dumps(results, indent=2) + "\n")
+    plot(results, path.with_suffix(".png"))
+    print(table(results))
+    return results
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", nargs="*", choices=sorted(MODELS), default=None)
@@ -348,7 +366,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--clip", action="store_true", help="the attacks keep pixels in [0, 1] "
                     "(default: the whole ball, the set lsa certifies)")
     ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--replot", type=Path, default=None, help="recompute the summaries, table "
+                    "and PNG of a results JSON this script wrote (nothing is run)")
     args = ap.parse_args(argv)
+    if args.replot is not None:
+        return replot(args.replot)
     torch.set_num_threads(1)
     trained = json.loads((args.out / "models.json").read_text())
     data = digits()
@@ -357,9 +379,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "restarts": args.restarts, "torch_threads": 1, "cpu_count": os.cpu_count(),
         "clip": args.clip, "search": args.search, "decide": args.decide,
         "verdict_sweep": args.sweep,
+        # where the lsa processes import lsa from (a snapshot of a commit, or the work tree)
+        "lsa_pythonpath": os.environ.get("PYTHONPATH"),
         "models": {}}
     t0 = time.monotonic()
-    stem = "results" if args.only is None else "results_" + "_".join(args.only)
+    stem = "_".join(["results", *(args.only or []),
+                     *([f"l{args.norms[0]}"] if len(args.norms) == 1 else [])])
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.only or list(MODELS):
             if name not in trained or not trained[name].get("onnx"):

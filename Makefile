@@ -15,7 +15,7 @@ TORCHVISION ?= torchvision==0.28.0
 export OPENBLAS_NUM_THREADS ?= 1
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install serve test lint unit bench clean
+.PHONY: install serve test test-all lint fast unit bench clean
 
 install: $(VENV)/.installed
 
@@ -38,10 +38,21 @@ lint: install
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
-unit: install
-	$(BIN)/python -m pytest -q
+# Two tiers (tests/conftest.py gives the markers): `make test` is the lint and the fast tier, a
+# few minutes; `make test-all` is every test (the model zoo, servers, headless browser,
+# PostgreSQL and Redis, training, the long radius searches) with the property tests at their
+# full example counts, what `.ci/run` runs.
+FAST_TIER := not slow and not zoo and not postgres and not redis and not browser
 
-test: lint unit
+fast: install
+	$(BIN)/python -m pytest -q -m "$(FAST_TIER)"
+
+unit: fast
+
+test: lint fast
+
+test-all: lint
+	LSA_SLOW=1 $(BIN)/python -m pytest -q
 
 bench: install
 	$(BIN)/python bench/attention_speed.py

@@ -100,6 +100,7 @@ def test_openapi_fuzz_no_server_errors(api_app: FastAPI) -> None:
     for operation in operations:
 
         @given(case=operation.as_strategy())
+        # A count per route, fixed: the fuzz runs every route (~12 s in all), in `make test-all`.
         @settings(max_examples=25, deadline=None, derandomize=True, database=None,
                   suppress_health_check=list(HealthCheck))
         def check(case: Any) -> None:

@@ -31,7 +31,7 @@ def _in_token_balls(c: torch.Tensor, rho: torch.Tensor, gen: torch.Generator
     return c + u * r * rho[..., None]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(deadline=None)
 @given(n=st.integers(1, 4), d=st.integers(2, 6), seed=st.integers(0, 10**6),
        log_eps=st.floats(-6, 0), scale=st.floats(0.01, 5.0), rel=st.floats(0.0, 1.5),
        rms=st.booleans())
@@ -95,7 +95,7 @@ def _dp_map(layer: DPAttention, causal: bool):  # type: ignore[no-untyped-def]
     return f, probs
 
 
-@settings(max_examples=40, deadline=None)
+@settings(deadline=None)
 @given(shape=st.sampled_from([(2, 1), (4, 2), (6, 3), (4, 1)]), n=st.integers(1, 4),
        causal=st.booleans(), seed=st.integers(0, 10**6), scale=st.floats(0.2, 4.0),
        tokens=st.floats(0.1, 5.0), log_rho=st.floats(-4, 0.5))

@@ -167,7 +167,7 @@ def test_frobenius_upper_is_above_numpy_and_tight_in_any_layout() -> None:
         _assert_tight_above(frobenius_upper(a), float(np.linalg.norm(a)))
 
 
-@settings(max_examples=25, deadline=None)
+@settings(deadline=None)
 @given(m=st.integers(256, 320), n=st.integers(256, 320), seed=st.integers(0, 2**31 - 1),
        log_scale=st.integers(-30, 30), decay=st.floats(0.0, 3.0))
 def test_spectral_norm_upper_is_never_below_the_largest_singular_value(

@@ -17,6 +17,7 @@ from lsa_models.data import (
     random_windows,
     text_corpus,
 )
+from tests.profile import at_most
 
 TINY = Path(__file__).parent / "data" / "tiny_corpus.txt"
 
@@ -32,7 +33,7 @@ def test_tiny_corpus_ships_and_splits_in_order():
     assert text.startswith(parts[0]) and text.endswith(parts[2])
 
 
-@settings(max_examples=100)
+@settings(max_examples=at_most(100))  # an example costs ~40 ms on 2 shared cores
 @given(st.text(min_size=40, max_size=300))
 def test_text_corpus_roundtrips_any_unicode(text):
     corpus = text_corpus(text)

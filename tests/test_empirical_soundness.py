@@ -23,6 +23,7 @@ from lsa_models import (
     certify,
 )
 from lsa_models.empirical import estimate, lower_bound
+from tests.profile import at_most
 
 # The lower bound is a float64 Jacobian norm, not rounded downward, so where the bound is exact
 # it can sit a few ulps above it. Found case: a pre-norm block with D = 1 is the identity (a
@@ -84,7 +85,8 @@ def test_soundness_lower_never_above_certified_upper(kind: str, shape: tuple[int
 
 # The tight regime: one head of width 1 with scalar weights is where the Theorem 3.2 bound is
 # within ~1.2x of the truth, so a bound that were slightly too small would show here first.
-@settings(max_examples=max(10, settings().max_examples // 5))
+# Capped: an example runs two 15-step ascents (~0.8 s on 2 shared cores).
+@settings(max_examples=at_most(100))
 @given(wq=st.floats(0.2, 3.0), wv=st.floats(-3.0, 3.0).filter(lambda v: abs(v) > 0.1),
        wo=st.floats(-3.0, 3.0).filter(lambda v: abs(v) > 0.1), n=st.integers(2, 8),
        norm=st.sampled_from(["2", "inf"]), seed=st.integers(0, 1000))

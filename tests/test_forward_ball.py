@@ -17,6 +17,7 @@ from torch import nn
 from lsa_models.engine import forward_ball, forward_error
 from lsa_models.onnx import OnnxModel, load_onnx
 from tests.onnx_export import export_to
+from tests.profile import at_most
 
 
 def _env(om: OnnxModel, x: np.ndarray) -> tuple[list, dict[str, torch.Tensor]]:
@@ -40,7 +41,7 @@ class _Linear2(nn.Module):
         return self.b(self.a(x) * 3.0 - x[..., :5])  # (B, N, 3)
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=at_most(10), deadline=None)  # an example costs ~30 ms on 2 shared cores
 @given(seed=st.integers(0, 10**6))
 def test_forward_ball_covers_the_exact_error_of_a_linear_graph(
         tmp_path_factory: pytest.TempPathFactory, seed: int) -> None:

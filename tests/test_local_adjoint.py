@@ -21,6 +21,7 @@ from lsa_models.engine.local import certify_local, robustness
 from lsa_models.engine.values import Ball
 from lsa_models.onnx import load_onnx
 from lsa_models.onnx.loading import OnnxModel
+from tests.profile import at_most
 from tests.test_local_tangent import _jac, _models
 
 
@@ -85,7 +86,7 @@ def _hunt(om: OnnxModel, x0: np.ndarray, c: np.ndarray, eps: float, norm: str,
     return pts
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=at_most(8), deadline=None)  # an example costs ~1.6 s on 2 shared cores
 @given(kind=st.sampled_from(["mlp", "tf1", "researcher", "relu"]),
        eps=st.sampled_from([1e-3, 1e-2, 4e-2]), norm=st.sampled_from(["inf", "2"]),
        seed=st.integers(0, 2**16))
@@ -125,7 +126,7 @@ def _form(rng: np.random.Generator, k: int, p: int, q: int) -> Aff:
                rng.standard_normal((k, p + q)), 0.05 * np.abs(rng.standard_normal(k)))
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=at_most(25), deadline=None)  # an example costs ~100 ms on 2 shared cores
 @given(seed=st.integers(0, 2**16), eps=st.sampled_from([0.05, 0.5, 2.0]))
 def test_l1_and_l2_sups_enclose_every_realisation(seed: int, eps: float) -> None:
     """sum |g| and ||g|| at every corner of (d, e, the box, the centre's margin) stay within

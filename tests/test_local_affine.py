@@ -29,6 +29,8 @@ from tests.margins import descend_margin
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from local_models import KINDS, build, center, export  # noqa: E402
 
+from tests.profile import at_most
+
 P = 5
 
 
@@ -117,7 +119,7 @@ _FNS: dict[str, tuple[affine_rules.Fn, Callable[[torch.Tensor], torch.Tensor], b
     "relu": (affine_rules.RELU, torch.relu, False)}
 
 
-@settings(max_examples=300, deadline=None)
+@settings(deadline=None)
 @given(seed=st.integers(0, 10**6), eps=EPS, norm=NORM, kind=st.sampled_from(sorted(_FNS)))
 def test_affine_elementwise_encloses_every_functional(seed: int, eps: float, norm: str,
                                                       kind: str) -> None:
@@ -138,7 +140,7 @@ def test_affine_elementwise_encloses_every_functional(seed: int, eps: float, nor
         _check(lambda d: tfn(g(d)), out, ball, rng)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=at_most(200), deadline=None)  # an example costs ~60 ms on 2 shared cores
 @given(seed=st.integers(0, 10**6), eps=EPS, norm=NORM)
 def test_affine_relu_grad_encloses_every_functional(seed: int, eps: float, norm: str) -> None:
     """g H(x) (the tangent and adjoint of Relu, internal_ops.RELU_GRAD) for forms g, x whose
@@ -155,7 +157,7 @@ def test_affine_relu_grad_encloses_every_functional(seed: int, eps: float, norm:
         _check(lambda d: gf(d) * (xf(d) > 0).to(torch.float64), out, ball, rng)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=at_most(300), deadline=None)  # an example costs ~50 ms on 2 shared cores
 @given(seed=st.integers(0, 10**6), eps=EPS, norm=NORM,
        kind=st.sampled_from(["mul", "broadcast", "matmul", "square"]))
 def test_affine_product_encloses_every_functional(seed: int, eps: float, norm: str,
@@ -179,7 +181,7 @@ def product_case(rng: np.random.Generator, ball: Ball, kind: str
     return out, (lambda d: fx(d) @ fy(d)) if matmul else (lambda d: fx(d) * fy(d))
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=at_most(300), deadline=None)  # an example costs ~70 ms on 2 shared cores
 @given(seed=st.integers(0, 10**6), eps=EPS, norm=NORM, scale=st.sampled_from([0.3, 3.0]))
 def test_affine_softmax_then_matmul_encloses_every_functional(seed: int, eps: float,
                                                               norm: str, scale: float) -> None:
@@ -215,7 +217,7 @@ def softmax_then_matmul(rng: np.random.Generator, ball: Ball, scale: float,
     check(lambda d: torch.softmax(tw * fz(d), -1) @ fv(d), out, ball, rng)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=at_most(300), deadline=None)  # an example costs ~40 ms on 2 shared cores
 @given(seed=st.integers(0, 10**6), eps=EPS, norm=NORM,
        scale=st.sampled_from([0.01, 0.3, 3.0]), ln_eps=st.sampled_from([1e-5, 1e-2]))
 def test_affine_layernorm_encloses_every_functional(seed: int, eps: float, norm: str,
@@ -302,7 +304,7 @@ def test_affine_margin_lower_bounds_hold_against_pgd(kind: str, tmp_path: Path) 
                 assert m >= bound - 1e-12
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=at_most(300), deadline=None)  # an example costs ~70 ms on 2 shared cores
 @given(seed=st.integers(0, 10**6), eps=EPS, norm=NORM, matmul=st.booleans())
 def test_affine_product_of_exact_forms_holds_at_every_corner(seed: int, eps: float, norm: str,
                                                              matmul: bool) -> None:
@@ -336,7 +338,7 @@ def test_affine_product_of_exact_forms_holds_at_every_corner(seed: int, eps: flo
                 assert lo <= v <= hi, (lo, v, hi)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(deadline=None)
 @given(seed=st.integers(0, 10**6), d=st.integers(1, 4), q=st.integers(1, 9),
        spread=st.sampled_from([0.01, 1.0, 100.0]))
 def test_affine_box_to_two_is_above_every_corner(seed: int, d: int, q: int,
@@ -351,7 +353,7 @@ def test_affine_box_to_two_is_above_every_corner(seed: int, d: int, q: int,
     assert np.all(best <= bound * (1 + 1e-12)), (best, bound)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=at_most(200), deadline=None)  # an example costs ~40 ms on 2 shared cores
 @given(seed=st.integers(0, 10**6), eps=EPS, norm=NORM)
 def test_affine_token_radius_holds_on_the_ball(seed: int, eps: float, norm: str) -> None:
     """||T_t(X) - T_t(X0)||_2 per token within token_radius at the tokens' worst directions
@@ -375,7 +377,7 @@ def test_affine_token_radius_holds_on_the_ball(seed: int, eps: float, norm: str)
             assert np.all(dev <= rad), (dev, rad)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(deadline=None)
 @given(seed=st.integers(0, 10**6), which=st.sampled_from(["exp", "rsqrt", "reciprocal",
                                                          "square", "relu"]))
 def test_chord_candidate_encloses_the_convex_remainder(seed: int, which: str) -> None:
@@ -490,7 +492,7 @@ def test_split_lin_memo_under_threads_gives_each_form_its_own_sizes() -> None:
         assert all(pool.map(work, range(8)))
 
 
-@settings(max_examples=50, deadline=None)
+@settings(deadline=None)
 @given(seed=st.integers(0, 10**6), rows=st.integers(1, 40), cols=st.integers(1, 300),
        block=st.sampled_from([1, 7, 64, 1 << 18]))
 def test_abs_sum_in_blocks_gives_the_plain_sums(seed: int, rows: int, cols: int,
@@ -510,7 +512,7 @@ def test_abs_sum_in_blocks_gives_the_plain_sums(seed: int, rows: int, cols: int,
     assert np.array_equal(got, np.abs(a[..., lo:hi]).sum(axis=-1))
 
 
-@settings(max_examples=40, deadline=None)
+@settings(deadline=None)
 @given(seed=st.integers(0, 10**6), lead=st.sampled_from([(), (3,), (2, 3)]),
        k=st.integers(1, 5), m=st.integers(1, 5), p=st.integers(1, 7),
        side=st.sampled_from([0, 1]))

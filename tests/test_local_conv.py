@@ -26,6 +26,7 @@ from lsa_models.engine.rules import LOCAL_RULES
 from lsa_models.engine.values import Ball, LocalValue, input_value
 from lsa_models.onnx import analyse, load_onnx
 from lsa_models.onnx.ops import Node
+from tests.profile import at_most
 
 from .margins import descend_margin
 from .test_local_affine import _check, _source, _symbols
@@ -71,7 +72,7 @@ def _conv_case(scale: float, k: int, stride: int, dilation: int, pad_lo: int, pa
     return node, w, b, (1, c_in, *size), conv
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=at_most(60), deadline=None)  # an example costs ~90 ms on 2 shared cores
 @given(scale=st.sampled_from([1e-3, 1.0, 1e3]), k=st.integers(1, 3), stride=st.integers(1, 3),
        dilation=st.integers(1, 2), pad_lo=st.integers(0, 2), pad_hi=st.integers(0, 2),
        groups=st.sampled_from([1, 2]), seed=st.integers(0, 2**31 - 1),
@@ -203,7 +204,7 @@ def test_local_conv_pixel_classifier_robustness_radius(tmp_path: Path, norm: str
 # --- the affine forms through a Conv (affine_rules.linear; the robustness radius's route) ----
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=at_most(60), deadline=None)  # an example costs ~60 ms on 2 shared cores
 @given(scale=st.sampled_from([1e-3, 1.0, 1e3]), k=st.integers(1, 3), stride=st.integers(1, 3),
        dilation=st.integers(1, 2), pad_lo=st.integers(0, 2), pad_hi=st.integers(0, 2),
        groups=st.sampled_from([1, 2]), seed=st.integers(0, 2**31 - 1),

@@ -20,6 +20,7 @@ from lsa_models.engine.local import certify_local
 from lsa_models.engine.values import Ball
 from lsa_models.onnx import OnnxModel, load_onnx
 from tests.margins import boundary_point
+from tests.profile import at_most
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,7 @@ def _jac_norm(om: OnnxModel, x: np.ndarray, norm: str) -> float:
     return float(jacobian_norm(jac.reshape(-1, x.size), norm))
 
 
-@settings(max_examples=12)
+@settings(max_examples=at_most(12))  # an example costs ~5.7 s on 2 shared cores
 @given(seed=st.integers(0, 10**6), eps=st.sampled_from([1e-3, 1e-2, 1e-1]),
        norm=st.sampled_from(["2", "inf"]), kind=st.sampled_from(["mlp", "tf1"]))
 def test_local_bound_is_never_below_jacobians_in_the_ball(
@@ -91,7 +92,7 @@ def test_local_certify_rejects_a_bad_eps(models: dict[str, OnnxModel], eps: floa
         certify_local(models["mlp"], center().numpy(), eps, "2")
 
 
-@settings(max_examples=8)
+@settings(max_examples=at_most(8))  # an example costs ~4.7 s on 2 shared cores
 @given(seed=st.integers(0, 10**6), eps=st.sampled_from([1e-2, 1e-1]),
        norm=st.sampled_from(["2", "inf"]), kind=st.sampled_from(["mlp", "tf1"]))
 def test_local_structured_norms_hold_at_points_of_the_ball(
@@ -148,7 +149,7 @@ def test_local_forward_margin_is_proven_and_catches_a_wrong_centre(
     assert bad is None or bad >= 0.4e-6  # 1e-6 scale <= m (|c| + max|c|) <= m 2.0x scale
 
 
-@settings(max_examples=8)
+@settings(max_examples=at_most(8))  # an example costs ~4.1 s on 2 shared cores
 @given(seed=st.integers(0, 10**6), eps=st.sampled_from([1e-2, 1e-1]),
        norm=st.sampled_from(["2", "inf"]), kind=st.sampled_from(["mlp", "tf1"]))
 def test_local_value_ranges_hold_for_every_tensor(

@@ -22,6 +22,7 @@ from lsa_models.engine.layernorm import token_radius
 from lsa_models.engine.rules import ln_block_norms
 from lsa_models.engine.values import Ball, LocalNotCertified, enclose, widen_up
 from lsa_models.onnx import load_onnx
+from tests.profile import at_most
 
 
 def _ln_parts(u: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
@@ -33,7 +34,7 @@ def _ln_parts(u: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
     return z, w * (p - np.outer(z, z) / d)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(deadline=None)
 @given(seed=st.integers(0, 10**6), d=st.sampled_from([2, 4, 16]),
        scale=st.sampled_from([1e-3, 0.05, 1.0, 30.0]), frac=st.floats(0.0, 1.5),
        eps=st.sampled_from([1e-12, 1e-5, 1e-2]),
@@ -67,7 +68,7 @@ def test_ln_block_and_z_radius_bound_the_exact_change(seed: int, d: int, scale: 
         assert np.linalg.norm(z1 - z0) <= zrad[0] * (1 + 1e-9)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(deadline=None)
 @given(seed=st.integers(0, 10**6), d=st.sampled_from([3, 4, 16]),
        scale=st.sampled_from([1e-3, 0.05, 1.0, 30.0]), eps=st.sampled_from([1e-5, 1e-2, 1.0]),
        frac=st.sampled_from([1e-5, 1e-3, 0.1, 0.6]))
@@ -106,7 +107,7 @@ def test_ln_derivative_block_is_attained_along_its_worst_direction(seed: int, d:
         assert max(got[:2]) >= 0.99 * block, (got, block)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(deadline=None)
 @given(seed=st.integers(0, 10**6), norm=st.sampled_from(["2", "inf"]),
        eps=st.sampled_from([1e-3, 0.1, 2.0]), tokens=st.sampled_from([1, 3]))
 def test_token_radius_bounds_linear_maps_at_their_worst_inputs(seed: int, norm: str, eps: float,
@@ -130,7 +131,7 @@ def test_token_radius_bounds_linear_maps_at_their_worst_inputs(seed: int, norm: 
         assert worst <= rad[t] * (1 + 1e-12)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(deadline=None)
 @given(seed=st.integers(0, 10**6), k=st.sampled_from([1, 3]))
 def test_opnorm_elementwise_and_blockwise_bound_the_worst_scalings(seed: int, k: int) -> None:
     """||G diag(delta) J|| <= fn(G) for every |delta| <= s (the corners delta = +-s are the
@@ -180,7 +181,7 @@ def transformers(tmp_path_factory: pytest.TempPathFactory) -> dict:
             for k in ("tf1", "tf2")}
 
 
-@settings(max_examples=5, deadline=None)
+@settings(max_examples=at_most(5), deadline=None)  # an example costs ~6.7 s on 2 shared cores
 @given(seed=st.integers(0, 10**6), eps=st.sampled_from([3e-2, 0.1, 0.15]),
        kind=st.sampled_from(["tf1", "tf2"]))
 def test_local_two_norm_bound_holds_against_projected_ascent(transformers: dict, seed: int,
@@ -262,7 +263,7 @@ def _chain_second(chain: fused.Chain, consts: dict, x: np.ndarray) -> np.ndarray
     return h.detach().numpy()
 
 
-@settings(max_examples=40, deadline=None)
+@settings(deadline=None)
 @given(seed=st.integers(0, 10**6), width=st.sampled_from([1e-6, 0.1, 1.0, 5.0]),
        shift=st.floats(-6.0, 6.0))
 def test_fused_second_derivative_encloses_the_exact_one(gelu_chain: tuple, seed: int,
@@ -311,7 +312,7 @@ def torch_act_chain(request: pytest.FixtureRequest, tmp_path_factory: pytest.Tem
     return chain, _chain_consts(chain, env)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=at_most(40), deadline=None)  # an example costs ~60 ms on 2 shared cores
 @given(seed=st.integers(0, 10**6), width=st.sampled_from([1e-6, 0.1, 1.0, 5.0]),
        shift=st.floats(-6.0, 6.0))
 def test_fused_second_derivative_of_torch_activations_encloses_the_exact_one(
@@ -330,7 +331,7 @@ def test_fused_second_derivative_of_torch_activations_encloses_the_exact_one(
                       width * 4.0)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(deadline=None)
 @given(seed=st.integers(0, 10**6), eps=st.sampled_from([1e-2, 0.3, 1.0]), k=st.sampled_from([1, 4]))
 def test_opnorm_elementwise_curvature_form_bounds_tanh_changes(seed: int, eps: float,
                                                               k: int) -> None:
@@ -361,7 +362,7 @@ def test_opnorm_elementwise_curvature_form_bounds_tanh_changes(seed: int, eps: f
         assert np.linalg.norm(g @ np.diag(delta) @ a, 2) <= bound * (1 + 1e-9)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=at_most(30), deadline=None)  # an example costs ~90 ms on 2 shared cores
 @given(seed=st.integers(0, 10**6), eps=st.sampled_from([1e-2, 0.3, 1.0]),
        heads=st.sampled_from([1, 2]))
 def test_opnorm_matmul_bounds_the_bilinear_jacobian_change(seed: int, eps: float,
@@ -414,7 +415,7 @@ def _softmax_jac(z: np.ndarray) -> np.ndarray:
     return np.diag(p) - np.outer(p, p)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=at_most(40), deadline=None)  # an example costs ~130 ms on 2 shared cores
 @given(seed=st.integers(0, 10**6), n=st.sampled_from([2, 3, 8]),
        scale=st.sampled_from([0.1, 1.0, 5.0]), rho=st.sampled_from([1e-3, 0.1, 1.0, 4.0]))
 def test_softmax_derivative_block_bounds_the_exact_change(seed: int, n: int, scale: float,
@@ -453,7 +454,7 @@ def test_softmax_derivative_block_bounds_the_exact_change(seed: int, n: int, sca
         assert got <= block * (1 + 1e-9), (got, block)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(deadline=None)
 @given(seed=st.integers(0, 10**6), tokens=st.integers(1, 9), d=st.sampled_from([1, 3, 16]),
        p=st.sampled_from([2, 16, 40]), zeros=st.floats(0.0, 0.9),
        bad=st.sampled_from([None, np.inf, np.nan]))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from lsa_models.engine import fused
@@ -62,7 +62,6 @@ _FUNCS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "sigmoid": torch.sigmoid, "exp": torch.exp, "relu": torch.relu}
 
 
-@settings(max_examples=500)
 @given(seed=st.integers(0, 10**6), eps=st.sampled_from([1e-3, 1e-2, 1e-1, 1.0]),
        norm=st.sampled_from(["2", "inf"]), kind=st.sampled_from(sorted(_FUNCS) + [
            "sqrt", "reciprocal", "pow"]))
@@ -86,7 +85,6 @@ def test_local_elementwise_encloses_jacobian_and_values(seed: int, eps: float, n
     _check(fn, y, c, a, pts)
 
 
-@settings(max_examples=500)
 @given(seed=st.integers(0, 10**6), eps=st.sampled_from([1e-3, 1e-2, 1e-1, 1.0]),
        norm=st.sampled_from(["2", "inf"]), matmul=st.booleans())
 def test_local_product_encloses_jacobian_and_values(seed: int, eps: float, norm: str,
@@ -108,7 +106,6 @@ def test_local_product_encloses_jacobian_and_values(seed: int, eps: float, norm:
     _check(fn, y, c, a, _points(rng, eps, norm))
 
 
-@settings(max_examples=500)
 @given(seed=st.integers(0, 10**6), eps=st.sampled_from([1e-3, 1e-2, 1e-1, 1.0]),
        norm=st.sampled_from(["2", "inf"]))
 def test_local_softmax_encloses_jacobian_and_values(seed: int, eps: float, norm: str) -> None:
@@ -121,7 +118,6 @@ def test_local_softmax_encloses_jacobian_and_values(seed: int, eps: float, norm:
     _check(lambda t: torch.softmax(t, -1), y, c, a, _points(rng, eps, norm))
 
 
-@settings(max_examples=500)
 @given(seed=st.integers(0, 10**6), eps=st.sampled_from([1e-3, 1e-2, 1e-1]),
        norm=st.sampled_from(["2", "inf"]), ln_eps=st.sampled_from([1e-5, 1e-2, 1.0]))
 def test_local_layernorm_encloses_jacobian_and_values(seed: int, eps: float, norm: str,
@@ -164,7 +160,6 @@ def _chain(kind: str) -> tuple[Chain, dict[str, float], Callable[[torch.Tensor],
         torch.erf(x ** 3) * torch.sigmoid(x) / 2.0 - x)
 
 
-@settings(max_examples=300)
 @given(seed=st.integers(0, 10**6), width=st.sampled_from([1e-3, 0.1, 1.0, 4.0]),
        kind=st.sampled_from(["gelu_tanh", "mixed"]))
 def test_local_fused_chain_encloses_values_and_slopes(seed: int, width: float, kind: str) -> None:
@@ -203,7 +198,6 @@ def test_local_fused_chains_found_in_a_tanh_gelu_mlp(tmp_path: Path) -> None:
 
 # ---- structured norms (structured.py) --------------------------------------------------------
 
-@settings(max_examples=200)
 @given(seed=st.integers(0, 10**6), n=st.integers(1, 6), p=st.integers(1, 8))
 def test_local_inf_to_one_bound_is_above_the_brute_force_norm(seed: int, n: int, p: int) -> None:
     rng = np.random.default_rng(seed)

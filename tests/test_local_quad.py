@@ -27,6 +27,7 @@ from lsa_models.engine.local import robustness
 from lsa_models.engine.values import Ball, LocalNotCertified
 from lsa_models.onnx import OnnxModel, load_onnx
 from tests.margins import descend_margin
+from tests.profile import at_most
 from tests.test_local_affine import (
     EPS,
     NORM,
@@ -92,7 +93,7 @@ def _check(fn: Callable[[torch.Tensor], torch.Tensor], f: Aff, ball: Ball,
             assert lo <= v <= hi, (lo, v, hi)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=at_most(300), deadline=None)  # an example costs ~80 ms on 2 shared cores
 @given(seed=st.integers(0, 10**6), eps=EPS, norm=NORM,
        kind=st.sampled_from(["mul", "broadcast", "matmul", "square"]))
 def test_quad_product_encloses_every_functional(seed: int, eps: float, norm: str,
@@ -108,7 +109,7 @@ def test_quad_product_encloses_every_functional(seed: int, eps: float, norm: str
         _check(lambda d: g(d) * g(d), z, ball, rng)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(deadline=None)
 @given(seed=st.integers(0, 10**6), eps=EPS, norm=NORM)
 def test_quad_exact_product_is_exact_on_the_symbols(seed: int, eps: float, norm: str) -> None:
     """x = cx + Ax d, y = cy + Ay d exactly: the change of x * y is its linear part plus
@@ -133,7 +134,7 @@ def test_quad_exact_product_is_exact_on_the_symbols(seed: int, eps: float, norm:
             assert np.allclose(form, exact, rtol=1e-9, atol=1e-12 * float(scale.max()))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=at_most(200), deadline=None)  # an example costs ~90 ms on 2 shared cores
 @given(seed=st.integers(0, 10**6), eps=EPS, norm=NORM, scale=st.sampled_from([0.3, 3.0]))
 def test_quad_softmax_then_matmul_encloses_every_functional(seed: int, eps: float, norm: str,
                                                             scale: float) -> None:
@@ -143,7 +144,7 @@ def test_quad_softmax_then_matmul_encloses_every_functional(seed: int, eps: floa
         softmax_then_matmul(rng, ball, scale, _check)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=at_most(200), deadline=None)  # an example costs ~80 ms on 2 shared cores
 @given(seed=st.integers(0, 10**6), eps=EPS, norm=NORM,
        scale=st.sampled_from([0.01, 0.3, 3.0]), ln_eps=st.sampled_from([1e-5, 1e-2]))
 def test_quad_layernorm_encloses_every_functional(seed: int, eps: float, norm: str,
@@ -158,7 +159,7 @@ def _model(kind: str, tmp: Path) -> OnnxModel:
     return load_onnx(export(build(kind), tmp / f"{kind}.onnx").read_bytes())
 
 
-@settings(max_examples=300, deadline=None)
+@settings(deadline=None)
 @given(seed=st.integers(0, 10**6), p=st.integers(1, 7), eps=EPS,
        rank=st.sampled_from([1, 2, None]))
 def test_quad_two_bounds_the_symbols_on_the_two_ball(seed: int, p: int, eps: float,
@@ -275,7 +276,7 @@ def test_quad_robustness_radius_of_the_one_layer_transformer(tmp_path: Path) -> 
 
 
 
-@settings(max_examples=4, deadline=None)
+@settings(max_examples=at_most(4), deadline=None)  # an example costs ~15 s on 2 shared cores
 @given(seed=st.integers(0, 10**6), kind=st.sampled_from(["tf1", "tf2"]),
        ball=st.sampled_from([("inf", 1e-2), ("inf", 3e-2), ("2", 0.1), ("2", 0.2)]))
 def test_quad_lockstep_enclosure_holds_against_projected_ascent(
@@ -310,7 +311,7 @@ def test_quad_lockstep_tightens_the_two_ball(transformers: dict) -> None:
     assert quad < 0.85 * plain
 
 
-@settings(max_examples=300, deadline=None)
+@settings(deadline=None)
 @given(seed=st.integers(0, 10**6), eps=EPS, norm=NORM,
        kind=st.sampled_from(["mul", "broadcast", "matmul"]), q=st.integers(0, 12))
 def test_cross_budget_bounds_the_sum_of_the_cross_terms(seed: int, eps: float, norm: str,
@@ -350,7 +351,7 @@ def test_cross_budget_bounds_the_sum_of_the_cross_terms(seed: int, eps: float, n
             assert total <= budget * (1 + 1e-9) + 1e-300, (total, budget)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(deadline=None)
 @given(seed=st.integers(0, 10**6), n=st.integers(1, 9))
 def test_knapsack_is_the_largest_sum_within_the_group_budget(seed: int, n: int) -> None:
     """affine.knapsack(c, w) = max sum c_q t_q over 0 <= t <= 1, sum w_q t_q <= 1: no
@@ -389,7 +390,7 @@ def _exact_quantity(lin_in: np.ndarray, c: np.ndarray, d: np.ndarray, eps: float
     return total
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=at_most(200), deadline=None)  # an example costs ~70 ms on 2 shared cores
 @given(seed=st.integers(0, 10**6), p=st.integers(1, 6), eps=EPS, norm=NORM,
        kind=st.sampled_from(["general", "low-rank", "linear-dominated"]))
 def test_quad_low_is_below_the_margin_quantity_at_every_point(seed: int, p: int, eps: float,
@@ -467,7 +468,7 @@ def test_quad_low_beats_the_separate_bounds_at_the_margins(tmp_path: Path) -> No
     assert min(apart.values()) < 0.005 and min(joint.values()) > 0.01
 
 
-@settings(max_examples=300, deadline=None)
+@settings(deadline=None)
 @given(seed=st.integers(0, 10**6), p=st.integers(1, 7), eps=EPS,
        kind=st.sampled_from(["general", "low-rank", "definite"]))
 def test_quad_two_eig_bounds_the_symbols_and_is_attained(seed: int, p: int, eps: float,
@@ -501,7 +502,7 @@ def test_quad_two_eig_bounds_the_symbols_and_is_attained(seed: int, p: int, eps:
     assert bound <= float(affine.quad_two(c, p)) + allowance + 1e-300
 
 
-@settings(max_examples=100, deadline=None)
+@settings(deadline=None)
 @given(seed=st.integers(0, 10**6), p=st.integers(2, 9), n=st.integers(1, 12))
 def test_quad_two_eig_of_a_batch_reads_each_row_on_its_support(seed: int, p: int,
                                                                n: int) -> None:
@@ -545,7 +546,7 @@ def test_triu_pack_sym_is_the_upper_triangle_of_the_symmetrised_matrix() -> None
         iu == ju, 0.5, 2.0), c)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(deadline=None)
 @given(seed=st.integers(0, 10**6), tokens=st.integers(1, 4), width=st.integers(1, 3),
        eps=st.floats(1e-3, 1.0))
 def test_quadratic_on_the_two_ball_solves_each_entry_on_its_support(
@@ -585,7 +586,7 @@ def test_quadratic_on_the_two_ball_solves_each_entry_on_its_support(
                 assert lo[i, j] <= val <= hi[i, j]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(deadline=None)
 @given(seed=st.integers(0, 10**6), p=st.integers(2, 6), eps=EPS)
 def test_rough_lin_is_lin_or_above_it_without_eigenproblems(seed: int, p: int,
                                                            eps: float) -> None:

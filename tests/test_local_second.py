@@ -24,6 +24,7 @@ from lsa_models.engine import local_jacobian
 from lsa_models.engine import second as second_mod
 from lsa_models.onnx import load_onnx
 from lsa_models.onnx.loading import OnnxModel
+from tests.profile import at_most
 
 N, D = 4, 4
 
@@ -169,7 +170,7 @@ def _holds_at_points(rng: np.random.Generator, x0: np.ndarray, eps: float, hess:
         assert np.all(np.abs(term - lin) <= rest), float(np.max(np.abs(term - lin) - rest))
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=at_most(12), deadline=None)  # an example costs ~930 ms on 2 shared cores
 @given(seed=st.integers(0, 10**6), eps=st.sampled_from([1e-3, 1e-2, 0.05, 0.2]),
        act=st.sampled_from(["gelu_tanh", "tanh", "relu"]))
 def test_second_rule_bounds_each_term_at_points_of_the_ball(seed: int, eps: float,
@@ -217,7 +218,7 @@ def mlp(request: pytest.FixtureRequest) -> tuple[nn.Module, OnnxModel]:
     return _MLP(request.param, 3, width=16).double(), _export(_MLP(request.param, 3, width=16))
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=at_most(6), deadline=None)  # an example costs ~2.2 s on 2 shared cores
 @given(seed=st.integers(0, 10**6), eps=st.sampled_from([1e-3, 1e-2, 0.05, 0.2, 0.5]))
 def test_second_rows_hold_on_torch_mlps(mlp: tuple[nn.Module, OnnxModel], seed: int,
                                         eps: float) -> None:
@@ -241,7 +242,7 @@ def test_second_rows_hold_on_torch_mlps(mlp: tuple[nn.Module, OnnxModel], seed: 
             assert float(np.abs(jac[0] - jac[j]).sum()) <= bound
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=at_most(8), deadline=None)  # an example costs ~660 ms on 2 shared cores
 @given(seed=st.integers(0, 10**6), eps=st.sampled_from([1e-3, 1e-2, 0.05, 0.2]),
        act=st.sampled_from(["gelu_tanh", "tanh", "relu"]))
 def test_value_radius_bounds_the_checkpoint_values(seed: int, eps: float, act: str) -> None:
@@ -325,7 +326,7 @@ class _RowNet(nn.Module):
         return self.head(self.op(self.pre(x)).reshape(1, -1))
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=at_most(10), deadline=None)  # an example costs ~510 ms on 2 shared cores
 @given(seed=st.integers(0, 10**6), eps=st.sampled_from([1e-3, 1e-2, 0.05, 0.2]),
        scale=st.sampled_from([0.3, 1.0, 3.0]), kind=st.sampled_from(["layernorm", "softmax"]))
 def test_second_rule_bounds_the_row_op_term_at_points_of_the_ball(
@@ -377,7 +378,7 @@ class _Bilinear(nn.Module):
         return self.head((a @ b).reshape(1, -1))
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=at_most(10), deadline=None)  # an example costs ~450 ms on 2 shared cores
 @given(seed=st.integers(0, 10**6), eps=st.sampled_from([1e-3, 1e-2, 0.05, 0.2]),
        scale=st.sampled_from([0.3, 1.0, 3.0]))
 def test_second_rule_bounds_the_matmul_term_at_points_of_the_ball(
@@ -427,7 +428,7 @@ class _Gate(nn.Module):
         return self.head((a * b).reshape(1, -1))
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=at_most(10), deadline=None)  # an example costs ~460 ms on 2 shared cores
 @given(seed=st.integers(0, 10**6), eps=st.sampled_from([1e-3, 1e-2, 0.05, 0.2]),
        scale=st.sampled_from([0.3, 1.0, 3.0]), per_token=st.booleans())
 def test_second_rule_bounds_the_mul_term_at_points_of_the_ball(
@@ -510,7 +511,7 @@ def test_telescope_terms_memo_is_keyed_by_the_value_objects() -> None:
     assert tight._terms(out, swapped, None) is not first
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=at_most(12), deadline=None)  # an example costs ~300 ms on 2 shared cores
 @given(seed=st.integers(0, 10**6), eps=st.sampled_from([1e-2, 0.05, 0.2, 0.5]),
        act=st.sampled_from(["gelu_tanh", "tanh"]))
 def test_factored_jacobian_deviation_holds_on_the_second_layer(seed: int, eps: float,
@@ -550,7 +551,7 @@ def test_factored_jacobian_deviation_holds_on_the_second_layer(seed: int, eps: f
             assert lhs <= rhs * (1 + 1e-9) + 1e-15, (lhs, rhs)
 
 
-@settings(max_examples=16, deadline=None)
+@settings(max_examples=at_most(16), deadline=None)  # an example costs ~410 ms on 2 shared cores
 @given(seed=st.integers(0, 10**6), eps=st.sampled_from([1e-2, 0.05, 0.2, 0.5]),
        act=st.sampled_from(["gelu_tanh", "tanh"]), saturated=st.booleans())
 def test_elementwise_parts_alternatives_each_bound_the_term(seed: int, eps: float,
@@ -598,7 +599,7 @@ def test_elementwise_parts_alternatives_each_bound_the_term(seed: int, eps: floa
             assert np.all(r <= b * (1 + 1e-9)), (r, b)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(deadline=None)
 @given(seed=st.integers(0, 10**6), eps=st.sampled_from([1e-3, 1e-2, 0.1, 1.0]))
 def test_unfixed_signs_bound_every_corner(seed: int, eps: float) -> None:
     """second._unfixed_signs: for J_ip(X) = jc_ip + H_i[p] . d + rho_ip with |rho| <= r, the
@@ -625,7 +626,7 @@ def test_unfixed_signs_bound_every_corner(seed: int, eps: float) -> None:
         assert np.all(rows <= bound * (1 + 1e-12)), (rows, bound)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(deadline=None)
 @given(seed=st.integers(0, 10**6), eps=st.sampled_from([1e-3, 1e-2, 0.1, 0.5]))
 def test_signed_c2_bounds_the_ops_change_mixed_by_the_jfac_map(seed: int, eps: float) -> None:
     """second._signed_c2 with delta = 1 bounds |sum_c G_ic fm_cb (f'(u_c(X)) - f'(u_c(X0)))|
@@ -664,7 +665,7 @@ def test_signed_c2_bounds_the_ops_change_mixed_by_the_jfac_map(seed: int, eps: f
         assert worst > 0.3
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=at_most(6), deadline=None)  # an example costs ~1.8 s on 2 shared cores
 @given(seed=st.integers(0, 10**6), eps=st.sampled_from([0.1, 0.3]))
 def test_unfixed_factored_bounds_the_unfixed_entries_changes(seed: int, eps: float) -> None:
     """second._unfixed_factored: sum over the entries U of unfixed sign of |J_ip(X) - jc_ip|

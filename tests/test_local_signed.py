@@ -22,6 +22,7 @@ from lsa_models.engine.signed import layernorm_signed
 from lsa_models.engine.values import Ball, LocalValue, enclose
 from lsa_models.onnx import load_onnx
 from lsa_models.onnx.loading import OnnxModel
+from tests.profile import at_most
 
 
 def _ball_point(rng: np.random.Generator, norm: str, p: int, eps: float) -> np.ndarray:
@@ -44,7 +45,7 @@ def _phi(x: np.ndarray, a: np.ndarray, ln_eps: float) -> np.ndarray:
     return gx.numpy()
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=at_most(80), deadline=None)  # an example costs ~60 ms on 2 shared cores
 @given(seed=st.integers(0, 10**6), d=st.integers(2, 8), t=st.integers(1, 3),
        scale=st.sampled_from([0.05, 1.0, 4.0]), eps=st.sampled_from([1e-3, 0.05, 0.5, 2.0]),
        ln_eps=st.sampled_from([1e-5, 1e-2, 1.0]), adj=st.sampled_from([0.0, 1e-3, 0.3]),
@@ -111,7 +112,7 @@ def two_norms() -> OnnxModel:
         return load_onnx(path.read_bytes())
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=at_most(12), deadline=None)  # an example costs ~800 ms on 2 shared cores
 @given(seed=st.integers(0, 10**6), eps=st.sampled_from([1e-3, 1e-2, 0.1, 0.3]),
        scale=st.sampled_from([0.1, 1.0]))
 def test_signed_layernorm_terms_hold_at_every_corner(two_norms: OnnxModel, seed: int,
@@ -170,7 +171,7 @@ def tf1() -> OnnxModel:
         return load_onnx(export(build("tf1", seed=5), Path(tmp) / "tf1.onnx").read_bytes())
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=at_most(6), deadline=None)  # an example costs ~22 s on 2 shared cores
 @given(seed=st.integers(0, 10**6), eps=st.sampled_from([1e-3, 1e-2, 3e-2]))
 def test_signed_rows_hold_on_a_transformer(tf1: OnnxModel, seed: int, eps: float) -> None:
     """The signed output rows (`rows_abs`) and margin constants of the pre-norm Transformer
@@ -191,7 +192,7 @@ def test_signed_rows_hold_on_a_transformer(tf1: OnnxModel, seed: int, eps: float
             assert float(np.abs(jac[0] - jac[j]).sum()) <= bound
 
 
-@settings(max_examples=60, deadline=None)
+@settings(deadline=None)
 @given(seed=st.integers(0, 10**6), n=st.integers(2, 6), t=st.integers(1, 3),
        scale=st.sampled_from([0.1, 1.0, 5.0]), eps=st.sampled_from([1e-3, 0.05, 0.5]),
        adj=st.sampled_from([0.0, 1e-3, 0.3]), norm=st.sampled_from(["inf", "2"]))
@@ -229,7 +230,7 @@ def test_softmax_signed_bounds_the_adjoint_row_change(
             assert np.all(diff <= c[i] * (1 + 1e-9) + 1e-12), float(np.max(diff - c[i]))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(deadline=None)
 @given(seed=st.integers(0, 10**6), n=st.integers(1, 4), kk=st.integers(1, 4),
        m=st.integers(1, 4), h=st.integers(1, 2), eps=st.sampled_from([1e-3, 0.05, 0.5]),
        adj=st.sampled_from([0.0, 1e-3, 0.3]), norm=st.sampled_from(["inf", "2"]))

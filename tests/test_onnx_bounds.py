@@ -18,6 +18,7 @@ from lsa_models import DotProductMHA, Transformer, TransformerConfig, certify
 from lsa_models.bounds.formulas import dp_mha_out_radius, dp_mha_radius_bound
 from lsa_models.onnx import analyse, export_onnx, load_onnx
 from lsa_models.onnx.empirical import lower_bound
+from tests.profile import at_most
 
 
 def _dp_reference(m: DotProductMHA):  # type: ignore[no-untyped-def]
@@ -91,7 +92,7 @@ def test_dp_radius_bound_dominates_jacobian_inside_ball(shape: tuple[int, int], 
     assert float(f(x).norm(dim=-1).max()) <= out_r
 
 
-@settings(max_examples=40)
+@settings(max_examples=at_most(40))  # an example costs ~370 ms on 2 shared cores
 @given(shape=_shapes, n=st.integers(2, 4), causal=st.booleans(),
        radius=st.floats(0.5, 4.0), scale=st.floats(0.5, 3.0), seed=st.integers(0, 10**6))
 def test_dp_radius_bound_dominates_projected_gradient_ascent(
@@ -150,7 +151,7 @@ def _mlp_onnx(seed: int, widths: list[int], acts: list[str], residual: bool,
     return model.SerializeToString()
 
 
-@settings(max_examples=30)
+@settings(max_examples=at_most(30))  # an example costs ~80 ms on 2 shared cores
 @given(seed=st.integers(0, 10**6), depth=st.integers(1, 3), width=st.sampled_from([2, 3, 5]),
        acts=st.lists(st.sampled_from(["Relu", "Tanh", "Sigmoid", "Gelu"]), min_size=1,
                      max_size=3),

@@ -149,7 +149,7 @@ def test_onnx_conv_input_dependent_kernel_refused() -> None:
         OPS["Conv"].bound(node, [x, x], [(1, 3, 3, 3)], "2")
 
 
-@settings(max_examples=60, deadline=None)
+@settings(deadline=None)
 @given(scale=st.sampled_from([1e-3, 1.0, 1e3]), k=st.integers(1, 4), stride=st.integers(1, 3),
        dilation=st.integers(1, 2), pad=st.integers(0, 2), groups=st.sampled_from([1, 2]),
        seed=st.integers(0, 2**31 - 1), norm=st.sampled_from(["2", "inf"]),
@@ -220,7 +220,7 @@ def test_onnx_conv_run_matches_torch_with_padding() -> None:
     assert torch.equal(got, want)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(deadline=None)
 @given(scale=st.sampled_from([1e-3, 1.0, 1e3]), out=st.integers(1, 6), k=st.integers(1, 3),
        seed=st.integers(0, 2**31 - 1), norm=st.sampled_from(["2", "inf"]))
 def test_onnx_conv_rule_never_below_exact_jacobian(scale: float, out: int, k: int, seed: int,

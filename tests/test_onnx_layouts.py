@@ -47,7 +47,7 @@ def test_permuted_matmul_refuses_other_contractions(eq: str) -> None:
     assert _permuted_matmul(eq) is None
 
 
-@settings(max_examples=60, deadline=None)
+@settings(deadline=None)
 @given(rank=st.integers(2, 5), data=st.data())
 def test_softmax_perm_puts_keys_last_and_queries_second_to_last(rank: int,
                                                                 data: st.DataObject) -> None:

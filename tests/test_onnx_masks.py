@@ -19,6 +19,7 @@ from lsa_models.bounds.formulas import dp_mha_radius_bound
 from lsa_models.onnx import OnnxLoadError, analyse, load_onnx
 from lsa_models.onnx.empirical import lower_bound
 from tests.jacobians import jacobian_matrix, norm_of
+from tests.profile import at_most
 from tests.zoo.models_l2 import L2Expanded
 
 from .onnx_export import export_to
@@ -127,7 +128,7 @@ def test_replaced_dp_bound_dominates_jacobian_inside_ball(
     assert norm_of(jac, "inf") <= w.bound(radius, "inf")
 
 
-@settings(max_examples=40)
+@settings(max_examples=at_most(40))  # an example costs ~810 ms on 2 shared cores
 @given(shape=_shapes, n=st.integers(2, 4), radius=st.floats(0.5, 4.0),
        scale=st.floats(0.5, 3.0), bias=st.floats(0.0, 8.0), key_bias=st.floats(0.0, 40.0),
        seed=st.integers(0, 10**6), data=st.data())

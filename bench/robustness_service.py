@@ -1,7 +1,8 @@
 """Robustness certificates through the service, in one run against its own baseline: the
-radii computed directly (`service.local.robustness_of`, what POST /certify did inside the
-request before it became a job) beside the service's flow: the 202 of the first request, its
-job to the certificate, and a second request for another min_radius (the stored radii: 201).
+radii computed directly (`service.robustness.verdicts.robustness_of`, what POST /certify did
+inside the request before it became a job) beside the service's flow: the 202 of the first
+request, its job to the certificate, and a second request for another min_radius (the stored
+radii: 201).
 One in-process server (SQLite, in-process worker), the classifiers of bench/local_models.py.
 Writes bench/out/robustness_service.json and prints it.
 
@@ -35,7 +36,7 @@ def predicted(model: torch.nn.Module, x0: np.ndarray) -> int:
 
 def run_kind(c: Any, kind: str, root: Path) -> dict[str, Any]:
     from service.cli.inputs import load_model
-    from service.local import robustness_of
+    from service.robustness.verdicts import robustness_of
 
     net = build(kind, seed=0)
     path = export(net, root / f"{kind}.onnx")

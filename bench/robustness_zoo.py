@@ -31,7 +31,7 @@ import tests.zoo.tv_schemas  # noqa: E402,F401  (before timm/transformers import
 from lsa_models.engine import forward_ball  # noqa: E402
 from lsa_models.engine.local import robustness  # noqa: E402
 from lsa_models.onnx import load_onnx  # noqa: E402
-from service.local import model_input  # noqa: E402
+from service.bounds.local import model_input  # noqa: E402
 from tests.onnx_export import export_to  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"
@@ -138,7 +138,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
 
 
 class _Loaded:
-    """What service.local.model_input reads: the upload's ONNX model."""
+    """What service.bounds.local.model_input reads: the upload's ONNX model."""
 
     def __init__(self, om: Any) -> None:
         self.onnx = om

@@ -29,7 +29,7 @@ from bench.certified_accuracy import RADII  # noqa: E402
 from bench.local_models import build, center, export  # noqa: E402
 from lsa_models.engine.at_radius import SetReport  # noqa: E402
 from lsa_models.onnx import load_onnx  # noqa: E402
-from service.set_pool import decide_all  # noqa: E402
+from service.robustness.set_pool import decide_all  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"
 

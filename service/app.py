@@ -17,13 +17,18 @@ import anyio.to_thread
 from fastapi import FastAPI
 
 from . import tasks
+from .bounds import routes as bounds_routes
+from .certificates import routes as certificates_routes
 from .db import ensure_migrated, upgrade
 from .docs import install_docs
 from .errors import BodyLimitMiddleware, install_error_handlers
+from .jobs import routes as jobs_routes
 from .metrics import Metrics, MetricsMiddleware
-from .routes import bound, certificates, corpora, health, jobs, model_uploads
+from .models import routes as models_routes
+from .routes import health
 from .runtime import Runtime
 from .settings import Settings
+from .training import routes as training_routes
 
 log = logging.getLogger("lsa.service")
 
@@ -93,7 +98,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.metrics = metrics
     install_error_handlers(app)
     install_docs(app)
-    for module in (model_uploads, bound, certificates, jobs, corpora, health):
+    for module in (models_routes, bounds_routes, certificates_routes, jobs_routes, training_routes,
+                   health):
         app.include_router(module.router)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_upload_bytes + UPLOAD_OVERHEAD,
                        max_json_bytes=settings.max_json_bytes)

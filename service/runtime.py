@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from .artifacts import ArtifactStore
 from .broker import JobQueue
-from .certificates import load_or_create_signing_key
+from .certificates.service import load_or_create_signing_key
 from .compute import ComputePool
 from .db import make_engine, make_read_session_factory, make_session_factory
 from .metrics import Metrics

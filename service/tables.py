@@ -150,7 +150,7 @@ class RobustnessResultRow(Base):
     label: Mapped[int] = mapped_column(Integer)
     center_sha256: Mapped[str] = mapped_column(String(64))
     certified_radius: Mapped[float] = mapped_column(Float)
-    # service.local.robustness_of's object (what `lsa robustness --json` prints)
+    # service.robustness.verdicts.robustness_of's object (what `lsa robustness --json` prints)
     result: Mapped[dict[str, Any]] = mapped_column(JSON)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
@@ -171,7 +171,7 @@ class RobustnessSetResultRow(Base):
     n: Mapped[int] = mapped_column(Integer)
     inputs_sha256: Mapped[str] = mapped_column(String(64))
     certified_accuracy: Mapped[float] = mapped_column(Float)
-    # service.local.set_json's object (what `lsa robustness --inputs --json` prints)
+    # service.robustness.verdicts.set_json's object (what `lsa robustness --inputs --json` prints)
     result: Mapped[dict[str, Any]] = mapped_column(JSON)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 

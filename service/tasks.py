@@ -10,17 +10,17 @@ from multiprocessing import forkserver
 
 import dramatiq
 
-from .jobs import bound as bound_jobs
-from .jobs import robustness as robustness_jobs
-from .jobs import training as training_jobs
+from .bounds import jobs as bound_jobs
 from .jobs.registry import JOB_KINDS
 from .jobs.runner import recover_jobs, run_job
+from .robustness import jobs as robustness_jobs
 from .runtime import Runtime
+from .training import jobs as training_jobs
 
 HANDLER_MODULES = (bound_jobs, robustness_jobs, training_jobs)
-# service.set_pool.FORKSERVER_PRELOAD, named here so that starting the forkserver imports no
-# torch into this process (a test pins the two equal)
-SET_WORKERS_PRELOAD = ["service.set_pool"]
+# service.robustness.set_pool.FORKSERVER_PRELOAD, named here so that starting the forkserver
+# imports no torch into this process (a test pins the two equal)
+SET_WORKERS_PRELOAD = ["service.robustness.set_pool"]
 
 
 def start_worker(runtime: Runtime, queues: set[str] | None = None) -> dramatiq.Worker:

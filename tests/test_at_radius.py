@@ -293,7 +293,7 @@ def test_decide_certified_never_flips_on_random_models(tmp_path_factory: pytest.
 
 def test_robustness_cli_set_mode_cuts_images_into_patches(tmp_path: Path) -> None:
     """On an upload on pixels the inputs are images (S, C, H, W), each cut into the patches
-    the graph is analysed on (service.local.model_input); an image of another shape is
+    the graph is analysed on (service.bounds.local.model_input); an image of another shape is
     refused naming its index."""
     from tests.test_local_conv import _PixelNet
     from tests.test_onnx_recognition import _export

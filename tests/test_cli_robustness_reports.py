@@ -18,8 +18,8 @@ from typer.testing import CliRunner
 
 from bench.local_models import build, center, export
 from lsa_models.onnx import load_onnx
+from service.bounds.local import model_image, model_input
 from service.cli import app
-from service.local import model_image, model_input
 
 
 @pytest.fixture(scope="module")

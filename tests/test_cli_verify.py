@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 from api_schemas.certificates import Certificate
 from lsa_models import L2MHA, save
-from service.certificates import (
+from service.certificates.service import (
     load_or_create_signing_key,
     new_certificate_body,
     public_key_pem,
@@ -191,7 +191,7 @@ def test_verify_recompute_rejects_an_inconsistent_verdict(issued: dict[str, Path
 
 
 def test_verify_recompute_tolerance_is_relative_1e_9() -> None:
-    from service.cli.verify import same_bound
+    from service.certificates.cli_verify import same_bound
 
     assert same_bound(100.0, 100.0 * (1 + 5e-10))
     assert not same_bound(100.0, 100.0 * (1 + 2e-9))
@@ -243,12 +243,12 @@ def test_verify_exit_2_on_bad_input(issued: dict[str, Path], tmp_path: Path, cas
 def robust_issued(issued: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
                   ) -> dict[str, Any]:
     """An MLP classifier (ONNX), a centre, its radii, and a certificate signed with the
-    local key the way the server signs one (service.certificates.robustness_body)."""
+    local key the way the server signs one (service.certificates.service.robustness_body)."""
     import numpy as np
 
     from bench.local_models import build, center, export
-    from service.local import robustness_of
-    from service.certificates import robustness_body, sign
+    from service.certificates.service import robustness_body, sign
+    from service.robustness.verdicts import robustness_of
 
     root = tmp_path_factory.mktemp("robust")
     model = export(build("mlp", seed=3), root / "mlp.onnx")
@@ -274,7 +274,7 @@ def robust_issued(issued: dict[str, Path], tmp_path_factory: pytest.TempPathFact
 
 def _robust_forged(r: dict[str, Any], radius_factor: float = 1.0,
                    passed: bool | None = None) -> Path:
-    from service.certificates import robustness_body, sign
+    from service.certificates.service import robustness_body, sign
 
     radii = {**r["radii"], "certified_radius": r["radii"]["certified_radius"] * radius_factor}
     cert = sign(robustness_body(radii, 8, r["radii"]["certified_radius"] / 2), r["key"])

@@ -25,9 +25,9 @@ from typer.testing import CliRunner
 from api_schemas.certificates import Certificate
 from api_schemas.ci import CertifyReport
 from lsa_models import L2MHA, DotProductMHA, save
-from service.certificates import public_key_pem
+from service.bounds.cli import compute_report
+from service.certificates.service import public_key_pem
 from service.cli import app
-from service.cli.bound import compute_report
 
 BIN = Path(sys.executable).parent
 STARTUP_S = 90.0

@@ -17,7 +17,7 @@ from bench.trained.train import export, onnx_agreement
 from lsa_models.analysis import load_model_bytes
 from lsa_models.engine.at_radius import decide
 from lsa_models.engine.local import centre_margins
-from service.local import model_image, model_input
+from service.bounds.local import model_image, model_input
 
 pytest.importorskip("sklearn")
 

@@ -1,5 +1,7 @@
-"""The `lsa` command line. Each command group lives in its own module (named like the
-command) and registers on `common.app` when imported.
+"""The `lsa` command line. Each command group lives in its own module and registers on
+`common.app` when imported: a domain's commands in its package (`service.bounds.cli`,
+`service.robustness.cli`, `service.certificates.cli_certify` and `cli_verify`), the service's
+own (db, keys, serve, worker) and `supports` here.
 
 `lsa COMMAND ...` imports only that command's module: the others pull in SQLAlchemy, Alembic,
 FastAPI, uvicorn, httpx, ... (~1.5 s of a `lsa bound` run; bench/gpt2_bound.py). Anything
@@ -17,12 +19,23 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import typer
 
-COMMAND_NAMES = ("bound", "certify", "db", "keys", "robustness", "serve", "supports", "verify",
-                 "worker")
+# command -> the module that registers it
+COMMANDS = {
+    "bound": "service.bounds.cli",
+    "certify": "service.certificates.cli_certify",
+    "db": f"{__name__}.db",
+    "keys": f"{__name__}.keys",
+    "robustness": "service.robustness.cli",
+    "serve": f"{__name__}.serve",
+    "supports": f"{__name__}.supports",
+    "verify": "service.certificates.cli_verify",
+    "worker": f"{__name__}.worker",
+}
+COMMAND_NAMES = tuple(COMMANDS)
 
 
 def _load(names: tuple[str, ...]) -> tuple[ModuleType, ...]:
-    return tuple(importlib.import_module(f"{__name__}.{n}") for n in names)
+    return tuple(importlib.import_module(COMMANDS[n]) for n in names)
 
 
 def full_app() -> typer.Typer:

@@ -86,7 +86,7 @@ def load_set(loaded: Any, inputs: Path, labels: Path
     """(the inputs as the graph takes them, stacked: each as given, a pixel upload's image cut
     into its patches, exactly as a server takes them; the labels; the shape the inputs were
     given in). ValueError naming the option or input at fault."""
-    from ..local import model_input
+    from ..bounds.local import model_input
 
     xs = load_center(inputs, "--inputs", "the inputs stacked along a first axis")
     ys = load_labels(labels)

@@ -1,6 +1,7 @@
-"""Background jobs: the registry of job kinds, the job context and the runner. The handler
-modules (`jobs.bound`, `jobs.robustness`, `jobs.training`) register their kinds on import;
-`service.tasks` imports them all. The broker plumbing is `service.broker`."""
+"""Background jobs: the registry of job kinds, the job context, the runner and `GET /jobs`
+(routes). Each domain's handler module (`bounds.jobs`, `robustness.jobs`, `training.jobs`)
+registers its kinds on import; `service.tasks` imports them all. The broker plumbing is
+`service.broker`."""
 
 from ..broker import QUEUES
 from .context import JobAborted, JobContext

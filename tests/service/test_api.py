@@ -12,8 +12,8 @@ from sqlalchemy import func, select
 
 from lsa_models.analysis import load_model_bytes
 from service.app import create_app
-from service.certificates import verify_certificate
-from service.cli.bound import compute_report
+from service.bounds.cli import compute_report
+from service.certificates.service import verify_certificate
 from service.reports import bound_report
 from service.settings import Settings
 from service.tables import BoundResultRow, CertificateRow

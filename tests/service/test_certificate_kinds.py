@@ -1,7 +1,7 @@
 """Every kind of certificate judged alike by the library, `lsa verify` and POST
 /certificates/verify: one passing and one failing certificate of each kind, issued by the
 server, and a forgery of each (signed with the server's key, `passed` flipped) that all three
-judges refuse under the kind's pass rule (service.certificates)."""
+judges refuse under the kind's pass rule (service.certificates.service)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 from api_schemas.certificates import Certificate, CertificateBody
 from bench.local_models import build, center, export
 from service.app import create_app
-from service.certificates import (
+from service.certificates.service import (
     RULE_TEXT,
     kind_of,
     load_or_create_signing_key,

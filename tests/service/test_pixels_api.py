@@ -1,8 +1,8 @@
 """`at` on an upload on pixels (summary layout "pixels"): the image (1, C, H, W) or (C, H, W)
-is cut into the patches (P, C*kh*kw) the graph takes, in one place (service.local.model_input),
-exactly as the graph puts them back together; REST and CLI give the same local bound for both
-image shapes; any other shape is 422 / exit 2 naming both accepted shapes; a robustness request
-on an image is queued with the patches' centre."""
+is cut into the patches (P, C*kh*kw) the graph takes, in one place
+(service.bounds.local.model_input), exactly as the graph puts them back together; REST and CLI
+give the same local bound for both image shapes; any other shape is 422 / exit 2 naming both
+accepted shapes; a robustness request on an image is queued with the patches' centre."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from typer.testing import CliRunner
 
 from lsa_models.analysis import load_model_bytes
 from lsa_models.engine.driver import center_sha256
+from service.bounds.local import model_input
 from service.cli import app as cli
-from service.local import model_input
 
 from .conftest import upload
 

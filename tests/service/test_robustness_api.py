@@ -283,7 +283,7 @@ def test_robustness_bad_label_or_shape_is_422_before_any_job(
 
 def test_robustness_job_of_a_vanished_model_fails_naming_it(
         db_url: str, make_settings: Callable[..., Settings]) -> None:
-    from service.jobs.robustness import run_robustness
+    from service.robustness.jobs import run_robustness
     from service.runtime import Runtime
 
     rt = Runtime(make_settings(db_url))
@@ -301,7 +301,7 @@ def test_robustness_job_cancelled_mid_bisection_stores_nothing(
         monkeypatch: pytest.MonkeyPatch) -> None:
     import threading
 
-    from service.jobs.robustness import certificate_id_for_job
+    from service.robustness.jobs import certificate_id_for_job
     from service.tables import CertificateRow
 
     in_bisection, cancelled, aborted = threading.Event(), threading.Event(), threading.Event()
@@ -348,7 +348,7 @@ def test_robustness_job_rerun_after_a_crash_returns_its_certificate(
         client: TestClient, db_url: str, mlp_onnx: Path) -> None:
     from sqlalchemy import update
 
-    from service.jobs.robustness import run_robustness
+    from service.robustness.jobs import run_robustness
 
     m = upload(client, mlp_onnx.read_bytes(), "mlp.onnx")
     x0 = center(9).numpy().astype(np.float64)
@@ -369,10 +369,10 @@ def test_robustness_job_rerun_after_a_crash_returns_its_certificate(
 
 def test_robustness_certificate_of_a_job_is_stored_once(client: TestClient,
                                                         mlp_onnx: Path) -> None:
-    from service.bounding import ModelRef
+    from service.bounds.service import ModelRef
     from service.cli.inputs import load_model
-    from service.local import robustness_of
-    from service.robustness import issue_robustness_certificate
+    from service.robustness.service import issue_robustness_certificate
+    from service.robustness.verdicts import robustness_of
     from service.tables import UploadedModel
 
     m = upload(client, mlp_onnx.read_bytes(), "mlp.onnx")
@@ -395,7 +395,7 @@ def test_robustness_certificate_of_a_job_is_stored_once(client: TestClient,
 def test_robustness_jobs_for_the_same_radii_compute_them_once(
         db_url: str, mlp_onnx: Path, make_settings: Callable[..., Settings],
         monkeypatch: pytest.MonkeyPatch) -> None:
-    import service.jobs.robustness as robustness_jobs
+    import service.robustness.jobs as robustness_jobs
 
     calls = counted_calls(monkeypatch, robustness_jobs, "robustness_of")
     # the first job holds mid-bisection
@@ -476,7 +476,11 @@ def test_certified_accuracy_certificate_is_a_job_that_signs_the_verdicts(
                                      "--labels", str(tmp_path / "ys2.npy")])
     assert other.exit_code == 1 and "the certificate is for the set" in other.stdout
     # a correctly signed certificate whose statuses are not what the inputs get
-    from service.certificates import certified_accuracy_body, load_or_create_signing_key, sign
+    from service.certificates.service import (
+        certified_accuracy_body,
+        load_or_create_signing_key,
+        sign,
+    )
 
     key = load_or_create_signing_key(tmp_path / "k.pem")
     n = len(rs["statuses"])
@@ -540,7 +544,7 @@ def test_certified_accuracy_verdicts_are_stored_once_and_signed_for_any_threshol
     request with another threshold while the first job runs waits for it (the inputs are
     decided once), and after it, on a fresh server (empty caches), the same set is signed at
     once (201) against any threshold, with the stored statuses, and no new job."""
-    import service.jobs.robustness as robustness_jobs
+    import service.robustness.jobs as robustness_jobs
 
     calls = counted_calls(monkeypatch, robustness_jobs, "verdicts_of")
     # the first job holds after its first input
@@ -644,7 +648,7 @@ def test_certified_accuracy_counterexamples_are_flips_of_the_set(
     assert again["counterexamples"] == items
     # the memory cache keeps the verdicts without the points (as large as the inputs each)
     rt = client.app.state.runtime  # type: ignore[attr-defined]
-    from service.robustness import SET_MEMORY_PREFIX, set_result_key
+    from service.robustness.service import SET_MEMORY_PREFIX, set_result_key
 
     key = set_result_key(cert["model_sha256"], cert["robustness_set"]["inputs_sha256"], "inf",
                          0.05)
@@ -665,7 +669,7 @@ def test_certified_accuracy_job_decides_in_worker_processes_and_a_cancel_ends_th
     killed: tests/service/test_set_pool.py pins that on slower inputs) and stores nothing."""
     from lsa_models.engine import at_radius
     from lsa_models.onnx import load_onnx
-    from service import set_pool
+    from service.robustness import set_pool
 
     methods: list[str] = []
     pools: list[Any] = []

@@ -1,4 +1,4 @@
-"""Deciding a set in worker processes (service.set_pool): the verdicts are the library's
+"""Deciding a set in worker processes (service.robustness.set_pool): the verdicts are the library's
 serial ones (lsa_models.engine.at_radius.decide_all), forked from a single-threaded caller or
 from a forkserver beside other threads; a consumer that stops early ends the workers."""
 
@@ -18,7 +18,7 @@ from bench.local_models import build, center, export
 from lsa_models.engine import at_radius
 from lsa_models.engine.at_radius import decide_all
 from lsa_models.onnx import OnnxModel, load_onnx
-from service import set_pool
+from service.robustness import set_pool
 from service.tasks import SET_WORKERS_PRELOAD
 
 
@@ -36,7 +36,7 @@ def _same(a: at_radius.Verdict, b: at_radius.Verdict) -> bool:
 
 def test_the_forkserver_preloads_the_pool_module() -> None:
     """service.tasks names the preload without importing torch; it is the pool's."""
-    assert SET_WORKERS_PRELOAD == set_pool.FORKSERVER_PRELOAD == ["service.set_pool"]
+    assert SET_WORKERS_PRELOAD == set_pool.FORKSERVER_PRELOAD == ["service.robustness.set_pool"]
 
 
 def test_the_library_decides_a_set_serially() -> None:

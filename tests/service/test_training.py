@@ -293,7 +293,7 @@ def test_training_worker_without_the_signing_key_fails_clearly(
         sqlite_migrated: str, make_settings: Callable[..., Settings], tmp_path: Path) -> None:
     from api_schemas.training import TrainingSpec
     from service.jobs import submit_job
-    from service.jobs.training import TrainingJobParams
+    from service.training.jobs import TrainingJobParams
 
     missing = tmp_path / "no-key.pem"
     # A worker runtime: nothing consumes its queue, so run_job below is the only run.

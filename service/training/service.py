@@ -2,7 +2,7 @@
 the library's configs (`training_configs`), the checks made before a job is queued (limits,
 corpus), and storing a training outcome (artifacts, model row, signed certificate).
 
-Submitting and running the job is `service.jobs.training`. The trained model is registered
+Submitting and running the job is `service.training.jobs`. The trained model is registered
 like an upload: `lsa_models` loads a character-level LM as its continuous part (embedded
 tokens -> logits), so POST /bound works on it.
 
@@ -22,19 +22,19 @@ from sqlalchemy.orm import Session
 
 from api_schemas.training import ArtifactLink, TrainingResult, TrainingSpec
 
-from .artifacts import Staged, store_artifact, store_once
-from .bounding import load_bytes
-from .certificates import issue, training_body
-from .db import transaction
-from .errors import InvalidRequest, NotFound, Unprocessable
-from .settings import Settings
-from .tables import Artifact, Corpus, UploadedModel
+from ..artifacts import Staged, store_artifact, store_once
+from ..bounds.service import load_bytes
+from ..certificates.service import issue, training_body
+from ..db import transaction
+from ..errors import InvalidRequest, NotFound, Unprocessable
+from ..settings import Settings
+from ..tables import Artifact, Corpus, UploadedModel
 
 if TYPE_CHECKING:
     from lsa_models.lm import LMConfig
     from lsa_models.training import TrainConfig, TrainOutcome
 
-    from .runtime import Runtime
+    from ..runtime import Runtime
 
 # Certificate ids of training jobs are derived from the job id: a job re-run after a crash
 # finds the certificate its first run stored instead of training again.

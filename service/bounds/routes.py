@@ -21,15 +21,22 @@ from api_schemas.requests import (
     LocalBoundRequest,
 )
 
-from ..bounding import ModelRef, check_empirical_size, request_key, resolve_seq_len
-from ..certifying import find_model, report_json, stored_report_json
 from ..deps import RuntimeDep, WriteAccess
 from ..errors import InvalidRequest, responses
+from ..jobs.routes import accepted_response
 from ..jobs.runner import submit_keyed_job
-from ..local import ball_key, local_report_json, model_center
+from ..models.service import find_model
+from ..routes.kinds import mark_inferred
 from ..runtime import Runtime
-from .jobs import accepted_response
-from .kinds import mark_inferred
+from .local import ball_key, local_report_json, model_center
+from .service import (
+    ModelRef,
+    check_empirical_size,
+    report_json,
+    request_key,
+    resolve_seq_len,
+    stored_report_json,
+)
 
 router = APIRouter(tags=["bounds"])
 

@@ -9,11 +9,11 @@ from pydantic import BaseModel, ConfigDict
 
 from api_schemas.requests import EmpiricalParams
 
-from ..bounding import ModelRef, analytic_report, find_result, load_model, store_result
-from ..local import local_report_of
+from ..jobs.context import JobContext
+from ..jobs.registry import JobKind, register_job_kind
 from ..tables import UploadedModel
-from .context import JobContext
-from .registry import JobKind, register_job_kind
+from .local import local_report_of
+from .service import ModelRef, analytic_report, find_result, load_model, store_result
 
 
 class BoundJobParams(BaseModel):

@@ -1,7 +1,7 @@
 """`lsa verify CERT.json [MODEL]`: check a certificate offline.
 
 Three checks, each can only fail closed: the Ed25519 signature over every field and the
-verdict under the kind's pass rule (service.certificates.verify_certificate, as POST
+verdict under the kind's pass rule (service.certificates.service.verify_certificate, as POST
 /certificates/verify), the model
 file's sha256 against the certificate's, and (`--recompute`) the analytic bound recomputed
 here and compared with the certified one; for a robustness certificate, the radii recomputed
@@ -22,7 +22,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from pydantic import ValidationError
 
 from api_schemas.certificates import Certificate
-from service.certificates import (
+from service.bounds.local import model_input
+from service.certificates.service import (
     SigningKeyError,
     certified_accuracy,
     lipschitz,
@@ -31,11 +32,11 @@ from service.certificates import (
     verify_certificate,
 )
 from service.client import ClientConfig, ClientError, LSAClient
-from service.local import model_input, robustness_of
+from service.robustness.verdicts import robustness_of
 from service.settings import Settings
 
-from .bound import compute_report
-from .common import EXIT_FAILED, EXIT_OK, app, fail, set_threads
+from ..bounds.cli import compute_report
+from ..cli.common import EXIT_FAILED, EXIT_OK, app, fail, set_threads
 
 REL_TOL = 1e-9
 
@@ -248,7 +249,7 @@ def check_model_hash(cert: Certificate, model: Path) -> None:
 
 def check_recomputed(cert: Certificate, model: Path) -> None:
     """Exit 1 unless the bound recomputed here matches the certified one and gives the same
-    verdict under the Lipschitz pass rule (service.certificates.lipschitz)."""
+    verdict under the Lipschitz pass rule (service.certificates.service.lipschitz)."""
 
 
     set_threads()
@@ -274,13 +275,13 @@ def check_recomputed(cert: Certificate, model: Path) -> None:
 
 def check_recomputed_radius(cert: Certificate, model: Path, at: Path | None) -> None:
     """Exit 1 unless the radii recomputed here around `at` give the certified radius and the
-    same verdict under the robustness pass rule (service.certificates.robustness); exit 2
-    without `at`."""
+    same verdict under the robustness pass rule (service.certificates.service.robustness);
+    exit 2 without `at`."""
     from lsa_models import __version__  # deferred: torch
     from lsa_models.engine.driver import center_sha256, check_center
     from lsa_models.engine.local import as_onnx
 
-    from .inputs import load_center, load_model
+    from ..cli.inputs import load_center, load_model
 
     assert cert.robustness is not None
     if at is None:
@@ -328,9 +329,9 @@ def check_recomputed_set(cert: Certificate, model: Path, inputs: Path | None,
     (certified_accuracy >= threshold); exit 2 without them."""
     from lsa_models import __version__  # deferred: torch
 
-    from ..local import decide_set, inputs_sha256, set_json
+    from ..cli.inputs import load_model, load_set
+    from ..robustness.verdicts import decide_set, inputs_sha256, set_json
     from ..settings import default_set_workers
-    from .inputs import load_model, load_set
 
     rs = cert.robustness_set
     assert rs is not None

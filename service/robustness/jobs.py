@@ -20,9 +20,12 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import select
 
-from ..bounding import ModelRef, load_model
-from ..local import robustness_of, verdicts_of
-from ..robustness import (
+from ..bounds.service import ModelRef, load_model
+from ..jobs.context import JobContext
+from ..jobs.registry import JobKind, register_job_kind
+from ..runtime import Runtime
+from ..tables import CertificateRow, Job, UploadedModel
+from .service import (
     MEMORY_PREFIX,
     SET_MEMORY_PREFIX,
     issue_robustness_certificate,
@@ -33,10 +36,7 @@ from ..robustness import (
     stored_radii,
     stored_set,
 )
-from ..runtime import Runtime
-from ..tables import CertificateRow, Job, UploadedModel
-from .context import JobContext
-from .registry import JobKind, register_job_kind
+from .verdicts import robustness_of, verdicts_of
 
 CERT_NAMESPACE = uuid.UUID("3f7c2a9e-5b61-4f0e-9a2d-6c1e8b4d7a55")
 BISECTION_SHARE = 0.9  # of the job's progress; the attack and the signature take the rest

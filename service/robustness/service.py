@@ -25,14 +25,15 @@ from starlette.concurrency import run_in_threadpool
 from api_schemas.certificates import Certificate, Counterexamples
 from api_schemas.jobs import JobAccepted
 
-from .bounding import ModelRef, load_model
-from .certificates import certified_accuracy_body, issue, robustness_body, stored
-from .db import transaction
-from .errors import InvalidRequest, NotFound, PayloadTooLarge
-from .jobs.runner import submit_keyed_job
-from .local import inputs_sha256, model_center, run_counted
-from .runtime import Runtime
-from .tables import RobustnessResultRow, RobustnessSetResultRow
+from ..bounds.local import model_center, run_counted
+from ..bounds.service import ModelRef, load_model
+from ..certificates.service import certified_accuracy_body, issue, robustness_body, stored
+from ..db import transaction
+from ..errors import InvalidRequest, NotFound, PayloadTooLarge
+from ..jobs.runner import submit_keyed_job
+from ..runtime import Runtime
+from ..tables import RobustnessResultRow, RobustnessSetResultRow
+from .verdicts import inputs_sha256
 
 MEMORY_PREFIX = "robustness:"
 SET_MEMORY_PREFIX = "robustness-set:"
@@ -203,7 +204,7 @@ def set_result_key(model_sha256: str, inputs_digest: str, norm: str, radius: flo
 
 
 def stored_set(runtime: Runtime, key: str) -> dict[str, Any] | None:
-    """The stored verdicts of `key` (service.local.set_json's object), or None."""
+    """The stored verdicts of `key` (service.robustness.verdicts.set_json's object), or None."""
     return _stored_result(runtime, RobustnessSetResultRow, SET_MEMORY_PREFIX, key)
 
 

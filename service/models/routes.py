@@ -9,11 +9,11 @@ from fastapi.responses import FileResponse
 
 from api_schemas.uploads import ModelList, ModelOut
 
-from ..certifying import get_model, models_page, register_model
 from ..deps import ReadAccess, RuntimeDep, WriteAccess, in_thread
 from ..errors import NotFound, responses
+from ..routes.uploads import stage_upload
 from ..tables import UploadedModel
-from .uploads import stage_upload
+from .service import get_model, models_page, register_model
 
 router = APIRouter(tags=["models"])
 

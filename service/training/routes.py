@@ -12,9 +12,9 @@ from api_schemas.training import CorpusOut
 
 from ..deps import ReadAccess, RuntimeDep, WriteAccess, in_thread
 from ..errors import responses
+from ..routes.uploads import stage_upload
 from ..tables import Corpus
-from ..training import find_artifact, find_corpus, store_corpus
-from .uploads import stage_upload
+from .service import find_artifact, find_corpus, store_corpus
 
 router = APIRouter(tags=["training"])
 

@@ -13,9 +13,9 @@ import numpy as np
 import typer
 from rich.console import Console
 
-from .common import fail
-from .gate_reports import append_summary, set_junit_xml, set_summary_markdown, write_file
-from .inputs import check_radius, load_center, load_labels, load_model, load_set
+from ..cli.common import fail
+from ..cli.gate_reports import append_summary, set_junit_xml, set_summary_markdown, write_file
+from ..cli.inputs import check_radius, load_center, load_labels, load_model, load_set
 
 
 def verdicts_json(path: Path, inputs: Path, labels: Path, norm: str, radius: float,
@@ -25,7 +25,7 @@ def verdicts_json(path: Path, inputs: Path, labels: Path, norm: str, radius: flo
     certificate of it names); with `flips`, each attacked input's counterexample is appended
     to it as (index, label, flip class, distance, the point in the layout the input was
     given in)."""
-    from ..local import decide_set, flips_of, inputs_sha256, set_json
+    from .verdicts import decide_set, flips_of, inputs_sha256, set_json
 
     if norm not in ("2", "inf"):
         raise ValueError(f"--norm must be 2 or inf, got {norm!r}")
@@ -125,16 +125,16 @@ def set_reports(path: Path, norm: str, radius: float | None, gate: float | None,
 def sign_set_here(out: dict[str, Any], radius: float, gate: float, key_path: Path | None
                   ) -> Any:
     """The certified-accuracy certificate of the set mode's JSON, signed with the local key
-    as the server's (service.certificates: the same body and the certified_accuracy pass
+    as the server's (service.certificates.service: the same body and the certified_accuracy pass
     rule)."""
-    from service.certificates import (
+    from service.certificates.service import (
         SigningKeyError,
         certified_accuracy_body,
         load_or_create_signing_key,
         sign,
     )
 
-    from .certify import CertifyError, default_key_path
+    from ..certificates.cli_certify import CertifyError, default_key_path
 
     try:
         path = key_path if key_path is not None else default_key_path()

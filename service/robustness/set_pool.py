@@ -26,7 +26,7 @@ from lsa_models.onnx.loading import OnnxModel
 
 # The modules a forkserver imports once, before it forks the workers: a worker starts in
 # milliseconds instead of importing torch (seconds).
-FORKSERVER_PRELOAD = ["service.set_pool"]
+FORKSERVER_PRELOAD = ["service.robustness.set_pool"]
 
 
 def decide_all(model: Any, inputs: np.ndarray, labels: np.ndarray, norm: str, radius: float,

@@ -9,8 +9,8 @@ from api_schemas.jobs import JobAccepted, JobOut
 
 from ..deps import ReadAccess, RuntimeDep, WriteAccess, in_thread
 from ..errors import responses
-from ..jobs.runner import cancel, job_status
 from ..tables import ACTIVE_JOB_STATUSES, Job
+from .runner import cancel, job_status
 
 router = APIRouter(tags=["jobs"])
 

@@ -48,12 +48,12 @@ from api_schemas.certificates import (
     canonical_bytes,
 )
 
-from .db import after_commit, transaction
-from .errors import NotFound
-from .tables import CertificateRow
+from ..db import after_commit, transaction
+from ..errors import NotFound
+from ..tables import CertificateRow
 
 if TYPE_CHECKING:
-    from .runtime import Runtime
+    from ..runtime import Runtime
 
 
 # ---- the pass rules, one per kind -----------------------------------------------------------
@@ -170,8 +170,8 @@ ROBUSTNESS_FIELDS = ("label", "predicted", "certified_radius", "attack_radius", 
 
 def robustness_body(radii: dict[str, Any], seq_len: int, min_radius: float, *,
                     cert_id: str | None = None) -> CertificateBody:
-    """The robustness certificate of `radii` (service.local.robustness_of's object) against
-    `min_radius`."""
+    """The robustness certificate of `radii` (service.robustness.verdicts.robustness_of's
+    object) against `min_radius`."""
     from lsa_models.engine.local import METHOD  # deferred: torch
 
     section = {k: radii[k] for k in ROBUSTNESS_FIELDS}
@@ -188,8 +188,8 @@ def robustness_body(radii: dict[str, Any], seq_len: int, min_radius: float, *,
 def certified_accuracy_body(out: dict[str, Any], seq_len: int, min_radius: float,
                             min_accuracy: float, inputs_sha256: str, *,
                             cert_id: str | None = None) -> CertificateBody:
-    """The certified-accuracy certificate of a set's verdicts (service.local.set_json's
-    object) at `min_radius` against `min_accuracy`."""
+    """The certified-accuracy certificate of a set's verdicts
+    (service.robustness.verdicts.set_json's object) at `min_radius` against `min_accuracy`."""
     from lsa_models.engine.local import METHOD  # deferred: torch
 
     section = {"radius": min_radius, "n": out["n"], "counts": out["counts"],

@@ -1,6 +1,12 @@
 """Bounds as the service computes and stores them: the model snapshot requests work on,
-request keys, the size limits, the one report computation, and idempotent storage (identical
-requests are answered from the stored result)."""
+request keys, the size limits, the one report computation, idempotent storage (identical
+requests are answered from the stored result), and the Lipschitz certificate of a report.
+
+- `get_or_compute_report` / `report_json`: the stored report of a request, or compute and
+  store it (in the server: on the compute pool, off the request threads).
+- `issue_certificate`: a Lipschitz certificate of a report, issued by
+  `service.certificates.service.issue` (which holds every kind's pass rule).
+"""
 
 from __future__ import annotations
 
@@ -12,16 +18,21 @@ from typing import TYPE_CHECKING, Any, cast
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
 
 from api_schemas import BoundReport
 from api_schemas.bounds import Norm
+from api_schemas.certificates import Certificate
 
-from .errors import InvalidModel, InvalidRequest, ModelTooLarge
+from ..certificates.service import issue, lipschitz_body
+from ..compute import ComputeBusy
+from ..db import transaction
+from ..errors import InvalidModel, InvalidRequest, ModelTooLarge
 
-# Re-exported: service.training loads trained models through `bounding.load_bytes`.
-from .model_cache import load_bytes as load_bytes
-from .runtime import Runtime
-from .tables import BoundResultRow, UploadedModel
+# Re-exported: service.training.service loads trained models through `load_bytes` here.
+from ..model_cache import load_bytes as load_bytes
+from ..runtime import Runtime
+from ..tables import BoundResultRow, UploadedModel
 
 if TYPE_CHECKING:
     from lsa_models.analysis import LoadedModel
@@ -42,7 +53,7 @@ class ModelRef:
     fixed_seq_len: int | None
     ort_verified: bool
     # The upload's input layout (summary "layout"): "pixels" means `at` is an image that is
-    # cut into the patches the graph takes (service.local.model_input).
+    # cut into the patches the graph takes (service.bounds.local.model_input).
     layout: str | None = None
     # A fixed graph also answers to the tokens its attention sees (summary "seq_len_choices")
     seq_len_choices: tuple[int, ...] = ()
@@ -120,7 +131,7 @@ def analytic_report(runtime: Runtime, model: ModelRef, norm: str, seq_len: int,
                     radius: float | None, loaded: LoadedModel | None = None) -> BoundReport:
     """The one computation of a certified bound report (the bound engine extends it)."""
     # Deferred: service.reports imports lsa_models, hence torch (seconds at start-up).
-    from .reports import bound_report
+    from ..reports import bound_report
 
     loaded = loaded or load_model(runtime, model)
     try:
@@ -162,3 +173,81 @@ def best_lower(session: Session, model: ModelRef, norm: str, seq_len: int,
 
 def model_load_error(filename: str, exc: Exception) -> InvalidModel:
     return InvalidModel(f"{filename}: {exc}")
+
+
+def stored_report_json(runtime: Runtime, key: str) -> bytes | None:
+    """The stored report of request `key` as JSON bytes, or None (read-only transaction)."""
+    cached = runtime.reports.get(key)
+    if isinstance(cached, bytes):
+        return cached
+    with transaction(runtime.read_sessions) as s:
+        row = find_result(s, key)
+        report = None if row is None else dict(row.report)
+    if report is None:
+        return None
+    return _remember(runtime, key, BoundReport.model_validate(report))
+
+
+def _remember(runtime: Runtime, key: str, report: BoundReport) -> bytes:
+    body = report.model_dump_json().encode()
+    runtime.reports.put(key, body)
+    return body
+
+
+def compute_and_store(runtime: Runtime, model: ModelRef, norm: str, seq_len: int,
+                      radius: float | None) -> BoundReport:
+    """Compute the analytic report (no transaction open meanwhile), then store it in one
+    short write transaction. An identical request that stored first wins."""
+    key = request_key(model.sha256, norm, seq_len, radius, None)
+    report = analytic_report(runtime, model, norm, seq_len, radius)
+    with transaction(runtime.sessions) as s:
+        row = store_result(s, model, key, report, None)
+        stored = BoundReport.model_validate(row.report)
+    if runtime.metrics is not None:
+        runtime.metrics.bounds.inc()
+    _remember(runtime, key, stored)
+    return stored
+
+
+def get_or_compute_report(runtime: Runtime, model: ModelRef, norm: str, seq_len: int,
+                          radius: float | None) -> BoundReport:
+    """The certified bound report of this request: stored, or computed here and stored."""
+    key = request_key(model.sha256, norm, seq_len, radius, None)
+    stored = stored_report_json(runtime, key)
+    if stored is not None:
+        return BoundReport.model_validate_json(stored)
+    check_sync_size(runtime, model)
+    return compute_and_store(runtime, model, norm, seq_len, radius)
+
+
+async def report_json(runtime: Runtime, model: ModelRef, norm: str, seq_len: int,
+                      radius: float | None) -> bytes:
+    """`get_or_compute_report` for the server, as JSON bytes: the stored report from memory
+    or a read-only transaction, else computed on the compute pool (a bounded queue: 503 with
+    Retry-After when it is full). Request threads never wait for a computation."""
+    key = request_key(model.sha256, norm, seq_len, radius, None)
+    cached = runtime.reports.get(key)
+    if isinstance(cached, bytes):
+        return cached
+    stored = await run_in_threadpool(stored_report_json, runtime, key)
+    if stored is not None:
+        return stored
+    check_sync_size(runtime, model)
+    try:
+        report = await runtime.compute.run(
+            key, lambda: compute_and_store(runtime, model, norm, seq_len, radius))
+    except ComputeBusy:
+        if runtime.metrics is not None:
+            runtime.metrics.rejected.inc()
+        raise
+    assert isinstance(report, BoundReport)
+    return _remember(runtime, key, report)
+
+
+def issue_certificate(runtime: Runtime, model: ModelRef, report: BoundReport,
+                      threshold: float) -> Certificate:
+    """The Lipschitz certificate of `report` against `threshold`, with the best empirical
+    lower bound stored for its domain, issued in one short write transaction."""
+    with transaction(runtime.sessions) as s:
+        lower = best_lower(s, model, report.norm, report.seq_len, report.radius)
+        return issue(s, runtime, model.id, lipschitz_body(report, threshold, lower=lower))

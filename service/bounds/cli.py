@@ -15,7 +15,7 @@ from rich.table import Table
 
 from api_schemas import BoundReport
 
-from .common import app, fail, set_threads
+from ..cli.common import app, fail, set_threads
 
 NormOpt = Annotated[str, typer.Option("--norm", help="Input/output norm: 2 (Frobenius) or inf")]
 
@@ -160,7 +160,7 @@ def bound(
             if radius is not None:
                 raise ValueError("--radius and --at exclude each other: the ball around "
                                  "--at already bounds the input")
-            from .robustness import local_report
+            from ..robustness.cli import local_report
 
             report = local_report(path, norm, at, eps, empirical=options)
         else:

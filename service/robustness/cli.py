@@ -1,6 +1,7 @@
 """`lsa robustness MODEL --at X0.npy --label Y`: certified and attack radii (with --radius,
-the verdict at one radius; with --inputs, a set's: robustness_set.py); and the local (ball)
-report of `lsa bound --at X0.npy --eps E`, which shares its input handling (inputs.py)."""
+the verdict at one radius; with --inputs, a set's: cli_set.py); and the local (ball)
+report of `lsa bound --at X0.npy --eps E`, which shares its input handling
+(service/cli/inputs.py)."""
 
 from __future__ import annotations
 
@@ -15,13 +16,13 @@ from rich.console import Console
 
 from api_schemas import BoundReport
 
-from ..certificates import certified_accuracy
-from ..local import local_report_of, model_input, robustness_of
+from ..bounds.local import local_report_of, model_input
+from ..certificates.service import certified_accuracy
+from ..cli.common import EXIT_FAILED, app, fail, set_threads
+from ..cli.gate_reports import counterexamples_npz, set_message, write_file
+from ..cli.inputs import check_eps, check_radius, load_center, load_model
 from ..settings import default_set_workers
-from .common import EXIT_FAILED, app, fail, set_threads
-from .gate_reports import counterexamples_npz, set_message, write_file
-from .inputs import check_eps, check_radius, load_center, load_model
-from .robustness_set import (
+from .cli_set import (
     certificate_set,
     print_certificate,
     print_set,
@@ -31,6 +32,7 @@ from .robustness_set import (
     verdicts_json,
     verdicts_server,
 )
+from .verdicts import robustness_of
 
 
 def local_report(path: Path, norm: str, at: Path, eps: float | None, *,
@@ -59,7 +61,8 @@ def verdict_one_json(path: Path, at: Path, label: int, norm: str, radius: float,
                      flips: list[Any] | None = None) -> dict[str, Any]:
     from lsa_models.engine.at_radius import decide
 
-    from ..local import model_image, verdict_json
+    from ..bounds.local import model_image
+    from .verdicts import verdict_json
 
     if norm not in ("2", "inf"):
         raise ValueError(f"--norm must be 2 or inf, got {norm!r}")

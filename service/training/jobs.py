@@ -23,8 +23,10 @@ from api_schemas.training import TrainingSpec
 
 from ..db import transaction
 from ..errors import InvalidRequest, NotFound
+from ..jobs.registry import JobKind, register_job_kind
+from ..jobs.runner import JobContext, submit_job
 from ..tables import CertificateRow, Corpus, Job
-from ..training import (
+from .service import (
     certificate_id_for_job,
     check_corpus_fits,
     check_training_limits,
@@ -32,8 +34,6 @@ from ..training import (
     store_outcome,
     training_configs,
 )
-from .registry import JobKind, register_job_kind
-from .runner import JobContext, submit_job
 
 if TYPE_CHECKING:
     from lsa_models.data import CharCorpus

@@ -25,20 +25,20 @@ from api_schemas.requests import (
     TrainingRequest,
 )
 
-from ..bounding import resolve_seq_len
-from ..certificates import find_certificate, public_key_pem, verify_certificate
-from ..certifying import find_model, issue_certificate, report_json
+from ..bounds.service import issue_certificate, report_json, resolve_seq_len
 from ..deps import ReadAccess, RuntimeDep, WriteAccess, in_thread
 from ..errors import responses
-from ..jobs.training import queue_training
-from ..robustness import (
+from ..jobs.routes import accepted_response
+from ..models.service import find_model
+from ..robustness.service import (
     counterexamples,
     robustness_certificate,
     robustness_set_certificate,
 )
+from ..routes.kinds import mark_inferred
 from ..runtime import Runtime
-from .jobs import accepted_response
-from .kinds import mark_inferred
+from ..training.jobs import queue_training
+from .service import find_certificate, public_key_pem, verify_certificate
 
 router = APIRouter(tags=["certificates"])
 

@@ -27,7 +27,7 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedCo
 from api_schemas.bounds import BoundReport
 from api_schemas.certificates import Certificate
 from api_schemas.ci import CertifyReport, Outcome
-from service.certificates import (
+from service.certificates.service import (
     SigningKeyError,
     lipschitz_body,
     load_or_create_signing_key,
@@ -36,9 +36,9 @@ from service.certificates import (
 from service.client import ClientConfig, ClientError, LSAClient
 from service.settings import Settings
 
-from .bound import compute_report
-from .common import EXIT_ERROR, EXIT_FAILED, EXIT_OK, app, set_threads
-from .gate_reports import append_summary, junit_bytes, junit_suite, md_cell, write_file
+from ..bounds.cli import compute_report
+from ..cli.common import EXIT_ERROR, EXIT_FAILED, EXIT_OK, app, set_threads
+from ..cli.gate_reports import append_summary, junit_bytes, junit_suite, md_cell, write_file
 
 LOCAL_STEPS = ("loading and bounding the model", "signing the certificate")
 SERVER_STEPS = ("uploading the model", "computing the bound", "issuing the certificate")
@@ -135,7 +135,7 @@ def decision_message(cert: Certificate, bound: BoundReport) -> str:
 
 def certify_local(req: Request, key_path: Path | None, progress: StageProgress
                   ) -> tuple[Certificate, BoundReport]:
-    """The server's Lipschitz certificate (service.certificates: the same body and pass
+    """The server's Lipschitz certificate (service.certificates.service: the same body and pass
     rule), of a bound computed here, signed with the local key."""
 
 

@@ -229,9 +229,9 @@ def decide_all(model: Any, inputs: np.ndarray, labels: np.ndarray, norm: str, ra
     """`decide` for every (inputs[i], labels[i]) (inputs: a stack along the first axis), one
     after the other in this process; `progress(i, n, verdict)` and `decided(i + 1, n)` after
     each. Each verdict is the one `decide` gives alone (the attack is seeded per input), so a
-    caller may decide the inputs anywhere (the service's worker processes:
-    service.set_pool) and gather them with `gather_set`. ValueError for mismatched inputs
-    and labels."""
+    caller may decide the inputs anywhere (the service's worker processes,
+    service.robustness.set_pool) and gather them with `gather_set`. ValueError for mismatched
+    inputs and labels."""
     t0 = time.monotonic()
     om, jobs = prepare_set(model, inputs, labels)
     verdicts = (decide(om, x, y, norm, radius, seed=seed, sweep=sweep) for x, y in jobs)

@@ -71,6 +71,9 @@ _SLOW = {
         "test_robustness_jobs_for_the_same_radii_compute_them_once",
         "test_robustness_radii_are_stored_once_and_a_fresh_server_signs_from_them",
     ),
+    "tests/service/test_set_pool.py": (
+        "test_decide_all_in_worker_processes_gives_the_serial_verdicts",
+    ),
     "tests/test_at_radius.py": (
         "test_decide_agrees_with_the_radius_search",
     ),
@@ -88,8 +91,10 @@ _SLOW = {
     "tests/test_cli_verify.py": (
         "test_verify_recompute_robustness_reaches_the_same_radius",
         "test_verify_recompute_robustness_rejects_a_signed_but_wrong_radius",
+        "test_verify_recompute_robustness_rejects_an_inconsistent_verdict",
     ),
     "tests/test_e2e_server.py": (
+        "test_e2e_certify_server_fails_above_threshold_with_junit",
         "test_e2e_certify_server_passes_and_the_report_matches_the_api",
         "test_e2e_robustness_set_through_the_server_signs_the_local_statuses",
         "test_e2e_verify_server_key_and_recompute",

@@ -278,6 +278,16 @@ def _summary(rows: list[dict[str, Any]], norm: str, refusal: dict[str, Any] | No
     }
 
 
+def _certified_radius(row: dict[str, Any], norm: str) -> float | None:
+    """The radius search's certified radius, else the largest radius certified by a verdict
+    (0 when none was; None when lsa did not answer)."""
+    if row.get("certified_radius") is not None:
+        return float(row["certified_radius"])
+    if not row.get("verdicts"):
+        return None
+    return max([r for r in RADII[norm] if certified_at(row, r)], default=0.0)
+
+
 def plot(results: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -299,8 +309,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
             cert = [1.0, *s["certified_accuracy_of_k"].values()]
             ax.plot(rs, cert, "o-", color=color,
                     label=name + (" (refused)" if s["refused"] is not None else ""))
-            pts = [(r["pgd_attack_radius"], r["certified_radius"]) for r in s["images"]
-                   if r.get("certified_radius") is not None and r.get("pgd_attack_radius")]
+            pts = [(r["pgd_attack_radius"], c) for r in s["images"]
+                   if (c := _certified_radius(r, norm)) is not None and r.get("pgd_attack_radius")]
             if pts:
                 sc.scatter(*zip(*pts, strict=True), color=color, label=name, s=18)
         ax.set(title=f"L{norm}: certified (solid, of the first K correct) and PGD (dashed, "
@@ -309,7 +319,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ax.legend(fontsize=7)
         lim = ATTACK_HI[norm] / 4
         sc.plot([0, lim], [0, lim], "k:", lw=0.8)
-        sc.set(title=f"L{norm}: lsa certified radius vs PGD attack radius, per image",
+        sc.set(title=f"L{norm}: lsa certified radius (search, else largest certified verdict) "
+               "vs PGD attack radius, per image",
                xlabel="PGD attack radius", ylabel="lsa certified radius")
         sc.title.set_fontsize(8)
         sc.legend(fontsize=7)

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, reject, settings
+from hypothesis import example, given, reject, settings
 from hypothesis import strategies as st
 
 from bench.local_models import build, center, export
@@ -72,6 +72,7 @@ def test_ln_block_and_z_radius_bound_the_exact_change(seed: int, d: int, scale: 
 @given(seed=st.integers(0, 10**6), d=st.sampled_from([3, 4, 16]),
        scale=st.sampled_from([1e-3, 0.05, 1.0, 30.0]), eps=st.sampled_from([1e-5, 1e-2, 1.0]),
        frac=st.sampled_from([1e-5, 1e-3, 0.1, 0.6]))
+@example(seed=98233, d=3, scale=1e-3, eps=1.0, frac=1e-5)  # the reference's own rounding
 def test_ln_derivative_block_is_attained_along_its_worst_direction(seed: int, d: int,
                                                                    scale: float, eps: float,
                                                                    frac: float) -> None:
@@ -96,13 +97,16 @@ def test_ln_derivative_block_is_attained_along_its_worst_direction(seed: int, d:
     u = LocalValue(uc, uc, uc, np.zeros((1, d, 1)), np.zeros((1, d, 1)))
     block = float(ln_block_norms(u, np.array([[norm0]]), np.array([[rho]]), d, eps)[0])
     _, s0 = _ln_parts(u0, eps)
+    # the reference s1 - s0 is itself a float64 difference of O(|S|) entries: its rounding
+    # (a few ulps of max|S| per entry) is no looseness of the bound
+    noise = 8 * d * np.finfo(float).eps * float(np.abs(s0).max())
     got = []
     for du in (worst, -worst, rng.standard_normal(d)):
         du = du - du.mean()
         du *= rho / np.linalg.norm(du)
         _, s1 = _ln_parts(u0 + du, eps)
         got.append(np.linalg.norm(s1 - s0, 2))
-        assert got[-1] <= block * (1 + 1e-9), (got[-1], block)
+        assert got[-1] <= block * (1 + 1e-9) + noise, (got[-1], block)
     if frac <= 1e-3:
         assert max(got[:2]) >= 0.99 * block, (got, block)
 
@@ -458,6 +462,7 @@ def test_softmax_derivative_block_bounds_the_exact_change(seed: int, n: int, sca
 @given(seed=st.integers(0, 10**6), tokens=st.integers(1, 9), d=st.sampled_from([1, 3, 16]),
        p=st.sampled_from([2, 16, 40]), zeros=st.floats(0.0, 0.9),
        bad=st.sampled_from([None, np.inf, np.nan]))
+@example(seed=0, tokens=5, d=1, p=2, zeros=0.5, bad=None)  # an all-zero group in a batch
 def test_group_norms_bound_every_groups_spectral_norm(seed: int, tokens: int, d: int, p: int,
                                                       zeros: float, bad: float | None) -> None:
     """The batched token groups (one eigensolver call) and the groups taken one by one
@@ -476,7 +481,9 @@ def test_group_norms_bound_every_groups_spectral_norm(seed: int, tokens: int, d:
             assert got[r] == np.inf
             continue
         exact = float(np.linalg.norm(m[sl], 2))
-        assert exact <= got[r] <= exact * (1 + 1e-9) + 1e-300
+        # an all-zero group batched with others may get a bound of ~1e-90 (the eigensolver's
+        # floor): sound, and far below anything the rules read
+        assert exact <= got[r] <= exact * (1 + 1e-9) + 1e-80
 
 
 def test_widened_zeros_stay_out_of_subnormal_products() -> None:

@@ -110,8 +110,8 @@ def _l2_values(probe: Probe, envs: Sequence[Mapping[str, Tensor]], xs: list[np.n
         keep = s > s.max(initial=0.0) * max(layer.wq.shape[1:]) * np.finfo(float).eps
         u, s = u[:, keep], s[keep]
         um = u.T @ m  # (r, w)
-        outside = np.abs(m - u @ um).max() if m.size else 0.0
-        scale = float(np.abs(m).max()) if m.size else 0.0
+        outside = float(np.abs(m - u @ um).max())
+        scale = float(np.abs(m).max())
         if not outside <= _A_RTOL * scale:
             layer.reason = reason
             return

@@ -108,30 +108,6 @@ def _transpose(name: str, src: str, dst: str, perm: list[int], like: Node) -> No
     return Node(name, "Transpose", [src], [dst], {"perm": perm}, like.domain)
 
 
-def _lower_permuted(nd: Node, perms: tuple[list[int], list[int], list[int]]) -> list[Node]:
-    """Transpose both operands, MatMul, Transpose the product back: the same sums of
-    products as the Einsum (each output entry one dot product over the contracted index)."""
-    pa, pb, po = perms
-    ident = list(range(len(pa)))
-    a, b = nd.inputs
-    out: list[Node] = []
-    if pa != ident:
-        out.append(_transpose(f"{nd.name}/Transpose_a", a, f"{nd.outputs[0]}__einsum_a", pa,
-                              nd))
-        a = f"{nd.outputs[0]}__einsum_a"
-    if pb != ident:
-        out.append(_transpose(f"{nd.name}/Transpose_b", b, f"{nd.outputs[0]}__einsum_b", pb,
-                              nd))
-        b = f"{nd.outputs[0]}__einsum_b"
-    if po == list(range(len(po))):
-        out.append(Node(nd.name, "MatMul", [a, b], list(nd.outputs), {}, nd.domain))
-        return out
-    prod = f"{nd.outputs[0]}__einsum_ab"
-    out.append(Node(nd.name, "MatMul", [a, b], [prod], {}, nd.domain))
-    out.append(_transpose(f"{nd.name}/Transpose_out", prod, nd.outputs[0], po, nd))
-    return out
-
-
 def _split_einsum(nd: Node) -> list[Node]:
     """An Einsum of three or more operands as two-operand Einsums, the last two operands
     first (exact in real arithmetic: a sum over the same products; each intermediate keeps
@@ -298,8 +274,9 @@ def canonical_layouts(nodes: list[Node], model: onnx.ModelProto) -> list[Node]:
             eq = nd.attrs.get("equation", b"")
             eq = eq.decode() if isinstance(eq, bytes) else str(eq)
             perms = _permuted_matmul(eq)
-            if perms is not None:
-                out.extend(_lower_permuted(nd, perms))
+            if perms is not None:  # one free index each: the broadcast product, no Unsqueeze
+                pa, pb, po = perms
+                out.extend(_lower_broadcast(nd, (pa, [], pb, [], po), model))
                 continue
             plan = _broadcast_matmul(eq, dims.get(nd.inputs[0]))
             if plan is not None:

@@ -9,7 +9,8 @@ lists every difference (exit 1 when there is one). The ONNX exports are written 
 `bench/out/engine_golden/` (git-ignored) and reused, so both runs read the same bytes.
 
 Used to keep a refactoring of the drivers (bounds/analyzer.py, onnx/analyzer.py, the engine
-in lsa_models/layer_graph/) from moving any number: record on the old code, compare on the new.
+in lsa_models/bounds/layer_graph/) from moving any number: record on the old code, compare on
+the new.
 tests/test_layer_graph.py runs a small slice of the same cases against each other.
 """
 

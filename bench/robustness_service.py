@@ -68,7 +68,7 @@ def run_kind(c: Any, kind: str, root: Path) -> dict[str, Any]:
     assert second.json()["robustness"]["certified_radius"] == radius == \
         direct["certified_radius"]
     return {"kind": kind, "certified_radius": radius,
-            "bisection_steps": direct["bisection_steps"],
+            "sweep_runs": direct["sweep_runs"],
             "direct_s": direct_s, "first_request_202_s": accepted_s,
             "job_to_certificate_s": job_s, "second_min_radius_201_s": cached_s,
             "stages_seen": stages}

@@ -269,7 +269,7 @@ class RobustnessResult:
     center_sha256: str
     certify_seconds: float
     attack_seconds: float
-    bisection_steps: int  # engine runs of the radius sweep (the name is kept for callers)
+    sweep_runs: int  # engine runs of the radius sweep
     pair_constants: dict[int, float] = field(default_factory=dict)  # at certified_radius
     # which route certified the radius: "sweep" (margin constants integrated along the
     # segment) or "affine" (margin lower bounds from the affine forms, affine.py)
@@ -324,8 +324,10 @@ def _constants_at(om: OnnxModel, x: np.ndarray, r: float, norm: str, label: int,
     consts: dict[int, float] = {}
     if adj is None or turns is None or turns.won or turns.skipped + 1 >= ENCLOSURE_EVERY:
         try:
-            lj = local_jacobian(om, x, r, norm, margins_of=label,
-                                halvings=SWEEP_HALVINGS, whole=False)
+            # without the engine's half-ball walk (driver.HALVINGS): in a sweep its
+            # integrated values change the radii in the fourth digit for a third to a half of
+            # each run's time
+            lj = local_jacobian(om, x, r, norm, margins_of=label, halvings=0, whole=False)
             consts = _pair_constants(lj, label)
         except LocalNotCertified:
             consts = {}
@@ -343,11 +345,6 @@ def _constants_at(om: OnnxModel, x: np.ndarray, r: float, norm: str, label: int,
     return {j: v * (1 + 1e-12) for j, v in consts.items()}
 
 
-# the balls of radius r/2, ... the enclosure walks first in a sweep (the engine's default,
-# driver.HALVINGS = 1, tightens a single bound by a few percent): in a sweep the half ball's
-# integrated values change the radii in the fourth digit for a third to a half of each run's
-# time
-SWEEP_HALVINGS = 0
 # the margins' gradients also through the adjoint graph (adjoint.py), the smaller standing:
 # on the inf-ball (several times below the enclosure's on larger balls); on the 2-ball it is
 # smaller only on small balls and walks slower there (eigenvalues in every product): under

@@ -165,7 +165,7 @@ def lipschitz_body(report: BoundReport, threshold: float, *, lower: float | None
 
 # The radii's fields a robustness certificate signs (robustness_of's object less timings).
 ROBUSTNESS_FIELDS = ("label", "predicted", "certified_radius", "attack_radius", "margins",
-                     "pair_constants", "center_sha256", "bisection_steps")
+                     "pair_constants", "center_sha256", "sweep_runs")
 
 
 def robustness_body(radii: dict[str, Any], seq_len: int, min_radius: float, *,
@@ -174,7 +174,9 @@ def robustness_body(radii: dict[str, Any], seq_len: int, min_radius: float, *,
     object) against `min_radius`."""
     from lsa_models.engine.local import METHOD  # deferred: torch
 
-    section = {k: radii[k] for k in ROBUSTNESS_FIELDS}
+    # radii stored before the sweep's runs were named so call them bisection_steps
+    section = {k: radii[k] if k in radii or k != "sweep_runs" else radii["bisection_steps"]
+               for k in ROBUSTNESS_FIELDS}
     section["min_radius"] = min_radius
     fields: dict[str, Any] = {} if cert_id is None else {"id": cert_id}
     return _ruled(

@@ -41,7 +41,7 @@ def robustness_of(loaded: Any, sha256: str, x0: np.ndarray, label: int, norm: st
         "ratio": (r.certified_radius / r.attack_radius) if r.attack_radius else None,
         "margins": {str(j): m for j, m in r.margins.items()},
         "pair_constants": {str(j): c for j, c in r.pair_constants.items()},
-        "center_sha256": r.center_sha256, "bisection_steps": r.bisection_steps,
+        "center_sha256": r.center_sha256, "sweep_runs": r.sweep_runs,
         "certified_by": r.certified_by, "affine_radius": r.affine_radius,
         "affine_walks": r.affine_walks,
         "seconds": {"certify": r.certify_seconds, "attack": r.attack_seconds},

@@ -164,9 +164,9 @@ def test_robustness_certificate_is_a_job_then_cached_and_verifies(
     assert cert["threshold"] == 1e-9 and cert["upper"] is None
     # Progress named each engine run of the radius sweep with the radius certified so far.
     steps = [s for s in stages if re.match(r"radius sweep \d+/\d+, ", s)]
-    assert len(steps) == rob["bisection_steps"] > 1
+    assert len(steps) == rob["sweep_runs"] > 1
     assert steps[0].startswith("radius sweep 1/30, certified ")
-    assert steps[-1] == (f"radius sweep {rob['bisection_steps']}/30, certified "
+    assert steps[-1] == (f"radius sweep {rob['sweep_runs']}/30, certified "
                          f"{rob['certified_radius']:.3g}")
     # Another min_radius: the stored radii, signed at once (201), the same radius.
     too_far = client.post("/certify", json={**req, "min_radius": 2 * rob["certified_radius"]})

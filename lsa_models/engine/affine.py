@@ -579,8 +579,12 @@ def fresh(a: np.ndarray, b: np.ndarray, err: np.ndarray, budget: float | None = 
     w = p + used + nz.size
     if used - reserved + nz.size > MAX_SYMBOLS or b.size * w > MAX_FORM_ENTRIES:
         return a, b + err
-    out = np.zeros((b.size, w))
-    out[:, :a.shape[-1]] = a.reshape(b.size, -1)
+    # one pass: the old columns copied, only the new ones zeroed (np.zeros then a copy
+    # wrote every entry twice)
+    out = np.empty((b.size, w))
+    na = a.shape[-1]
+    out[:, :na] = a.reshape(b.size, -1)
+    out[:, na:] = 0.0
     out[nz, p + used + np.arange(nz.size)] = err.reshape(-1)[nz]
     groups = GROUPS.get()
     if groups is not None and budget is not None and 0 < budget < float(err.sum()):

@@ -529,6 +529,19 @@ def _with_pairs(x: Aff, y: Aff, ball: Ball, matmul: bool, a: np.ndarray, pairs: 
     return out, _up(err, 4)
 
 
+def _sum_cols(u: np.ndarray, v: np.ndarray, n: int) -> np.ndarray:
+    """_cols(u, n) + _cols(v, n) (broadcast) into one new array: the columns both hold
+    summed, the others copied, the rest 0 (the same numbers without the widened copies)."""
+    shape = np.broadcast_shapes(u.shape[:-1], v.shape[:-1])
+    nu, nv = u.shape[-1], v.shape[-1]
+    lo, hi = min(nu, nv), max(nu, nv)
+    out = np.empty((*shape, n))
+    np.add(u[..., :lo], v[..., :lo], out=out[..., :lo])
+    out[..., lo:hi] = u[..., lo:] if nu > nv else v[..., lo:]
+    out[..., hi:] = 0.0
+    return out
+
+
 def product(x: Aff, y: Aff, ball: Ball, matmul: bool, out_c: np.ndarray | None = None,
             out_m: np.ndarray | None = None) -> Aff:
     """x * y (broadcast) or x @ y. With x = x0 + Dx, x0 = cx + ex (|ex| <= mx) and
@@ -555,12 +568,13 @@ def product(x: Aff, y: Aff, ball: Ball, matmul: bool, out_c: np.ndarray | None =
     n = _width(x, y)
     wx, wy = x.c + x.o, ycx + y.o  # what the other's linear part multiplies
     if matmul:
-        ay = np.moveaxis(_cols(y.a, n), -1, 0)  # (P, ..., j, k)
-        ax = np.moveaxis(_cols(x.a, n), -1, 0)  # (P, ..., i, j)
-        a = np.moveaxis(np.matmul(wx, ay) + np.matmul(ax, wy), 0, -1)
+        ay = np.moveaxis(y.a, -1, 0)  # (P, ..., j, k)
+        ax = np.moveaxis(x.a, -1, 0)  # (P, ..., i, j)
+        a = _sum_cols(np.moveaxis(np.matmul(wx, ay), 0, -1),
+                      np.moveaxis(np.matmul(ax, wy), 0, -1), n)
         k = x.c.shape[-1]
     else:
-        a = wx[..., None] * _cols(y.a, n) + _cols(x.a, n) * wy[..., None]
+        a = _sum_cols(wx[..., None] * y.a, x.a * wy[..., None], n)
         k = 2
     o = mul(x.c, y.o) + mul(x.o, ycx) + mul(x.o, y.o)
     acx, acy = np.abs(x.c), np.abs(ycx)
@@ -641,14 +655,54 @@ def linear(node: Node, args: list, var: list[int], out_c: np.ndarray, out_m: np.
     fixed_abs = linear_consts(node, args, True, Aff)
     o = run(node, fixed, [v.o for v in vals])
     w = _width(*vals)
-    a = run_tangents(node, fixed, var, [_cols(v.a, w) for v in vals])
+    a = _additive(node, args, var, vals, w)
+    if a is None:
+        a = run_tangents(node, fixed, var, [_cols(v.a, w) for v in vals])
     k = max(int(np.prod(v.shape)) if v is not None else 1 for v in args)
     g = gamma(k)
     spread = run(absn, fixed_abs, [v.b + g * (np.abs(v.o) + rough_lin(v, ball))
                                    for v in vals])
     b = _up(np.broadcast_to(spread, out_c.shape) + g * np.abs(o), k + 4)
-    return Aff(out_c, out_m, np.broadcast_to(o, out_c.shape).copy(),
-               np.broadcast_to(a, (*out_c.shape, a.shape[-1])).copy(), b)
+    if a.shape[:-1] != out_c.shape:  # forms are never written in place: no copy otherwise
+        a = np.broadcast_to(a, (*out_c.shape, a.shape[-1])).copy()
+    return Aff(out_c, out_m, np.broadcast_to(o, out_c.shape).copy(), a, b)
+
+
+def _additive(node: Node, args: list, var: list[int], vals: list[Aff], w: int
+              ) -> np.ndarray | None:
+    """The linear part of Add / Sub / Neg without the op run on every column, where no
+    operand is broadcast: a form plus a constant keeps its coefficients (x + 0 and -x are
+    exact), two forms add theirs (the same sums the op forms, into one array instead of
+    through widened copies); None for anything else."""
+    t = node.op_type
+    if t not in ("Add", "Sub", "Neg") or len(args) > 2:
+        return None
+    shape = vals[0].shape
+    if any(v is None for v in args) or any(v.shape != shape for v in vals) or \
+            np.broadcast_shapes(*(v.shape if isinstance(v, Aff) else np.shape(v)
+                                  for v in args)) != shape:
+        return None
+    if t == "Neg":
+        return -vals[0].a
+    if len(var) == 1:
+        return -vals[0].a if t == "Sub" and var == [1] else vals[0].a
+    x, y = vals
+    out = np.empty((*shape, w))
+    nx, ny = x.a.shape[-1], y.a.shape[-1]
+    if nx >= ny:
+        out[..., nx:] = 0.0
+        np.add(x.a[..., :ny], y.a, out=out[..., :ny]) if t == "Add" else \
+            np.subtract(x.a[..., :ny], y.a, out=out[..., :ny])
+        out[..., ny:nx] = x.a[..., ny:]
+    else:
+        out[..., ny:] = 0.0
+        np.add(x.a, y.a[..., :nx], out=out[..., :nx]) if t == "Add" else \
+            np.subtract(x.a, y.a[..., :nx], out=out[..., :nx])
+        if t == "Add":
+            out[..., nx:ny] = y.a[..., nx:]
+        else:
+            np.negative(y.a[..., nx:], out=out[..., nx:ny])
+    return out
 
 
 def layout(node: Node, args: list, centers: list[np.ndarray | None], p: int) -> list:
@@ -672,6 +726,11 @@ def layout(node: Node, args: list, centers: list[np.ndarray | None], p: int) -> 
         else:
             ins.append(torch.from_numpy(np.array(v)))
     codes = OPS[node.op_type].run(node, ins, CTX)
+    forms = [v for v in args if isinstance(v, Aff)]
+    if len(forms) == 1 and forms[0].a.shape[-1] == p:
+        one = _layout_one(forms[0], codes, centers)
+        if one is not None:
+            return one
     o_all, a_all, b_all = (np.concatenate(rows_o), np.concatenate(rows_a),
                            np.concatenate(rows_b))
     out: list = []
@@ -682,6 +741,31 @@ def layout(node: Node, args: list, centers: list[np.ndarray | None], p: int) -> 
         idx = code.numpy().astype(np.int64)
         c = np.asarray(c, dtype=np.float64)
         out.append(Aff(c, center_margin(c), o_all[idx], a_all[idx], b_all[idx]))
+    return out
+
+
+def _layout_one(v: Aff, codes: list[torch.Tensor], centers: list[np.ndarray | None]
+                ) -> list | None:
+    """`layout` where every output entry is an entry of the one form v (codes 1..n, no
+    constant's 0): gathered from v's own rows, and where an output keeps v's order (a
+    Reshape, Squeeze, Flatten) its arrays reshaped without a copy; None where a code is 0."""
+    n = v.c.size
+    out: list = []
+    for code, c in zip(codes, centers, strict=False):
+        if c is None or not code.is_floating_point():
+            out.append(None)
+            continue
+        idx = code.numpy().astype(np.int64) - 1
+        if idx.size and (idx.min() < 0 or idx.max() >= n):
+            return None
+        c = np.asarray(c, dtype=np.float64)
+        w = v.a.shape[-1]
+        if idx.size == n and np.array_equal(idx.reshape(-1), np.arange(n)):
+            out.append(Aff(c, center_margin(c), v.o.reshape(idx.shape),
+                           v.a.reshape(*idx.shape, w), v.b.reshape(idx.shape)))
+            continue
+        out.append(Aff(c, center_margin(c), v.o.reshape(-1)[idx],
+                       v.a.reshape(n, w)[idx], v.b.reshape(-1)[idx]))
     return out
 
 
@@ -790,7 +874,7 @@ def layernorm(x: Aff, gamma_: np.ndarray, beta: np.ndarray | None, ln_eps: float
 def _add(x: Aff, y: Aff, ball: Ball) -> Aff:
     o = x.o + y.o
     n = _width(x, y)
-    a = _cols(x.a, n) + _cols(y.a, n)
+    a = _sum_cols(x.a, y.a, n)
     c = x.c + y.c
     g = 2 * U
     b = _up(x.b + y.b + g * (np.abs(o) + rough_lin(x, ball) + rough_lin(y, ball)), 4)
@@ -925,10 +1009,19 @@ def step(node: Node, args: list, centers: list[np.ndarray | None], ball: Ball,
     with np.errstate(over="ignore", invalid="ignore"):
         out = _step(node, args, centers, ball, ranges_of, chain, consts)
     for f in out:
-        if f is not None and not (np.all(np.isfinite(f.o)) and np.all(np.isfinite(f.a))
-                                  and np.all(np.isfinite(f.b))):
+        if f is not None and not (_finite(f.o) and _finite(f.a) and _finite(f.b)):
             raise NotAffine(f"{node.op_type} node {node.name}: a form overflowed")
     return out
+
+
+def _finite(v: np.ndarray) -> bool:
+    """Whether every entry of v is finite: a finite sum says so in one pass without a
+    temporary (an inf or nan entry makes the sum inf or nan); only a sum that is not
+    finite (an overflow of finite entries, or one that is not) is checked entry by entry."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        if np.isfinite(np.sum(v)):
+            return True
+    return bool(np.all(np.isfinite(v)))
 
 
 # a constant logit at or below this is an attention mask's: its softmax weight relative to any

@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
+from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Literal
@@ -569,22 +570,36 @@ def fresh(a: np.ndarray, b: np.ndarray, err: np.ndarray, budget: float | None = 
           ) -> tuple[np.ndarray, np.ndarray]:
     """Adds the nonnegative errors err (*S,) as new symbols to the form (a, b): one column per
     entry with err > 0 (or to the box b when the symbol budget is spent)."""
+    def fill(out: np.ndarray) -> None:
+        out[...] = a.reshape(out.shape)
+    return fresh_fill(fill, a.shape[-1], b, err, budget, a)
+
+
+def fresh_fill(fill: Callable[[np.ndarray], None], n: int, b: np.ndarray, err: np.ndarray,
+               budget: float | None = None, a: np.ndarray | None = None
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """`fresh` for coefficients (*S, n) that `fill(out)` writes into the view out of the
+    widened result (its first n columns): no copy of them into the wider array (the wide
+    forms are memory-bound: a copy costs as much as the product that made them). `a`: the
+    coefficients when already made (returned as they are where no column is added)."""
     space = SPACE.get()
     err = np.broadcast_to(err, b.shape)
     nz = np.flatnonzero(err > 0)
-    if space is None or nz.size == 0:
+    w = 0
+    if space is not None and nz.size:
+        p, used = space[0], space[1]
+        reserved = space[2] if len(space) > 2 else 0  # columns given out before the walk
+        w = p + used + nz.size
+        if used - reserved + nz.size > MAX_SYMBOLS or b.size * w > MAX_FORM_ENTRIES:
+            w = 0
+    if w == 0:
+        if a is None:
+            a = np.empty((*b.shape, n))
+            fill(a)
         return a, b + err
-    p, used = space[0], space[1]
-    reserved = space[2] if len(space) > 2 else 0  # columns given out before the walk
-    w = p + used + nz.size
-    if used - reserved + nz.size > MAX_SYMBOLS or b.size * w > MAX_FORM_ENTRIES:
-        return a, b + err
-    # one pass: the old columns copied, only the new ones zeroed (np.zeros then a copy
-    # wrote every entry twice)
     out = np.empty((b.size, w))
-    na = a.shape[-1]
-    out[:, :na] = a.reshape(b.size, -1)
-    out[:, na:] = 0.0
+    fill(out[:, :n].reshape(*b.shape, n, copy=False))  # a view: raises rather than copy
+    out[:, n:] = 0.0
     out[nz, p + used + np.arange(nz.size)] = err.reshape(-1)[nz]
     groups = GROUPS.get()
     if groups is not None and budget is not None and 0 < budget < float(err.sum()):
@@ -641,9 +656,14 @@ def select(x: Aff, y: Aff, ball: Ball, factor: float = 1.0) -> Aff:
     if not np.any(take):
         return x
     n = _width(x, y)
-    return Aff(x.c, x.m, np.where(take, y.o, x.o),
-               np.where(take[..., None], _cols(y.a, n), _cols(x.a, n)),
-               np.where(take, y.b, x.b), x.stochastic)
+    # row by row from the branch it takes (np.where over both widened arrays read and
+    # wrote every coefficient three times)
+    a = np.empty((*take.shape, n))
+    for src, rows in ((x.a, ~take), (y.a, take)):
+        w = src.shape[-1]
+        np.copyto(a[..., :w], src, where=rows[..., None])
+        np.copyto(a[..., w:], 0.0, where=rows[..., None])
+    return Aff(x.c, x.m, np.where(take, y.o, x.o), a, np.where(take, y.b, x.b), x.stochastic)
 
 
 def narrow(x: Aff, lo: np.ndarray | None, hi: np.ndarray | None, ball: Ball) -> Aff:
@@ -661,9 +681,12 @@ def narrow(x: Aff, lo: np.ndarray | None, hi: np.ndarray | None, ball: Ball) -> 
     take = (hw < COLLAPSE * width) | ~np.isfinite(width)
     if not np.any(take):
         return x
-    a = np.where(take[..., None], 0.0, x.a)
     b = np.where(take, 0.0, x.b)
-    a, b = fresh(a, b, np.where(take, hw, 0.0))
+
+    def fill(out: np.ndarray) -> None:  # the taken entries' rows zeroed, the rest kept
+        out[...] = x.a
+        out[take] = 0.0
+    a, b = fresh_fill(fill, x.a.shape[-1], b, np.where(take, hw, 0.0))
     return Aff(x.c, x.m, np.where(take, mid, x.o), a, b, x.stochastic)
 
 

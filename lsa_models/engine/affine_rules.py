@@ -31,6 +31,7 @@ from .affine import (
     dev,
     extreme_eigs,
     fresh,
+    fresh_fill,
     input_form,
     input_radius,
     interval,
@@ -289,10 +290,12 @@ def _scaled(x: Aff, lam: np.ndarray, err: np.ndarray, c: np.ndarray, m: np.ndarr
     o = lam * x.o
     if shift is not None:
         o = o + shift
-    a = lam[..., None] * x.a
     al = np.abs(lam)
     b = _up(al * x.b + 4 * U * (al * (np.abs(x.o) + lin_x) + np.abs(o)), 4)
-    a, b = fresh(a, b, _up(err, 1))
+
+    def fill(out: np.ndarray) -> None:  # lam * a, written where the form keeps it
+        np.multiply(lam[..., None], x.a, out=out)
+    a, b = fresh_fill(fill, x.a.shape[-1], b, _up(err, 1))
     return Aff(c, m, o, a, b)
 
 
@@ -453,10 +456,9 @@ def _rank_one(x: Aff, y: Aff, ball: Ball, lx: np.ndarray, ly: np.ndarray
     (broadcast; z = (d, e)): it is ((ax + ay) . z)^2 / 4 - ((ax - ay) . z)^2 / 4, so within
     [-lin(ax - ay)^2 / 4, lin(ax + ay)^2 / 4], and within +-lin(ax) lin(ay)."""
     n = _width(x, y)
-    ux, uy = np.broadcast_arrays(_cols(x.a, n), _cols(y.a, n))
-    c = np.zeros(ux.shape[:-1])
-    sp = lin(Aff(c, c, c, ux + uy, c), ball)
-    sm = lin(Aff(c, c, c, ux - uy, c), ball)
+    c = np.zeros(np.broadcast_shapes(x.a.shape[:-1], y.a.shape[:-1]))
+    sp = lin(Aff(c, c, c, _sum_cols(x.a, y.a, n), c), ball)
+    sm = lin(Aff(c, c, c, _sum_cols(x.a, y.a, n, sub=True), c), ball)
     ii = np.broadcast_to(lx * ly, sp.shape)
     lo = np.maximum(-_up(0.25 * sm * sm, 2), -ii)
     hi = np.minimum(_up(0.25 * sp * sp, 2), ii)
@@ -529,17 +531,46 @@ def _with_pairs(x: Aff, y: Aff, ball: Ball, matmul: bool, a: np.ndarray, pairs: 
     return out, _up(err, 4)
 
 
-def _sum_cols(u: np.ndarray, v: np.ndarray, n: int) -> np.ndarray:
-    """_cols(u, n) + _cols(v, n) (broadcast) into one new array: the columns both hold
-    summed, the others copied, the rest 0 (the same numbers without the widened copies)."""
-    shape = np.broadcast_shapes(u.shape[:-1], v.shape[:-1])
+def _sum_cols(u: np.ndarray, v: np.ndarray, n: int, sub: bool = False) -> np.ndarray:
+    """_cols(u, n) + _cols(v, n) (broadcast; `sub`: u - v) into one new array: the columns
+    both hold summed, the others copied (negated), the rest 0 (the same numbers without the
+    widened copies)."""
+    out = np.empty((*np.broadcast_shapes(u.shape[:-1], v.shape[:-1]), n))
+    _sum_into(u, v, out, sub)
+    return out
+
+
+def _sum_into(u: np.ndarray, v: np.ndarray, out: np.ndarray, sub: bool = False) -> None:
+    """`_sum_cols` written into out (..., n)."""
     nu, nv = u.shape[-1], v.shape[-1]
     lo, hi = min(nu, nv), max(nu, nv)
-    out = np.empty((*shape, n))
-    np.add(u[..., :lo], v[..., :lo], out=out[..., :lo])
-    out[..., lo:hi] = u[..., lo:] if nu > nv else v[..., lo:]
+    (np.subtract if sub else np.add)(u[..., :lo], v[..., :lo], out=out[..., :lo])
+    if nu > nv:
+        out[..., lo:hi] = u[..., lo:]
+    elif sub:
+        np.negative(v[..., lo:], out=out[..., lo:hi])
+    else:
+        out[..., lo:hi] = v[..., lo:]
     out[..., hi:] = 0.0
-    return out
+
+
+def _product_coefficients(x: Aff, y: Aff, wx: np.ndarray, wy: np.ndarray, matmul: bool
+                          ) -> Callable[[np.ndarray], None]:
+    """What writes the product's linear part wx Dy + Dx wy (`product`) into an array of the
+    output's shape (*S, n >= both widths): MatMul as two BLAS products, elementwise as
+    Dx wy then wx Dy added in place (a sum is the same either way round)."""
+    def fill_matmul(out: np.ndarray) -> None:
+        ay = np.moveaxis(y.a, -1, 0)  # (P, ..., j, k)
+        ax = np.moveaxis(x.a, -1, 0)  # (P, ..., i, j)
+        _sum_into(np.moveaxis(np.matmul(wx, ay), 0, -1),
+                  np.moveaxis(np.matmul(ax, wy), 0, -1), out)
+
+    def fill_mul(out: np.ndarray) -> None:
+        nx, ny = x.a.shape[-1], y.a.shape[-1]
+        np.multiply(x.a, wy[..., None], out=out[..., :nx])
+        out[..., nx:] = 0.0
+        out[..., :ny] += wx[..., None] * y.a
+    return fill_matmul if matmul else fill_mul
 
 
 def product(x: Aff, y: Aff, ball: Ball, matmul: bool, out_c: np.ndarray | None = None,
@@ -567,16 +598,16 @@ def product(x: Aff, y: Aff, ball: Ball, matmul: bool, out_c: np.ndarray | None =
     fy = np.maximum(np.abs(dylo), np.abs(dyhi))
     n = _width(x, y)
     wx, wy = x.c + x.o, ycx + y.o  # what the other's linear part multiplies
-    if matmul:
-        ay = np.moveaxis(y.a, -1, 0)  # (P, ..., j, k)
-        ax = np.moveaxis(x.a, -1, 0)  # (P, ..., i, j)
-        a = _sum_cols(np.moveaxis(np.matmul(wx, ay), 0, -1),
-                      np.moveaxis(np.matmul(ax, wy), 0, -1), n)
-        k = x.c.shape[-1]
-    else:
-        a = _sum_cols(wx[..., None] * y.a, x.a * wy[..., None], n)
-        k = 2
+    fill = _product_coefficients(x, y, wx, wy, matmul)
+    k = x.c.shape[-1] if matmul else 2
     o = mul(x.c, y.o) + mul(x.o, ycx) + mul(x.o, y.o)
+    a: np.ndarray | None = None  # made here where a rule below reads it, else in `fresh`
+
+    def made() -> np.ndarray:
+        shape = o.shape if matmul else np.broadcast_shapes(x.a.shape[:-1], y.a.shape[:-1])
+        out = np.empty((*shape, n))
+        fill(out)
+        return out
     acx, acy = np.abs(x.c), np.abs(ycx)
     aox, aoy = np.abs(x.o), np.abs(y.o)
     g = gamma(k + 3)
@@ -592,7 +623,8 @@ def product(x: Aff, y: Aff, ball: Ball, matmul: bool, out_c: np.ndarray | None =
         # the bilinear (d, s) part on the pair symbols; the (d, d) part on the second-order
         # symbols where they are on (its bound then 0 in the rest), else bounded there
         zq = None if qm is None else (np.zeros(qm.shape[:-2]), np.zeros(qm.shape[:-2]))
-        a, err = _with_pairs(x, y, ball, matmul, a, pairs, quad if zq is None else zq, mul)
+        a, err = _with_pairs(x, y, ball, matmul, made(), pairs, quad if zq is None else zq,
+                             mul)
         qmid = np.zeros_like(err)
         if qm is not None and qbase is not None:
             a, o, qerr = _put_quad(a, o, qm, qbase, ball, mul(lix, liy), k)
@@ -600,7 +632,7 @@ def product(x: Aff, y: Aff, ball: Ball, matmul: bool, out_c: np.ndarray | None =
     elif qm is not None and qbase is not None:
         # the input parts' product on the second-order symbols (affine.QUAD); the rest of
         # Lx Ly (input part x the symbols', symbols' x symbols') by their sizes
-        a, o, qerr = _put_quad(a, o, qm, qbase, ball, mul(lix, liy), k)
+        a, o, qerr = _put_quad(made(), o, qm, qbase, ball, mul(lix, liy), k)
         qmid = np.zeros_like(qerr)
         err = qerr + mul(lix, lsy) + mul(lsx, liy) + mul(lsx, lsy)
         if GROUPS.get() is not None:
@@ -624,7 +656,11 @@ def product(x: Aff, y: Aff, ball: Ball, matmul: bool, out_c: np.ndarray | None =
     b = b + g * (mul(acx + aox, ly) + mul(lx, acy + aoy) + mul(acx, aoy) + mul(aox, acy)
                  + mul(aox, aoy)) + g * np.abs(o)
     b = _up(b, k + 4)
-    a, b = fresh(a, b, _up(err, k + 4), budget)  # Lx Ly: a symbol per output entry
+    # Lx Ly: a symbol per output entry
+    if a is None:
+        a, b = fresh_fill(fill, n, b, _up(err, k + 4), budget)
+    else:
+        a, b = fresh(a, b, _up(err, k + 4), budget)
     if out_c is None:
         out_c = mul(x.c, y.c)
         out_m = _up(mul(acx, y.m) + mul(x.m, np.abs(y.c)) + mul(x.m, y.m)

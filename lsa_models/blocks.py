@@ -73,8 +73,4 @@ class Transformer(nn.Module):
         return x if self.final_norm is None else self.final_norm(x)
 
 
-def count_parameters(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
-
-
-__all__ = ["FeedForward", "Transformer", "TransformerBlock", "count_parameters"]
+__all__ = ["FeedForward", "Transformer", "TransformerBlock"]

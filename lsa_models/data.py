@@ -17,8 +17,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-TINY_CORPUS_NAME = "tiny_corpus.txt"
-
 
 class CorpusError(ValueError):
     """A corpus cannot be used; the message says why and what to do."""

@@ -23,9 +23,6 @@ class Domain:
         if self.radius is not None and not self.radius >= 0:
             raise ValueError(f"radius must be >= 0, got {self.radius}")
 
-    def with_radius(self, radius: float | None) -> Domain:
-        return Domain(self.seq_len, radius)
-
 
 @dataclass
 class LayerBound:

@@ -93,14 +93,10 @@ def rule_for(module: nn.Module) -> Any | None:
 
 
 class LoweringRule:
-    """Base of the lowering rules; `bound` lets them be called like the older rules."""
+    """Base of the lowering rules."""
 
     def lower(self, module: Any, name: str, lowering: Lowering) -> Layer:
         raise NotImplementedError
-
-    def bound(self, module: Any, name: str, norm: NormName, domain: Domain,
-              analyzer: Analyzer) -> Bound:
-        return analyzer.bound(module, name, domain)
 
 
 def compose(bounds: list[Bound]) -> Bound:

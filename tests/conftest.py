@@ -74,6 +74,9 @@ _SLOW = {
     "tests/service/test_set_pool.py": (
         "test_decide_all_in_worker_processes_gives_the_serial_verdicts",
     ),
+    "tests/test_affine_fast.py": (
+        "test_fast_walk_gives_the_reference_margins_and_holds_against_pgd",
+    ),
     "tests/test_at_radius.py": (
         "test_decide_agrees_with_the_radius_search",
     ),

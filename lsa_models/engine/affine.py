@@ -566,6 +566,17 @@ def _width(*xs: Aff) -> int:
     return max(x.a.shape[-1] for x in xs)
 
 
+# The walk's arithmetic without its fast paths (widened copies, np.where over whole arrays,
+# ops run column by column): the same numbers, slower; tests/test_affine_fast.py pins the
+# fast paths against it.
+REFERENCE = False
+
+
+def reference() -> bool:
+    """Whether the walk runs without its fast paths (`REFERENCE`, read when called)."""
+    return REFERENCE
+
+
 def fresh(a: np.ndarray, b: np.ndarray, err: np.ndarray, budget: float | None = None
           ) -> tuple[np.ndarray, np.ndarray]:
     """Adds the nonnegative errors err (*S,) as new symbols to the form (a, b): one column per
@@ -597,9 +608,16 @@ def fresh_fill(fill: Callable[[np.ndarray], None], n: int, b: np.ndarray, err: n
             a = np.empty((*b.shape, n))
             fill(a)
         return a, b + err
-    out = np.empty((b.size, w))
-    fill(out[:, :n].reshape(*b.shape, n, copy=False))  # a view: raises rather than copy
-    out[:, n:] = 0.0
+    if REFERENCE:
+        if a is None:
+            a = np.empty((*b.shape, n))
+            fill(a)
+        out = np.zeros((b.size, w))
+        out[:, :n] = a.reshape(b.size, -1)
+    else:
+        out = np.empty((b.size, w))
+        fill(out[:, :n].reshape(*b.shape, n, copy=False))  # a view: raises rather than copy
+        out[:, n:] = 0.0
     out[nz, p + used + np.arange(nz.size)] = err.reshape(-1)[nz]
     groups = GROUPS.get()
     if groups is not None and budget is not None and 0 < budget < float(err.sum()):
@@ -656,6 +674,10 @@ def select(x: Aff, y: Aff, ball: Ball, factor: float = 1.0) -> Aff:
     if not np.any(take):
         return x
     n = _width(x, y)
+    if REFERENCE:
+        return Aff(x.c, x.m, np.where(take, y.o, x.o),
+                   np.where(take[..., None], _cols(y.a, n), _cols(x.a, n)),
+                   np.where(take, y.b, x.b), x.stochastic)
     # row by row from the branch it takes (np.where over both widened arrays read and
     # wrote every coefficient three times)
     a = np.empty((*take.shape, n))
@@ -682,6 +704,9 @@ def narrow(x: Aff, lo: np.ndarray | None, hi: np.ndarray | None, ball: Ball) -> 
     if not np.any(take):
         return x
     b = np.where(take, 0.0, x.b)
+    if REFERENCE:
+        a, b = fresh(np.where(take[..., None], 0.0, x.a), b, np.where(take, hw, 0.0))
+        return Aff(x.c, x.m, np.where(take, mid, x.o), a, b, x.stochastic)
 
     def fill(out: np.ndarray) -> None:  # the taken entries' rows zeroed, the rest kept
         out[...] = x.a

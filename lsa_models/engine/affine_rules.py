@@ -535,6 +535,8 @@ def _sum_cols(u: np.ndarray, v: np.ndarray, n: int, sub: bool = False) -> np.nda
     """_cols(u, n) + _cols(v, n) (broadcast; `sub`: u - v) into one new array: the columns
     both hold summed, the others copied (negated), the rest 0 (the same numbers without the
     widened copies)."""
+    if reference():
+        return _cols(u, n) - _cols(v, n) if sub else _cols(u, n) + _cols(v, n)
     out = np.empty((*np.broadcast_shapes(u.shape[:-1], v.shape[:-1]), n))
     _sum_into(u, v, out, sub)
     return out
@@ -560,12 +562,21 @@ def _product_coefficients(x: Aff, y: Aff, wx: np.ndarray, wy: np.ndarray, matmul
     output's shape (*S, n >= both widths): MatMul as two BLAS products, elementwise as
     Dx wy then wx Dy added in place (a sum is the same either way round)."""
     def fill_matmul(out: np.ndarray) -> None:
+        if reference():
+            n = out.shape[-1]
+            ay, ax = np.moveaxis(_cols(y.a, n), -1, 0), np.moveaxis(_cols(x.a, n), -1, 0)
+            out[...] = np.moveaxis(np.matmul(wx, ay) + np.matmul(ax, wy), 0, -1)
+            return
         ay = np.moveaxis(y.a, -1, 0)  # (P, ..., j, k)
         ax = np.moveaxis(x.a, -1, 0)  # (P, ..., i, j)
         _sum_into(np.moveaxis(np.matmul(wx, ay), 0, -1),
                   np.moveaxis(np.matmul(ax, wy), 0, -1), out)
 
     def fill_mul(out: np.ndarray) -> None:
+        if reference():
+            n = out.shape[-1]
+            out[...] = wx[..., None] * _cols(y.a, n) + _cols(x.a, n) * wy[..., None]
+            return
         nx, ny = x.a.shape[-1], y.a.shape[-1]
         np.multiply(x.a, wy[..., None], out=out[..., :nx])
         out[..., nx:] = 0.0
@@ -699,7 +710,7 @@ def linear(node: Node, args: list, var: list[int], out_c: np.ndarray, out_m: np.
     spread = run(absn, fixed_abs, [v.b + g * (np.abs(v.o) + rough_lin(v, ball))
                                    for v in vals])
     b = _up(np.broadcast_to(spread, out_c.shape) + g * np.abs(o), k + 4)
-    if a.shape[:-1] != out_c.shape:  # forms are never written in place: no copy otherwise
+    if a.shape[:-1] != out_c.shape or reference():  # forms are never written in place
         a = np.broadcast_to(a, (*out_c.shape, a.shape[-1])).copy()
     return Aff(out_c, out_m, np.broadcast_to(o, out_c.shape).copy(), a, b)
 
@@ -711,7 +722,7 @@ def _additive(node: Node, args: list, var: list[int], vals: list[Aff], w: int
     exact), two forms add theirs (the same sums the op forms, into one array instead of
     through widened copies); None for anything else."""
     t = node.op_type
-    if t not in ("Add", "Sub", "Neg") or len(args) > 2:
+    if reference() or t not in ("Add", "Sub", "Neg") or len(args) > 2:
         return None
     shape = vals[0].shape
     if any(v is None for v in args) or any(v.shape != shape for v in vals) or \
@@ -763,7 +774,7 @@ def layout(node: Node, args: list, centers: list[np.ndarray | None], p: int) -> 
             ins.append(torch.from_numpy(np.array(v)))
     codes = OPS[node.op_type].run(node, ins, CTX)
     forms = [v for v in args if isinstance(v, Aff)]
-    if len(forms) == 1 and forms[0].a.shape[-1] == p:
+    if len(forms) == 1 and forms[0].a.shape[-1] == p and not reference():
         one = _layout_one(forms[0], codes, centers)
         if one is not None:
             return one
@@ -1055,7 +1066,7 @@ def _finite(v: np.ndarray) -> bool:
     temporary (an inf or nan entry makes the sum inf or nan); only a sum that is not
     finite (an overflow of finite entries, or one that is not) is checked entry by entry."""
     with np.errstate(over="ignore", invalid="ignore"):
-        if np.isfinite(np.sum(v)):
+        if not reference() and np.isfinite(np.sum(v)):
             return True
     return bool(np.all(np.isfinite(v)))
 

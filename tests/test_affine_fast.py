@@ -1,0 +1,180 @@
+"""The affine walk's fast paths (docs/local-affine.md, "Speed") against the reference
+arithmetic they replace (affine.REFERENCE: widened copies, np.where over whole arrays, every
+linear op run column by column): the same numbers, bit for bit, piece by piece and for the
+margins' lower bounds of whole walks, which also hold against PGD on the float64 model."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lsa_models.engine import affine, affine_rules
+from lsa_models.engine.affine import Aff
+from lsa_models.engine.driver import margin_lower_bounds
+from lsa_models.engine.values import Ball
+from lsa_models.onnx import load_onnx
+from tests.margins import descend_margin
+from tests.profile import at_most
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from local_models import build, center, export  # noqa: E402
+
+
+@contextmanager
+def _reference(on: bool) -> Iterator[None]:
+    saved = affine.REFERENCE
+    affine.REFERENCE = on
+    try:
+        yield
+    finally:
+        affine.REFERENCE = saved
+
+
+@contextmanager
+def _symbols(p: int, used: int, groups: bool) -> Iterator[list[int]]:
+    space = [p, used, 0]
+    t1 = affine.SPACE.set(space)
+    t2 = affine.GROUPS.set([] if groups else None)
+    try:
+        yield space
+    finally:
+        affine.GROUPS.reset(t2)
+        affine.SPACE.reset(t1)
+
+
+def _same(u: np.ndarray, v: np.ndarray) -> None:
+    assert u.shape == v.shape
+    assert np.array_equal(u, v), float(np.abs(u - v).max())
+
+
+def _form(rng: np.random.Generator, shape: tuple[int, ...], width: int,
+          zero_rows: float = 0.0) -> Aff:
+    a = rng.standard_normal((*shape, width))
+    a[rng.random(shape) < zero_rows] = 0.0
+    return Aff(rng.standard_normal(shape), np.abs(rng.standard_normal(shape)) * 1e-12,
+               rng.standard_normal(shape) * 1e-3, a * 1e-2,
+               np.abs(rng.standard_normal(shape)) * 1e-3)
+
+
+@settings(max_examples=at_most(60), deadline=None)
+@given(seed=st.integers(0, 10**6), wu=st.integers(1, 9), wv=st.integers(1, 9),
+       extra=st.integers(0, 3), sub=st.booleans(), bcast=st.booleans())
+def test_sum_cols_is_the_sum_of_the_widened_arrays(seed: int, wu: int, wv: int, extra: int,
+                                                   sub: bool, bcast: bool) -> None:
+    rng = np.random.default_rng(seed)
+    u = rng.standard_normal((3, 4, wu))
+    v = rng.standard_normal((1 if bcast else 3, 4, wv))
+    n = max(wu, wv) + extra
+    fast = affine_rules._sum_cols(u, v, n, sub)
+    with _reference(True):
+        ref = affine_rules._sum_cols(u, v, n, sub)
+    _same(fast, ref)
+
+
+@settings(max_examples=at_most(60), deadline=None)
+@given(seed=st.integers(0, 10**6), width=st.integers(3, 12), used=st.integers(0, 6),
+       groups=st.booleans(), budget=st.booleans())
+def test_fresh_fill_widens_as_fresh_did(seed: int, width: int, used: int, groups: bool,
+                                        budget: bool) -> None:
+    """The new symbols' columns, the box, the symbol count and the recorded group of
+    `fresh_fill` are those of the reference `fresh` (np.zeros, then the copy)."""
+    rng = np.random.default_rng(seed)
+    p = 3
+    a = rng.standard_normal((2, 5, width))
+    b = np.abs(rng.standard_normal((2, 5)))
+    err = np.where(rng.random((2, 5)) < 0.3, 0.0, np.abs(rng.standard_normal((2, 5))))
+    bud = float(err.sum()) * 0.5 if budget else None
+    out = []
+    for ref in (False, True):
+        with _reference(ref), _symbols(p, max(used, width - p), groups) as space:
+            got = affine.fresh_fill(lambda o: np.multiply(a, 2.0, out=o), width, b, err, bud)
+            out.append((got, list(space), affine.GROUPS.get()))
+    (fa, fb), fs, fg = out[0]
+    (ra, rb), rs, rg = out[1]
+    _same(fa, ra)
+    _same(fb, rb)
+    assert fs == rs
+    assert (fg is None) == (rg is None)
+    if fg is not None and rg is not None:
+        assert len(fg) == len(rg)
+        for (g0, g1, w), (h0, h1, v) in zip(fg, rg, strict=True):
+            assert (g0, g1) == (h0, h1)
+            _same(w, v)
+
+
+@settings(max_examples=at_most(40), deadline=None)
+@given(seed=st.integers(0, 10**6), wx=st.integers(4, 10), wy=st.integers(4, 10),
+       norm=st.sampled_from(["inf", "2"]))
+def test_select_and_narrow_match_the_reference(seed: int, wx: int, wy: int, norm: str
+                                               ) -> None:
+    rng = np.random.default_rng(seed)
+    ball = Ball(np.zeros(3), 0.1, norm)
+    x = _form(rng, (4, 3), wx, zero_rows=0.2)
+    y = Aff(x.c, x.m, x.o * 0.5, rng.standard_normal((4, 3, wy)) * rng.random((4, 3, 1))
+            * 2e-2, x.b * rng.random((4, 3)) * 2)
+    lo, hi = affine.ranges(x, ball)
+    mid = 0.5 * (lo + hi)
+    nlo = np.where(rng.random((4, 3)) < 0.5, mid - 1e-6, lo)
+    nhi = np.where(nlo > lo, mid + 1e-6, hi)
+    got = []
+    for ref in (False, True):
+        with _reference(ref), _symbols(3, max(wx, wy) - 3, False):
+            got.append((affine.select(x, y, ball), affine.narrow(x, nlo, nhi, ball)))
+    for f, r in zip(got[0], got[1], strict=True):
+        for name in ("o", "a", "b"):
+            _same(getattr(f, name), getattr(r, name))
+
+
+def _model(kind: str, tmp: Path):  # type: ignore[no-untyped-def]
+    return load_onnx(export(build(kind), tmp / f"{kind}.onnx").read_bytes())
+
+
+@pytest.mark.parametrize("kind", ["tf1", "tf2"])
+def test_fast_walk_gives_the_reference_margins_and_holds_against_pgd(
+        kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whole walks (plain, second order; eigenvalues on the 2-ball) on the Transformer
+    classifiers: every margin's lower bound equal to the reference arithmetic's (so never
+    looser), the fast paths taken, and no margin PGD reaches inside the ball below it."""
+    om = _model(kind, tmp_path)
+    x0 = center().numpy().astype(np.float64)
+    f = om.module.with_dtype(torch.float64)
+    label = int(f(torch.from_numpy(x0)).reshape(-1).argmax())
+    taken = {"layout": 0, "additive": 0}
+    one, add = affine_rules._layout_one, affine_rules._additive
+
+    def spy_layout(*a, **k):  # type: ignore[no-untyped-def]
+        out = one(*a, **k)
+        taken["layout"] += out is not None
+        return out
+
+    def spy_add(*a, **k):  # type: ignore[no-untyped-def]
+        out = add(*a, **k)
+        taken["additive"] += out is not None
+        return out
+    monkeypatch.setattr(affine_rules, "_layout_one", spy_layout)
+    monkeypatch.setattr(affine_rules, "_additive", spy_add)
+    for norm, eps, stages in (("inf", 0.01, ((False, False), (True, False))),
+                              ("2", 0.1, ((False, False), (True, True)))):
+        for quad, eig in stages:
+            fast = margin_lower_bounds(om, x0, eps, norm, label, quad=quad, eig=eig)
+            with _reference(True):
+                ref = margin_lower_bounds(om, x0, eps, norm, label, quad=quad, eig=eig)
+            assert fast is not None and ref is not None and set(fast) == set(ref)
+            assert all(fast[j] == ref[j] for j in ref), (norm, quad, eig, fast, ref)
+        gen = torch.Generator().manual_seed(1)
+        for j, bound in fast.items():
+            d = (torch.rand(x0.shape, generator=gen, dtype=torch.float64) * 2 - 1) * eps
+            if norm == "2":
+                d = d * (eps / float(d.norm()))
+            for m in descend_margin(f, torch.from_numpy(x0), label, j, eps, norm, d,
+                                    steps=15):
+                assert m >= bound
+    assert taken["layout"] > 0 and taken["additive"] > 0

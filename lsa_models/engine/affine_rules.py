@@ -40,6 +40,7 @@ from .affine import (
     quad_cols,
     quad_size,
     ranges,
+    reference,
     rough_lin,
     select,
     split_lin,

@@ -127,11 +127,11 @@ def compare(a_doc: dict[str, Any], b_doc: dict[str, Any], rtol: float = 0.0) -> 
     extra = sorted(set(b_items) - set(a_items))
 
     def seconds(doc: dict[str, Any]) -> dict[str, Any]:
-        per: Counter[str] = Counter()
-        cpu: Counter[str] = Counter()
+        per: dict[str, float] = {}
+        cpu: dict[str, float] = {}
         for it in doc["items"]:
-            per[it["task"]] += it.get("seconds") or 0.0
-            cpu[it["task"]] += it.get("cpu_seconds") or 0.0
+            per[it["task"]] = per.get(it["task"], 0.0) + (it.get("seconds") or 0.0)
+            cpu[it["task"]] = cpu.get(it["task"], 0.0) + (it.get("cpu_seconds") or 0.0)
         return {"wall": doc.get("wall_seconds"), "cpu": doc.get("cpu_seconds"),
                 "engine_wall": sum(per.values()), "engine_cpu": sum(cpu.values()),
                 "engine_cpu_by_task": dict(cpu), "engine_wall_by_task": dict(per)}

@@ -133,8 +133,8 @@ def radius_item(case: Case, frozen: Frozen, om: Any, norm: str) -> dict[str, Any
 
     rec = Recorder()
     x0, label = frozen.inputs[0], frozen.labels[0]
-    res, err, s, c = _routed(lambda: robustness(  # type: ignore[arg-type]
-        om, x0, label, norm, attack_restarts=case.attack_restarts), rec)
+    res, err, s, c = _routed(lambda: robustness(
+        om, x0, label, norm, attack_restarts=case.attack_restarts), rec)  # type: ignore[arg-type]
     value = None if err else _finite(res.certified_radius)
     return _item(case, "radius", norm, "radius", label=label, value=value,
                  verdict="refused" if err else ("certified" if value else "zero"),

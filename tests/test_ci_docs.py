@@ -15,7 +15,7 @@ import yaml
 
 from api_schemas.ci import CertifyReport
 from lsa_models import L2MHA, save
-from service.bounds.cli import compute_report
+from service.bounds.files import compute_report
 
 from .test_e2e_server import Server, clean_env, running_server
 

@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 from api_schemas.certificates import Certificate
 from api_schemas.ci import CertifyReport
 from lsa_models import L2MHA, DotProductMHA, save
-from service.bounds.cli import compute_report
+from service.bounds.files import compute_report
 from service.certificates.cli_certify import StageProgress
 from service.certificates.service import load_or_create_signing_key, verify_certificate
 from service.cli import app

@@ -25,7 +25,7 @@ from typer.testing import CliRunner
 from api_schemas.certificates import Certificate
 from api_schemas.ci import CertifyReport
 from lsa_models import L2MHA, DotProductMHA, save
-from service.bounds.cli import compute_report
+from service.bounds.files import compute_report
 from service.certificates.service import public_key_pem
 from service.cli import app
 

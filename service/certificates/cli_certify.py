@@ -36,7 +36,7 @@ from service.certificates.service import (
 from service.client import ClientConfig, ClientError, LSAClient
 from service.settings import Settings
 
-from ..bounds.cli import compute_report
+from ..bounds.files import compute_report
 from ..cli.common import EXIT_ERROR, EXIT_FAILED, EXIT_OK, app, set_threads
 from ..cli.gate_reports import append_summary, junit_bytes, junit_suite, md_cell, write_file
 

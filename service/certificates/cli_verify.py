@@ -35,7 +35,7 @@ from service.client import ClientConfig, ClientError, LSAClient
 from service.robustness.verdicts import robustness_of
 from service.settings import Settings
 
-from ..bounds.cli import compute_report
+from ..bounds.files import compute_report
 from ..cli.common import EXIT_FAILED, EXIT_OK, app, fail, set_threads
 
 REL_TOL = 1e-9
@@ -303,12 +303,20 @@ def check_recomputed_radius(cert: Certificate, model: Path, at: Path | None) -> 
                    f"the input {rob.get('center_sha256')}")
         raise typer.Exit(EXIT_FAILED)
     try:
+        # without a time budget: a search its budget did not stop is the unbudgeted one
         radii = robustness_of(loaded, loaded.sha256, x0, int(rob["label"]), cert.norm)
     except (ValueError, TypeError, KeyError) as exc:
         fail(f"recomputing the radii: {exc}")
     except Exception as exc:  # a traceback would exit 1, which reads as "invalid"
         fail(f"recomputing the radii: internal error: {type(exc).__name__}: {exc}")
     certified, recomputed = rob.get("certified_radius"), radii["certified_radius"]
+    if rob.get("stopped_by_budget") is True and isinstance(certified, int | float) \
+            and float(certified) <= recomputed * (1 + REL_TOL):
+        # its budget stopped the search: a prefix of the unbudgeted one, its radius at most
+        # the recomputed one (sound, not the tightest); passed implies the recomputed passes
+        typer.echo(f"certified radius: {certified}, stopped by its time budget, is at most "
+                   f"the recomputed {recomputed} (searched without a budget)")
+        return
     if not isinstance(certified, int | float) or not same_bound(float(certified), recomputed):
         typer.echo(f"INVALID: recomputed certified radius {recomputed} differs from the "
                    f"certified {certified} (lsa {__version__} here, {cert.lsa_version} in "
@@ -361,6 +369,15 @@ def check_recomputed_set(cert: Certificate, model: Path, inputs: Path | None,
     except Exception as exc:  # a traceback would exit 1, which reads as "invalid"
         fail(f"deciding the inputs: internal error: {type(exc).__name__}: {exc}")
     statuses = [s["status"] for s in out["samples"]]
+    stopped = set(rs.get("stopped_by_budget") or [])
+    if stopped:
+        # decided without the budget (every verdict it did not stop is the same): an input
+        # it stopped reads unknown in the certificate, whatever it is decided now
+        certified_now = out["certified_accuracy"]
+        statuses = ["unknown" if i in stopped else s for i, s in enumerate(statuses)]
+        out["certified_accuracy"] = statuses.count("certified") / max(1, len(statuses))
+        typer.echo(f"time budget: {len(stopped)} inputs stopped by it (unknown); decided "
+                   f"without it, the certified accuracy is {certified_now}")
     if statuses != rs.get("statuses"):
         diff = [i for i, (a, b) in enumerate(zip(statuses, rs.get("statuses") or [],
                                                  strict=False)) if a != b]

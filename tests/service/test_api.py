@@ -12,7 +12,7 @@ from sqlalchemy import func, select
 
 from lsa_models.analysis import load_model_bytes
 from service.app import create_app
-from service.bounds.cli import compute_report
+from service.bounds.files import compute_report
 from service.certificates.service import verify_certificate
 from service.reports import bound_report
 from service.settings import Settings

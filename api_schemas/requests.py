@@ -272,6 +272,21 @@ MinRadiusField = Field(gt=0, allow_inf_nan=False, description="The radius of the
                        "label that is not the prediction has certified radius 0 and never "
                        "passes)")
 LabelsField = Field(description="One class per input")
+# The default time budgets, seconds per input (docs/cli.md, "Time budgets", for why these):
+# deciding one input at a radius (a set's inputs, `lsa robustness --radius`) and searching
+# one input's largest certified radius (`lsa robustness --at --label`)
+DEFAULT_DECIDE_BUDGET_S = 5.0
+DEFAULT_RADIUS_BUDGET_S = 60.0
+MAX_TIME_BUDGET_S = 24 * 3600.0
+
+
+def _budget_field(default: float, what: str) -> Any:
+    return Field(
+        default=default, gt=0, le=MAX_TIME_BUDGET_S, allow_inf_nan=False,
+        description=f"Seconds {what} may take (> 0; null: no budget), looked at between "
+        "the steps of the search (a step that has started finishes): once spent, the "
+        "answer is the best proven so far with stopped_by_budget (sound, maybe not the "
+        f"tightest). Default {default:g}")
 EXAMPLE_EMPIRICAL = {"restarts": 4, "steps": 100, "seed": 0, "time_budget_s": 60}
 
 
@@ -367,6 +382,8 @@ class RobustnessRequest(BaseModel):
     label: int = Field(ge=0, description="The class whose margins f_label - f_j must stay "
                        "positive")
     min_radius: float = MinRadiusField
+    time_budget_s: float | None = _budget_field(DEFAULT_RADIUS_BUDGET_S,
+                                                "the search of the certified radius")
 
     @model_validator(mode="after")
     def _center(self) -> RobustnessRequest:
@@ -398,6 +415,8 @@ class CertifiedAccuracyRequest(BaseModel):
         default=True, description="false skips the radius sweep on the inputs the affine "
         "walks and the attack leave undecided (faster on attention models, where it rarely "
         "decides one; they stay unknown; the certificate records it)")
+    time_budget_s: float | None = _budget_field(DEFAULT_DECIDE_BUDGET_S,
+                                                "each input's verdict")
 
     @model_validator(mode="after")
     def _set(self) -> CertifiedAccuracyRequest:

@@ -200,16 +200,20 @@ class LSAClient:
     def certify_accuracy(self, model_id: str, inputs: list[Any], labels: list[int],
                          min_radius: float, min_certified_accuracy: float, norm: str = "2",
                          progress: ProgressFn | None = None,
-                         sweep: bool = True) -> Certificate:
+                         sweep: bool = True,
+                         time_budget_s: float | None | str = "default") -> Certificate:
         """POST /certify of kind certified_accuracy: its job polled
         to the certified-accuracy certificate (its progress: the inputs decided);
-        `sweep=False` sends "sweep": false (no radius sweep)."""
+        `sweep=False` sends "sweep": false (no radius sweep); `time_budget_s`: each input's
+        seconds, None for no budget ("default": the server's default)."""
         body: dict[str, Any] = {"kind": "certified_accuracy", "model_id": model_id,
                                 "norm": norm, "inputs": inputs, "labels": labels,
                                 "min_radius": min_radius,
                                 "min_certified_accuracy": min_certified_accuracy}
         if not sweep:
             body["sweep"] = False
+        if time_budget_s != "default":
+            body["time_budget_s"] = time_budget_s
         return Certificate.model_validate(self._maybe_job("POST", "/certify", body, progress))
 
     def counterexamples(self, certificate_id: str) -> Counterexamples:

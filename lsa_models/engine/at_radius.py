@@ -12,9 +12,11 @@ first, is in `decide`):
                  radius sweep (margin constants integrated along the segment) reaches r;
   attacked:      PGD found a point of the ball whose largest output is not the label (the
                  point is returned: a counterexample, checked in float64);
-  unknown:       neither.
-Both certified routes are the ones `robustness` reports radii with, so a certified verdict
-at r is exactly as sound as a certified radius >= r.
+  unknown:       neither (`reason` says why: the time budget, if one was given and ran out
+                 first, or no route reached a verdict).
+With a time budget (budget.py) the steps stop once it is spent; a verdict reached is the one
+reached without it. Both certified routes are the ones `robustness` reports radii with, so a
+certified verdict at r is exactly as sound as a certified radius >= r.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch
 
 from ..empirical.local import attack_at
 from ..onnx.loading import OnnxModel
+from .budget import Budget
 from .driver import Centre, center_sha256, check_center, margin_lower_bounds
 from .local import (
     ADJOINT_NORMS,
@@ -71,6 +74,9 @@ class Verdict:
     sweep_runs: int  # engine runs of the sweep
     seconds: float
     flip: np.ndarray | None = field(default=None, repr=False, compare=False)
+    # unknown: why (the budget that ran out, or what no route reached); None otherwise
+    reason: str | None = None
+    stopped_by_budget: bool = False  # unknown because the time budget ran out
 
 
 def _affine_stages(om: OnnxModel, x: np.ndarray, norm: str) -> list[tuple[str, bool, bool]]:
@@ -85,11 +91,15 @@ def _affine_stages(om: OnnxModel, x: np.ndarray, norm: str) -> list[tuple[str, b
 
 
 def _affine(om: OnnxModel, x: np.ndarray, norm: str, label: int, radius: float, ctr: Centre,
-            stages: list[tuple[str, bool, bool]]) -> tuple[str | None, float | None, int]:
-    """(the stage that certified or None, the last smallest margin lower bound, walks)."""
+            stages: list[tuple[str, bool, bool]], budget: Budget
+            ) -> tuple[str | None, float | None, int]:
+    """(the stage that certified or None, the last smallest margin lower bound, walks); the
+    budget looked at before each walk."""
     low_min: float | None = None
     walks = 0
     for name, quad, eig in stages:
+        if budget.out(f"the {name} walk"):
+            break
         walks += 1
         try:
             low = margin_lower_bounds(om, x, radius, norm, label, ctr, quad=quad, eig=eig)
@@ -135,13 +145,18 @@ def _sweep_reach(f64: torch.nn.Module, x: np.ndarray, label: int, margins: dict[
 
 
 def decide(model: Any, at: np.ndarray, label: int, norm: str, radius: float, *,
-           attack_restarts: int = 3, seed: int = 0, sweep: bool = True) -> Verdict:
-    """The verdict for one input (module docstring). ValueError for a bad input, label, norm
-    or radius."""
+           attack_restarts: int = 3, seed: int = 0, sweep: bool = True,
+           time_budget: float | None = None) -> Verdict:
+    """The verdict for one input (module docstring). `time_budget`: seconds from the call
+    (monotonic clock; None: none), looked at before each step, each affine walk and each of
+    the sweep's runs (budget.py): once spent, `unknown` with `stopped_by_budget` and the
+    smallest margin lower bound of the last walk. ValueError for a bad input, label, norm,
+    radius or budget."""
     if not (isinstance(radius, float | int) and math.isfinite(radius) and radius > 0):
         raise ValueError(f"radius must be finite and > 0, got {radius}")
     radius = float(radius)
     t0 = time.monotonic()
+    budget = Budget.start(time_budget)
     om, x, f64, margins, predicted = centre_margins(model, at, label, norm)
     sha = center_sha256(x)
 
@@ -161,36 +176,62 @@ def decide(model: Any, at: np.ndarray, label: int, norm: str, radius: float, *,
     low: float | None = None
     walks = 0
     for part, first in ((stages[:1], 0), (stages[1:], 1)):
-        by, low_part, w = _affine(om, x, norm, label, radius, ctr, part)
+        by, low_part, w = _affine(om, x, norm, label, radius, ctr, part, budget)
         walks += w
         low = low if low_part is None else low_part
         if by is not None:
             return verdict("certified", certified_by=by, margin_lower=low, walks=walks)
+        if budget.out("the attack" if first == 0 else "the attack's restarts"):
+            break
         flip = attack_at(f64, x, label, norm, radius, restarts=1 if first == 0
                          else attack_restarts, seed=seed, first=first)
         hit = None if flip is None else _within(flip, x, radius, norm, f64, label)
         if hit is not None:
             return verdict("attacked", margin_lower=low, walks=walks, flip=hit[0],
                            flip_distance=hit[1], flip_class=hit[2])
-    runs = 0
-    if sweep and radius < _sweep_reach(f64, x, label, margins, norm):
-        # the sweep as in `robustness`, with the radius as its floor (its probe gives up
-        # where it cannot pass it) and, divided by 1 - SWEEP_CAP_TOL, as its cap (it stops
-        # once it reaches the radius)
-        cap = radius / (1 - SWEEP_CAP_TOL)
-        one = norm in ADJOINT_NORMS and not _has_attention(om)
-        cut: list[bool] = []
-        best, runs, _ = _sweep(om, x, norm, label, margins, SWEEP_STEPS, floor=radius,
-                               adjoint=one, cap=cap, cut=cut)
-        if best < radius and norm in ADJOINT_NORMS and not one and not cut:
-            # the adjoint graph's constants too, as in `robustness`'s second pass
-            best2, runs2, _ = _sweep(om, x, norm, label, margins, SWEEP_STEPS,
-                                     floor=radius, cap=cap)
-            best, runs = max(best, best2), runs + runs2
+    runs, best = 0, None
+    beyond = not sweep or budget.stopped or radius >= _sweep_reach(f64, x, label, margins,
+                                                                   norm)
+    if not beyond and not budget.out("the radius sweep"):
+        best, runs = _sweep_to(om, x, norm, label, margins, radius, budget)
         if best >= radius:
             return verdict("certified", certified_by="sweep", margin_lower=low, walks=walks,
                            sweep_runs=runs)
-    return verdict("unknown", margin_lower=low, walks=walks, sweep_runs=runs)
+    return verdict("unknown", margin_lower=low, walks=walks, sweep_runs=runs,
+                   reason=_unknown_reason(budget, sweep, best), stopped_by_budget=budget.stopped)
+
+
+def _sweep_to(om: OnnxModel, x: np.ndarray, norm: str, label: int, margins: dict[int, float],
+              radius: float, budget: Budget) -> tuple[float, int]:
+    """(the radius the sweep certified, its engine runs): the sweep as in `robustness`, with
+    the radius as its floor (its probe gives up where it cannot pass it) and, divided by
+    1 - SWEEP_CAP_TOL, as its cap (it stops once it reaches the radius)."""
+    cap = radius / (1 - SWEEP_CAP_TOL)
+    one = norm in ADJOINT_NORMS and not _has_attention(om)
+    cut: list[bool] = []
+    best, runs, _ = _sweep(om, x, norm, label, margins, SWEEP_STEPS, floor=radius,
+                           adjoint=one, cap=cap, cut=cut, budget=budget)
+    if best < radius and norm in ADJOINT_NORMS and not one and not cut \
+            and not budget.out("the adjoint graph's sweep"):
+        # the adjoint graph's constants too, as in `robustness`'s second pass
+        best2, runs2, _ = _sweep(om, x, norm, label, margins, SWEEP_STEPS, floor=radius,
+                                 cap=cap, budget=budget)
+        best, runs = max(best, best2), runs + runs2
+    return best, runs
+
+
+def _unknown_reason(budget: Budget, sweep: bool, best: float | None) -> str:
+    """Why no verdict was reached, in words."""
+    spent = budget.reason()
+    if spent is not None:
+        return spent
+    if not sweep:
+        return "neither the affine walks nor the attack decided it; the radius sweep was off"
+    if best is None:
+        return ("neither the affine walks nor the attack decided it; the radius is past the "
+                "first-order radius, which the sweep cannot pass")
+    return (f"no route decided it: the affine walks, the attack and the radius sweep "
+            f"(certified to {best:.3g})")
 
 
 @dataclass(frozen=True)
@@ -204,6 +245,7 @@ class SetReport:
     verdicts: list[Verdict]
     seconds: float
     sweep: bool = True  # whether the radius sweep was tried (decide's step 4)
+    time_budget: float | None = None  # each input's (seconds; None: none)
 
     def count(self, status: Status) -> int:
         return sum(v.status == status for v in self.verdicts)
@@ -225,17 +267,21 @@ class SetReport:
 def decide_all(model: Any, inputs: np.ndarray, labels: np.ndarray, norm: str, radius: float,
                progress: Callable[[int, int, Verdict], None] | None = None, *,
                seed: int = 0, sweep: bool = True,
-               decided: Callable[[int, int], None] | None = None) -> SetReport:
+               decided: Callable[[int, int], None] | None = None,
+               time_budget: float | None = None) -> SetReport:
     """`decide` for every (inputs[i], labels[i]) (inputs: a stack along the first axis), one
     after the other in this process; `progress(i, n, verdict)` and `decided(i + 1, n)` after
     each. Each verdict is the one `decide` gives alone (the attack is seeded per input), so a
     caller may decide the inputs anywhere (the service's worker processes,
-    service.robustness.set_pool) and gather them with `gather_set`. ValueError for mismatched
-    inputs and labels."""
+    service.robustness.set_pool) and gather them with `gather_set`. `time_budget`: each
+    input's (decide's). ValueError for mismatched inputs and labels or a bad budget."""
     t0 = time.monotonic()
+    Budget.start(time_budget)  # checked before any input is decided
     om, jobs = prepare_set(model, inputs, labels)
-    verdicts = (decide(om, x, y, norm, radius, seed=seed, sweep=sweep) for x, y in jobs)
-    return gather_set(norm, radius, verdicts, len(jobs), t0, sweep, progress, decided)
+    verdicts = (decide(om, x, y, norm, radius, seed=seed, sweep=sweep, time_budget=time_budget)
+                for x, y in jobs)
+    return gather_set(norm, radius, verdicts, len(jobs), t0, sweep, progress, decided,
+                      time_budget)
 
 
 def prepare_set(model: Any, inputs: np.ndarray, labels: np.ndarray
@@ -261,9 +307,11 @@ def prepare_set(model: Any, inputs: np.ndarray, labels: np.ndarray
 
 def gather_set(norm: str, radius: float, verdicts: Iterable[Verdict], n: int, t0: float,
                sweep: bool, progress: Callable[[int, int, Verdict], None] | None = None,
-               decided: Callable[[int, int], None] | None = None) -> SetReport:
+               decided: Callable[[int, int], None] | None = None,
+               time_budget: float | None = None) -> SetReport:
     """The SetReport of `n` verdicts arriving in the inputs' order (started at monotonic time
-    `t0`); `progress(i, n, verdict)` and `decided(i + 1, n)` as each arrives."""
+    `t0`; `time_budget`: each input's); `progress(i, n, verdict)` and `decided(i + 1, n)` as
+    each arrives."""
     out: list[Verdict] = []
     for i, v in enumerate(verdicts):
         out.append(v)
@@ -271,7 +319,7 @@ def gather_set(norm: str, radius: float, verdicts: Iterable[Verdict], n: int, t0
             decided(i + 1, n)
         if progress is not None:
             progress(i, n, v)
-    return SetReport(norm, float(radius), out, time.monotonic() - t0, sweep)
+    return SetReport(norm, float(radius), out, time.monotonic() - t0, sweep, time_budget)
 
 
 def _check_set(om: OnnxModel, inputs: np.ndarray, labels: np.ndarray) -> None:

@@ -31,6 +31,7 @@ from ..onnx.export import export_onnx
 from ..onnx.loading import OnnxModel, load_onnx
 from .adjoint import AdjointGraph
 from .affine import MAX_FORM_ENTRIES, NotAffine, quad_size
+from .budget import Budget
 from .driver import (
     Centre,
     LocalJacobian,
@@ -276,6 +277,12 @@ class RobustnessResult:
     certified_by: str = "sweep"
     affine_radius: float = 0.0  # the affine route's radius (walks: affine_walks)
     affine_walks: int = 0
+    # the search's time budget (seconds; None: none) and whether it stopped the search (the
+    # radius is then the largest certified before it ran out: sound, maybe not the
+    # largest); `stopped_before` names the stage it kept from running
+    time_budget: float | None = None
+    stopped_by_budget: bool = False
+    stopped_before: str | None = None
 
 
 def _pair_constants(lj: LocalJacobian, label: int) -> dict[int, float]:
@@ -448,7 +455,8 @@ def _scaled_progress(progress: Callable[[str, float], None] | None, lo: float, h
 def affine_radius(om: OnnxModel, x: np.ndarray, norm: str, label: int, start: float,
                   progress: Callable[[str, float], None] | None = None, quad: bool = False,
                   floor: float = 0.0, growth: float = AFFINE_GROWTH,
-                  tol: float = AFFINE_TOL, eig: bool = False) -> tuple[float, int]:
+                  tol: float = AFFINE_TOL, eig: bool = False, budget: Budget | None = None
+                  ) -> tuple[float, int]:
     """The largest radius (to a relative `tol`) whose margin lower bounds from the affine forms
     are all positive, searched from `start` > 0; (radius, walks). A radius r certifies the
     whole ball of radius r, so no integration is needed: this route and the sweep are
@@ -459,9 +467,13 @@ def affine_radius(om: OnnxModel, x: np.ndarray, norm: str, label: int, start: fl
     bisection. Only radii whose walk certified are reported. `quad`: the walks with
     second-order symbols (affine.QUAD); `eig`: those walks with the symbols' 2-ball sizes by
     eigenvalues (affine.QUAD_EIG); `floor`: a radius certified already (another walk's),
-    the bracket's low end when `start` does not certify (no search below it)."""
+    the bracket's low end when `start` does not certify (no search below it); `budget`:
+    looked at before each walk but the first, the largest radius certified so far returned
+    once it is spent."""
     ctr = Centre(om, x)
     walks = 0
+    b = budget or Budget()
+    more_walks = "more affine walks"
 
     def value(r: float) -> float:
         """min_j of the margins' lower bounds on the ball of radius r (-inf: no bound)."""
@@ -483,13 +495,15 @@ def affine_radius(om: OnnxModel, x: np.ndarray, norm: str, label: int, start: fl
 
     lo, flo, hi = 0.0, math.inf, start
     fhi = value(hi)
-    while walks < AFFINE_WALKS and fhi > 0:  # grow
+    while walks < AFFINE_WALKS and fhi > 0 and not b.out(more_walks):  # grow
         lo, flo, hi = hi, fhi, hi * growth
         fhi = value(hi)
+    if fhi > 0:  # stopped while growing (the budget or the walks' cap): hi certified
+        return hi, walks
     if lo == 0.0 and 0 < floor < hi:
         lo = floor  # certified by the caller's other walk: its bound is not known here
     if lo == 0.0:  # shrink until something certifies
-        while walks < AFFINE_WALKS // 2:
+        while walks < AFFINE_WALKS // 2 and not b.out(more_walks):
             r = hi / growth**2
             fr = value(r)
             if fr > 0:
@@ -498,7 +512,8 @@ def affine_radius(om: OnnxModel, x: np.ndarray, norm: str, label: int, start: fl
             hi, fhi = r, fr
         if lo == 0.0:
             return 0.0, walks
-    return _regula_falsi(value, lo, flo, hi, fhi, lambda: walks < AFFINE_WALKS, tol), walks
+    return _regula_falsi(value, lo, flo, hi, fhi,
+                         lambda: walks < AFFINE_WALKS and not b.out(more_walks), tol), walks
 
 
 def _regula_falsi(value: Callable[[float], float], lo: float, flo: float, hi: float,
@@ -511,7 +526,7 @@ def _regula_falsi(value: Callable[[float], float], lo: float, flo: float, hi: fl
     # (a bracket of exactly tol, as one growth step of the eigenvalue stage leaves it, EIG_GROWTH
     # = 1 + EIG_TOL, is narrow enough: without the slack its rounding decided whether one
     # more walk ran, and the same radius search ended 1.5% apart on two machines)
-    while more() and hi - lo > tol * lo * (1 + 1e-9):
+    while hi - lo > tol * lo * (1 + 1e-9) and more():
         width = hi - lo
         if math.isfinite(fhi) and math.isfinite(flo) and flo > fhi:
             r = hi - fhi * width / (fhi - flo)
@@ -569,31 +584,37 @@ def second_order(om: OnnxModel, x: np.ndarray, norm: str) -> bool:
 
 
 def affine_route(om: OnnxModel, x: np.ndarray, norm: str, label: int, start: float,
-                 quad: bool, progress: Callable[[str, float], None] | None = None
-                 ) -> tuple[float, int]:
+                 quad: bool, progress: Callable[[str, float], None] | None = None,
+                 budget: Budget | None = None) -> tuple[float, int]:
     """The affine route's radius and walks: the plain search from `start`, then with `quad`
     the second-order one from just past it and, on EIG_NORMS, the eigenvalue one (each
     stage's walks only, through `margin_lower_bounds`; bench/radius_search_replay.py runs
-    this on recorded margins). Its progress fills the first AFFINE_SHARE of a radius job."""
+    this on recorded margins). Its progress fills the first AFFINE_SHARE of a radius job.
+    `budget`: looked at before each stage and between walks (the radius so far once it is
+    spent)."""
+    b = budget or Budget()
+    if b.out("the affine walks"):
+        return 0.0, 0
     aff, walks = affine_radius(om, x, norm, label, max(start, 1e-12),
                                _scaled_progress(progress, 0.0, AFFINE_SHARE),
-                               tol=QUAD_PLAIN_TOL if quad else AFFINE_TOL)
-    if aff > 0 and quad:
+                               tol=QUAD_PLAIN_TOL if quad else AFFINE_TOL, budget=b)
+    if aff > 0 and quad and not b.out("the second-order affine walks"):
         # then the walks with second-order symbols, from just past it (4x a plain walk's
         # time; about 15% more radius on attention models)
         eig = norm in EIG_NORMS
         mid = AFFINE_SHARE * (0.75 if eig else 1.0)
         aq, wq = affine_radius(om, x, norm, label, aff * QUAD_GROWTH,
                                _scaled_progress(progress, AFFINE_SHARE / 2, mid),
-                               quad=True, floor=aff, growth=QUAD_STEP[norm], tol=QUAD_TOL)
+                               quad=True, floor=aff, growth=QUAD_STEP[norm], tol=QUAD_TOL,
+                               budget=b)
         aff, walks = max(aff, aq), walks + wq
-        if aff > 0 and eig:
+        if aff > 0 and eig and not b.out("the eigenvalue affine walks"):
             # and those with the 2-ball's sizes by eigenvalues (~3.5x a second-order walk;
             # about 5% more radius)
             ae, we = affine_radius(om, x, norm, label, aff * EIG_GROWTH,
                                    _scaled_progress(progress, mid, AFFINE_SHARE),
                                    quad=True, floor=aff, growth=EIG_GROWTH, tol=EIG_TOL,
-                                   eig=True)
+                                   eig=True, budget=b)
             aff, walks = max(aff, ae), walks + we
     return aff, walks
 
@@ -624,7 +645,8 @@ def _first_order_radius(f64: torch.nn.Module, x: np.ndarray, label: int,
 def _sweep(om: OnnxModel, x: np.ndarray, norm: str, label: int, margins: dict[int, float],
            steps: int, progress: Callable[[str, float], None] | None = None,
            floor: float = 0.0, adjoint: bool = True, cap: float = math.inf,
-           cut: list[bool] | None = None) -> tuple[float, int, dict[int, float]]:
+           cut: list[bool] | None = None, budget: Budget | None = None
+           ) -> tuple[float, int, dict[int, float]]:
     """The certified radius by the integrated mean value theorem (docs/local-robustness.md,
     "Certified robustness radius"): for radii 0 = rho_0 < rho_1 < ... and X with
     ||X - X0|| <= rho_n, every point of the segment at distance in (rho_{i-1}, rho_i] lies in
@@ -636,11 +658,13 @@ def _sweep(om: OnnxModel, x: np.ndarray, norm: str, label: int, margins: dict[in
     `floor`: a radius certified otherwise (reported in the progress as certified so far);
     `cap`: a radius known to flip the label (the attack's): the sweep stops within
     SWEEP_CAP_TOL of it. `cut`, when given, gets True appended where the sweep stopped
-    because it cannot pass `floor`."""
+    because it cannot pass `floor`. `budget`: looked at before each engine run but the
+    first; once it is spent the radius certified so far is returned."""
     turns = _EnclosureTurns()
+    b = budget or Budget()
     c0 = _constants_at(om, x, 0.0, norm, label, turns, adjoint)
     _tick(progress, 1, steps, floor)
-    if c0 is None:
+    if c0 is None or b.out("the radius sweep's runs"):
         return 0.0, 1, {}
     runs0 = 1
     probe: tuple[float, dict[int, float]] | None = None  # a ball walked already
@@ -671,7 +695,8 @@ def _sweep(om: OnnxModel, x: np.ndarray, norm: str, label: int, margins: dict[in
     last_ok: dict[int, float] = {}  # the constants of the last certified piece
     fail: tuple[float, dict[int, float]] | None = None  # the last ball that spent a margin
     # stop when a piece would add less than SWEEP_MIN_GAIN of the radius reached
-    while runs < steps and width > max(first * 1e-6, best * SWEEP_MIN_GAIN):
+    while runs < steps and width > max(first * 1e-6, best * SWEEP_MIN_GAIN) \
+            and not b.out("the radius sweep's next run"):
         c: dict[int, float] | None
         walked = probe is None or not prev + 0.75 * width <= probe[0] < prev + width
         if not walked and probe is not None:
@@ -786,11 +811,17 @@ def centre_margins(model: Any, at: np.ndarray, label: int, norm: str
 
 def robustness(model: Any, at: np.ndarray, label: int, norm: NormName,
                steps: int = 30, attack_restarts: int = 3, seed: int = 0,
-               progress: Callable[[str, float], None] | None = None) -> RobustnessResult:
+               progress: Callable[[str, float], None] | None = None,
+               time_budget: float | None = None) -> RobustnessResult:
     """Certified robustness radius of `label` at `at` (a sweep of radii with per-pair margin
     constants on each ball, integrated along the segment) and the smallest label-flipping
     perturbation PGD finds. `steps` caps the engine runs; `progress(stage, fraction)` is
-    called once per engine run with the radius certified so far (it may raise to stop)."""
+    called once per engine run with the radius certified so far (it may raise to stop).
+    `time_budget`: seconds from the call (monotonic clock; None: none), looked at between
+    the stages, the affine walks and the sweep's runs (budget.py): once spent, the largest
+    radius certified so far, with `stopped_by_budget`. ValueError for a bad input, label,
+    norm or budget."""
+    budget = Budget.start(time_budget)
     om, x, f64, margins, predicted = centre_margins(model, at, label, norm)
     # the attack first: the true radius is at most its radius, where the sweeps stop
     if progress is not None:
@@ -807,24 +838,25 @@ def robustness(model: Any, at: np.ndarray, label: int, norm: NormName,
         # radius min_j m_j / ||grad m_j(X0)||_dual (a guess: any start is sound)
         start = _first_order_radius(f64, x, label, margins, norm) * AFFINE_START
         aff, walks = affine_route(om, x, norm, label, start, second_order(om, x, norm),
-                                  progress)
+                                  progress, budget)
         attention = _has_attention(om)
         # attention-free graphs (no Softmax: MLPs): one sweep, the adjoint graph's constants
         # in it from the start (cheap there: the MLP's inf job 4.0 s -> 1.3 s, radius 0.0714 ->
         # 0.0709); elsewhere the enclosure's sweep first (see below)
         one = norm in ADJOINT_NORMS and not attention
         cut: list[bool] = []
-        lo, n_steps, consts = _sweep(om, x, norm, label, margins, steps,
-                                     _scaled_progress(progress, AFFINE_SHARE, 1.0), aff,
-                                     adjoint=one, cap=cap, cut=cut)
+        if not budget.out("the radius sweep"):
+            lo, n_steps, consts = _sweep(om, x, norm, label, margins, steps,
+                                         _scaled_progress(progress, AFFINE_SHARE, 1.0), aff,
+                                         adjoint=one, cap=cap, cut=cut, budget=budget)
         if 0 < lo < cap * (1 - SWEEP_CAP_TOL) and norm in ADJOINT_NORMS and not one \
-                and not cut:
+                and not cut and not budget.out("the adjoint graph's sweep"):
             # the sweep again with the adjoint graph's constants too, where the enclosure's
             # sweep was not cut off by the affine radius (a choice of time: where the affine
             # route wins, the adjoint's sweep would walk 10 runs to stay below it; on an MLP
             # it adds about 1% of radius)
             lo2, n2, consts2 = _sweep(om, x, norm, label, margins, steps, None, max(aff, lo),
-                                      cap=cap)
+                                      cap=cap, budget=budget)
             n_steps += n2
             if lo2 > lo:
                 lo, consts = lo2, consts2
@@ -832,4 +864,5 @@ def robustness(model: Any, at: np.ndarray, label: int, norm: NormName,
     by = "affine" if aff > lo else "sweep"
     return RobustnessResult(norm, label, predicted, max(lo, aff), attack, margins,
                             center_sha256(x), t1 - t0, attack_s, n_steps,
-                            {} if by == "affine" else consts, by, aff, walks)
+                            {} if by == "affine" else consts, by, aff, walks,
+                            budget.seconds, budget.stopped, budget.stopped_before)

@@ -79,10 +79,10 @@ async def certify_kind(req: CertifyKind, runtime: Runtime) -> Response:
     if isinstance(req, CertifiedAccuracyRequest):
         return certificate_or_job(await robustness_set_certificate(
             runtime, model, req.inputs, req.labels, req.norm, req.min_radius,
-            req.min_certified_accuracy, sweep=req.sweep))
+            req.min_certified_accuracy, sweep=req.sweep, time_budget=req.time_budget_s))
     if isinstance(req, RobustnessRequest):
         return certificate_or_job(await robustness_certificate(
-            runtime, model, req.at, req.label, req.norm, req.min_radius))
+            runtime, model, req.at, req.label, req.norm, req.min_radius, req.time_budget_s))
     seq_len = resolve_seq_len(model, req.seq_len)
     report = BoundReport.model_validate_json(
         await report_json(runtime, model, req.norm, seq_len, req.radius))

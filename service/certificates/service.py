@@ -177,6 +177,11 @@ def robustness_body(radii: dict[str, Any], seq_len: int, min_radius: float, *,
     # radii stored before the sweep's runs were named so call them bisection_steps
     section = {k: radii[k] if k in radii or k != "sweep_runs" else radii["bisection_steps"]
                for k in ROBUSTNESS_FIELDS}
+    if radii.get("time_budget_s") is not None:
+        # searched within a time budget: whether it stopped the search (the radius is then
+        # the largest certified in time; a recomputation without it may find a larger one)
+        section["time_budget_s"] = radii["time_budget_s"]
+        section["stopped_by_budget"] = bool(radii.get("stopped_by_budget"))
     section["min_radius"] = min_radius
     fields: dict[str, Any] = {} if cert_id is None else {"id": cert_id}
     return _ruled(
@@ -204,6 +209,12 @@ def certified_accuracy_body(out: dict[str, Any], seq_len: int, min_radius: float
         # decided without the radius sweep (lsa robustness --no-sweep): a recomputation
         # must skip it too
         section["sweep"] = False
+    if out.get("time_budget_s") is not None:
+        # each input decided within a time budget: the inputs it stopped (unknown; decided
+        # again without it, they may be certified or attacked)
+        section["time_budget_s"] = out["time_budget_s"]
+        section["stopped_by_budget"] = [s["index"] for s in out["samples"]
+                                        if s.get("stopped_by_budget")]
     fields: dict[str, Any] = {} if cert_id is None else {"id": cert_id}
     return _ruled(
         model_sha256=out["model_sha256"], norm=out["norm"], seq_len=seq_len, radius=None,

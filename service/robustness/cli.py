@@ -15,6 +15,11 @@ import typer
 from rich.console import Console
 
 from api_schemas import BoundReport
+from api_schemas.requests import (
+    DEFAULT_DECIDE_BUDGET_S,
+    DEFAULT_RADIUS_BUDGET_S,
+    MAX_TIME_BUDGET_S,
+)
 
 from ..bounds.local import local_report_of, model_input
 from ..certificates.service import certified_accuracy
@@ -48,17 +53,37 @@ def local_report(path: Path, norm: str, at: Path, eps: float | None, *,
     return local_report_of(loaded, loaded.sha256, x0, e, norm, empirical=empirical)
 
 
-def robustness_json(path: Path, at: Path, label: int, norm: str) -> dict[str, Any]:
+def time_budget_of(text: str | None, mode: str) -> float | None:
+    """--time-budget as seconds (None: no budget): a number > 0, or `none`; absent, the
+    default of the mode (DEFAULT_RADIUS_BUDGET_S for the radius search, else
+    DEFAULT_DECIDE_BUDGET_S per input). ValueError naming the option otherwise."""
+    if text is None:
+        return DEFAULT_RADIUS_BUDGET_S if mode == "one" else DEFAULT_DECIDE_BUDGET_S
+    if text.strip().lower() == "none":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and 0 < value <= MAX_TIME_BUDGET_S):
+        raise ValueError(f"--time-budget must be a number of seconds > 0 and at most "
+                         f"{MAX_TIME_BUDGET_S:g}, or none (no budget), got {text!r}")
+    return value
+
+
+def robustness_json(path: Path, at: Path, label: int, norm: str,
+                    time_budget: float | None = None) -> dict[str, Any]:
     if norm not in ("2", "inf"):
         raise ValueError(f"--norm must be 2 or inf, got {norm!r}")
     x0 = load_center(at)
     loaded = load_model(path)
     return robustness_of(loaded, loaded.sha256, model_input(loaded, x0, field="--at"), label,
-                         norm)
+                         norm, time_budget=time_budget)
 
 
 def verdict_one_json(path: Path, at: Path, label: int, norm: str, radius: float,
-                     flips: list[Any] | None = None) -> dict[str, Any]:
+                     flips: list[Any] | None = None,
+                     time_budget: float | None = None) -> dict[str, Any]:
     from lsa_models.engine.at_radius import decide
 
     from ..bounds.local import model_image
@@ -69,11 +94,13 @@ def verdict_one_json(path: Path, at: Path, label: int, norm: str, radius: float,
     r = check_radius(radius)
     x0 = load_center(at)
     loaded = load_model(path)
-    v = decide(loaded, model_input(loaded, x0, field="--at"), label, norm, r)
+    v = decide(loaded, model_input(loaded, x0, field="--at"), label, norm, r,
+               time_budget=time_budget)
     if flips is not None and v.flip is not None:
         flips.append((0, v.label, v.flip_class, v.flip_distance,
                       model_image(loaded, v.flip).reshape(x0.shape)))
-    return {"model_sha256": loaded.sha256, "norm": norm, "radius": r, **verdict_json(v)}
+    return {"model_sha256": loaded.sha256, "norm": norm, "radius": r,
+            "time_budget_s": time_budget, **verdict_json(v)}
 
 
 def _print_radius(out: dict[str, Any]) -> None:
@@ -82,7 +109,8 @@ def _print_radius(out: dict[str, Any]) -> None:
             f"{out['radius']:.6g}: {out['status']}"
             + (f" (by the {out['certified_by']} route)" if out["certified_by"] else "")
             + (f", label flipped to {out['flip_class']} at distance "
-               f"{out['flip_distance']:.6g}" if out["status"] == "attacked" else ""))
+               f"{out['flip_distance']:.6g}" if out["status"] == "attacked" else "")
+            + (f" ({out['reason']})" if out.get("reason") else ""))
 
 
 @app.command("robustness")
@@ -140,6 +168,13 @@ def robustness_cmd(
         "--sweep/--no-sweep", help="With --inputs: try the radius sweep on inputs "
         "the affine walks and the attack leave undecided (on attention models most of the "
         "time, rarely a verdict: --no-sweep leaves them unknown, faster)")] = True,
+    time_budget: Annotated[str | None, typer.Option(
+        "--time-budget", metavar="S", help="Seconds per input, a number > 0 or none (no "
+        "budget), looked at between the steps (a step that has started finishes): once "
+        "spent, the best proven so far (at a radius: unknown; the radius search: the "
+        "largest radius certified in time), marked stopped_by_budget [default: "
+        f"{DEFAULT_DECIDE_BUDGET_S:g} per input at a radius, {DEFAULT_RADIUS_BUDGET_S:g} "
+        "for the radius search]")] = None,
 ) -> None:
     """Certified robustness radius of a label around an input (every margin f_Y - f_j stays
     positive on the ball), beside the smallest label flip PGD finds; with --radius, the
@@ -157,10 +192,11 @@ def robustness_cmd(
         _check_outputs(mode, server, junit, summary, counterexamples)
         _check_set_options(mode, server, min_certified_accuracy, workers, sweep, certificate,
                            key)
+        budget = time_budget_of(time_budget, mode)
         if mode == "set" and server is not None:
             assert inputs is not None and labels is not None and radius is not None
             cert = verdicts_server(path, inputs, labels, norm, radius, min_certified_accuracy,
-                                   server, api_key, sweep, flips)
+                                   server, api_key, sweep, flips, budget)
             out = certificate_set(cert)
             if certificate is not None:
                 write_file(certificate, json.dumps(cert, indent=2).encode() + b"\n")
@@ -168,7 +204,8 @@ def robustness_cmd(
             assert inputs is not None and labels is not None and radius is not None
             out = verdicts_json(path, inputs, labels, norm, radius, progress=set_progress,
                                 flips=flips, sweep=sweep,
-                                workers=default_set_workers() if workers is None else workers)
+                                workers=default_set_workers() if workers is None else workers,
+                                time_budget=budget)
             gate = min_certified_accuracy
             out["min_certified_accuracy"] = gate
             out["passed"] = None if gate is None else certified_accuracy(
@@ -180,10 +217,11 @@ def robustness_cmd(
                 write_file(certificate, signed.model_dump_json(indent=2).encode() + b"\n")
         elif mode == "one-radius":
             assert at is not None and label is not None and radius is not None
-            out = verdict_one_json(path, at, label, norm, radius, flips=flips)
+            out = verdict_one_json(path, at, label, norm, radius, flips=flips,
+                                   time_budget=budget)
         else:
             assert at is not None and label is not None
-            out = robustness_json(path, at, label, norm)
+            out = robustness_json(path, at, label, norm, budget)
         if counterexamples is not None and flips is not None:
             write_file(counterexamples, counterexamples_npz(flips))
     except (ValueError, TypeError, OSError) as exc:
@@ -249,6 +287,10 @@ def _print_one(mode: str, out: dict[str, Any] | None, json_out: bool) -> None:
     c.print(f"label {out['label']} (predicted {out['predicted']}), {out['norm']}-norm")
     c.print(f"certified_radius: {out['certified_radius']:.6g} (by the {out['certified_by']} "
             "route)")
+    if out.get("stopped_by_budget"):
+        c.print(f"stopped by the time budget ({out['time_budget_s']:g} s) before "
+                f"{out['stopped_before']}: the largest radius certified in time (sound; a "
+                "larger one may hold: --time-budget none searches on)")
     att = out["attack_radius"]
     c.print("attack_radius: " + ("none found" if att is None else f"{att:.6g}"))
     c.print("margins: " + ", ".join(f"{j}: {m:.4g}" for j, m in out["margins"].items()))

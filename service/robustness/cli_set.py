@@ -20,7 +20,8 @@ from ..cli.inputs import check_radius, load_center, load_labels, load_model, loa
 
 def verdicts_json(path: Path, inputs: Path, labels: Path, norm: str, radius: float,
                   progress: Any = None, flips: list[Any] | None = None,
-                  workers: int = 1, sweep: bool = True) -> dict[str, Any]:
+                  workers: int = 1, sweep: bool = True,
+                  time_budget: float | None = None) -> dict[str, Any]:
     """The set mode's JSON, with the set's `inputs_sha256` and `seq_len` (what a
     certificate of it names); with `flips`, each attacked input's counterexample is appended
     to it as (index, label, flip class, distance, the point in the layout the input was
@@ -33,7 +34,7 @@ def verdicts_json(path: Path, inputs: Path, labels: Path, norm: str, radius: flo
     loaded = load_model(path)
     xs, ys, given = load_set(loaded, inputs, labels)
     rep = decide_set(loaded, xs, ys, norm, r, progress=progress, workers=workers,
-                     sweep=sweep)
+                     sweep=sweep, time_budget=time_budget)
     if flips is not None:
         flips.extend((c["index"], c["label"], c["flip_class"], c["distance"], c["input"])
                      for c in flips_of(loaded, rep, given[1:]))
@@ -46,7 +47,10 @@ def print_set(out: dict[str, Any], gate: float | None) -> None:
     n, k = out["n"], out["counts"]
     c.print(f"{n} inputs, {out['norm']}-norm, radius {out['radius']:.6g}: certified "
             f"{k['certified']}, attacked {k['attacked']}, unknown {k['unknown']}, "
-            f"misclassified {k['misclassified']}")
+            f"misclassified {k['misclassified']}"
+            + (f" ({out['stopped_by_budget']} unknown when the time budget of "
+               f"{out['time_budget_s']:g} s per input ran out)" if out.get("stopped_by_budget")
+               else ""))
     c.print(f"certified accuracy {out['certified_accuracy']:.4f} <= robust accuracy <= "
             f"{out['attack_accuracy']:.4f} (clean accuracy {out['clean_accuracy']:.4f}); "
             f"{out['seconds']:.1f} s")
@@ -59,12 +63,14 @@ def print_set(out: dict[str, Any], gate: float | None) -> None:
 
 def verdicts_server(path: Path, inputs: Path, labels: Path, norm: str, radius: float,
                     gate: float | None, server: str, api_key: str | None,
-                    sweep: bool = True, flips: list[Any] | None = None) -> dict[str, Any]:
+                    sweep: bool = True, flips: list[Any] | None = None,
+                    time_budget: float | None = None) -> dict[str, Any]:
     """The certified-accuracy certificate from an lsa server (POST /certify with inputs; the
     server signs it): the model uploaded, the inputs sent as given (a pixel upload's images
     are cut by the server), the job waited for; with `flips`, the server's counterexamples
-    (GET /certificates/{id}/counterexamples) appended as the local mode's. ValueError for
-    bad input or an unusable server."""
+    (GET /certificates/{id}/counterexamples) appended as the local mode's; `time_budget`:
+    each input's on the server (None: none). ValueError for bad input or an unusable
+    server."""
     import hashlib
 
     from ..client import ClientConfig, ClientError, LSAClient
@@ -88,7 +94,8 @@ def verdicts_server(path: Path, inputs: Path, labels: Path, norm: str, radius: f
         with LSAClient(config) as client:
             model = client.upload_model(path)
             cert = client.certify_accuracy(model["id"], xs.tolist(), ys.tolist(), r, gate,
-                                           norm, progress=progress, sweep=sweep)
+                                           norm, progress=progress, sweep=sweep,
+                                           time_budget_s=time_budget)
             if flips is not None:
                 flips.extend((c.index, c.label, c.flip_class, c.distance,
                               np.asarray(c.input, dtype=np.float64).reshape(xs.shape[1:]))
@@ -104,6 +111,7 @@ def verdicts_server(path: Path, inputs: Path, labels: Path, norm: str, radius: f
 
 def set_progress(i: int, n: int, v: Any) -> None:
     print(f"input {i + 1}/{n}: {v.status}" + (f" ({v.certified_by})" if v.certified_by else "")
+          + (" (stopped by the time budget)" if v.stopped_by_budget else "")
           + f", {v.seconds:.1f} s", file=sys.stderr, flush=True)
 
 

@@ -1,7 +1,8 @@
-"""The `robustness` job (queue `bound`): the certified radius by bisection (its progress is the
-bisection step: "bisection 7/30, certified 0.041") and the PGD attack radius, stored once per
-(model, centre, label, norm); then the certificate against the request's min_radius, signed
-with the server's key. The job's result is that certificate.
+"""The `robustness` job (queue `bound`): the certified radius (the affine walks, then the radius
+sweep; its progress names each step: "radius sweep 7/30, certified 0.041") and the PGD attack
+radius, within the request's time budget, stored once per (model, centre, label, norm,
+budget); then the certificate against the request's min_radius, signed with the server's
+key. The job's result is that certificate.
 
 A re-run after a crash finds what its first run stored: the certificate (its id is derived
 from the job id) or at least the radii. A job whose radii an earlier running job (another
@@ -39,7 +40,7 @@ from .service import (
 from .verdicts import robustness_of, verdicts_of
 
 CERT_NAMESPACE = uuid.UUID("3f7c2a9e-5b61-4f0e-9a2d-6c1e8b4d7a55")
-BISECTION_SHARE = 0.9  # of the job's progress; the attack and the signature take the rest
+SEARCH_SHARE = 0.9  # of the job's progress; the loading and the signature take the rest
 WAIT_POLL_S = 0.5  # between looks at the radii another job is computing
 
 
@@ -54,6 +55,8 @@ class RobustnessJobParams(BaseModel):
     min_radius: float = Field(gt=0)
     radii_key: str
     request_key: str
+    # seconds (None: none; jobs queued before budgets had none)
+    time_budget_s: float | None = Field(default=None, gt=0)
 
 
 def certificate_id_for_job(job_id: str) -> str:
@@ -126,14 +129,14 @@ def run_robustness(ctx: JobContext) -> dict[str, Any]:
     if radii is None:
         ctx.progress(0.02, "loading model", force=True)
         loaded = load_model(ctx.runtime, model)
-        ctx.progress(0.05, "bisection on the certified radius", force=True)
+        ctx.progress(0.05, "searching the certified radius", force=True)
 
         def progress(stage: str, fraction: float) -> None:
-            # Each step's write is also the cancel check (JobAborted stops the bisection).
-            ctx.progress(0.05 + BISECTION_SHARE * float(fraction), stage, force=True)
+            # Each step's write is also the cancel check (JobAborted stops the search).
+            ctx.progress(0.05 + SEARCH_SHARE * float(fraction), stage, force=True)
 
         radii = robustness_of(loaded, model.sha256, np.asarray(p.at, dtype=np.float64),
-                              p.label, p.norm, progress=progress)
+                              p.label, p.norm, progress=progress, time_budget=p.time_budget_s)
         ctx.progress(0.96, "storing the radii", force=True)
         with ctx.session() as s:
             radii = store_radii(s, model, p.radii_key, radii)
@@ -162,11 +165,13 @@ class RobustnessSetJobParams(BaseModel):
     result_key: str
     request_key: str
     sweep: bool = True
+    time_budget_s: float | None = Field(default=None, gt=0)  # each input's (None: none)
 
 
 def run_robustness_set(ctx: JobContext) -> dict[str, Any]:
     """Every input decided at min_radius (lsa_models.engine.at_radius; progress: "k/n inputs
-    decided", in any order), stored once per (model, inputs, labels, norm, radius), then the
+    decided", in any order), each within the time budget (an input it stopped is unknown,
+    its reason saying so), stored once per (model, inputs, labels, norm, radius, budget), then the
     certified-accuracy certificate, signed and stored (its id derived from the job's: a
     re-run after a crash returns the one stored). A job whose verdicts an earlier running job
     (another threshold) is deciding waits for them."""
@@ -191,7 +196,8 @@ def run_robustness_set(ctx: JobContext) -> dict[str, Any]:
         out = verdicts_of(loaded, model.sha256, np.asarray(p.inputs, dtype=np.float64),
                           np.asarray(p.labels, dtype=np.int64), p.norm, p.min_radius,
                           decided=decided, sweep=p.sweep, counterexamples=True,
-                          workers=ctx.runtime.settings.set_processes)
+                          workers=ctx.runtime.settings.set_processes,
+                          time_budget=p.time_budget_s)
         ctx.progress(0.96, "storing the verdicts", force=True)
         with ctx.session() as s:
             out = store_set(s, model, p.result_key, p.inputs_sha256, out)

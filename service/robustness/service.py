@@ -39,10 +39,16 @@ MEMORY_PREFIX = "robustness:"
 SET_MEMORY_PREFIX = "robustness-set:"
 
 
-def radii_key(model_sha256: str, center_sha256: str, label: int, norm: str) -> str:
-    """What the radii depend on (the computation is deterministic and seeded)."""
-    fields = {"kind": "robustness", "model": model_sha256, "center_sha256": center_sha256,
-              "label": int(label), "norm": norm}
+def radii_key(model_sha256: str, center_sha256: str, label: int, norm: str,
+              time_budget: float | None = None) -> str:
+    """What the radii depend on (the computation is deterministic and seeded; a time budget
+    may stop it earlier: radii under one are stored apart, those without keep the key they
+    had before budgets)."""
+    fields: dict[str, Any] = {"kind": "robustness", "model": model_sha256,
+                              "center_sha256": center_sha256, "label": int(label),
+                              "norm": norm}
+    if time_budget is not None:
+        fields["time_budget_s"] = float(time_budget)
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
 
@@ -149,16 +155,18 @@ def submit_robustness_job(runtime: Runtime, model: ModelRef, params: dict[str, A
 
 
 async def robustness_certificate(runtime: Runtime, model: ModelRef, at: list[Any],
-                                 label: int, norm: str,
-                                 min_radius: float) -> Certificate | JobAccepted:
-    """The certificate now when the radii of (model, centre, label, norm) are stored, else
-    the job that computes them and then signs it."""
+                                 label: int, norm: str, min_radius: float,
+                                 time_budget: float | None = None
+                                 ) -> Certificate | JobAccepted:
+    """The certificate now when the radii of (model, centre, label, norm, time budget) are
+    stored, else the job that computes them (under the budget: seconds, None for none) and
+    then signs it."""
     x0 = await model_center(runtime, model, at)
     raw = hashlib.sha256(np.ascontiguousarray(x0, dtype="<f8").tobytes()).hexdigest()
     sha = await run_counted(runtime, f"robustness-check:{model.sha256}:{raw}:{label}",
                             lambda: check_label(runtime, model, x0, label))
     assert isinstance(sha, str)
-    key = radii_key(model.sha256, sha, label, norm)
+    key = radii_key(model.sha256, sha, label, norm, time_budget)
     n = int(x0.shape[-2])
     radii = await run_in_threadpool(stored_radii, runtime, key)
     if radii is not None:
@@ -168,7 +176,7 @@ async def robustness_certificate(runtime: Runtime, model: ModelRef, at: list[Any
         submit_robustness_job, runtime, model,
         {"model_id": model.id, "norm": norm, "label": label, "at": x0.tolist(),
          "seq_len": n, "min_radius": min_radius, "radii_key": key,
-         "request_key": certificate_key(key, min_radius)})
+         "request_key": certificate_key(key, min_radius), "time_budget_s": time_budget})
 
 
 # ---- certified accuracy of a set: POST /certify with inputs, labels, min_radius,
@@ -194,12 +202,15 @@ async def set_inputs(runtime: Runtime, model: ModelRef, inputs: list[Any]) -> np
 
 
 def set_result_key(model_sha256: str, inputs_digest: str, norm: str, radius: float,
-                   sweep: bool = True) -> str:
-    """What a set's verdicts depend on (deterministic and seeded), not the threshold."""
+                   sweep: bool = True, time_budget: float | None = None) -> str:
+    """What a set's verdicts depend on (deterministic and seeded; each input's time budget,
+    which may stop it earlier), not the threshold."""
     fields: dict[str, Any] = {"kind": "robustness_set", "model": model_sha256,
                               "inputs": inputs_digest, "norm": norm, "radius": float(radius)}
     if not sweep:
         fields["sweep"] = False
+    if time_budget is not None:
+        fields["time_budget_s"] = float(time_budget)
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
 
@@ -232,18 +243,19 @@ def issue_set_certificate(runtime: Runtime, model: ModelRef, out: dict[str, Any]
 
 async def robustness_set_certificate(runtime: Runtime, model: ModelRef, inputs: list[Any],
                                      labels: list[int], norm: str, min_radius: float,
-                                     min_accuracy: float, *, sweep: bool = True
+                                     min_accuracy: float, *, sweep: bool = True,
+                                     time_budget: float | None = None
                                      ) -> Certificate | JobAccepted:
-    """The certificate now when the verdicts of (model, inputs, labels, norm, radius) are
-    stored (another threshold, or the same request after its job ended), else the job that
-    decides every input at min_radius and signs it (identical requests share one active
-    job)."""
+    """The certificate now when the verdicts of (model, inputs, labels, norm, radius, time
+    budget) are stored (another threshold, or the same request after its job ended), else
+    the job that decides every input at min_radius, each within the budget (seconds; None:
+    none), and signs it (identical requests share one active job)."""
     xs = await set_inputs(runtime, model, inputs)
     raw = inputs_sha256(xs, labels)
     top = max(labels)
     await run_counted(runtime, f"robustness-check:{model.sha256}:{raw}:{top}",
                       lambda: check_label(runtime, model, xs[0], top))
-    result_key = set_result_key(model.sha256, raw, norm, min_radius, sweep)
+    result_key = set_result_key(model.sha256, raw, norm, min_radius, sweep, time_budget)
     n = int(xs.shape[-2])
     out = await run_in_threadpool(stored_set, runtime, result_key)
     if out is not None:
@@ -254,7 +266,7 @@ async def robustness_set_certificate(runtime: Runtime, model: ModelRef, inputs: 
               "labels": [int(v) for v in labels], "seq_len": n,
               "min_radius": min_radius, "min_certified_accuracy": min_accuracy,
               "inputs_sha256": raw, "result_key": result_key, "request_key": key,
-              "sweep": sweep}
+              "sweep": sweep, "time_budget_s": time_budget}
     return await run_in_threadpool(submit_robustness_job, runtime, model, params,
                                    "robustness_set")
 
@@ -276,8 +288,10 @@ def set_counterexamples(session: Session, cert: Certificate) -> Counterexamples:
     if rs is None:
         raise NotFound(f"certificate {cert.id} is not a certified-accuracy certificate "
                        "(POST /certify with inputs): it has no counterexamples")
+    budget = rs.get("time_budget_s")
     key = set_result_key(cert.model_sha256, str(rs["inputs_sha256"]), cert.norm,
-                         float(rs["radius"]), rs.get("sweep") is not False)
+                         float(rs["radius"]), rs.get("sweep") is not False,
+                         None if budget is None else float(budget))
     row = session.scalar(select(RobustnessSetResultRow).where(
         RobustnessSetResultRow.request_key == key))
     out = None if row is None else row.result

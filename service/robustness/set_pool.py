@@ -22,6 +22,7 @@ import torch
 
 from lsa_models.engine import at_radius
 from lsa_models.engine.at_radius import SetReport, Verdict, gather_set, prepare_set
+from lsa_models.engine.budget import check_time_budget
 from lsa_models.onnx.loading import OnnxModel
 
 # The modules a forkserver imports once, before it forks the workers: a worker starts in
@@ -32,25 +33,29 @@ FORKSERVER_PRELOAD = ["service.robustness.set_pool"]
 def decide_all(model: Any, inputs: np.ndarray, labels: np.ndarray, norm: str, radius: float,
                progress: Callable[[int, int, Verdict], None] | None = None, *,
                seed: int = 0, sweep: bool = True, workers: int = 1,
-               decided: Callable[[int, int], None] | None = None) -> SetReport:
+               decided: Callable[[int, int], None] | None = None,
+               time_budget: float | None = None) -> SetReport:
     """lsa_models.engine.at_radius.decide_all, with `workers` > 1 deciding the inputs in that
     many processes (`start_method`: forked from a single-threaded caller, else from a
     forkserver); for one input, one worker, or where no process can be started, the
     library's serial loop. `progress(i, n, verdict)` in the inputs' order; `decided(k, n)`
     as the count of inputs decided grows, in any order (a slow input holds `progress` back,
-    not `decided`), both on the caller's thread. ValueError for workers < 1 and for what
-    the library refuses."""
+    not `decided`), both on the caller's thread. `time_budget`: each input's, counted in
+    the process deciding it from the moment it starts on it. ValueError for workers < 1 and
+    for what the library refuses."""
     if not (isinstance(workers, int) and workers >= 1):
         raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
+    check_time_budget(time_budget)
     method = None if workers == 1 or np.asarray(labels).shape[:1] == (1,) else start_method()
     if method is None:
         return at_radius.decide_all(model, inputs, labels, norm, radius, progress, seed=seed,
-                                    sweep=sweep, decided=decided)
+                                    sweep=sweep, decided=decided, time_budget=time_budget)
     t0 = time.monotonic()
     om, jobs = prepare_set(model, inputs, labels)
     verdicts = _in_processes(om, jobs, norm, radius, seed, sweep, min(workers, len(jobs)),
-                             method, decided)
-    return gather_set(norm, radius, verdicts, len(jobs), t0, sweep, progress)
+                             method, decided, time_budget)
+    return gather_set(norm, radius, verdicts, len(jobs), t0, sweep, progress,
+                      time_budget=time_budget)
 
 
 def start_method() -> str | None:
@@ -80,13 +85,15 @@ def _worker_start(om: OnnxModel | None = None) -> None:
 
 
 def _decide_in_worker(x: np.ndarray, label: int, norm: str, radius: float, seed: int,
-                      sweep: bool) -> Verdict:
-    return at_radius.decide(_WORKER_MODEL[0], x, label, norm, radius, seed=seed, sweep=sweep)
+                      sweep: bool, time_budget: float | None = None) -> Verdict:
+    return at_radius.decide(_WORKER_MODEL[0], x, label, norm, radius, seed=seed, sweep=sweep,
+                            time_budget=time_budget)
 
 
 def _in_processes(om: OnnxModel, jobs: list[tuple[np.ndarray, int]], norm: str,
                   radius: float, seed: int, sweep: bool, workers: int, method: str,
-                  decided: Callable[[int, int], None] | None = None) -> Iterator[Verdict]:
+                  decided: Callable[[int, int], None] | None = None,
+                  time_budget: float | None = None) -> Iterator[Verdict]:
     """The verdicts of `jobs` from `workers` processes, yielded in the jobs' order as soon as
     each and those before it are done; `decided(k, n)` (on the consumer's thread) each time
     k of them are done, in any order. Forked workers inherit the loaded graph (nothing is
@@ -102,8 +109,8 @@ def _in_processes(om: OnnxModel, jobs: list[tuple[np.ndarray, int]], norm: str,
                                initargs=(None if method == "fork" else om,))
     done = False
     try:
-        futures = [pool.submit(_decide_in_worker, x, y, norm, radius, seed, sweep)
-                   for x, y in jobs]
+        futures = [pool.submit(_decide_in_worker, x, y, norm, radius, seed, sweep,
+                               time_budget) for x, y in jobs]
         # while some input is left to yield, the next in order is not done, so one is pending
         pending, i = set(futures), 0
         while i < len(futures):

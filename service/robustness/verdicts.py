@@ -16,19 +16,23 @@ from ..bounds.local import model_image, patch_grid
 
 
 def robustness_of(loaded: Any, sha256: str, x0: np.ndarray, label: int, norm: str, *,
-                  progress: Callable[[str, float], None] | None = None) -> dict[str, Any]:
+                  progress: Callable[[str, float], None] | None = None,
+                  time_budget: float | None = None) -> dict[str, Any]:
     """Certified radius (every margin f_label - f_j provably positive on that ball) and the
     smallest label flip PGD finds, as the JSON object `lsa robustness --json` prints; the
     computation is deterministic (seeded), so `lsa verify --recompute` reaches the same
-    radius. `progress(stage, fraction)` hears each bisection step. Raises ValueError for a
-    bad input or label."""
+    radius, unless `time_budget` (seconds; None: none) stopped it (`stopped_by_budget`: the
+    radius is then the largest certified in time, at most the unbudgeted one).
+    `progress(stage, fraction)` hears each step of the search. Raises ValueError for a bad
+    input, label or budget."""
     from lsa_models.engine.local import robustness  # deferred: torch
     from lsa_models.engine.values import LocalNotCertified
 
     if norm not in ("2", "inf"):
         raise ValueError(f"norm must be 2 or inf, got {norm!r}")
     try:
-        r = robustness(loaded, x0, label, norm, progress=progress)  # type: ignore[arg-type]
+        r = robustness(loaded, x0, label, norm, progress=progress,  # type: ignore[arg-type]
+                       time_budget=time_budget)
     except LocalNotCertified as exc:
         # The radius needs a local rule for every op of the graph (the global fallback of
         # `lsa bound --at` has no margins to keep positive).
@@ -44,6 +48,8 @@ def robustness_of(loaded: Any, sha256: str, x0: np.ndarray, label: int, norm: st
         "center_sha256": r.center_sha256, "sweep_runs": r.sweep_runs,
         "certified_by": r.certified_by, "affine_radius": r.affine_radius,
         "affine_walks": r.affine_walks,
+        "time_budget_s": r.time_budget, "stopped_by_budget": r.stopped_by_budget,
+        "stopped_before": r.stopped_before,
         "seconds": {"certify": r.certify_seconds, "attack": r.attack_seconds},
     }
 
@@ -54,7 +60,8 @@ def verdict_json(v: Any) -> dict[str, Any]:
             "certified_by": v.certified_by, "margin_lower": v.margin_lower,
             "flip_distance": v.flip_distance, "flip_class": v.flip_class,
             "center_sha256": v.center_sha256, "affine_walks": v.walks,
-            "sweep_runs": v.sweep_runs, "seconds": v.seconds}
+            "sweep_runs": v.sweep_runs, "seconds": v.seconds,
+            "stopped_by_budget": v.stopped_by_budget, "reason": v.reason}
 
 
 def inputs_sha256(xs: np.ndarray, labels: Any) -> str:
@@ -69,15 +76,16 @@ def inputs_sha256(xs: np.ndarray, labels: Any) -> str:
 def decide_set(loaded: Any, inputs: np.ndarray, labels: np.ndarray, norm: str,
                radius: float, *, progress: Callable[[int, int, Any], None] | None = None,
                workers: int = 1, sweep: bool = True,
-               decided: Callable[[int, int], None] | None = None) -> Any:
+               decided: Callable[[int, int], None] | None = None,
+               time_budget: float | None = None) -> Any:
     """Every (inputs[i], labels[i]) decided at `radius` (certified / attacked / unknown /
     misclassified): lsa_models.engine.at_radius's SetReport, its attacked verdicts carrying
     their flips in the graph's layout (`flips_of` puts them back into the inputs'). The
     inputs are as the graph takes them (a pixel upload's images cut: the CLI's `load_set`,
     the service's `set_inputs`). `workers` > 1: that many processes (the CLI's --workers,
     the server's LSA_SET_WORKERS; the verdicts are the same); `sweep=False` skips the
-    radius sweep (lsa robustness --no-sweep). Raises ValueError for bad inputs, labels,
-    norm, radius or workers."""
+    radius sweep (lsa robustness --no-sweep); `time_budget`: each input's (seconds; None:
+    none). Raises ValueError for bad inputs, labels, norm, radius, workers or budget."""
     from lsa_models.engine.values import LocalNotCertified
 
     from .set_pool import decide_all  # deferred: torch
@@ -90,7 +98,7 @@ def decide_set(loaded: Any, inputs: np.ndarray, labels: np.ndarray, norm: str,
                          "(S, C, H, W))")
     try:
         return decide_all(loaded, inputs, labels, norm, radius, progress, workers=workers,
-                          sweep=sweep, decided=decided)
+                          sweep=sweep, decided=decided, time_budget=time_budget)
     except LocalNotCertified as exc:
         raise ValueError(f"no certified verdict for this model: {exc} (the robustness "
                          "verdicts need a local rule for every op of the graph)") from None
@@ -105,7 +113,9 @@ def set_json(sha256: str, rep: Any) -> dict[str, Any]:
         "model_sha256": sha256, "norm": rep.norm, "radius": rep.radius,
         "n": len(rep.verdicts), "counts": {s: rep.count(s) for s in STATUSES},
         "clean_accuracy": rep.clean_accuracy, "certified_accuracy": rep.certified_accuracy,
-        "attack_accuracy": rep.attack_accuracy, "seconds": rep.seconds, "sweep": rep.sweep,
+"attack_accuracy": rep.attack_accuracy, "seconds": rep.seconds, "sweep": rep.sweep,
+        "time_budget_s": rep.time_budget,
+        "stopped_by_budget": sum(v.stopped_by_budget for v in rep.verdicts),
         "samples": [{"index": i, **verdict_json(v)} for i, v in enumerate(rep.verdicts)],
     }
 
@@ -127,13 +137,15 @@ def flips_of(loaded: Any, rep: Any, shape: tuple[int, ...] | None) -> list[dict[
 def verdicts_of(loaded: Any, sha256: str, inputs: np.ndarray, labels: np.ndarray, norm: str,
                 radius: float, *, progress: Callable[[int, int, Any], None] | None = None,
                 sweep: bool = True, counterexamples: bool = False, workers: int = 1,
-                decided: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+                decided: Callable[[int, int], None] | None = None,
+                time_budget: float | None = None) -> dict[str, Any]:
     """`decide_set` as JSON (`set_json`); with `counterexamples`, `flips_of` under that key
     (each point in the input's layout: its shape in `inputs`, or on a pixel upload the image
     (1, C, H, W): the image a user sent is cut before it gets here). `workers`: processes
-    deciding the inputs (the verdicts are the same); `decided(k, n)`: as decide_all's."""
+    deciding the inputs (the verdicts are the same); `decided(k, n)`: as decide_all's;
+    `time_budget`: each input's."""
     rep = decide_set(loaded, inputs, labels, norm, radius, progress=progress, sweep=sweep,
-                     workers=workers, decided=decided)
+                     workers=workers, decided=decided, time_budget=time_budget)
     out = set_json(sha256, rep)
     if counterexamples:
         shape = None if patch_grid(loaded) is not None else tuple(inputs.shape[1:])

@@ -1,0 +1,68 @@
+"""A time budget for one input's radius search or decision (`local.robustness`,
+`at_radius.decide`): a deadline on the monotonic clock, looked at between the stages of the
+search (affine walks, attacks, sweep runs), never inside one. A stage that has started runs
+to its end, so an input may overrun its budget by one stage's time.
+
+Stopping early only loses tightness: each stage reports only what it certified, and a
+search stopped by its budget is a prefix of the same search without one (the stages run in
+the same order, on the same inputs), so the radius it certified is at most the unbudgeted
+one and any verdict it reached is the unbudgeted one. A search that never found the budget
+spent is the unbudgeted search, to the bit.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+
+def check_time_budget(seconds: float | None) -> float | None:
+    """`seconds` as a budget (None: no budget); ValueError unless it is a finite number
+    > 0."""
+    if seconds is None:
+        return None
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float) \
+            or not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"time_budget must be a finite number of seconds > 0 (or None: no "
+                         f"budget), got {seconds!r}")
+    return float(seconds)
+
+
+@dataclass
+class Budget:
+    """The deadline of one input (monotonic seconds; inf: none) and where it stopped the
+    search. `out(before)` is asked only where more work would follow: it records the first
+    stage the budget kept from running."""
+
+    deadline: float = math.inf
+    seconds: float | None = None  # the budget as given
+    stopped_before: str | None = None
+
+    @classmethod
+    def start(cls, seconds: float | None) -> Budget:
+        """A budget of `seconds` (checked; None: none) from now."""
+        s = check_time_budget(seconds)
+        if s is None:
+            return cls()
+        return cls(time.monotonic() + s, s)
+
+    @property
+    def stopped(self) -> bool:
+        return self.stopped_before is not None
+
+    def out(self, before: str) -> bool:
+        """Whether the budget is spent; if so, `before` (the stage that would run next) is
+        recorded, once."""
+        if self.stopped:
+            return True
+        if self.deadline < math.inf and time.monotonic() >= self.deadline:
+            self.stopped_before = before
+            return True
+        return False
+
+    def reason(self) -> str | None:
+        """The budget's part in an unknown verdict or an early radius, in words."""
+        if self.stopped_before is None:
+            return None
+        return f"the time budget ({self.seconds:g} s) ran out before {self.stopped_before}"

@@ -1,0 +1,218 @@
+"""Time budgets (lsa_models/engine/budget.py): a radius search or a verdict stopped by its
+budget is a prefix of the unbudgeted one (its certified radius at most the unbudgeted one, a
+verdict it reaches the same), marked stopped_by_budget with the stage it kept from running; a
+budget that never runs out changes nothing; bad budgets are refused (library ValueError, CLI
+exit 2). The budgets here run on a counting clock (one tick per look at it), so where a
+search stops does not depend on the machine's speed."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from bench.local_models import build, center, export
+from lsa_models.engine import budget as budget_mod
+from lsa_models.engine.at_radius import decide, decide_all
+from lsa_models.engine.budget import Budget, check_time_budget
+from lsa_models.engine.local import RobustnessResult, robustness
+from lsa_models.onnx import OnnxModel, load_onnx
+from service.cli import app
+
+
+@pytest.fixture(scope="module")
+def mlp(tmp_path_factory: pytest.TempPathFactory) -> tuple[OnnxModel, Path]:
+    path = export(build("mlp", seed=4), tmp_path_factory.mktemp("budget") / "mlp.onnx")
+    return load_onnx(path.read_bytes()), path
+
+
+@pytest.fixture(scope="module")
+def searched(mlp: tuple[OnnxModel, Path]) -> tuple[np.ndarray, int, RobustnessResult]:
+    """An input, its label and its unbudgeted radius search on the inf-ball."""
+    om, _ = mlp
+    x0 = center(5).numpy().astype(np.float64)
+    label = _label(om, x0)
+    return x0, label, robustness(om, x0, label, "inf")
+
+
+def _label(om: OnnxModel, x0: np.ndarray) -> int:
+    with torch.no_grad():
+        return int(om.module.with_dtype(torch.float64)(torch.from_numpy(x0)).argmax())
+
+
+def _ticks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The budgets' clock advances one second per look (a budget of k seconds is spent at
+    its k-th look)."""
+    clock = itertools.count()
+    monkeypatch.setattr(budget_mod, "time", SimpleNamespace(monotonic=lambda: float(next(clock))))
+
+
+def _search(r: RobustnessResult) -> tuple[Any, ...]:
+    """What a radius search found (not its timings)."""
+    return (r.certified_radius, r.attack_radius, r.certified_by, r.affine_radius,
+            r.affine_walks, r.sweep_runs, r.pair_constants, r.margins)
+
+
+def test_a_budget_stops_the_radius_search_at_a_prefix(
+        mlp: tuple[OnnxModel, Path], searched: tuple[np.ndarray, int, RobustnessResult],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each budget's radius is at most the unbudgeted one and grows with the budget; a search
+    the budget stopped names the stage it kept from running; one it did not stop is the
+    unbudgeted search."""
+    om, _ = mlp
+    x0, label, full = searched
+    assert not full.stopped_by_budget and full.time_budget is None and full.certified_radius > 0
+    _ticks(monkeypatch)
+    radii, stopped = [], []
+    for looks in (1, 3, 6):
+        r = robustness(om, x0, label, "inf", time_budget=looks)
+        assert r.time_budget == looks and r.certified_radius <= full.certified_radius
+        assert r.attack_radius == full.attack_radius  # the attack runs first, whole
+        if r.stopped_by_budget:
+            assert r.stopped_before is not None
+            stopped.append(r.certified_radius)
+        else:
+            assert r.stopped_before is None and _search(r) == _search(full)
+        radii.append(r.certified_radius)
+    assert radii == sorted(radii)
+    assert stopped[0] == 0.0  # the first look: before the affine walks
+    assert any(0 < s < full.certified_radius for s in stopped)  # the radius found so far
+
+
+def test_a_budget_stops_a_verdict_at_a_prefix(
+        mlp: tuple[OnnxModel, Path], searched: tuple[np.ndarray, int, RobustnessResult],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """At a radius each route certifies, one only the sweep certifies and one the attack
+    flips: every budget gives the unbudgeted verdict or unknown, stopped_by_budget, with the
+    reason naming the step it kept from running."""
+    om, _ = mlp
+    x0, label, r = searched
+    assert r.attack_radius is not None
+    for radius in (0.5 * r.affine_radius, r.certified_radius * 0.999, 1.05 * r.attack_radius):
+        full = decide(om, x0, label, "inf", radius)
+        assert full.status in ("certified", "attacked") and not full.stopped_by_budget
+        assert full.reason is None
+        with monkeypatch.context() as m:
+            _ticks(m)
+            for looks in (1, 2, 3, 5, 8):
+                v = decide(om, x0, label, "inf", radius, time_budget=looks)
+                if v.stopped_by_budget:
+                    assert v.status == "unknown" and v.reason is not None
+                    assert v.reason.startswith(f"the time budget ({looks:g} s) ran out "
+                                               "before ")
+                    assert v.walks <= full.walks and v.sweep_runs <= full.sweep_runs
+                else:
+                    assert (v.status, v.certified_by, v.walks, v.sweep_runs,
+                            v.flip_distance) == (full.status, full.certified_by, full.walks,
+                                                 full.sweep_runs, full.flip_distance)
+
+
+def test_tiny_and_generous_budgets_on_the_clock(
+        mlp: tuple[OnnxModel, Path], searched: tuple[np.ndarray, int, RobustnessResult]
+        ) -> None:
+    """A budget spent before the search starts: radius 0 and unknown, stopped by it, and the
+    calls return; a budget that does not run out gives the unbudgeted answers."""
+    om, _ = mlp
+    x0, label, full = searched
+    tiny = robustness(om, x0, label, "inf", time_budget=1e-9)
+    assert tiny.stopped_by_budget and tiny.certified_radius == 0.0
+    assert tiny.stopped_before == "the affine walks"
+    generous = robustness(om, x0, label, "inf", time_budget=3600)
+    assert not generous.stopped_by_budget and _search(generous) == _search(full)
+    radius = 0.5 * full.certified_radius
+    v = decide(om, x0, label, "2", radius, time_budget=1e-9)
+    assert v.status == "unknown" and v.stopped_by_budget and v.walks == 0
+    assert v.reason == "the time budget (1e-09 s) ran out before the affine walk"
+    assert decide(om, x0, label, "inf", radius, time_budget=3600).status == \
+        decide(om, x0, label, "inf", radius).status == "certified"
+
+
+def test_a_set_reports_each_input_the_budget_stopped(mlp: tuple[OnnxModel, Path]) -> None:
+    om, _ = mlp
+    xs = np.stack([center(s).numpy().astype(np.float64)[0] for s in (5, 6, 7)])
+    labels = np.array([_label(om, x[None]) for x in xs])
+    rep = decide_all(om, xs, labels, "inf", 0.01, time_budget=1e-9)
+    assert rep.time_budget == 1e-9 and rep.count("unknown") == 3
+    assert all(v.stopped_by_budget and v.reason is not None for v in rep.verdicts)
+    with pytest.raises(ValueError, match="time_budget must be a finite number of seconds"):
+        decide_all(om, xs, labels, "inf", 0.01, time_budget=-1.0)
+
+
+@pytest.mark.parametrize("bad", [0, 0.0, -1.0, math.nan, math.inf, "5", True])
+def test_bad_budgets_are_refused(mlp: tuple[OnnxModel, Path], bad: Any) -> None:
+    om, _ = mlp
+    x0 = center(5).numpy().astype(np.float64)
+    with pytest.raises(ValueError, match="time_budget must be a finite number of seconds"):
+        check_time_budget(bad)
+    with pytest.raises(ValueError, match="time_budget must be"):
+        decide(om, x0, _label(om, x0), "inf", 0.01, time_budget=bad)
+    with pytest.raises(ValueError, match="time_budget must be"):
+        robustness(om, x0, _label(om, x0), "inf", time_budget=bad)
+
+
+def test_budget_records_the_first_stage_it_stopped() -> None:
+    b = Budget.start(None)
+    assert not b.out("a") and not b.stopped and b.reason() is None
+    spent = Budget(deadline=-math.inf, seconds=2.0)
+    assert spent.out("the sweep") and spent.out("later") and spent.stopped
+    assert spent.reason() == "the time budget (2 s) ran out before the sweep"
+
+
+@pytest.mark.parametrize("value", ["-1", "0", "nan", "inf", "abc", "1e9", ""])
+def test_cli_bad_time_budget_exits_2(mlp: tuple[OnnxModel, Path], tmp_path: Path,
+                                     value: str) -> None:
+    _, path = mlp
+    np.save(tmp_path / "x0.npy", center(5).numpy())
+    res = CliRunner().invoke(app, ["robustness", str(path), "--at", str(tmp_path / "x0.npy"),
+                                   "--label", "0", "--time-budget", value])
+    assert res.exit_code == 2 and "--time-budget must be a number of seconds > 0" in \
+        res.stderr, res.output
+
+
+def test_cli_budget_in_json_and_text(mlp: tuple[OnnxModel, Path], tmp_path: Path) -> None:
+    """The budget and what it stopped in the JSON and the text of each mode; `none` is no
+    budget."""
+    om, path = mlp
+    xs = np.stack([center(s).numpy().astype(np.float64)[0] for s in (5, 6)])
+    labels = np.array([_label(om, x[None]) for x in xs])
+    np.save(tmp_path / "x0.npy", xs[0])
+    np.save(tmp_path / "xs.npy", xs)
+    np.save(tmp_path / "ys.npy", labels)
+    run = CliRunner().invoke
+    one = ["robustness", str(path), "--at", str(tmp_path / "x0.npy"), "--label",
+           str(labels[0]), "--norm", "inf"]
+    out = json.loads(run(app, [*one, "--time-budget", "1e-9", "--json"]).stdout)
+    assert out["stopped_by_budget"] is True and out["time_budget_s"] == 1e-9
+    assert out["certified_radius"] == 0.0 and out["stopped_before"] == "the affine walks"
+    text = run(app, [*one, "--time-budget", "1e-9"])
+    assert text.exit_code == 0, text.output
+    assert "stopped by the time budget (1e-09 s) before the affine walks" in text.stdout
+    free = json.loads(run(app, [*one, "--radius", "1e-4", "--time-budget", "none",
+                                "--json"]).stdout)
+    assert free["time_budget_s"] is None and free["stopped_by_budget"] is False
+    assert free["status"] == "certified" and free["reason"] is None
+    at = json.loads(run(app, [*one, "--radius", "0.01", "--json", "--time-budget",
+                              "1e-9"]).stdout)
+    assert at["status"] == "unknown" and at["stopped_by_budget"] is True
+    assert at["reason"].startswith("the time budget (1e-09 s) ran out")
+    printed = run(app, [*one, "--radius", "0.01", "--time-budget", "1e-9"]).stdout
+    assert "unknown (the time budget (1e-09 s) ran out before the affine walk)" in printed
+    many = ["robustness", str(path), "--inputs", str(tmp_path / "xs.npy"), "--labels",
+            str(tmp_path / "ys.npy"), "--radius", "0.01", "--norm", "inf", "--time-budget",
+            "1e-9"]
+    res = run(app, [*many, "--json"])
+    s = json.loads(res.stdout)
+    assert s["time_budget_s"] == 1e-9 and s["stopped_by_budget"] == 2
+    assert [x["reason"] for x in s["samples"]] == [
+        "the time budget (1e-09 s) ran out before the affine walk"] * 2
+    assert "input 1/2: unknown (stopped by the time budget)" in res.stderr
+    assert "(2 unknown when the time budget of 1e-09 s per input ran out)" in \
+        run(app, many).stdout

@@ -35,7 +35,7 @@ from service.client import ClientConfig, ClientError, LSAClient
 from service.robustness.verdicts import robustness_of
 from service.settings import Settings
 
-from ..bounds.cli import compute_report
+from ..bounds.files import compute_report
 from ..cli.common import EXIT_FAILED, EXIT_OK, app, fail, set_threads
 
 REL_TOL = 1e-9

@@ -26,6 +26,7 @@ from .affine import (
     Aff,
     NotAffine,
     _cols,
+    _split_lin,
     _up,
     _width,
     dev,
@@ -451,15 +452,38 @@ def _symbol_norm(f: Aff, shape: tuple[int, ...], ls: np.ndarray, ball: Ball) -> 
     return min(_norm2(ls), _copies(whole, f, shape))
 
 
+# entries of one block of the row-blocked helpers below (as affine.ABS_SUM_BLOCK: ~2 MB)
+_BLOCK = 1 << 18
+
+
+def _lin_of_sum(u: np.ndarray, v: np.ndarray, n: int, sub: bool, ball: Ball) -> np.ndarray:
+    """`lin` of the coefficients u + v (`sub`: u - v, `_sum_cols`) for entries without a box
+    or offset, a block of rows at a time (`lin` is a function of each row alone: the sum is
+    never held whole)."""
+    shape = np.broadcast_shapes(u.shape[:-1], v.shape[:-1])
+    if reference() or u.shape[:-1] != shape or v.shape[:-1] != shape:
+        c = np.zeros(shape)
+        return lin(Aff(c, c, c, _sum_cols(u, v, n, sub), c), ball)
+    rows = int(np.prod(shape))
+    uf, vf = u.reshape(rows, u.shape[-1]), v.reshape(rows, v.shape[-1])
+    out = np.empty(rows)
+    step = max(1, _BLOCK // max(1, n))
+    for i in range(0, rows, step):
+        blk = _sum_cols(uf[i:i + step], vf[i:i + step], n, sub)
+        z = np.zeros(blk.shape[0])
+        li, ls = _split_lin(Aff(z, z, z, blk, z), ball)  # not memoised: a temporary
+        out[i:i + step] = _up(li + ls, 2)  # as `lin`
+    return out.reshape(shape)
+
+
 def _rank_one(x: Aff, y: Aff, ball: Ball, lx: np.ndarray, ly: np.ndarray
               ) -> tuple[np.ndarray, np.ndarray]:
     """An enclosure of Lx Ly = (ax . z)(ay . z) over the ball and the symbols, entrywise
     (broadcast; z = (d, e)): it is ((ax + ay) . z)^2 / 4 - ((ax - ay) . z)^2 / 4, so within
     [-lin(ax - ay)^2 / 4, lin(ax + ay)^2 / 4], and within +-lin(ax) lin(ay)."""
     n = _width(x, y)
-    c = np.zeros(np.broadcast_shapes(x.a.shape[:-1], y.a.shape[:-1]))
-    sp = lin(Aff(c, c, c, _sum_cols(x.a, y.a, n), c), ball)
-    sm = lin(Aff(c, c, c, _sum_cols(x.a, y.a, n, sub=True), c), ball)
+    sp = _lin_of_sum(x.a, y.a, n, False, ball)
+    sm = _lin_of_sum(x.a, y.a, n, True, ball)
     ii = np.broadcast_to(lx * ly, sp.shape)
     lo = np.maximum(-_up(0.25 * sm * sm, 2), -ii)
     hi = np.minimum(_up(0.25 * sp * sp, 2), ii)
@@ -855,13 +879,31 @@ def weighted_sum(x: Aff, w: np.ndarray, ball: Ball) -> Aff:
     g = gamma(n + 2)
     aw = np.abs(w)
     o = (w * x.o).sum(axis=-1, keepdims=True)
-    a = (w[..., None] * x.a).sum(axis=-2, keepdims=True)
+    a = _weighted_cols(w, x.a)
     b = _up((aw * (x.b + g * (np.abs(x.o) + rough_lin(x, ball)))).sum(axis=-1, keepdims=True)
             + g * np.abs(o), n + 4)
     c = (w * x.c).sum(axis=-1, keepdims=True)
     m = _up((aw * (x.m + g * np.abs(x.c))).sum(axis=-1, keepdims=True) + g * np.abs(c),
             n + 4) + TINY
     return Aff(c, m, o, a, b)
+
+
+def _weighted_cols(w: np.ndarray, a: np.ndarray) -> np.ndarray:
+    """(w[..., None] * a).sum(axis=-2, keepdims=True) for a (..., n, Q), a block of rows
+    (tokens) at a time: the products of one block stay in cache instead of a whole-tensor
+    temporary (each row's sum is the same: the reduction runs down the axis row by row)."""
+    shape = a.shape[:-1]
+    if reference() or a.ndim < 3 or np.broadcast_shapes(w.shape, shape) != shape:
+        return (w[..., None] * a).sum(axis=-2, keepdims=True)
+    n, q = a.shape[-2], a.shape[-1]
+    af = a.reshape(-1, n, q)
+    wf = np.broadcast_to(w, shape).reshape(-1, n)
+    out = np.empty((af.shape[0], 1, q))
+    step = max(1, _BLOCK // max(1, n * q))
+    for i in range(0, af.shape[0], step):
+        out[i:i + step] = (wf[i:i + step, :, None] * af[i:i + step]).sum(axis=-2,
+                                                                            keepdims=True)
+    return out.reshape(*shape[:-1], 1, q)
 
 
 def variance(u: Aff, v: Aff, ball: Ball) -> Aff:

@@ -133,6 +133,46 @@ def test_select_and_narrow_match_the_reference(seed: int, wx: int, wy: int, norm
             _same(getattr(f, name), getattr(r, name))
 
 
+@settings(max_examples=at_most(40), deadline=None)
+@given(seed=st.integers(0, 10**6), tokens=st.integers(1, 9), d=st.integers(2, 40),
+       q=st.integers(1, 9000), bcast=st.booleans())
+def test_weighted_sum_by_blocks_is_the_whole_sum(seed: int, tokens: int, d: int, q: int,
+                                                 bcast: bool) -> None:
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((1, tokens, d, q))
+    w = rng.standard_normal((1, 1 if bcast else tokens, d))
+    fast = affine_rules._weighted_cols(w, a)
+    with _reference(True):
+        ref = affine_rules._weighted_cols(w, a)
+    _same(fast, ref)
+
+
+@settings(max_examples=at_most(30), deadline=None)
+@given(seed=st.integers(0, 10**6), rows=st.integers(1, 300), wu=st.integers(6, 3000),
+       wv=st.integers(6, 3000), norm=st.sampled_from(["inf", "2"]), groups=st.booleans(),
+       sub=st.booleans())
+def test_lin_of_a_sum_by_blocks_is_lin_of_the_whole_sum(seed: int, rows: int, wu: int,
+                                                        wv: int, norm: str, groups: bool,
+                                                        sub: bool) -> None:
+    """`_lin_of_sum` (the rank-one bound's sizes, a block of rows at a time) against `lin`
+    of the whole sum, with symbol groups among the columns."""
+    rng = np.random.default_rng(seed)
+    p = 5
+    ball = Ball(np.zeros(p), 0.05, norm)
+    u = rng.standard_normal((rows, wu)) * (rng.random((rows, wu)) < 0.3)
+    v = rng.standard_normal((rows, wv))
+    n = max(wu, wv)
+    with _symbols(p, n - p, groups):
+        if groups:
+            g1 = min(n, p + 40)
+            w = rng.random(g1 - p) + 0.1
+            affine.GROUPS.get().append((p, g1, w))  # type: ignore[union-attr]
+        fast = affine_rules._lin_of_sum(u, v, n, sub, ball)
+        with _reference(True):
+            ref = affine_rules._lin_of_sum(u, v, n, sub, ball)
+    _same(fast, ref)
+
+
 def _model(kind: str, tmp: Path):  # type: ignore[no-untyped-def]
     return load_onnx(export(build(kind), tmp / f"{kind}.onnx").read_bytes())
 

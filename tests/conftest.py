@@ -211,6 +211,9 @@ _SLOW = {
         "test_sweep_enclosure_keeps_the_rows_and_margins_of_the_plain_call",
         "test_sweep_near_a_decision_boundary_takes_few_pieces_and_stops_at_the_attack",
     ),
+    "tests/test_operators_e2e.py": (
+        "test_robustness_radius_has_no_flip_inside",
+    ),
     "tests/test_time_budget.py": (
         "test_a_budget_stops_the_radius_search_at_a_prefix",
         "test_cli_budget_in_json_and_text",

@@ -30,10 +30,11 @@ import torch
 from ..bounds.numerics import U
 from ..onnx.loading import OnnxModel
 from ..onnx.ops import Node
+from ..operators import ACTIVATION_TYPES, ModeNotImplemented, activation
 from . import affine, affine_rules, fused
 from .affine import Aff
 from .forward_error import check as forward_check
-from .internal_ops import GUARDS, RELU_GRAD
+from .internal_ops import GUARDS
 from .tangent import LayerNormHook, NoTangent, _Builder, _derivative, ln_chain, run_nodes
 from .values import FORWARD_MARGIN, MARGIN, PROVEN, Ball, array_key, widen_up
 
@@ -254,9 +255,15 @@ def _where(b: _Builder, node: Node, dep: list[int], gy: str, ln: LN) -> dict[int
                           b.shape(node.inputs[i])) for i in dep if i != 0}
 
 
-def _relu(b: _Builder, node: Node, dep: list[int], gy: str, ln: LN) -> dict[int, str]:
-    """dx = H(x) dy (internal_ops.RELU_GRAD: the Jacobian is diagonal)."""
-    return {0: b.op(RELU_GRAD, [gy, node.inputs[0]])}
+def _activation(b: _Builder, node: Node, dep: list[int], gy: str, ln: LN) -> dict[int, str]:
+    """dx = f'(x) dy (the Jacobian is diagonal): the activation's own graph
+    (lsa_models/operators/; Relu's: internal_ops.RELU_GRAD)."""
+    op = activation(node.op_type, node.attrs)
+    assert op is not None
+    try:
+        return {0: op.scaled_derivative(b, gy, node.inputs[0], node.outputs[0], False)}
+    except ModeNotImplemented as e:
+        raise NoAdjoint(str(e)) from None
 
 
 def _softmax(b: _Builder, node: Node, dep: list[int], gy: str, ln: LN) -> dict[int, str]:
@@ -289,9 +296,9 @@ RULES: dict[str, Rule] = {
     "Gather": _gather, "Add": _add_sub,
     "Sub": _add_sub, "Neg": _neg, "Mul": _mul, "MatMul": _matmul, "Div": _div, "Gemm": _gemm,
     "ReduceMean": _reduce, "ReduceSum": _reduce, "Softmax": _softmax,
-    "LayerNormalization": _layernorm, "Relu": _relu, "Where": _where,
-    **dict.fromkeys(("Tanh", "Sigmoid", "Exp", "Erf", "Gelu", "Sqrt", "Reciprocal", "Pow"),
-                    _elementwise),
+    "LayerNormalization": _layernorm, "Where": _where,
+    **dict.fromkeys(ACTIVATION_TYPES, _activation),
+    **dict.fromkeys(("Exp", "Sqrt", "Reciprocal", "Pow"), _elementwise),
 }
 
 
@@ -351,11 +358,9 @@ class _Diff:
             k = float(rest[0][0])
             return self.mul(self.mul(a, 2.0) if k == 2.0 else self.mul(self.mul(a, a), 3.0),
                             da)
-        if t == "Tanh":  # 1 - y^2
-            return self.mul(self.add(1.0, self.b.op("Mul", [v, v]), sub=True), da)
-        if t == "Sigmoid":  # y (1 - y)
-            return self.mul(self.mul(v, self.add(1.0, v, sub=True)), da)
-        return None
+        op = activation(t)  # a fusable activation: f' from its output where it can
+        d = None if op is None else op.chain_derivative(self, a, v)
+        return None if d is None else self.mul(d, da)
 
 
 def _chain_derivative(b: _Builder, chain: fused.Chain) -> str | None:

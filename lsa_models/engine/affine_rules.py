@@ -14,6 +14,8 @@ import torch
 
 from ..bounds.numerics import U
 from ..onnx.ops import FLOAT_TYPES, OPS, Node, RunContext, decimal_attr
+from ..operators import FUSABLE_ACTIVATIONS, ModeNotImplemented, activation
+from ..operators.activation import Activation, Relu
 from . import fused
 from .affine import (
     _REL,
@@ -115,18 +117,28 @@ SQRT = Fn(lambda lo, hi: _mono(np.sqrt, lo, hi),
 
 
 
-def _relu_d1(lo: np.ndarray, hi: np.ndarray) -> Iv:
-    """The slopes of max(x, 0) over [lo, hi]: 1 right of 0, 0 left of it, [0, 1] (the
-    subgradients) at 0."""
-    return np.where(lo > 0, 1.0, 0.0), np.where(hi >= 0, 1.0, 0.0)
+def activation_fn(op: Activation, name: str = "") -> Fn:
+    """An activation's value, slope and curvature enclosures (lsa_models/operators/); NotAffine
+    where the op has no affine relaxation."""
+    empty = np.zeros(0)
+    try:
+        op.subgradient_range(empty, empty)
+        curved = op.d2_range(empty, empty) is not None
+    except ModeNotImplemented as e:
+        raise NotAffine(f"{op.op_type} node {name}: {e}") from None
+
+    def d2(lo: np.ndarray, hi: np.ndarray) -> Iv:
+        r = op.d2_range(lo, hi)
+        assert r is not None
+        return r
+    return Fn(op.value_range, op.subgradient_range, d2 if curved else None, op.point)
 
 
 # max(x, 0): convex, so `elementwise`'s chord candidate applies (f'' >= 0: given as [0, inf],
 # which leaves the second-order candidate infinite): on a range [l, u] around 0 the chord
 # lam = u / (u - l) with the change in [0, -lam l] (DeepZ's relaxation)
-RELU = Fn(lambda lo, hi: (np.maximum(lo, 0.0), np.maximum(hi, 0.0)), _relu_d1,
-          lambda lo, hi: (np.zeros_like(lo), np.full_like(lo, np.inf)),
-          lambda x: np.maximum(x, 0.0))
+RELU = activation_fn(Relu("Relu"))
+
 
 def chain_fn(chain: fused.Chain, consts: dict[str, float]) -> Fn:
     """A fused elementwise chain (fused.py) through its interval differentiation."""
@@ -1073,7 +1085,7 @@ LAYOUT = ("Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity",
           "Gather", "Concat", "Split", "Expand", "Dropout", "Tile")
 LINEAR = ("Add", "Sub", "Neg", "Mul", "Div", "MatMul", "Gemm", "ReduceMean", "ReduceSum",
           "Conv")
-SINGLE = ("Tanh", "Erf", "Sigmoid")
+SINGLE = FUSABLE_ACTIVATIONS  # smooth activations: as one-node chains (fused.py)
 _POW = {2.0: SQUARE, 0.5: SQRT, -1.0: RECIPROCAL, -0.5: RSQRT}
 
 
@@ -1307,9 +1319,10 @@ def _step(node: Node, args: list, centers: list[np.ndarray | None], ball: Ball,
                             out_m=m0)]
     if t == RELU_GRAD:
         return [_relu_grad(args, ball, ranges_of(1), c0, m0)]
-    if t in ("Relu", "Exp", "Sqrt", "Reciprocal", "Pow") and var == [0]:
-        fn = _power(node, args) if t == "Pow" else \
-            {"Exp": EXP, "Sqrt": SQRT, "Reciprocal": RECIPROCAL, "Relu": RELU}[t]
+    op = activation(t, node.attrs)
+    if (op is not None or t in ("Exp", "Sqrt", "Reciprocal", "Pow")) and var == [0]:
+        fn = activation_fn(op, node.name) if op is not None else _power(node, args) \
+            if t == "Pow" else {"Exp": EXP, "Sqrt": SQRT, "Reciprocal": RECIPROCAL}[t]
         rg = ranges_of(0)
         return [elementwise(args[0], fn, ball, xlo=_lo(rg), xhi=_hi(rg), out_c=c0, out_m=m0)]
     if t == "Softmax" and var == [0]:

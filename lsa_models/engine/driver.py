@@ -29,9 +29,10 @@ from ..bounds.numerics import (
 )
 from ..onnx.loading import OnnxModel
 from ..onnx.ops import Node, decimal_attr
+from ..operators import ACTIVATION_TYPES, ModeNotImplemented, activation
 from . import affine, affine_rules, deferred, forward_error, fused, relu_head, second, signed
 from .opnorm import integrated_tokens, rows_bound, set_token_radius
-from .primitives import LIBM_REL, derivative, elementwise
+from .primitives import LIBM_REL, elementwise
 from .rules import LOCAL_RULES, LocalRule, exact
 from .structured import Structured, row_two_bounds, structured_bounds
 from .values import (
@@ -416,8 +417,8 @@ PLAIN_MEMO = 512
 # bound by a few percent; more add almost nothing (bench/local_tightness.py).
 HALVINGS = 1
 # Ops whose enclosures depend most on their input's range: their inputs are tightened.
-CHECKPOINTS = ("LayerNormalization", "Softmax", "Erf", "Gelu", "Tanh", "Sigmoid", "Div", "Relu",
-               "Exp", "Sqrt", "Reciprocal", "Pow", "Mul", "MatMul")
+CHECKPOINTS = ("LayerNormalization", "Softmax", "Div", "Exp", "Sqrt", "Reciprocal", "Pow", "Mul",
+               "MatMul") + ACTIVATION_TYPES
 Values = dict[str, LocalValue | np.ndarray]
 
 
@@ -946,9 +947,6 @@ class _Telescope:
         set_token_radius(v, widen_up(ball.eps * v.tok_jn, 2))
 
 
-_ACT = {"Relu": "relu", "Gelu": "gelu", "Erf": "erf", "Tanh": "tanh", "Sigmoid": "sigmoid"}
-
-
 def _layer_factor(node: Node, args: list, norm: str) -> tuple[str, float, str] | None:
     """A reported per-layer local factor (what dominates; the certificate is the whole-graph
     enclosure): LayerNorm's constant on the ball from a lower bound on each token's centred
@@ -970,11 +968,12 @@ def _layer_factor(node: Node, args: list, norm: str) -> tuple[str, float, str] |
             f = mul_up(f, sqrt_up(d))
         return ("layernorm", f, "local LayerNorm: max|gamma| / sqrt(max(0, ||P x0|| - rho)^2"
                 "/D + eps) per token" + (" x sqrt(D) (inf)" if norm == "inf" else ""))
-    kind = _ACT.get(node.op_type)
-    if kind is None or (kind == "gelu" and node.attrs.get("approximate", b"none")
-                        not in (b"none", "none")):
+    op = activation(node.op_type, node.attrs)  # lsa_models/operators/
+    if op is None:
         return None
-    _, rng = derivative(kind, x.lo, x.hi)
-    dlo, dhi = rng(x.lo, x.hi)
+    try:
+        dlo, dhi = op.d1_range(x.lo, x.hi)
+    except ModeNotImplemented:
+        return None
     f = float(np.max(np.maximum(np.abs(dlo), np.abs(dhi)))) * (1 + LIBM_REL) + 1e-300
-    return (f"activation:{kind}", f, f"local {kind}: largest slope over the input's range")
+    return (f"activation:{op.kind}", f, f"local {op.kind}: largest slope over the input's range")

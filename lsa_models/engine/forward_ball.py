@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from ..onnx.ops import OPS, Node, RunContext, decimal_attr
+from ..operators import ACTIVATION_TYPES, activation
 
 PREC = 256
 # elementary ball operations one evaluation may take (~0.1 us each: x-transformers' 1.9e6 in
@@ -141,32 +142,17 @@ def _distance(arb: Any, c: np.ndarray, b: Balls) -> np.ndarray:
 
 def _elementwise(arb: Any, op: str, node: Node, x: Balls, pw: float | None) -> Balls:
     one = arb(1)
-    if op == "Exp":
+    act = activation(op, node.attrs)
+    if act is not None:  # lsa_models/operators/
+        f = act.arb(arb)
+    elif op == "Exp":
         f = lambda a: a.exp()  # noqa: E731
-    elif op == "Erf":
-        f = lambda a: a.erf()  # noqa: E731
-    elif op == "Tanh":
-        f = lambda a: a.tanh()  # noqa: E731
-    elif op == "Sigmoid":
-        f = lambda a: one / (one + (-a).exp())  # noqa: E731
     elif op == "Sqrt":
         f = lambda a: a.sqrt()  # noqa: E731
     elif op == "Reciprocal":
         f = lambda a: one / a  # noqa: E731
-    elif op == "Relu":
-        zero = arb(0)
-        f = lambda a: a.max(zero)  # noqa: E731
     elif op == "Neg":
         f = lambda a: -a  # noqa: E731
-    elif op == "Gelu":
-        approx = node.attrs.get("approximate", b"none")
-        if (approx.decode() if isinstance(approx, bytes) else str(approx)) == "tanh":
-            k = (arb(2) / arb.pi()).sqrt()
-            c3 = arb("0.044715")
-            f = lambda a: a * (one + (k * (a + c3 * a * a * a)).tanh()) / 2  # noqa: E731
-        else:
-            r2 = arb(2).sqrt()
-            f = lambda a: a * (one + (a / r2).erf()) / 2  # noqa: E731
     elif op == "Pow" and pw is not None:
         if pw == 2.0:
             f = lambda a: a * a  # noqa: E731
@@ -231,8 +217,7 @@ def _node(arb: Any, node: Node, vals: dict[str, Balls], env: dict[str, torch.Ten
         return [np.asarray(e / np.sum(e, axis=ax, keepdims=True), dtype=object)]
     if t == "LayerNormalization" and fixed and len([o for o in node.outputs if o]) == 1:
         return [_layernorm(arb, node, ball)]
-    if t in ("Exp", "Erf", "Tanh", "Sigmoid", "Sqrt", "Reciprocal", "Relu", "Neg", "Gelu",
-             "Pow"):
+    if t in ACTIVATION_TYPES or t in ("Exp", "Sqrt", "Reciprocal", "Neg", "Pow"):
         pw = None
         if t == "Pow":
             if args[1] in vals:

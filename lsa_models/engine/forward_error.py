@@ -8,7 +8,8 @@ each op with its own outward-rounded rule,
   - layout ops move entries (run on both ends: exact);
   - linear maps y = L(x) + b: |y - c_y| <= |L|(r_x) + gamma_k (|L|(|c_x|) + |b|), the second
     term bounding the float64 rounding of c_y = fl(L(c_x) + b) in any summation order;
-  - elementwise f: the range of f over the input interval (primitives.value_range);
+  - elementwise f: the range of f over the input interval (primitives.value_range; an
+    activation's own, lsa_models/operators/);
   - products a * b, a @ b: |c_a| r_b + r_a |c_b| + r_a r_b + gamma_k |c_a| |c_b|;
   - Softmax from the logit intervals; LayerNorm from u = P x, s = mean(u^2) + eps, z = u/sigma
     intervals (layernorm.jacobian_ranges);
@@ -23,10 +24,11 @@ import numpy as np
 import torch
 
 from ..onnx.ops import OPS, Node, RunContext, decimal_attr
+from ..operators import activation
 from . import forward_ball
 from .internal_ops import GUARDS, RELU_GRAD
 from .layernorm import _bounds_of_s, jacobian_ranges
-from .primitives import _softmax_ranges, value_range
+from .primitives import Kind, _softmax_ranges, value_range
 from .values import FORWARD_FLOOR, FORWARD_MARGIN, gamma, widen_up
 
 CTX = RunContext(torch.float64)
@@ -36,9 +38,7 @@ PROVEN_CAP = 1e-3
 _LAYOUT = ("Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Slice",
            "Gather", "Concat", "Split", "Expand", "Dropout", "Cast", "Tile")
 _LINEAR = ("Add", "Sub", "Neg", "Mul", "Div", "MatMul", "Gemm", "ReduceMean", "ReduceSum")
-_ELEMENTWISE = {"Relu": "relu", "Tanh": "tanh", "Sigmoid": "sigmoid", "Erf": "erf",
-                "Gelu": "gelu", "Exp": "exp", "Sqrt": "sqrt", "Reciprocal": "reciprocal",
-                "Pow": "pow"}
+_ELEMENTWISE = {"Exp": "exp", "Sqrt": "sqrt", "Reciprocal": "reciprocal", "Pow": "pow"}
 Iv = tuple[np.ndarray, np.ndarray]
 
 
@@ -176,8 +176,9 @@ def _node(node: Node, iv: dict[str, Iv], env: dict[str, torch.Tensor]) -> Iv | N
         return None
     if t in _LINEAR or (t == "Conv" and var == [0]):  # Conv: a constant kernel and bias
         return _linear(node, args, iv, env)
-    if t in _ELEMENTWISE:
-        kind = _ELEMENTWISE[t]
+    op = activation(t, node.attrs)
+    if op is not None or t in _ELEMENTWISE:
+        kind: Kind = op if op is not None else _ELEMENTWISE[t]
         p = 2.0
         if kind == "pow":
             p = float(env[args[1]].reshape(()))

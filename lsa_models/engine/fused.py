@@ -1,25 +1,25 @@
 """Elementwise chains as one function: y = f(x) entrywise, f built from one root tensor x by
-Add/Sub/Mul/Div/Neg/Pow/Tanh/Erf/Sigmoid with scalar constants (the tanh form of GELU as
-torch exports it: 0.5 x (1 + tanh(c (x + a x^3))) is six such nodes). Bounding the chain link
-by link sums the absolute value of every link's remainder; as one function its remainder is
-|G| sup|f'(x) - f'(x0)| |J_x|, with the range of f' over the input's interval from interval
-automatic differentiation (docs/local-enclosure.md, "Fused elementwise chains").
+Add/Sub/Mul/Div/Neg/Pow and the smooth activations (Tanh, Erf, Sigmoid, Softplus: the
+registry's FUSABLE_ACTIVATIONS, lsa_models/operators/) with scalar constants (the tanh form
+of GELU as torch exports it: 0.5 x (1 + tanh(c (x + a x^3))) is six such nodes). Bounding
+the chain link by link sums the absolute value of every link's remainder; as one function its
+remainder is |G| sup|f'(x) - f'(x0)| |J_x|, with the range of f' over the input's interval
+from interval automatic differentiation (docs/local-enclosure.md, "Fused elementwise chains").
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-from scipy import special
 
 from ..onnx.ops import Node
+from ..operators import FUSABLE_ACTIVATIONS, activation
+from ..operators.activation import Activation
 from .values import FLOOR
 
-FUSABLE = ("Add", "Sub", "Mul", "Div", "Neg", "Pow", "Tanh", "Erf", "Sigmoid")
-_NONLINEAR = ("Tanh", "Erf", "Sigmoid", "Pow")
+FUSABLE = ("Add", "Sub", "Mul", "Div", "Neg", "Pow") + FUSABLE_ACTIVATIONS
+_NONLINEAR = FUSABLE_ACTIVATIONS + ("Pow",)
 # relative outward allowance per interval operation: a few roundings of faithfully rounded
 # (libm) or correctly rounded operations, far below 1e-12
 _REL = 1e-12
@@ -63,21 +63,15 @@ def _near_far(a: Iv) -> tuple[np.ndarray, np.ndarray]:
     return near, np.maximum(np.abs(a[0]), np.abs(a[1]))
 
 
-def _bell(fn: Callable[[np.ndarray], np.ndarray], a: Iv) -> Iv:
-    """Range of an even function decreasing in |x| (tanh', erf', sigmoid')."""
-    near, far = _near_far(a)
-    return _out(fn(far), fn(near))
-
-
 def _square(a: Iv) -> Iv:
     near, far = _near_far(a)
     return _out(near * near, far * far)
 
 
-_F = {"Tanh": np.tanh, "Erf": special.erf, "Sigmoid": special.expit}
-_DF: dict[str, Callable[[np.ndarray], np.ndarray]] = {"Tanh": lambda x: 1.0 - np.tanh(x) ** 2,
-       "Erf": lambda x: (2.0 / math.sqrt(math.pi)) * np.exp(-x * x),
-       "Sigmoid": lambda x: special.expit(x) * (1.0 - special.expit(x))}
+def _activation(nd: Node) -> Activation:
+    op = activation(nd.op_type, nd.attrs)
+    assert op is not None and op.fusable
+    return op
 
 
 def evaluate(chain: Chain, consts: dict[str, float], lo: np.ndarray, hi: np.ndarray
@@ -117,51 +111,12 @@ def evaluate(chain: Chain, consts: dict[str, float], lo: np.ndarray, hi: np.ndar
             else:  # p == 3: increasing
                 v = _out(a[0] ** 3, a[1] ** 3)
                 d = iv_mul(iv_mul(_square(a), da), (3 * one, 3 * one))
-        else:
-            f = _F[t]
-            v = _out(f(a[0]), f(a[1]))  # increasing
-            d = iv_mul(_bell(_DF[t], a), da)
+        else:  # a smooth activation: increasing
+            op = _activation(nd)
+            v = _out(*op.value_range(a[0], a[1]))
+            d = iv_mul(_out(*op.d1_range(a[0], a[1])), da)
         val[nd.outputs[0]], der[nd.outputs[0]] = v, d
     return val[chain.sink], der[chain.sink]
-
-
-def _tanh2(x: np.ndarray) -> np.ndarray:
-    t = np.tanh(x)
-    return -2.0 * t * (1.0 - t * t)
-
-
-def _erf2(x: np.ndarray) -> np.ndarray:
-    return (-4.0 / math.sqrt(math.pi)) * x * np.exp(-x * x)
-
-
-def _sigmoid2(x: np.ndarray) -> np.ndarray:
-    s = special.expit(x)
-    return s * (1.0 - s) * (1.0 - 2.0 * s)
-
-
-_SIG_CRIT = math.log((3.0 + math.sqrt(3.0)) / (3.0 - math.sqrt(3.0)))
-# f'' and the points where f''' = 0 (its only critical points): tanh''' = -2 (1 - t^2)
-# (1 - 3 t^2), t = tanh x; erf''' = (4/sqrt pi) e^(-x^2) (2 x^2 - 1); sigmoid''' = s (1 - s)
-# (1 - 6 s + 6 s^2), zero at s = (3 -+ sqrt 3)/6, x = -+log((3 + sqrt 3)/(3 - sqrt 3))
-_F2: dict[str, tuple[Callable[[np.ndarray], np.ndarray], tuple[float, ...]]] = {
-    "Tanh": (_tanh2, (-math.atanh(1.0 / math.sqrt(3.0)), math.atanh(1.0 / math.sqrt(3.0)))),
-    "Erf": (_erf2, (-1.0 / math.sqrt(2.0), 1.0 / math.sqrt(2.0))),
-    "Sigmoid": (_sigmoid2, (-_SIG_CRIT, _SIG_CRIT)),
-}
-
-
-def _second_range(op: str, a: Iv) -> Iv:
-    """Range of f''(x) over [a0, a1] for f = tanh, erf, sigmoid: the ends and the critical
-    points of f'' inside (f'' is smooth, so its extremes over an interval are there), padded
-    for the library functions' rounding (`_out`)."""
-    h, crits = _F2[op]
-    cands = [h(a[0]), h(a[1])]
-    for c in crits:
-        inside = (a[0] <= c) & (a[1] >= c)
-        hc = np.full_like(a[0], h(np.array(c)))
-        cands.append(np.where(inside, hc, h(a[0])))
-    st = np.stack(cands)
-    return _out(st.min(axis=0), st.max(axis=0))
 
 
 def second(chain: Chain, consts: dict[str, float], lo: np.ndarray, hi: np.ndarray
@@ -169,7 +124,7 @@ def second(chain: Chain, consts: dict[str, float], lo: np.ndarray, hi: np.ndarra
     """Interval forward-mode differentiation to second order over x in [lo, hi] (SPLITS
     pieces, hulled): an enclosure of f''(x) for every x in the interval. Rules: (a b)'' =
     a'' b + 2 a' b' + a b'', (a^2)'' = 2 (a'^2 + a a''), (a^3)'' = 3 (2 a a'^2 + a^2 a''),
-    g(u)'' = g''(u) u'^2 + g'(u) u'' for g = tanh, erf, sigmoid (`_second_range`)."""
+    g(u)'' = g''(u) u'^2 + g'(u) u'' for g a smooth activation (its `d2_range`)."""
     t = np.linspace(0.0, 1.0, SPLITS + 1)
     w = hi - lo
     edges = lo[None] + t.reshape(-1, *([1] * lo.ndim)) * w[None]
@@ -216,11 +171,14 @@ def second(chain: Chain, consts: dict[str, float], lo: np.ndarray, hi: np.ndarra
                 d = iv_mul(iv_mul(_square(a), da), k(3.0))
                 dd = iv_mul(_add(iv_mul(k(2.0), iv_mul(a, _square(da))), iv_mul(_square(a), dda)),
                           k(3.0))
-        else:  # Tanh, Erf, Sigmoid: increasing, f' even and decreasing in |x|
-            v = _out(_F[op](a[0]), _F[op](a[1]))
-            g1 = _bell(_DF[op], a)
+        else:  # a smooth activation: increasing, f'' enclosed
+            f = _activation(nd)
+            v = _out(*f.value_range(a[0], a[1]))
+            g1 = _out(*f.d1_range(a[0], a[1]))
             d = iv_mul(g1, da)
-            dd = _add(iv_mul(_second_range(op, a), _square(da)), iv_mul(g1, dda))
+            curv = f.d2_range(a[0], a[1])
+            assert curv is not None
+            dd = _add(iv_mul(_out(*curv), _square(da)), iv_mul(g1, dda))
         val[nd.outputs[0]], d1[nd.outputs[0]], d2[nd.outputs[0]] = v, d, dd
     r = d2[chain.sink]
     return r[0].min(axis=0), r[1].max(axis=0)

@@ -9,9 +9,10 @@ import math
 from collections.abc import Callable
 
 import numpy as np
-from scipy import special
 
 from ..bounds.numerics import U, add_up
+from ..operators import ModeNotImplemented, by_kind
+from ..operators.activation import Activation
 from . import opnorm
 from .second import Curv2, elementwise_second, matmul_second, mul_second, softmax_second
 from .signed import SignedFn, SignedTerm
@@ -32,7 +33,6 @@ from .values import (
 # Relative allowance on derivative values computed with libm/scipy (erf, exp, tanh):
 # faithfully rounded to a few ulp; 1e-12 is far above that.
 LIBM_REL = 1e-12
-_SQRT2 = math.sqrt(2.0)
 
 
 def linear(v_out_center: np.ndarray, jc: np.ndarray, jr_abs: np.ndarray,
@@ -58,41 +58,12 @@ def _monotone_range(d: Callable[[np.ndarray], np.ndarray], lo: np.ndarray,
     return np.minimum(a, b), np.maximum(a, b)
 
 
-def _gelu_d(x: np.ndarray) -> np.ndarray:
-    return 0.5 * (1.0 + special.erf(x / _SQRT2)) + x * np.exp(-0.5 * x * x) / math.sqrt(
-        2 * math.pi)
-
-
-def _gelu_range(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    # GELU'' = phi(x) (2 - x^2): extremes at the ends or at -sqrt 2 (min), sqrt 2 (max)
-    a, b = _gelu_d(lo), _gelu_d(hi)
-    dlo, dhi = np.minimum(a, b), np.maximum(a, b)
-    dlo = np.where((lo <= -_SQRT2) & (hi >= -_SQRT2), np.minimum(dlo, _gelu_d(
-        np.array(-_SQRT2))), dlo)
-    dhi = np.where((lo <= _SQRT2) & (hi >= _SQRT2), np.maximum(dhi, _gelu_d(
-        np.array(_SQRT2))), dhi)
-    return dlo, dhi
-
-
-def _sigmoid_d(x: np.ndarray) -> np.ndarray:
-    s = special.expit(x)
-    return s * (1.0 - s)
-
-
 Deriv = tuple[Callable[[np.ndarray], np.ndarray],
               Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]]
 
 
 def _mono(d: Callable[[np.ndarray], np.ndarray]) -> Deriv:
     return d, lambda a, b: _monotone_range(d, a, b)
-
-
-def _bell(d: Callable[[np.ndarray], np.ndarray]) -> Deriv:
-    return d, lambda a, b: _bell_range(d, a, b)
-
-
-def _relu_d(x: np.ndarray) -> np.ndarray:
-    return (x > 0).astype(np.float64)
 
 
 def _even_range(d: Callable[[np.ndarray], np.ndarray], lo: np.ndarray,
@@ -119,23 +90,27 @@ def _pow(lo: np.ndarray, p: float) -> Deriv:
     return _mono(lambda x: p * np.power(x, p - 1.0))
 
 
-# f' for the functions whose derivative needs no domain check
-_SMOOTH: dict[str, Callable[[], Deriv]] = {
-    "relu": lambda: (_relu_d, lambda a, b: (np.where(a > 0, 1.0, 0.0),
-                                            np.where(b > 0, 1.0, 0.0))),
-    "tanh": lambda: _bell(lambda x: 1.0 - np.tanh(x) ** 2),
-    "sigmoid": lambda: _bell(_sigmoid_d),
-    "erf": lambda: _bell(lambda x: (2.0 / math.sqrt(math.pi)) * np.exp(-x * x)),
-    "gelu": lambda: (_gelu_d, _gelu_range),
-    "exp": lambda: _mono(np.exp),
-}
+# An elementwise function: an activation (lsa_models/operators/, or its report name "tanh",
+# ...) or one of the arithmetic functions below ("exp", "sqrt", "reciprocal", "pow")
+Kind = str | Activation
 
 
-def derivative(kind: str, lo: np.ndarray, hi: np.ndarray, exponent: float = 2.0) -> Deriv:
+def _activation(kind: Kind) -> Activation | None:
+    return kind if isinstance(kind, Activation) else by_kind(kind)
+
+
+def derivative(kind: Kind, lo: np.ndarray, hi: np.ndarray, exponent: float = 2.0) -> Deriv:
     """(f', range of f' over [lo, hi]) for an elementwise function; refuses ranges outside
     its domain."""
-    if kind in _SMOOTH:
-        return _SMOOTH[kind]()
+    op = _activation(kind)
+    if op is not None:
+        try:
+            op.d1_range(lo.reshape(-1)[:0], hi.reshape(-1)[:0])  # refused here, by name
+        except ModeNotImplemented as e:
+            raise LocalNotCertified(str(e)) from None
+        return op.d1, op.d1_range
+    if kind == "exp":
+        return _mono(np.exp)
     if kind == "sqrt":
         if np.any(lo <= 0):
             raise LocalNotCertified("Sqrt of a value the ball can bring to <= 0")
@@ -149,38 +124,30 @@ def derivative(kind: str, lo: np.ndarray, hi: np.ndarray, exponent: float = 2.0)
     raise LocalNotCertified(f"no local rule for the elementwise function {kind}")
 
 
-_RANGE: dict[str, tuple[float, float]] = {"sigmoid": (0.0, 1.0), "tanh": (-1.0, 1.0),
-                                          "erf": (-1.0, 1.0), "relu": (0.0, math.inf),
-                                          "sqrt": (0.0, math.inf), "exp": (0.0, math.inf)}
+_RANGE: dict[str, tuple[float, float]] = {"sqrt": (0.0, math.inf), "exp": (0.0, math.inf)}
 
 
-# GELU's minimum: x* = -0.7517915247, GELU(x*) = -0.1699712702 (GELU' = Phi + x phi has its
-# only negative-side zero there); -0.17 is below it
-_GELU_MIN_X, _GELU_MIN = -0.7517915247, -0.17
+_F: dict[str, Callable[[np.ndarray], np.ndarray]] = {"exp": np.exp, "sqrt": np.sqrt}
 
 
-def _gelu(x: np.ndarray) -> np.ndarray:
-    return 0.5 * x * (1.0 + special.erf(x / _SQRT2))
-
-
-_F: dict[str, Callable[[np.ndarray], np.ndarray]] = {
-    "relu": lambda x: np.maximum(x, 0.0), "tanh": np.tanh, "sigmoid": special.expit,
-    "erf": special.erf, "exp": np.exp, "sqrt": np.sqrt, "gelu": _gelu}
-
-
-def value_range(kind: str, lo: np.ndarray, hi: np.ndarray, exponent: float = 2.0
+def value_range(kind: Kind, lo: np.ndarray, hi: np.ndarray, exponent: float = 2.0
                 ) -> tuple[np.ndarray | None, np.ndarray | None]:
     """An enclosure of f over [lo, hi] entrywise (interval arithmetic, docs/local-enclosure.md):
     increasing functions map the ends; 1/x and x^p with p < 0 (on x > 0, checked by
     `derivative`) decrease; integer x^p (2 <= p <= 16) increase (p odd) or go from the end
-    nearest to / farthest from 0 (p even); GELU has one
-    minimum, at x*. Library values get LIBM_REL of their magnitude; None: no range known."""
-    if kind in _F:
+    nearest to / farthest from 0 (p even); an activation gives its own (operators/).
+    Library values get LIBM_REL of their magnitude; None: no range known."""
+    op = _activation(kind)
+    bounds = _RANGE.get(kind) if isinstance(kind, str) else None
+    if op is not None:
+        try:
+            a, b = op.value_range(lo, hi)
+        except ModeNotImplemented:
+            return None, None
+        bounds = op.bounds
+    elif kind in _F:
         f = _F[kind]
         a, b = f(lo), f(hi)
-        if kind == "gelu":
-            a = np.where((lo < _GELU_MIN_X) & (hi > _GELU_MIN_X), _GELU_MIN, np.minimum(a, b))
-            b = np.maximum(f(lo), f(hi))
     elif kind == "reciprocal":
         a, b = 1.0 / hi, 1.0 / lo  # lo, hi on one side of 0
     elif kind == "pow" and exponent == int(exponent) and 2 <= exponent <= 16:
@@ -198,8 +165,8 @@ def value_range(kind: str, lo: np.ndarray, hi: np.ndarray, exponent: float = 2.0
         return None, None
     pad = 4 * LIBM_REL * np.maximum(np.abs(a), np.abs(b)) + FLOOR
     a, b = a - pad, b + pad
-    if kind in _RANGE:
-        a, b = np.maximum(a, _RANGE[kind][0]), np.minimum(b, _RANGE[kind][1])
+    if bounds is not None:
+        a, b = np.maximum(a, bounds[0]), np.minimum(b, bounds[1])
     return a, b
 
 
@@ -207,7 +174,7 @@ def value_range(kind: str, lo: np.ndarray, hi: np.ndarray, exponent: float = 2.0
 MAX_JFAC_ENTRIES = 4_000_000
 
 
-def elementwise(v: LocalValue, kind: str, out_center: np.ndarray, ball: Ball,
+def elementwise(v: LocalValue, kind: Kind, out_center: np.ndarray, ball: Ball,
                 exponent: float = 2.0, deriv: Deriv | None = None,
                 values: tuple[np.ndarray, np.ndarray] | None = None,
                 curv: Callable[[np.ndarray, np.ndarray], np.ndarray | None] | None = None,

@@ -17,6 +17,7 @@ from torch.func import vmap
 
 from ..bounds.numerics import U
 from ..onnx.ops import FLOAT_TYPES, OPS, Node, RunContext, decimal_attr
+from ..operators import ACTIVATION_TYPES, activation
 from . import primitives as pr
 from .layernorm import _bounds_of_s as bounds_of_s
 from .layernorm import chain_errors, token_radius
@@ -288,15 +289,16 @@ def _unbroadcast(g: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     return g.sum(axis=axes, keepdims=True) if axes else g
 
 
-_KIND = {"Relu": "relu", "Tanh": "tanh", "Sigmoid": "sigmoid", "Erf": "erf", "Gelu": "gelu",
-         "Exp": "exp", "Sqrt": "sqrt", "Reciprocal": "reciprocal", "Pow": "pow"}
+_KIND = {"Exp": "exp", "Sqrt": "sqrt", "Reciprocal": "reciprocal", "Pow": "pow"}
 
 
 @register_local
 class ElementwiseRule(LocalRule):
-    """Pointwise nonlinearities: slopes over the input's range (primitives.elementwise)."""
+    """Pointwise nonlinearities: slopes over the input's range (primitives.elementwise); the
+    activations' from lsa_models/operators/. Gelu is rules_more.GeluRule's (its tanh form as
+    a chain, the exact one by this rule)."""
 
-    types = tuple(_KIND)
+    types = tuple(t for t in ACTIVATION_TYPES if t != "Gelu") + tuple(_KIND)
 
     def apply(self, node: Node, args: list[Arg], centers: list[np.ndarray | None],
               ball: Ball) -> list[LocalValue | np.ndarray | None]:
@@ -305,7 +307,8 @@ class ElementwiseRule(LocalRule):
         if not isinstance(x, LocalValue) or c is None:
             raise LocalNotCertified(f"{node.op_type} node {node.name}: input-dependent "
                                     "exponent")
-        kind = _KIND[node.op_type]
+        op = activation(node.op_type, node.attrs)
+        kind: pr.Kind = op if op is not None else _KIND[node.op_type]
         exponent = 2.0
         if kind == "pow":
             e = args[1]
@@ -313,10 +316,10 @@ class ElementwiseRule(LocalRule):
                 raise LocalNotCertified(f"Pow node {node.name}: the exponent must be one "
                                         "constant")
             exponent = float(e.reshape(()))
-        if kind == "gelu" and node.attrs.get("approximate", b"none") not in (b"none", "none"):
-            raise LocalNotCertified(f"Gelu node {node.name}: the tanh approximation has no "
-                                    "local rule yet")
-        return [pr.elementwise(x, kind, c, ball, exponent)]
+        try:
+            return [pr.elementwise(x, kind, c, ball, exponent)]
+        except LocalNotCertified as e:
+            raise LocalNotCertified(f"{node.op_type} node {node.name}: {e}") from None
 
 
 @register_local
@@ -476,10 +479,6 @@ class LayerNormRule(LocalRule):
                                     "more than the last axis")
         eps = decimal_attr(float(node.attrs.get("epsilon", 1e-5)))
         return [layernorm(x, gamma, beta, eps, c, ball)] + [None] * (len(node.outputs) - 1)
-
-
-def constant_value(v: np.ndarray) -> np.ndarray:
-    return v
 
 
 def exact(center: np.ndarray, ball: Ball) -> LocalValue:

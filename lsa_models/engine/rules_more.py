@@ -11,11 +11,12 @@
   ball when their operands' ranges decide them, and refused otherwise;
 - ReduceMax: exact selection where one entry dominates its group on the whole ball, else the
   Clarke hull of the candidates' Jacobians;
-- Gelu with approximate="tanh" (opset 20's fused op) as the chain it stands for,
-  0.5 x (1 + tanh(c (x + 0.044715 x^3))), every link a primitive.
+- Gelu: approximate="tanh" (opset 20's fused op) as the chain it stands for,
+  0.5 x (1 + tanh(c (x + 0.044715 x^3))), every link a primitive; the exact form by
+  rules.ElementwiseRule (which leaves Gelu to this rule).
 
-Each class registers over (and where it must, delegates to) the rule rules.py registered for
-its op type, so this module is imported once, after rules.py.
+The other classes register over (and where they must, delegate to) the rule rules.py
+registered for their op type, so this module is imported once, after rules.py.
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ from typing import ClassVar
 import numpy as np
 
 from ..onnx.ops import Node, decimal_attr
+from ..operators import activation
+from ..operators.activation import Gelu
 from . import primitives as pr
-from .rules import LOCAL_RULES, Arg, LocalRule, register_local
+from .rules import LOCAL_RULES, Arg, ElementwiseRule, LocalRule, register_local
 from .signed import SignedTerm, layernorm_rules
 from .values import (
     FORWARD_FLOOR,
@@ -415,13 +418,12 @@ class GeluRule(LocalRule):
     types: ClassVar[tuple[str, ...]] = ("Gelu",)
 
     def __init__(self) -> None:
-        self.base = _base("Gelu")
+        self.base = ElementwiseRule()
 
     def apply(self, node: Node, args: list[Arg], centers: list[np.ndarray | None],
               ball: Ball) -> Out:
-        approx = node.attrs.get("approximate", b"none")
-        approx = approx.decode() if isinstance(approx, bytes) else str(approx)
-        if approx != "tanh":
+        op = activation(node.op_type, node.attrs)
+        if not isinstance(op, Gelu) or op.approximate != "tanh":
             return self.base.apply(node, args, centers, ball)
         x, c = args[0], centers[0]
         if not isinstance(x, LocalValue) or c is None:

@@ -28,6 +28,7 @@ import torch
 from ..bounds.numerics import U
 from ..onnx.loading import OnnxModel
 from ..onnx.ops import Node, RunContext, decimal_attr
+from ..operators import ACTIVATION_TYPES, ModeNotImplemented, activation
 from . import affine, affine_rules
 from .affine import PAIRS, Aff
 from .deferred import find_tail, tail_matrix
@@ -86,6 +87,11 @@ class _Builder:
         res = run_op(node, [self.env[i] if i else None for i in inputs], CTX)
         self.env[out] = res[0]
         return out
+
+    def step(self, g: str, u: str) -> str:
+        """g H(u) (internal_ops.RELU_GRAD): the derivative op of the piecewise-linear
+        activations."""
+        return self.op(RELU_GRAD, [g, u])
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.env[name].shape)
@@ -241,26 +247,11 @@ def _reduce(b: _Builder, node: Node, dep: list[int], tx: dict[int, str]) -> str:
 
 
 def _derivative(b: _Builder, node: Node) -> str:
-    """f'(x) of an elementwise node y = f(x), from y where it can."""
+    """f'(x) of an arithmetic elementwise node y = f(x), from y where it can (the
+    activations': `_activation`)."""
     t, x, y = node.op_type, node.inputs[0], node.outputs[0]
-    if t == "Tanh":  # 1 - y^2
-        return b.op("Sub", [b.const(1.0, "one"), b.op("Mul", [y, y])])
-    if t == "Sigmoid":  # y (1 - y)
-        return b.op("Mul", [y, b.op("Sub", [b.const(1.0, "one"), y])])
     if t == "Exp":
         return y
-    if t == "Erf":  # 2/sqrt(pi) exp(-x^2)
-        e = b.op("Exp", [b.op("Neg", [b.op("Mul", [x, x])])])
-        return b.op("Mul", [e, b.const(2 / math.sqrt(math.pi))])
-    if t == "Gelu":
-        if node.attrs.get("approximate", "none") != "none":
-            raise NoTangent("Gelu with the tanh approximation (write it out)")
-        # Phi(x) + x phi(x) = (1 + erf(x / sqrt 2)) / 2 + x exp(-x^2 / 2) / sqrt(2 pi)
-        cdf = b.op("Mul", [b.op("Add", [b.op("Erf", [b.op("Mul", [x, b.const(
-            1 / math.sqrt(2))])]), b.const(1.0)]), b.const(0.5)])
-        pdf = b.op("Mul", [b.op("Exp", [b.op("Mul", [b.op("Mul", [x, x]), b.const(-0.5)])]),
-                           b.const(1 / math.sqrt(2 * math.pi))])
-        return b.op("Add", [cdf, b.op("Mul", [x, pdf])])
     if t == "Sqrt":  # 1 / (2 y)
         return b.op("Reciprocal", [b.op("Mul", [y, b.const(2.0)])])
     if t == "Reciprocal":  # -y^2
@@ -287,9 +278,15 @@ def _where(b: _Builder, node: Node, dep: list[int], tx: dict[int, str]) -> str:
     return b.op("Where", [node.inputs[0], tx.get(1, zero), tx.get(2, zero)])
 
 
-def _relu(b: _Builder, node: Node, dep: list[int], tx: dict[int, str]) -> str:
-    """dy = H(x) dx (internal_ops.RELU_GRAD)."""
-    return b.op(RELU_GRAD, [tx[0], node.inputs[0]])
+def _activation(b: _Builder, node: Node, dep: list[int], tx: dict[int, str]) -> str:
+    """dy = f'(x) dx, the activation's own graph (lsa_models/operators/; Relu's derivative is
+    the step: internal_ops.RELU_GRAD)."""
+    op = activation(node.op_type, node.attrs)
+    assert op is not None
+    try:
+        return op.scaled_derivative(b, tx[0], node.inputs[0], node.outputs[0], True)
+    except ModeNotImplemented as e:
+        raise NoTangent(str(e)) from None
 
 
 def _softmax(b: _Builder, node: Node, dep: list[int], tx: dict[int, str]) -> str:
@@ -312,9 +309,8 @@ RULES: dict[str, Rule] = {
     "Concat": _concat, "Add": _add_sub, "Sub": _add_sub, "Neg": _neg, "Mul": _product,
     "MatMul": _product, "Div": _div, "Gemm": _gemm, "ReduceMean": _reduce,
     "ReduceSum": _reduce, "Softmax": _softmax, "LayerNormalization": _layernorm_rule,
-    "Relu": _relu, "Where": _where,
-    **dict.fromkeys(("Tanh", "Sigmoid", "Exp", "Erf", "Gelu", "Sqrt", "Reciprocal", "Pow"),
-                    _elementwise),
+    "Where": _where, **dict.fromkeys(ACTIVATION_TYPES, _activation),
+    **dict.fromkeys(("Exp", "Sqrt", "Reciprocal", "Pow"), _elementwise),
 }
 
 

@@ -26,6 +26,7 @@ from ..bounds.layer_graph.ball import (
 )
 from ..bounds.numerics import add_up, mul_up
 from ..bounds.report import LayerBound
+from ..operators import ACTIVATION_TYPES
 from .analyzer import lower
 from .graph import GraphInfo
 from .loading import OnnxModel
@@ -33,8 +34,8 @@ from .ops import OPS, Flow, NotCertified, decimal_attr
 
 # Ops that act on each token (last-axis row) alone, or on each entry alone, and whose
 # constant bounds every token's deviation too: the radii map as `rho_i -> f rho_i`.
-TOKENWISE = {"MatMul", "Gemm", "Relu", "Tanh", "Sigmoid", "Erf", "Gelu", "Neg", "Add", "Sub",
-             "Mul", "Div", "Cast", "Identity", "Dropout"}
+TOKENWISE = {"MatMul", "Gemm", "Neg", "Add", "Sub", "Mul", "Div", "Cast", "Identity",
+             "Dropout", *ACTIVATION_TYPES}  # activations act entrywise (lsa_models/operators/)
 
 
 def _layernorm(layer: OpNode, args: list[Any], ball: Ball) -> list[BallValue | None] | None:

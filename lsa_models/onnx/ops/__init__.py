@@ -1,7 +1,8 @@
 """The ONNX op registry: for each op family, a torch implementation and a Lipschitz rule.
 
 One module per op family (auto_LiRPA's `operators/` layout): `linear` (MatMul, Gemm),
-`arithmetic` (Add/Sub/Mul/Div/Neg), `activation` (pointwise activations, Softmax),
+`arithmetic` (Add/Sub/Mul/Div/Neg), `activation` (pointwise activations, their modes in
+lsa_models/operators/; Softmax),
 `normalization` (LayerNormalization), `conv` (Conv: patch embeddings), `layout` (reshape,
 transpose, slice, gather, concat, ...), `reduce` (reductions, Where), `constant` (ops that
 only see constants or shapes). Each module registers its ops in `base.OPS` with `@register`;
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 from . import activation, arithmetic, constant, conv, layout, linear, normalization, reduce
 from .base import (
-    ERF_LIPSCHITZ,
     FLOAT_TYPES,
     OPS,
     SOFTMAX_LIPSCHITZ,
@@ -37,7 +37,6 @@ from .normalization import decimal_attr, layernorm_flow, rmsnorm_bound, rmsnorm_
 FAMILIES = (activation, arithmetic, constant, conv, layout, linear, normalization, reduce)
 
 __all__ = [
-    "ERF_LIPSCHITZ",
     "FAMILIES",
     "FLOAT_TYPES",
     "OPS",

@@ -1,65 +1,52 @@
-"""Pointwise activations and Softmax."""
+"""Pointwise activations (through the operator registry, lsa_models/operators/) and Softmax."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from ...bounds.numerics import (
-    ACTIVATION_LIPSCHITZ,
-    mul_up,
-    sqrt_up,
-)
+from ...bounds.numerics import mul_up, sqrt_up
+from ...operators import ACTIVATION_TYPES, ModeNotImplemented, activation
+from ...operators.activation import Activation
 from .base import (
-    ERF_LIPSCHITZ,
     SOFTMAX_LIPSCHITZ,
     Arg,
     Flow,
     Node,
+    NotCertified,
     Op,
     RunContext,
     _row_width,
     register,
 )
 
-# ---- activations --------------------------------------------------------------------------
+# ---- activations: every mode in lsa_models/operators/activation.py --------------------------
 
 @register
 class ActivationOp(Op):
-    types = ("Relu", "Tanh", "Sigmoid", "Gelu", "Erf")
+    types = ACTIVATION_TYPES
 
     def run(self, node: Node, ins: list[Tensor | None], ctx: RunContext) -> list[Tensor]:
         x = ins[0]
         assert x is not None
-        t = node.op_type
-        if t == "Relu":
-            return [torch.relu(x)]
-        if t == "Tanh":
-            return [torch.tanh(x)]
-        if t == "Sigmoid":
-            return [torch.sigmoid(x)]
-        if t == "Erf":
-            return [torch.erf(x)]
-        approx = node.attrs.get("approximate", b"none")
-        approx = approx.decode() if isinstance(approx, bytes) else str(approx)
-        return [torch.nn.functional.gelu(x, approximate=approx)]
+        return [_op(node).evaluate(x)]
 
     def bound(self, node: Node, args: list[Arg | None], out_shapes: list[tuple[int, ...]],
               norm: str) -> list[Flow | None]:
         a = args[0]
         assert isinstance(a, Flow)
-        t = node.op_type
-        lip = ERF_LIPSCHITZ if t == "Erf" else ACTIVATION_LIPSCHITZ[t.lower()]
-        width = _row_width(a.shape)
-        if t in ("Sigmoid",):
-            radius: float | None = sqrt_up(width)  # values in (0, 1)
-        elif t in ("Tanh", "Erf"):
-            radius = sqrt_up(width) if a.radius is None else min(sqrt_up(width),
-                                                                 mul_up(lip, a.radius))
-        else:
-            # act(0) = 0 and |act(x)| <= L |x| coordinate-wise
-            radius = None if a.radius is None else mul_up(lip, a.radius)
-        return [Flow(mul_up(a.lip, lip), radius, out_shapes[0])]
+        op = _op(node)
+        try:
+            radius = op.token_radius(a.radius, _row_width(a.shape))
+            return [Flow(mul_up(a.lip, op.global_factor()), radius, out_shapes[0])]
+        except ModeNotImplemented as e:
+            raise NotCertified(f"{node.op_type} node {node.name}: {e}") from None
+
+
+def _op(node: Node) -> Activation:
+    op = activation(node.op_type, node.attrs)
+    assert op is not None
+    return op
 
 
 @register

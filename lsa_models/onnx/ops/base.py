@@ -29,8 +29,6 @@ from ...bounds.numerics import (  # noqa: F401  (SILU_LIPSCHITZ: re-exported for
     mul_up,
 )
 
-# sup |erf'| = 2/sqrt(pi) = 1.1283791670955126..., rounded up.
-ERF_LIPSCHITZ = 1.1283792
 SOFTMAX_LIPSCHITZ = 0.5  # ||diag(p) - p p^T|| <= 1/2 in the 2- and inf-norms
 
 
@@ -71,10 +69,6 @@ class RunContext:
 
 
 Arg = Flow | np.ndarray
-
-
-def _np(t: Tensor) -> np.ndarray:
-    return t.detach().to("cpu").numpy()
 
 
 _ONNX_TO_TORCH: dict[int, torch.dtype] = {

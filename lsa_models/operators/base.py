@@ -1,0 +1,133 @@
+"""The operator interface: one class per op, one method per bound mode (docs/operators.md).
+
+An operator instance is made from a node's attributes (`registry.make`) and answers, for the
+function y = f(x) it stands for, every mode lsa bounds:
+
+- `evaluate`: the torch value (the ONNX reader's evaluator, float32 or float64);
+- `global_factor` / `token_radius`: the global Lipschitz factor of the op and the bound on
+  each token's 2-norm it passes on (the global analysis, onnx/ops);
+- `point`, `d1`: f and f' in float64 at points; `d1_range`, `value_range`: enclosures of f'
+  and f over an interval, entrywise (the Jacobian enclosure, the forward-error interval, the
+  elementwise chains);
+- `subgradient_range`, `d2_range`: the slopes and the curvature the affine relaxation takes;
+- `scaled_derivative`: g f'(x) as graph nodes (the tangent and adjoint graphs);
+- `chain_derivative`: f' from its output inside a fused elementwise chain (the adjoint of a
+  chain as one chain);
+- `arb`: f in ball arithmetic (the centre's forward error at 256 bits).
+
+A mode an op does not implement raises `ModeNotImplemented(op, mode)`; each front end turns it
+into its own refusal once, by name. Every enclosure is outward: the ranges returned here hold
+the exact function's values over the whole interval; the callers add their libm allowance.
+This package imports neither engine/ nor the onnx/ front ends (an import-linter contract).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar, NoReturn, Protocol
+
+import numpy as np
+from torch import Tensor
+
+Iv = tuple[np.ndarray, np.ndarray]
+Sym = str | float
+
+
+class ModeNotImplemented(Exception):
+    """The op has no rule for this mode (refused by name; the caller reports it)."""
+
+    def __init__(self, op: str, mode: str, why: str = "") -> None:
+        self.op, self.mode = op, mode
+        super().__init__(f"{op} has no {mode} rule" + (f" ({why})" if why else ""))
+
+
+class GraphBuilder(Protocol):
+    """What the derived graphs (engine/tangent.py's builder) offer an op: new nodes."""
+
+    def op(self, op_type: str, inputs: list[str], attrs: dict | None = None,
+           hint: str = "") -> str: ...
+
+    def const(self, value: np.ndarray | float, hint: str = "c") -> str: ...
+
+    def step(self, g: str, u: str) -> str:
+        """g * H(u), H the step (u > 0): the derivative op of Relu."""
+        ...
+
+
+class ChainDiff(Protocol):
+    """Symbolic arithmetic inside a fused chain's derivative (engine/adjoint.py's `_Diff`)."""
+
+    @property
+    def b(self) -> GraphBuilder: ...
+
+    def mul(self, p: Sym, q: Sym) -> Sym: ...
+
+    def add(self, p: Sym, q: Sym, sub: bool = False) -> Sym: ...
+
+
+def text_attr(attrs: Mapping[str, Any], name: str, default: str) -> str:
+    v = attrs.get(name, default)
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+class Operator:
+    """One ONNX op type (or a few spellings of one function) and every mode it takes part in.
+    The defaults refuse; an op overrides the modes it has."""
+
+    types: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, op_type: str, attrs: Mapping[str, Any] | None = None) -> None:
+        self.op_type = op_type
+        self.attrs: Mapping[str, Any] = attrs or {}
+
+    def refuse(self, mode: str, why: str = "") -> NoReturn:
+        raise ModeNotImplemented(self.op_type, mode, why)
+
+    # evaluation and the global analysis
+    def evaluate(self, x: Tensor) -> Tensor:
+        self.refuse("evaluation")
+
+    def global_factor(self) -> float:
+        self.refuse("global Lipschitz")
+
+    def token_radius(self, radius: float | None, width: int) -> float | None:
+        self.refuse("token radius")
+
+    # float64 points and enclosures over intervals
+    def point(self, x: np.ndarray) -> np.ndarray:
+        self.refuse("point evaluation")
+
+    def d1(self, x: np.ndarray) -> np.ndarray:
+        self.refuse("derivative")
+
+    def d1_range(self, lo: np.ndarray, hi: np.ndarray) -> Iv:
+        self.refuse("derivative range")
+
+    def value_range(self, lo: np.ndarray, hi: np.ndarray) -> Iv:
+        self.refuse("value range")
+
+    def subgradient_range(self, lo: np.ndarray, hi: np.ndarray) -> Iv:
+        return self.d1_range(lo, hi)
+
+    def d2_range(self, lo: np.ndarray, hi: np.ndarray) -> Iv | None:
+        return None
+
+    def domain_error(self, lo: np.ndarray, hi: np.ndarray) -> str | None:
+        """Why [lo, hi] leaves the op's domain, or None (activations: defined everywhere)."""
+        return None
+
+    # derived graphs
+    def scaled_derivative(self, b: GraphBuilder, g: str, x: str, y: str,
+                          derivative_first: bool) -> str:
+        self.refuse("tangent/adjoint")
+
+    def chain_derivative(self, diff: ChainDiff, a: Sym, y: str) -> Sym | None:
+        return None
+
+    # ball arithmetic
+    def arb(self, arb: Any) -> Callable[[Any], Any]:
+        self.refuse("ball arithmetic")
+
+
+__all__ = ["ChainDiff", "GraphBuilder", "Iv", "ModeNotImplemented", "Operator", "Sym",
+           "text_attr"]

@@ -1,0 +1,42 @@
+"""The operator registry: ONNX op type -> the class that owns every mode of it
+(auto_LiRPA's `bound_op_map`). Adding an op: one class in the family's file, one line here
+(docs/operators.md)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from . import activation as act
+from .activation import Activation
+
+ACTIVATIONS: dict[str, type[Activation]] = {
+    "Relu": act.Relu,
+    "Tanh": act.Tanh,
+    "Sigmoid": act.Sigmoid,
+    "Erf": act.Erf,
+    "Gelu": act.Gelu,
+    "Softplus": act.Softplus,
+    "HardSigmoid": act.HardSigmoid,
+    "HardSwish": act.HardSwish,
+    "LeakyRelu": act.LeakyRelu,
+}
+ACTIVATION_TYPES: tuple[str, ...] = tuple(ACTIVATIONS)
+# smooth activations with f'' enclosed: members of elementwise chains (engine/fused.py)
+FUSABLE_ACTIVATIONS: tuple[str, ...] = tuple(t for t, c in ACTIVATIONS.items() if c.fusable)
+_BY_KIND = {c.kind: t for t, c in ACTIVATIONS.items()}
+
+
+def activation(op_type: str, attrs: Mapping[str, Any] | None = None) -> Activation | None:
+    """The activation op for a node's type and attributes; None: not an activation."""
+    cls = ACTIVATIONS.get(op_type)
+    return None if cls is None else cls(op_type, attrs)
+
+
+def by_kind(kind: str, attrs: Mapping[str, Any] | None = None) -> Activation | None:
+    """The activation whose reports name it `kind` ("tanh", ...); None: no such one."""
+    t = _BY_KIND.get(kind)
+    return None if t is None else activation(t, attrs)
+
+
+__all__ = ["ACTIVATIONS", "ACTIVATION_TYPES", "FUSABLE_ACTIVATIONS", "activation", "by_kind"]

@@ -22,6 +22,9 @@ from typing import Any
 
 WIN_MARGIN = 0.01
 NOT_ROUTES = ("attack",)  # recorded for its seconds; it certifies nothing
+# `decide`'s names of its certifying stages, as the recorder names the calls ("sweep": either
+# of its two passes)
+DECIDE_NAMES = {"affine (second order)": "affine-quad", "affine (eigenvalues)": "affine-eig"}
 
 
 def _winner(calls: list[dict[str, Any]], smaller: bool) -> tuple[str, float, float] | None:
@@ -71,8 +74,9 @@ def _score(table: dict[tuple[str, str], dict[str, Any]], it: dict[str, Any],
     task = it["task"]
     if task == "set":
         for v in it.get("verdicts", []):
-            if v.get("certified_by"):
-                table[(task, v["certified_by"])]["wins"] += 1
+            by = v.get("certified_by")
+            if by:
+                table[(task, DECIDE_NAMES.get(by, by))]["wins"] += 1
         return
     calls = [c for c in it.get("routes", []) if c["route"] not in NOT_ROUTES]
     w = _winner([c for c in calls if not c.get("forced")], smaller=task == "local")

@@ -26,9 +26,10 @@ import torch
 from ..onnx.ops import OPS, Node, RunContext, decimal_attr
 from ..operators import activation
 from . import forward_ball
+from .elementwise_ranges import Kind, value_range
 from .internal_ops import GUARDS, RELU_GRAD
 from .layernorm import _bounds_of_s, jacobian_ranges
-from .primitives import Kind, _softmax_ranges, value_range
+from .primitives import _softmax_ranges
 from .values import FORWARD_FLOOR, FORWARD_MARGIN, gamma, widen_up
 
 CTX = RunContext(torch.float64)

@@ -1,4 +1,7 @@
-"""Pointwise activations (through the operator registry, lsa_models/operators/) and Softmax."""
+"""Pointwise activations and Softmax.
+
+The activations' every mode is their class's in lsa_models/operators/ (docs/operators.md).
+"""
 
 from __future__ import annotations
 

@@ -71,6 +71,9 @@ _SLOW = {
         "test_robustness_jobs_for_the_same_radii_compute_them_once",
         "test_robustness_radii_are_stored_once_and_a_fresh_server_signs_from_them",
     ),
+    "tests/service/test_robustness_budget.py": (
+        "test_robustness_job_with_a_budget_signs_the_radius_found_in_time",
+    ),
     "tests/service/test_set_pool.py": (
         "test_decide_all_in_worker_processes_gives_the_serial_verdicts",
     ),

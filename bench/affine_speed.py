@@ -188,18 +188,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(base_root)],
                            cwd=ROOT, check=False, capture_output=True)
-    _summarise(results)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(results, indent=1))
-    plot(results, args.out / "results.png")
+    _save(results, args.out)
     return results
+
+
+def _save(results: dict[str, Any], out: Path) -> None:
+    """The results so far (a long run stopped early keeps what it measured)."""
+    _summarise(results)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    plot(results, out / "results.png")
 
 
 def _run_all(args: argparse.Namespace, base_root: Path, results: dict[str, Any]) -> None:
     radii = [("inf", r) for r in args.inf] + [("2", r) for r in args.two]
-    for model in args.models:
-        for image in correct_images(model, args.k):
-            for norm, radius in radii:
+    images = {model: correct_images(model, args.k) for model in args.models}
+    # every model at the first radius before the next radius
+    for norm, radius in radii:
+        for model in args.models:
+            for image in images[model]:
                 stages = [s for s in args.stages if norm == "2" or s != "eig"]
                 # alternate which tree runs first: the machine's load drifts
                 order = [(ROOT, "new"), (base_root, "base")]
@@ -221,6 +228,7 @@ def _run_all(args: argparse.Namespace, base_root: Path, results: dict[str, Any])
                           f"{wb['cpu_seconds']:.2f} / {wn['cpu_seconds']:.2f} s)  "
                           f"identical={row.get('identical')} "
                           f"never_looser={row.get('never_looser')}", flush=True)
+                _save(results, args.out)
 
 
 def _summarise(results: dict[str, Any]) -> None:

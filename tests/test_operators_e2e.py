@@ -108,3 +108,27 @@ def test_robustness_radius_has_no_flip_inside(exported: tuple[bytes, np.ndarray]
     for _ in range(64):
         d = boundary_point(rng, x0.shape, r * (1 - 1e-9), norm)
         assert int(f(torch.from_numpy(x0 + d)).argmax()) == label
+
+
+class _WrittenHardSwish(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * nn.functional.hardsigmoid(x)
+
+
+@pytest.mark.parametrize("norm", ["2", "inf"])
+def test_hardswish_written_out_is_certified_on_a_ball(tmp_path: Path, norm: str) -> None:
+    """x * HardSigmoid(x) (a hand-written HardSwish): the product of two input-dependent
+    tensors has no global rule (refused, by name) but the local engine bounds it."""
+    torch.manual_seed(6)
+    m = nn.Sequential(nn.Linear(D_IN, 8), _WrittenHardSwish(), nn.Linear(8, K))
+    x = torch.randn(1, D_IN, generator=torch.Generator().manual_seed(3))
+    data = export_to(m, x, tmp_path / "w.onnx", False).read_bytes()
+    assert {"HardSigmoid", "Mul"} <= {n.op_type for n in onnx.load_from_string(data).graph.node}
+    lm = load_onnx_model(data, "w.onnx", check_ort=False)
+    assert lm.certify(norm).upper is None
+    x0 = x.numpy().astype(np.float64)
+    upper = certify_local(lm, x0, 0.05, norm).upper
+    f = _f64(data)
+    rng = np.random.default_rng(4)
+    assert max(jacobian_norm(f, torch.from_numpy(x0 + boundary_point(rng, x0.shape, 0.05, norm)),
+                             norm) for _ in range(12)) <= upper

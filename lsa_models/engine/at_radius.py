@@ -37,6 +37,8 @@ from .driver import Centre, center_sha256, check_center, margin_lower_bounds
 from .local import (
     ADJOINT_NORMS,
     EIG_NORMS,
+    EIG_WALK_COST,
+    QUAD_WALK_COST,
     SWEEP_CAP_TOL,
     _has_attention,
     _sweep,
@@ -98,13 +100,17 @@ def _affine(om: OnnxModel, x: np.ndarray, norm: str, label: int, radius: float, 
     low_min: float | None = None
     walks = 0
     for name, quad, eig in stages:
-        if budget.out(f"the {name} walk"):
+        # its time predicted from the last walk's (the plain one's before the attack)
+        if budget.out(f"the {name} walk", budget.last * (
+                EIG_WALK_COST if eig else QUAD_WALK_COST if quad else 1.0)):
             break
         walks += 1
+        began = budget.clock()
         try:
             low = margin_lower_bounds(om, x, radius, norm, label, ctr, quad=quad, eig=eig)
         except (LocalNotCertified, FloatingPointError, ValueError):
             low = None
+        budget.lap(began)
         if not low:
             continue
         v = min(low.values())

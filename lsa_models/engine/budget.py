@@ -1,7 +1,9 @@
 """A time budget for one input's radius search or decision (`local.robustness`,
 `at_radius.decide`): a deadline on the monotonic clock, looked at between the stages of the
 search (affine walks, attacks, sweep runs), never inside one. A stage that has started runs
-to its end, so an input may overrun its budget by one stage's time.
+to its end; where the time of a like stage is known (the last affine walk, times the cost
+ratio of the next kind of walk; the last sweep run), a stage predicted to end past the
+deadline is not started, so an input overruns its budget by less than one stage's time.
 
 Stopping early only loses tightness: each stage reports only what it certified, and a
 search stopped by its budget is a prefix of the same search without one (the stages run in
@@ -38,6 +40,7 @@ class Budget:
     deadline: float = math.inf
     seconds: float | None = None  # the budget as given
     stopped_before: str | None = None
+    last: float = 0.0  # seconds of the last stage timed (`lap`): the next like one's cost
 
     @classmethod
     def start(cls, seconds: float | None) -> Budget:
@@ -51,15 +54,23 @@ class Budget:
     def stopped(self) -> bool:
         return self.stopped_before is not None
 
-    def out(self, before: str) -> bool:
-        """Whether the budget is spent; if so, `before` (the stage that would run next) is
-        recorded, once."""
+    def out(self, before: str, cost: float = 0.0) -> bool:
+        """Whether the budget is spent, or `cost` (the predicted seconds of the stage that
+        would run next) would overrun it; if so, `before` (that stage) is recorded, once."""
         if self.stopped:
             return True
-        if self.deadline < math.inf and time.monotonic() >= self.deadline:
+        if self.deadline < math.inf and time.monotonic() + cost >= self.deadline:
             self.stopped_before = before
             return True
         return False
+
+    def clock(self) -> float:
+        """The budget's clock (monotonic seconds), to time a stage with."""
+        return time.monotonic()
+
+    def lap(self, started: float) -> None:
+        """A stage begun at `started` (`clock()`) has ended: its seconds are `last`."""
+        self.last = time.monotonic() - started
 
     def reason(self) -> str | None:
         """The budget's part in an unknown verdict or an early radius, in words."""

@@ -479,10 +479,12 @@ def affine_radius(om: OnnxModel, x: np.ndarray, norm: str, label: int, start: fl
         """min_j of the margins' lower bounds on the ball of radius r (-inf: no bound)."""
         nonlocal walks
         walks += 1
+        began = b.clock()
         try:
             low = margin_lower_bounds(om, x, r, norm, label, ctr, quad=quad, eig=eig)
         except (LocalNotCertified, FloatingPointError, ValueError):
             low = None
+        b.lap(began)
         v = -math.inf if not low else min(low.values())
         if not math.isfinite(v):
             v = -math.inf
@@ -495,7 +497,7 @@ def affine_radius(om: OnnxModel, x: np.ndarray, norm: str, label: int, start: fl
 
     lo, flo, hi = 0.0, math.inf, start
     fhi = value(hi)
-    while walks < AFFINE_WALKS and fhi > 0 and not b.out(more_walks):  # grow
+    while walks < AFFINE_WALKS and fhi > 0 and not b.out(more_walks, b.last):  # grow
         lo, flo, hi = hi, fhi, hi * growth
         fhi = value(hi)
     if fhi > 0:  # stopped while growing (the budget or the walks' cap): hi certified
@@ -503,7 +505,7 @@ def affine_radius(om: OnnxModel, x: np.ndarray, norm: str, label: int, start: fl
     if lo == 0.0 and 0 < floor < hi:
         lo = floor  # certified by the caller's other walk: its bound is not known here
     if lo == 0.0:  # shrink until something certifies
-        while walks < AFFINE_WALKS // 2 and not b.out(more_walks):
+        while walks < AFFINE_WALKS // 2 and not b.out(more_walks, b.last):
             r = hi / growth**2
             fr = value(r)
             if fr > 0:
@@ -513,7 +515,8 @@ def affine_radius(om: OnnxModel, x: np.ndarray, norm: str, label: int, start: fl
         if lo == 0.0:
             return 0.0, walks
     return _regula_falsi(value, lo, flo, hi, fhi,
-                         lambda: walks < AFFINE_WALKS and not b.out(more_walks), tol), walks
+                         lambda: walks < AFFINE_WALKS and not b.out(more_walks, b.last), tol), \
+        walks
 
 
 def _regula_falsi(value: Callable[[float], float], lo: float, flo: float, hi: float,
@@ -575,6 +578,9 @@ QUAD_PLAIN_TOL, QUAD_TOL = 1e-2, 1e-2
 EIG_NORMS: tuple[str, ...] = ("2",)
 EIG_GROWTH = 1.05
 EIG_TOL = 5e-2
+# a second-order walk's time over a plain one's, an eigenvalue walk's over a second-order
+# one's (the comments above): a time budget's predictions of the next stage only
+QUAD_WALK_COST, EIG_WALK_COST = 4.0, 3.5
 
 
 def second_order(om: OnnxModel, x: np.ndarray, norm: str) -> bool:
@@ -598,7 +604,8 @@ def affine_route(om: OnnxModel, x: np.ndarray, norm: str, label: int, start: flo
     aff, walks = affine_radius(om, x, norm, label, max(start, 1e-12),
                                _scaled_progress(progress, 0.0, AFFINE_SHARE),
                                tol=QUAD_PLAIN_TOL if quad else AFFINE_TOL, budget=b)
-    if aff > 0 and quad and not b.out("the second-order affine walks"):
+    if aff > 0 and quad and not b.out("the second-order affine walks",
+                                      QUAD_WALK_COST * b.last):
         # then the walks with second-order symbols, from just past it (4x a plain walk's
         # time; about 15% more radius on attention models)
         eig = norm in EIG_NORMS
@@ -608,7 +615,8 @@ def affine_route(om: OnnxModel, x: np.ndarray, norm: str, label: int, start: flo
                                quad=True, floor=aff, growth=QUAD_STEP[norm], tol=QUAD_TOL,
                                budget=b)
         aff, walks = max(aff, aq), walks + wq
-        if aff > 0 and eig and not b.out("the eigenvalue affine walks"):
+        if aff > 0 and eig and not b.out("the eigenvalue affine walks",
+                                         EIG_WALK_COST * b.last):
             # and those with the 2-ball's sizes by eigenvalues (~3.5x a second-order walk;
             # about 5% more radius)
             ae, we = affine_radius(om, x, norm, label, aff * EIG_GROWTH,
@@ -662,9 +670,11 @@ def _sweep(om: OnnxModel, x: np.ndarray, norm: str, label: int, margins: dict[in
     first; once it is spent the radius certified so far is returned."""
     turns = _EnclosureTurns()
     b = budget or Budget()
+    began = b.clock()
     c0 = _constants_at(om, x, 0.0, norm, label, turns, adjoint)
+    b.lap(began)
     _tick(progress, 1, steps, floor)
-    if c0 is None or b.out("the radius sweep's runs"):
+    if c0 is None or b.out("the radius sweep's runs", b.last):
         return 0.0, 1, {}
     runs0 = 1
     probe: tuple[float, dict[int, float]] | None = None  # a ball walked already
@@ -696,7 +706,7 @@ def _sweep(om: OnnxModel, x: np.ndarray, norm: str, label: int, margins: dict[in
     fail: tuple[float, dict[int, float]] | None = None  # the last ball that spent a margin
     # stop when a piece would add less than SWEEP_MIN_GAIN of the radius reached
     while runs < steps and width > max(first * 1e-6, best * SWEEP_MIN_GAIN) \
-            and not b.out("the radius sweep's next run"):
+            and not b.out("the radius sweep's next run", b.last):
         c: dict[int, float] | None
         walked = probe is None or not prev + 0.75 * width <= probe[0] < prev + width
         if not walked and probe is not None:
@@ -707,7 +717,9 @@ def _sweep(om: OnnxModel, x: np.ndarray, norm: str, label: int, margins: dict[in
         else:
             runs += 1
             rho = prev + width
+            began = b.clock()
             c = _constants_at(om, x, rho, norm, label, turns, adjoint)
+            b.lap(began)
         after = None if c is None else {j: spent[j] + width * c[j] for j in c}
         if c is not None and after is not None and all(margins[j] - after[j] > 0 for j in c):
             flat = all(c[j] <= SWEEP_FLAT * (last_ok or c0).get(j, 0.0) for j in c)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.trained.abcrown import parse
 from bench.trained.alirpa import _explicit_einsum
 from bench.trained.compare_alirpa import RADII, compare, table
 
@@ -121,3 +122,30 @@ def test_compare_keeps_only_images_both_sides_finished_in_each_norm() -> None:
         "lsa": 1.0, "CROWN": 1.0, "CROWN_answered": 1, "alpha-CROWN": 1.0,
         "alpha-CROWN_answered": 1}
     assert [p["i"] for p in out["norms"]["inf"]["images"]] == [0]
+
+
+def test_compare_puts_branch_and_bound_beside_on_the_same_images_only() -> None:
+    lsa = {"images": [_lsa_image(0, (C, C, A), 0.015, (C, U, U), 0.06),
+                      _lsa_image(1, (C, A, A), 0.006, (C, C, C), 0.3)]}
+    base = {"images": [
+        _runner_image(0, (V, N, N), (VC, V, N), 0.009, (V, N, N), (VC, N, N), 0.055),
+        _runner_image(1, (N, N, N), (N, N, N), 0.002, (V, V, N), (VC, VC, N), 0.2)]}
+    bab = {"inf": {"0.005": {"images": [0, 1], "verified": [0, 1]},
+                   "0.01": {"images": [0, 1], "verified": [0, 1]},
+                   "0.02": {"images": [0], "verified": [0]}}}  # other images: left out
+    inf = compare(lsa, base, bab)["norms"]["inf"]
+    acc = inf["certified_accuracy"]
+    assert acc["0.005"]["alpha-beta-CROWN"] == 1.0 and acc["0.01"]["alpha-beta-CROWN"] == 1.0
+    assert "alpha-beta-CROWN" not in acc["0.02"]
+    # lsa 0.5 at 0.01 against BaB's 1.0
+    assert inf["accuracy_target_met_bab"] is False
+    assert compare(lsa, base)["norms"]["inf"]["accuracy_target_met_bab"] is None
+
+
+def test_abcrown_summary_parsing() -> None:
+    log = ("Result: safe-incomplete in 0.2 seconds\n"
+           "############# Summary #############\n"
+           "safe-incomplete (total 2), index: [0, 3]\n"
+           "unknown (total 1), index: [1]\n"
+           "unsafe-pgd (total 1), index: [2]\n")
+    assert parse(log) == {"safe-incomplete": [0, 3], "unknown": [1], "unsafe-pgd": [2]}

@@ -272,11 +272,14 @@ def _finished(img: dict[str, Any], norm: str, key: str | None) -> bool:
     return all(c.get(key or "outcome") != "skipped" for c in cells)
 
 
-def compare(lsa: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+def compare(lsa: dict[str, Any], base: dict[str, Any], bab: dict[str, Any] | None = None
+            ) -> dict[str, Any]:
     """The comparison of one model: per norm, on the images both sides finished, the
     certified accuracy of lsa, CROWN and alpha-CROWN at each radius (a method's "no
     answer" (cap, OOM, error) counts as not certified; `answered` says how many it
-    answered), the per-image radii and their ratio lsa / CROWN, and the targets."""
+    answered), the per-image radii and their ratio lsa / CROWN (where both bisections
+    finished), and the targets; with `bab` (bench/trained/abcrown.py's rows of this model)
+    also alpha-beta-CROWN's certified accuracy where it ran on the same images."""
     limgs = {im["i"]: im for im in lsa.get("images", [])}
     bimgs = {im["i"]: im for im in base.get("images", [])}
     out: dict[str, Any] = {"images_lsa": len(limgs), "images_alirpa": len(bimgs),
@@ -299,17 +302,24 @@ def compare(lsa: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
                                   .get(str(r), {}).get(m)) for i in common]
                 row[m] = sum(bool(g) for g in got) / len(common) if common else None
                 row[f"{m}_answered"] = sum(g is not None for g in got)
+            run = (bab or {}).get(norm, {}).get(str(r))
+            if run is not None and sorted(run.get("images", [])) == common and common:
+                row["alpha-beta-CROWN"] = len(set(run["verified"]) & set(common)) / len(common)
             acc[str(r)] = row
         per_image = []
         for i in common:
-            lr = limgs[i]["norms"][norm]["radius"].get("radius")
+            lrad = limgs[i]["norms"][norm]["radius"]
+            lr = lrad.get("radius")
             cr = bimgs[i]["norms"].get(norm, {}).get("crown_radius", {}) or {}
             c = cr.get("radius")
+            both = lrad.get("outcome") == "ok" and cr.get("outcome") == "ok"
             per_image.append({"i": i, "lsa_radius": lr, "crown_radius": c,
+                              "lsa_outcome": lrad.get("outcome"),
                               "crown_outcome": cr.get("outcome"),
-                              "ratio": lr / c if lr is not None and c else None})
+                              "ratio": lr / c if both and lr is not None and c else None})
         ratios = [p["ratio"] for p in per_image if p["ratio"] is not None]
-        answered = [p for p in per_image if p["crown_radius"]]  # CROWN certified a radius
+        # CROWN certified a radius and both bisections finished
+        answered = [p for p in per_image if p["crown_radius"] and p["ratio"] is not None]
         out["norms"][norm] = {
             "images_common": len(common), "certified_accuracy": acc, "images": per_image,
             "median_ratio": float(np.median(ratios)) if ratios else None,
@@ -319,13 +329,18 @@ def compare(lsa: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
                                      for p in answered) if answered else None),
             "accuracy_target_met": (all(a["lsa"] >= a["alpha-CROWN"] for a in acc.values())
                                     if common else None),
+            "accuracy_target_met_bab": (all(a["lsa"] >= a["alpha-beta-CROWN"]
+                                            for a in acc.values() if "alpha-beta-CROWN" in a)
+                                        if any("alpha-beta-CROWN" in a for a in acc.values())
+                                        else None),
         }
     return out
 
 
 def table(results: dict[str, Any]) -> str:
-    head = ("| model | norm | images | lsa / CROWN / alpha-CROWN cert. acc. at each radius "
-            "| median (min) radius ratio lsa/CROWN | CROWN radii | targets (ratio, acc.) |")
+    head = ("| model | norm | images | lsa / CROWN / alpha-CROWN / BaB cert. acc. per radius "
+            "| median (min) radius ratio lsa/CROWN | CROWN radii "
+            "| targets (ratio, acc., acc. BaB) |")
     lines = [head, "|---|---|---|---|---|---|---|"]
     for name, m in results["models"].items():
         cmp = m.get("compare")
@@ -334,13 +349,14 @@ def table(results: dict[str, Any]) -> str:
         for norm, s in cmp["norms"].items():
             cells = []
             for r, a in s["certified_accuracy"].items():
-                f = ["-" if a[k] is None else f"{a[k]:.1f}" for k in ("lsa", *METHODS)]
+                f = ["-" if a.get(k) is None else f"{a[k]:.1f}"
+                     for k in ("lsa", *METHODS, "alpha-beta-CROWN")]
                 cells.append(f"{r}: {'/'.join(f)}")
             med = "-" if s["median_ratio"] is None else \
                 f"{s['median_ratio']:.2f} ({s['min_ratio']:.2f})"
             lines.append(f"| {name} | {norm} | {s['images_common']} | {'; '.join(cells)} | "
                          f"{med} | {s['crown_answered']} | {s['ratio_target_met']}, "
-                         f"{s['accuracy_target_met']} |")
+                         f"{s['accuracy_target_met']}, {s['accuracy_target_met_bab']} |")
     return "\n".join(lines)
 
 
@@ -384,6 +400,20 @@ def plot(results: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def recompare(path: Path) -> dict[str, Any]:
+    results: dict[str, Any] = json.loads(path.read_text())
+    bab_path = path.with_name("abcrown.json")
+    bab = json.loads(bab_path.read_text())["models"] if bab_path.is_file() else {}
+    for name, m in results["models"].items():
+        if name in bab:
+            m["abcrown"] = bab[name]
+        m["compare"] = compare(m["lsa"], m["auto_lirpa"], m.get("abcrown"))
+    path.write_text(json.dumps(results, indent=1) + "\n")
+    plot(results, path.with_suffix(".png"))
+    print(table(results))
+    return results
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", nargs="*", choices=sorted(MODELS), default=None)
@@ -394,7 +424,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--cap", type=float, default=60.0, help="seconds per bound call")
     ap.add_argument("--memory-gb", type=float, default=6.0, help="auto_LiRPA's address space")
     ap.add_argument("--out", type=Path, default=OUT / "alirpa.json")
+    ap.add_argument("--recompare", action="store_true", help="nothing is run: the comparison, "
+                    "table and PNG again from --out, with abcrown.json's rows beside it")
     args = ap.parse_args(argv)
+    if args.recompare:
+        return recompare(args.out)
     torch.set_num_threads(1)
     _, _, x_te, y_te = digits()
     results: dict[str, Any] = {

@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+from lsa_models.engine import fused
 from lsa_models.engine.local import certify_local, robustness
 from lsa_models.onnx import load_onnx, load_onnx_model
 from tests.jacobians import jacobian_norm
@@ -131,4 +132,32 @@ def test_hardswish_written_out_is_certified_on_a_ball(tmp_path: Path, norm: str)
     f = _f64(data)
     rng = np.random.default_rng(4)
     assert max(jacobian_norm(f, torch.from_numpy(x0 + boundary_point(rng, x0.shape, 0.05, norm)),
+                             norm) for _ in range(12)) <= upper
+
+
+class _Mish(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.tanh(nn.functional.softplus(x))
+
+
+@pytest.mark.parametrize("norm", ["2", "inf"])
+def test_mish_is_one_elementwise_chain_bounded_above_exact_jacobians(tmp_path: Path,
+                                                                     norm: str) -> None:
+    """Softplus is smooth with f'' enclosed: x * tanh(softplus(x)) (Mish) is one fused chain,
+    its local bound above the exact Jacobians at points of the ball."""
+    torch.manual_seed(7)
+    m = nn.Sequential(nn.Linear(D_IN, 8), _Mish(), nn.Linear(8, K))
+    x = torch.randn(1, D_IN, generator=torch.Generator().manual_seed(8))
+    data = export_to(m, x, tmp_path / "mish.onnx", False).read_bytes()
+    om = load_onnx(data)
+    nodes = list(om.module.runtime_nodes)
+    var = {om.spec.input_name} | {o for n in nodes for o in n.outputs}
+    chains, _ = fused.find_chains(nodes, {}, var, {om.spec.output_name})
+    assert any("Softplus" in [n.op_type for n in c.nodes] for c in chains.values())
+    x0 = x.numpy().astype(np.float64)
+    upper = certify_local(load_onnx_model(data, "mish.onnx", check_ort=False), x0, 0.1,
+                          norm).upper
+    f = _f64(data)
+    rng = np.random.default_rng(9)
+    assert max(jacobian_norm(f, torch.from_numpy(x0 + boundary_point(rng, x0.shape, 0.1, norm)),
                              norm) for _ in range(12)) <= upper

@@ -34,6 +34,7 @@ from ..bounds.layer_graph import (
 from ..bounds.layer_graph.families import Family, register_family
 from ..bounds.report import BoundResult, LayerBound, NormName, Verdict
 from ..loaded import fixed_seq_len
+from ..operators import ACTIVATIONS
 from .attention_rotary import ROTARY_NOTE
 from .graph import GraphInfo
 from .loading import DynamicSeqLenError, OnnxModel
@@ -44,10 +45,9 @@ METHOD = ("analytic on the ONNX graph: recognised attention (Theorem 3.2 for tie
           "docs/bounds.md ball bound for dot-product with a radius), LayerNorm/linear/"
           "activation rules per node, composition; float64 with upward rounding")
 
-_REPORTED = {"MatMul": "linear", "Gemm": "linear", "Relu": "activation:relu",
-             "Tanh": "activation:tanh", "Sigmoid": "activation:sigmoid",
-             "Gelu": "activation:gelu", "Erf": "activation:erf",
-             "LayerNormalization": "layernorm", "Softmax": "softmax"}
+_REPORTED = {"MatMul": "linear", "Gemm": "linear", "LayerNormalization": "layernorm",
+             "Softmax": "softmax",
+             **{t: f"activation:{c.kind}" for t, c in ACTIVATIONS.items()}}  # operators/
 
 
 def resolve_seq_len(model: OnnxModel, seq_len: int | None) -> int:

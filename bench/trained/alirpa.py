@@ -119,17 +119,20 @@ class ExplicitTimmAttention(torch.nn.Module):
     split into three Linear maps: timm's permute and unbind move the batch axis, which
     auto_LiRPA refuses to bound."""
 
-    def __init__(self, att: torch.nn.Module) -> None:
+    def __init__(self, att: Any) -> None:
         super().__init__()
         assert isinstance(att.q_norm, torch.nn.Identity) and att.gate is None
-        d, a = att.qkv.in_features, att.attn_dim
-        self.h, self.dh, self.a = att.num_heads, att.head_dim, a
+        d, a = int(att.qkv.in_features), int(att.attn_dim)
+        self.h: int = int(att.num_heads)
+        self.dh: int = int(att.head_dim)
+        self.a: int = a
         self.q, self.k, self.v = (torch.nn.Linear(d, a) for _ in range(3))
         with torch.no_grad():
             for i, lin in enumerate((self.q, self.k, self.v)):
                 lin.weight.copy_(att.qkv.weight[i * a:(i + 1) * a])
                 lin.bias.copy_(att.qkv.bias[i * a:(i + 1) * a])
-        self.norm, self.proj = att.norm, att.proj
+        self.norm: torch.nn.Module = att.norm
+        self.proj: torch.nn.Module = att.proj
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None,
                 is_causal: bool = False) -> torch.Tensor:
@@ -218,12 +221,12 @@ def _einsum_as_matmul() -> Iterator[None]:
     orig = torch.einsum
     mods = [m for m in list(sys.modules.values()) if getattr(m, "einsum", None) is orig]
     for m in mods:
-        m.einsum = _explicit_einsum  # type: ignore[union-attr]
+        setattr(m, "einsum", _explicit_einsum)  # noqa: B010
     try:
         yield
     finally:
         for m in mods:
-            m.einsum = orig  # type: ignore[union-attr]
+            setattr(m, "einsum", orig)  # noqa: B010
 
 
 def _swap_gelu(model: torch.nn.Module) -> None:
@@ -261,7 +264,7 @@ class Runner:
         with torch.no_grad():
             ref = model.eval()(ref_in)  # the model as trained, torch's own kernels
         # the model's modules call torch.nn.functional's attribute at each call
-        torch.nn.functional.scaled_dot_product_attention = _explicit_sdpa
+        setattr(torch.nn.functional, "scaled_dot_product_attention", _explicit_sdpa)  # noqa: B010
         # torch's fused encoder-layer kernel (its eval-mode fast path) is one opaque operator
         torch.backends.mha.set_fastpath_enabled(False)
         _drop_dropout(model)

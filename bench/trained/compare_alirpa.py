@@ -200,8 +200,9 @@ def lsa_model(name: str, d: Path, xs: np.ndarray, ys: np.ndarray, args: argparse
             t1 = time.monotonic()
             li = LsaImage(om, x0, int(y), norm, args.cap, deadline)
             cells = li.grid(radii)
-            img["norms"][norm] = c = {"grid": cells, "radius": li.radius(cells),
-                                      "seconds": time.monotonic() - t1}
+            c: dict[str, Any] = {"grid": cells, "radius": li.radius(cells),
+                                 "seconds": time.monotonic() - t1}
+            img["norms"][norm] = c
             print(f"  lsa {name} image {i} L{norm}: radius {c['radius'].get('radius')} "
                   f"{c['seconds']:.1f} s", flush=True)
     images = list(by_i.values())

@@ -603,7 +603,7 @@ def fresh_fill(fill: Callable[[np.ndarray], None], n: int, b: np.ndarray, err: n
         w = p + used + nz.size
         if used - reserved + nz.size > MAX_SYMBOLS or b.size * w > MAX_FORM_ENTRIES:
             w = 0
-    if w == 0:
+    if space is None or w == 0:
         if a is None:
             a = np.empty((*b.shape, n))
             fill(a)

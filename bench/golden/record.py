@@ -31,7 +31,17 @@ import torch
 if __package__ in (None, ""):
     sys.path.append(str(Path(__file__).resolve().parents[2]))
 
-from bench.golden.corpus import GROUPS, LOCAL_EPS, MODELS, OUT, Case, Frozen, corpus, materialise  # noqa: E402
+from bench.golden.corpus import (  # noqa: E402
+    DEFAULT_GROUPS,
+    GROUPS,
+    LOCAL_EPS,
+    MODELS,
+    OUT,
+    Case,
+    Frozen,
+    corpus,
+    materialise,
+)
 from bench.golden.instrument import FORCEABLE, Recorder  # noqa: E402
 
 LOWER_RESTARTS, LOWER_STEPS = 1, 4  # the in-ball ascent of the local lower bound
@@ -195,7 +205,7 @@ def _line(it: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--label", default="head")
-    ap.add_argument("--groups", nargs="*", choices=sorted(GROUPS), default=list(GROUPS))
+    ap.add_argument("--groups", nargs="*", choices=sorted(GROUPS), default=list(DEFAULT_GROUPS))
     ap.add_argument("--only", nargs="*", default=None, help="substrings of case names")
     ap.add_argument("--models", type=Path, default=MODELS, help="the frozen models")
     ap.add_argument("--out", type=Path, default=OUT)

@@ -202,6 +202,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--only", nargs="*", default=None)
     ap.add_argument("--timeout", type=float, default=20.0, help="BaB seconds per image")
     ap.add_argument("--cap", type=float, default=240.0, help="wall seconds per abcrown run")
+    ap.add_argument("--radii", nargs="*", type=float, default=None,
+                    help="only these radii of the grid")
     ap.add_argument("--results", type=Path, default=OUT / "alirpa.json")
     ap.add_argument("--out", type=Path, default=OUT / "abcrown.json")
     args = ap.parse_args(argv)
@@ -224,6 +226,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 idx = [m["test_indices"][i] for i in pos]
                 xs, ys = x_te[idx].numpy(), y_te[idx].numpy()
                 for r in radii:
+                    if args.radii is not None and float(r) not in args.radii:
+                        continue
                     res = run_one(name, weights, xs, ys, norm, float(r), args, Path(tmp))
                     res["images"] = pos
                     res["verified"] = [pos[j] for j in res["verified"]]  # image ids

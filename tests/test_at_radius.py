@@ -175,7 +175,7 @@ def test_robustness_cli_set_mode_gate_and_errors(mlp: tuple[OnnxModel, Path],
     np.save(yi, labels)
     runner = CliRunner()
     base = ["robustness", str(path), "--inputs", str(xi), "--labels", str(yi), "--norm", "inf",
-            "--radius", "0.02", "--json"]
+            "--radius", "0.02", "--json", "--time-budget", "none"]
     res = runner.invoke(app, base)
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)

@@ -20,6 +20,7 @@ import torch
 from typer.testing import CliRunner
 
 from bench.local_models import build, center, export
+from lsa_models.engine import at_radius
 from lsa_models.engine import budget as budget_mod
 from lsa_models.engine.at_radius import decide, decide_all
 from lsa_models.engine.budget import Budget, check_time_budget
@@ -106,8 +107,8 @@ def test_a_budget_stops_a_verdict_at_a_prefix(
                 v = decide(om, x0, label, "inf", radius, time_budget=looks)
                 if v.stopped_by_budget:
                     assert v.status == "unknown" and v.reason is not None
-                    assert v.reason.startswith(f"the time budget ({looks:g} s) ran out "
-                                               "before ")
+                    # spent, or the next step's predicted time would not fit
+                    assert v.reason.startswith(f"the time budget ({looks:g} s) ")
                     assert v.walks <= full.walks and v.sweep_runs <= full.sweep_runs
                 else:
                     assert (v.status, v.certified_by, v.walks, v.sweep_runs,
@@ -160,10 +161,31 @@ def test_bad_budgets_are_refused(mlp: tuple[OnnxModel, Path], bad: Any) -> None:
 
 def test_budget_records_the_first_stage_it_stopped() -> None:
     b = Budget.start(None)
-    assert not b.out("a") and not b.stopped and b.reason() is None
+    assert not b.out("a", cost=1e9) and not b.stopped and b.reason() is None
     spent = Budget(deadline=-math.inf, seconds=2.0)
     assert spent.out("the sweep") and spent.out("later") and spent.stopped
     assert spent.reason() == "the time budget (2 s) ran out before the sweep"
+    ahead = Budget.start(60.0)
+    assert not ahead.out("a walk", cost=1.0) and ahead.out("the walk", cost=100.0)
+    assert ahead.reason() == ("the time budget (60 s) would run out in the walk (predicted "
+                              "100 s)")
+
+
+def test_a_set_predicts_an_inputs_first_walk_from_the_last(
+        mlp: tuple[OnnxModel, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under a budget, the plain walk of the graph's last input predicts the next input's:
+    a walk that would not fit is not started."""
+    om, _ = mlp
+    x0 = center(5).numpy().astype(np.float64)
+    label = _label(om, x0)
+    _ticks(monkeypatch)
+    first = decide(om, x0, label, "inf", 1e-4, time_budget=1000)
+    assert first.status == "certified" and first.certified_by == "affine"
+    slow = at_radius._PLAIN_WALK_S[id(om)]
+    monkeypatch.setitem(at_radius._PLAIN_WALK_S, id(om), (slow[0], 5000.0))
+    v = decide(om, x0, label, "inf", 1e-4, time_budget=1000)
+    assert v.status == "unknown" and v.walks == 0 and v.reason is not None
+    assert v.reason.startswith("the time budget (1000 s) would run out in the affine walk")
 
 
 @pytest.mark.parametrize("value", ["-1", "0", "nan", "inf", "abc", "1e9", ""])

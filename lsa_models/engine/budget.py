@@ -41,6 +41,7 @@ class Budget:
     seconds: float | None = None  # the budget as given
     stopped_before: str | None = None
     last: float = 0.0  # seconds of the last stage timed (`lap`): the next like one's cost
+    predicted: float = 0.0  # > 0: stopped because the next stage would take this long
 
     @classmethod
     def start(cls, seconds: float | None) -> Budget:
@@ -59,9 +60,12 @@ class Budget:
         would run next) would overrun it; if so, `before` (that stage) is recorded, once."""
         if self.stopped:
             return True
-        if self.deadline < math.inf and time.monotonic() + cost >= self.deadline:
-            self.stopped_before = before
-            return True
+        if self.deadline < math.inf:
+            now = time.monotonic()
+            if now + cost >= self.deadline:
+                self.stopped_before = before
+                self.predicted = cost if now < self.deadline else 0.0
+                return True
         return False
 
     def clock(self) -> float:
@@ -76,4 +80,7 @@ class Budget:
         """The budget's part in an unknown verdict or an early radius, in words."""
         if self.stopped_before is None:
             return None
+        if self.predicted > 0:
+            return (f"the time budget ({self.seconds:g} s) would run out in "
+                    f"{self.stopped_before} (predicted {self.predicted:.3g} s)")
         return f"the time budget ({self.seconds:g} s) ran out before {self.stopped_before}"

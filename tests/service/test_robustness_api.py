@@ -151,7 +151,8 @@ def test_robustness_certificate_is_a_job_then_cached_and_verifies(
     m = upload(client, mlp_onnx.read_bytes(), "mlp.onnx")
     x0 = center(5).numpy().astype(np.float64)  # (1, N, D)
     label = predicted_label(mlp_onnx, x0)
-    req = {"model_id": m["id"], "norm": "2", "at": x0.tolist(), "label": label}
+    req = {"model_id": m["id"], "norm": "2", "at": x0.tolist(), "label": label,
+           "time_budget_s": None}  # the unbudgeted search: its steps are pinned below
     first = client.post("/certify", json={**req, "min_radius": 1e-9})
     job = wait_job(client, first)
     assert job["status"] == "succeeded" and job["kind"] == "robustness", job
@@ -429,7 +430,7 @@ def test_certified_accuracy_certificate_is_a_job_that_signs_the_verdicts(
     labels = [predicted_label(mlp_onnx, x[None]) for x in xs]
     labels[2] = (labels[2] + 1) % 4  # one wrong label: misclassified
     req = {"model_id": m["id"], "norm": "inf", "inputs": xs.tolist(), "labels": labels,
-           "min_radius": 0.01, "min_certified_accuracy": 0.5}
+           "min_radius": 0.01, "min_certified_accuracy": 0.5, "time_budget_s": None}
     job = wait_job(client, client.post("/certify", json=req))
     assert job["status"] == "succeeded" and job["kind"] == "robustness_set", job
     assert job["queue"] == "bound" and job["progress"] == 1.0
@@ -446,7 +447,7 @@ def test_certified_accuracy_certificate_is_a_job_that_signs_the_verdicts(
     res = CliRunner().invoke(cli, ["robustness", str(mlp_onnx), "--inputs",
                                    str(tmp_path / "xs.npy"), "--labels",
                                    str(tmp_path / "ys.npy"), "--radius", "0.01", "--norm",
-                                   "inf", "--json"])
+                                   "inf", "--json", "--time-budget", "none"])
     assert res.exit_code == 0, res.output
     assert [s["status"] for s in json.loads(res.stdout)["samples"]] == rs["statuses"]
     assert client.get(f"/certificates/{cert['id']}").json() == cert
@@ -591,7 +592,7 @@ def test_certified_accuracy_without_the_sweep_is_its_own_result(
                    for s in (5, 6, 7, 8)])
     labels = [predicted_label(mlp_onnx, x[None]) for x in xs]
     req = {"model_id": m["id"], "norm": "inf", "inputs": xs.tolist(), "labels": labels,
-           "min_radius": 0.05, "min_certified_accuracy": 0.0}
+           "min_radius": 0.05, "min_certified_accuracy": 0.0, "time_budget_s": None}
     fast = wait_job(client, client.post("/certify", json={**req, "sweep": False}))["result"]
     full = wait_job(client, client.post("/certify", json=req))["result"]
     assert fast["robustness_set"]["sweep"] is False and "sweep" not in full["robustness_set"]
@@ -624,7 +625,7 @@ def test_certified_accuracy_counterexamples_are_flips_of_the_set(
                    for s in (5, 6, 7, 8)])  # (4, N, D)
     labels = [predicted_label(path, x[None]) for x in xs]
     req = {"model_id": m["id"], "norm": "inf", "inputs": xs.tolist(), "labels": labels,
-           "min_radius": 0.05, "min_certified_accuracy": 0.5}
+           "min_radius": 0.05, "min_certified_accuracy": 0.5, "time_budget_s": None}
     cert = wait_job(client, client.post("/certify", json=req))["result"]
     statuses = cert["robustness_set"]["statuses"]
     assert "attacked" in statuses  # the premise, as in the CLI's test of this model
@@ -696,7 +697,7 @@ def test_certified_accuracy_job_decides_in_worker_processes_and_a_cancel_ends_th
                                                          0.05).verdicts]
     settings = make_settings(db_url, set_workers=2)
     req = {"norm": "inf", "inputs": xs.tolist(), "labels": labels, "min_radius": 0.05,
-           "min_certified_accuracy": 0.5}
+           "min_certified_accuracy": 0.5, "time_budget_s": None}
     with TestClient(create_app(settings)) as c:
         m = upload(c, path.read_bytes(), "mlp.onnx")
         job = wait_job(c, c.post("/certify", json={**req, "model_id": m["id"]}))

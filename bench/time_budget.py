@@ -83,10 +83,18 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "max_s": max(secs) if secs else None, "total_s": sum(secs),
             "stopped_by_budget": sum(bool(r["stopped_by_budget"]) for r in rows),
             "certified_by": dict(Counter(r["certified_by"] for r in rows if r["certified_by"])),
-            "stopped_before": dict(Counter(r["reason"].split(" ran out before ")[-1]
-                                           for r in rows if r["stopped_by_budget"])),
+            "stopped_before": dict(Counter(_stage(r["reason"]) for r in rows
+                                           if r["stopped_by_budget"])),
             "set_of_100_on_2_workers_s": SET_SIZE * statistics.mean(secs) / SET_WORKERS
             if secs else None}
+
+
+def _stage(reason: str) -> str:
+    """The step a budget stopped before, from its reason (the predicted seconds dropped)."""
+    for key in (" ran out before ", " would run out in "):
+        if key in reason:
+            return reason.split(key)[-1].split(" (predicted")[0]
+    return reason
 
 
 def prefix_ok(budgeted: list[dict[str, Any]], free: list[dict[str, Any]]) -> bool:

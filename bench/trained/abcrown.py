@@ -128,9 +128,13 @@ def setup(src: Path) -> Path:
 
 def config(name: str, weights: Path, xs: Path, ys: Path, n: int, norm: str, eps: float,
            timeout: float) -> str:
+    # conv_mode matrix (as the auto_LiRPA runner) and dense intermediate bounds: with the
+    # defaults (patches, sparse) auto_LiRPA's alpha set-up fails an assertion on the ViTs
     return f"""general:
   device: cpu
   complete_verifier: bab
+  conv_mode: matrix
+  sparse_interm: false
 model:
   name: Customized("lsa_digits", "model", name="{name}", weights="{weights}")
 data:

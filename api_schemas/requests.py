@@ -195,6 +195,10 @@ class LegacyCertifyRequest(BaseModel):
         "the affine walks and the attack leave undecided (faster on attention models, where "
         "it rarely decides one; they stay unknown; the certificate records it). Default "
         "true")
+    time_budget_s: float | None = Field(
+        default=None, gt=0, le=24 * 3600, allow_inf_nan=False, description="With at or "
+        "inputs: seconds per input (null: no budget; omitted: the kind's default), as "
+        "time_budget_s of the robustness and certified_accuracy kinds")
 
     @model_validator(mode="after")
     def _one_form(self) -> LegacyCertifyRequest:
@@ -207,6 +211,9 @@ class LegacyCertifyRequest(BaseModel):
         robust = [n for n in ("at", "label", "min_radius") if getattr(self, n) is not None]
         if robust:
             return self._robustness_form(robust)
+        if "time_budget_s" in self.model_fields_set:
+            raise ValueError("time_budget_s: only with at, label and min_radius or with "
+                             "inputs (a robustness or certified-accuracy certificate); omit it")
         if self.training is not None:
             given = [name for name in ("model_id", "max_lipschitz", "seq_len", "radius")
                      if getattr(self, name) is not None]
@@ -470,14 +477,17 @@ def certify_kind_of(old: LegacyCertifyRequest) -> dict[str, Any]:
     if old.training is not None:
         return {"kind": "training", "training": old.training.model_dump()}
     common = {"model_id": old.model_id, "norm": old.norm}
+    # given (null too: no budget), else the kind's default
+    budget = {"time_budget_s": old.time_budget_s} if "time_budget_s" in old.model_fields_set \
+        else {}
     if old.inputs is not None:
         return {"kind": "certified_accuracy", **common, "inputs": old.inputs,
                 "labels": old.labels, "min_radius": old.min_radius,
                 "min_certified_accuracy": old.min_certified_accuracy,
-                "sweep": old.sweep is not False}
+                "sweep": old.sweep is not False, **budget}
     if old.at is not None:
         return {"kind": "robustness", **common, "at": old.at, "label": old.label,
-                "min_radius": old.min_radius}
+                "min_radius": old.min_radius, **budget}
     return {"kind": "lipschitz", **common, "max_lipschitz": old.max_lipschitz,
             "seq_len": old.seq_len, "radius": old.radius}
 

@@ -157,15 +157,16 @@ def plot(res: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = [r for r in res["rows"] if r.get("ratio") is not None]
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.06 * len(rows) + 4), 4))
+    fig, ax = plt.subplots(figsize=(min(14.0, 0.05 * len(rows) + 5), 4))
     colours = {"global": "tab:blue", "local": "tab:green", "radius": "tab:orange"}
     for task, c in colours.items():
         xs = [i for i, r in enumerate(rows) if r["task"] == task]
-        ax.scatter(xs, [rows[i]["ratio"] for i in xs], s=10, color=c, label=task)
-    ax.axhline(1.0, color="gray", lw=0.8)
-    ax.set_yscale("log")
+        ax.scatter(xs, [rows[i]["ratio"] - 1 for i in xs], s=10, color=c, label=task)
+    ax.axhline(0.0, color="gray", lw=0.8)
+    # relative changes from one ulp (1e-16) to orders of magnitude on one axis
+    ax.set_yscale("symlog", linthresh=1e-16)
     ax.set_xlabel("corpus item")
-    ax.set_ylabel(f"{res['b']} looseness / {res['a']} (> 1: looser)")
+    ax.set_ylabel(f"{res['b']} / {res['a']} looseness - 1 (> 0: looser)")
     n = res["numbers"]
     ax.set_title(f"{res['a']} -> {res['b']}: identical {n['identical']}, tighter {n['tighter']},"
                  f" looser {n['looser']}, lost {n['lost']}", fontsize=9)

@@ -145,6 +145,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ax.set_xticks(x + 0.2, names, rotation=20, fontsize=8)
         ax.set_ylabel(ylabel)
         ax.legend(fontsize=7)
+    a1.set_ylim(0, 1)
     a2.set_yscale("log")
     fig.suptitle(f"L{results['norm']} radius {results['radius']:g}: default budget vs none "
                  f"(no-budget arm on the first {results['k_none']} images)", fontsize=9)

@@ -375,13 +375,14 @@ def plot(results: dict[str, Any], path: Path) -> None:
         for j, name in enumerate(names):
             acc = results["models"][name]["compare"]["norms"][norm]["certified_accuracy"]
             for k, (meth, hatch) in enumerate((("lsa", ""), ("CROWN", "//"),
-                                                ("alpha-CROWN", ".."))):
-                xs = np.arange(len(acc)) * 3 + k + j * w - 0.4
-                ax.bar(xs, [a[meth] or 0 for a in acc.values()], w, color=f"C{j % 10}",
+                                                ("alpha-CROWN", ".."),
+                                                ("alpha-beta-CROWN", "xx"))):
+                xs = np.arange(len(acc)) * 4.5 + k + j * w - 0.4
+                ax.bar(xs, [a.get(meth) or 0 for a in acc.values()], w, color=f"C{j % 10}",
                        hatch=hatch, label=name if k == 0 else None, edgecolor="k", lw=0.3)
-        ax.set_xticks([i * 3 + 1 for i in range(len(RADII[norm]))],
-                      [f"r={r}\nlsa | CROWN (//) | a-CROWN (..)" for r in RADII[norm]],
-                      fontsize=7)
+        ax.set_xticks([i * 4.5 + 1.5 for i in range(len(RADII[norm]))],
+                      [f"r={r}\nlsa | CROWN (//) | a-CROWN (..) | BaB (xx)"
+                       for r in RADII[norm]], fontsize=7)
         ax.set(title=f"L{norm}: certified accuracy on the same images", ylim=(0, 1.05))
         ax.legend(fontsize=6)
         for j, name in enumerate(names):
@@ -390,9 +391,9 @@ def plot(results: dict[str, Any], path: Path) -> None:
                    if p["crown_radius"] and p["lsa_radius"] is not None]
             if pts:
                 sc.scatter(*zip(*pts, strict=True), color=f"C{j % 10}", s=16, label=name)
-        lim = RADII[norm][-1] * 4
-        sc.plot([1e-6, lim], [1e-6, lim], "k:", lw=0.8)
-        sc.plot([1e-6, lim], [1.5e-6, 1.5 * lim], "r--", lw=0.8, label="1.5x")
+        lo, lim = RADII[norm][0] / 4, RADII[norm][-1] * 4
+        sc.plot([lo, lim], [lo, lim], "k:", lw=0.8)
+        sc.plot([lo, lim], [1.5 * lo, 1.5 * lim], "r--", lw=0.8, label="1.5x")
         sc.set(xscale="log", yscale="log", xlabel="CROWN certified radius",
                ylabel="lsa certified radius", title=f"L{norm}: radius per image")
         sc.legend(fontsize=6)

@@ -130,13 +130,17 @@ def test_compare_puts_branch_and_bound_beside_on_the_same_images_only() -> None:
     base = {"images": [
         _runner_image(0, (V, N, N), (VC, V, N), 0.009, (V, N, N), (VC, N, N), 0.055),
         _runner_image(1, (N, N, N), (N, N, N), 0.002, (V, V, N), (VC, VC, N), 0.2)]}
-    bab = {"inf": {"0.005": {"images": [0, 1], "verified": [0, 1]},
-                   "0.01": {"images": [0, 1], "verified": [0, 1]},
-                   "0.02": {"images": [0], "verified": [0]}}}  # other images: left out
+    done = {"safe-incomplete": [0, 1]}
+    bab = {"inf": {"0.005": {"images": [0, 1], "verified": [0, 1], "status": done},
+                   "0.01": {"images": [0, 1], "verified": [0, 1], "status": done},
+                   "0.02": {"images": [0], "verified": [0], "status": done}},  # not the same
+           "2": {"0.05": {"images": [0, 1], "verified": [], "status": {}, "killed": "cap"}}}
     inf = compare(lsa, base, bab)["norms"]["inf"]
     acc = inf["certified_accuracy"]
     assert acc["0.005"]["alpha-beta-CROWN"] == 1.0 and acc["0.01"]["alpha-beta-CROWN"] == 1.0
     assert "alpha-beta-CROWN" not in acc["0.02"]
+    two = compare(lsa, base, bab)["norms"]["2"]["certified_accuracy"]["0.05"]
+    assert "alpha-beta-CROWN" not in two and two["alpha-beta-CROWN_no_answer"] == "cap"
     # lsa 0.5 at 0.01 against BaB's 1.0
     assert inf["accuracy_target_met_bab"] is False
     assert compare(lsa, base)["norms"]["inf"]["accuracy_target_met_bab"] is None

@@ -305,7 +305,11 @@ def compare(lsa: dict[str, Any], base: dict[str, Any], bab: dict[str, Any] | Non
                 row[f"{m}_answered"] = sum(g is not None for g in got)
             run = (bab or {}).get(norm, {}).get(str(r))
             if run is not None and sorted(run.get("images", [])) == common and common:
-                row["alpha-beta-CROWN"] = len(set(run["verified"]) & set(common)) / len(common)
+                if run.get("status"):  # it answered (a summary), else it failed or ran out
+                    row["alpha-beta-CROWN"] = len(set(run["verified"]) & set(common)) \
+                        / len(common)
+                else:
+                    row["alpha-beta-CROWN_no_answer"] = run.get("killed") or "failed"
             acc[str(r)] = row
         per_image = []
         for i in common:

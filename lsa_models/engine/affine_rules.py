@@ -747,7 +747,10 @@ def linear(node: Node, args: list, var: list[int], out_c: np.ndarray, out_m: np.
     spread = run(absn, fixed_abs, [v.b + g * (np.abs(v.o) + rough_lin(v, ball))
                                    for v in vals])
     b = _up(np.broadcast_to(spread, out_c.shape) + g * np.abs(o), k + 4)
-    if a.shape[:-1] != out_c.shape or reference():  # forms are never written in place
+    # forms are never written in place; a strided result is copied as the reference walk
+    # does: the next product's BLAS kernel (its summation order) follows the layout, and the
+    # same layout keeps the numbers bit for bit (both orders are within gamma(k))
+    if a.shape[:-1] != out_c.shape or reference() or not a.flags.c_contiguous:
         a = np.broadcast_to(a, (*out_c.shape, a.shape[-1])).copy()
     return Aff(out_c, out_m, np.broadcast_to(o, out_c.shape).copy(), a, b)
 

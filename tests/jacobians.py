@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from torch import Tensor
 from torch.func import grad, jacrev, jvp, vjp
@@ -71,3 +72,19 @@ def ascend(f: Fn, x: Tensor, norm: str, steps: int, lr: float = 0.3) -> tuple[Te
 def max_jacobian_norm(f: Fn, x: Tensor, norm: str, steps: int = 3) -> float:
     """max of ||J_f|| at x and along a short gradient ascent from x."""
     return ascend(f, x, norm, steps)[1]
+
+
+def ball_points(rng: np.random.Generator, p: int, eps: float, norm: str, k: int = 8
+                ) -> list[np.ndarray]:
+    """k offsets d in the eps-ball of R^p: half on its boundary (inf: a vertex; 2: the
+    sphere), where a Jacobian enclosure is tightest-pressed, half inside."""
+    out = []
+    for _ in range(k):
+        if norm == "inf":
+            d = rng.choice([-1.0, 1.0], size=p) * eps if rng.random() < 0.5 else \
+                rng.uniform(-eps, eps, size=p)
+        else:
+            d = rng.standard_normal(p)
+            d *= eps / np.linalg.norm(d) * (1.0 if rng.random() < 0.5 else rng.random())
+        out.append(d)
+    return out

@@ -22,6 +22,7 @@ from lsa_models.engine.structured import _inf_to_one
 from lsa_models.engine.values import Ball, LocalValue, enclose
 from lsa_models.onnx import load_onnx
 from lsa_models.onnx.ops import Node
+from tests.jacobians import ball_points
 
 P = 5
 
@@ -32,16 +33,7 @@ def _affine(c: np.ndarray, a: np.ndarray, ball: Ball) -> LocalValue:
 
 
 def _points(rng: np.random.Generator, eps: float, norm: str, k: int = 8) -> list[np.ndarray]:
-    out = []
-    for _ in range(k):
-        if norm == "inf":
-            d = rng.choice([-1.0, 1.0], size=P) * eps if rng.random() < 0.5 else \
-                rng.uniform(-eps, eps, size=P)
-        else:
-            d = rng.standard_normal(P)
-            d *= eps / np.linalg.norm(d) * (1.0 if rng.random() < 0.5 else rng.random())
-        out.append(d)
-    return out
+    return ball_points(rng, P, eps, norm, k)
 
 
 def _check(fn, v: LocalValue, c: np.ndarray, a: np.ndarray, pts: list[np.ndarray]) -> None:  # type: ignore[no-untyped-def]

@@ -23,6 +23,7 @@ from lsa_models.engine.tangent import _Builder
 from lsa_models.engine.values import Ball, LocalNotCertified, enclose
 from lsa_models.operators import ACTIVATIONS, ModeNotImplemented, activation
 from lsa_models.operators.activation import Activation
+from tests.jacobians import ball_points
 
 # every activation, with attribute settings where it has them (torch's exports among them)
 CASES: list[tuple[str, dict[str, Any]]] = [
@@ -123,16 +124,7 @@ def _affine_value(c: np.ndarray, a: np.ndarray, ball: Ball):  # type: ignore[no-
 
 
 def _points(rng: np.random.Generator, eps: float, norm: str, k: int = 8) -> list[np.ndarray]:
-    out = []
-    for _ in range(k):
-        if norm == "inf":
-            d = rng.choice([-1.0, 1.0], size=P) * eps if rng.random() < 0.5 else \
-                rng.uniform(-eps, eps, size=P)
-        else:
-            d = rng.standard_normal(P)
-            d *= eps / np.linalg.norm(d) * (1.0 if rng.random() < 0.5 else rng.random())
-        out.append(d)
-    return out
+    return ball_points(rng, P, eps, norm, k)
 
 
 @given(case=st.sampled_from(CASES), seed=st.integers(0, 10**6),

@@ -33,7 +33,7 @@ import torch
 
 from ..empirical.local import attack_at
 from ..onnx.loading import OnnxModel
-from .budget import Budget
+from .budget import Budget, check_time_budget
 from .driver import Centre, center_sha256, check_center, margin_lower_bounds
 from .local import (
     ADJOINT_NORMS,
@@ -298,7 +298,7 @@ def decide_all(model: Any, inputs: np.ndarray, labels: np.ndarray, norm: str, ra
     service.robustness.set_pool) and gather them with `gather_set`. `time_budget`: each
     input's (decide's). ValueError for mismatched inputs and labels or a bad budget."""
     t0 = time.monotonic()
-    Budget.start(time_budget)  # checked before any input is decided
+    check_time_budget(time_budget)  # before any input is decided
     om, jobs = prepare_set(model, inputs, labels)
     verdicts = (decide(om, x, y, norm, radius, seed=seed, sweep=sweep, time_budget=time_budget)
                 for x, y in jobs)

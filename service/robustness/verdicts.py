@@ -113,7 +113,7 @@ def set_json(sha256: str, rep: Any) -> dict[str, Any]:
         "model_sha256": sha256, "norm": rep.norm, "radius": rep.radius,
         "n": len(rep.verdicts), "counts": {s: rep.count(s) for s in STATUSES},
         "clean_accuracy": rep.clean_accuracy, "certified_accuracy": rep.certified_accuracy,
-"attack_accuracy": rep.attack_accuracy, "seconds": rep.seconds, "sweep": rep.sweep,
+        "attack_accuracy": rep.attack_accuracy, "seconds": rep.seconds, "sweep": rep.sweep,
         "time_budget_s": rep.time_budget,
         "stopped_by_budget": sum(v.stopped_by_budget for v in rep.verdicts),
         "samples": [{"index": i, **verdict_json(v)} for i, v in enumerate(rep.verdicts)],

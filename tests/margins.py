@@ -46,15 +46,15 @@ def with_and_without_heads(om: object, x0: np.ndarray, eps: float, norm: str, la
                            ) -> tuple[dict[int, float], dict[int, float]]:
     """The margins' lower bounds with the heads' refinements (deferred LayerNorm / RMSNorm
     product, one-token sign, ReLU head) and with the plain output form alone
-    (driver.DEFER off)."""
-    from lsa_models.engine import driver
+    (margins.DEFER off)."""
+    from lsa_models.engine import margins
 
-    low = driver.margin_lower_bounds(om, x0, eps, norm, label)  # type: ignore[arg-type]
-    token = driver.DEFER
-    driver.DEFER = False
+    low = margins.margin_lower_bounds(om, x0, eps, norm, label)  # type: ignore[arg-type]
+    token = margins.DEFER
+    margins.DEFER = False
     try:
-        plain = driver.margin_lower_bounds(om, x0, eps, norm, label)  # type: ignore[arg-type]
+        plain = margins.margin_lower_bounds(om, x0, eps, norm, label)  # type: ignore[arg-type]
     finally:
-        driver.DEFER = token
+        margins.DEFER = token
     assert low is not None and plain is not None
     return low, plain

@@ -104,6 +104,11 @@ class LocalValue:
         return np.maximum(self.hi - self.center, self.center - self.lo)
 
 
+# the walk's values by tensor name: a LocalValue where the tensor depends on the input, else
+# its float64 array
+Values = dict[str, LocalValue | np.ndarray]
+
+
 def gamma(k: int) -> float:
     """gamma_k = k u / (1 - k u) (Higham): relative error bound of a k-term float64 sum of
     products; inflated by 2 for the extra roundings of the enclosure arithmetic."""

@@ -29,7 +29,7 @@ import torch
 
 from ..onnx.loading import OnnxModel
 from ..onnx.ops import Node
-from ..operators import ACTIVATION_TYPES, ModeNotImplemented, activation
+from ..operators import ACTIVATION_TYPES, ARITHMETIC_TYPES, ModeNotImplemented, activation, make
 from . import affine_rules, fused
 from .affine import Aff
 from .dual_norms import l1_sup, l2_sup
@@ -298,7 +298,7 @@ RULES: dict[str, Rule] = {
     "ReduceMean": _reduce, "ReduceSum": _reduce, "Softmax": _softmax,
     "LayerNormalization": _layernorm, "Where": _where,
     **dict.fromkeys(ACTIVATION_TYPES, _activation),
-    **dict.fromkeys(("Exp", "Sqrt", "Reciprocal", "Pow"), _elementwise),
+    **dict.fromkeys(ARITHMETIC_TYPES, _elementwise),
 }
 
 
@@ -354,11 +354,9 @@ class _Diff:
             return self.mul(da, 1.0 / float(rest[0][0]))
         if t == "Neg":
             return self.mul(da, -1.0)
-        if t == "Pow":  # by 2 or 3 (fused.find_chains)
-            k = float(rest[0][0])
-            return self.mul(self.mul(a, 2.0) if k == 2.0 else self.mul(self.mul(a, a), 3.0),
-                            da)
-        op = activation(t)  # a fusable activation: f' from its output where it can
+        # a fusable activation, f' from its output where it can; or Pow by 2 or 3
+        # (fused.find_chains)
+        op = make(t, {"exponent": float(rest[0][0])} if t == "Pow" else None)
         d = None if op is None else op.chain_derivative(self, a, v)
         return None if d is None else self.mul(d, da)
 

@@ -14,8 +14,16 @@ import torch
 
 from ..bounds.numerics import U
 from ..onnx.ops import FLOAT_TYPES, OPS, Node, RunContext, decimal_attr
-from ..operators import FUSABLE_ACTIVATIONS, ModeNotImplemented, activation
+from ..operators import (
+    ARITHMETIC_TYPES,
+    FUSABLE_ACTIVATIONS,
+    ModeNotImplemented,
+    activation,
+    arithmetic,
+)
 from ..operators.activation import Activation, Relu
+from ..operators.arithmetic import Arithmetic, Exp, Pow, Reciprocal, Sqrt
+from ..operators.arithmetic import near_far as _near_far
 from . import fused
 from .affine import (
     _REL,
@@ -87,34 +95,34 @@ class Fn:
     domain: tuple[float, float] = (-math.inf, math.inf)  # open interval
 
 
-def _near_far(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    near = np.where((lo <= 0) & (hi >= 0), 0.0, np.minimum(np.abs(lo), np.abs(hi)))
-    return near, np.maximum(np.abs(lo), np.abs(hi))
-
-
 def _square_value(lo: np.ndarray, hi: np.ndarray) -> Iv:
     near, far = _near_far(lo, hi)
     return _pad(near * near, far * far)
 
 
-EXP = Fn(lambda lo, hi: _mono(np.exp, lo, hi), lambda lo, hi: _mono(np.exp, lo, hi),
-         lambda lo, hi: _mono(np.exp, lo, hi), np.exp)
-SQUARE = Fn(_square_value, lambda lo, hi: _mono(lambda x: 2.0 * x, lo, hi),
-            lambda lo, hi: (np.full_like(lo, 2.0), np.full_like(lo, 2.0)), np.square)
-# on the positive half line: 1/x, x^-1/2, sqrt(x) and their derivatives are monotone
-RECIPROCAL = Fn(lambda lo, hi: _mono(lambda x: 1.0 / x, lo, hi),
-                lambda lo, hi: _mono(lambda x: -1.0 / (x * x), lo, hi),
-                lambda lo, hi: _mono(lambda x: 2.0 / (x * x * x), lo, hi),
-                lambda x: 1.0 / x, (0.0, math.inf))
-RSQRT = Fn(lambda lo, hi: _mono(lambda x: 1.0 / np.sqrt(x), lo, hi),
-           lambda lo, hi: _mono(lambda x: -0.5 / (x * np.sqrt(x)), lo, hi),
-           lambda lo, hi: _mono(lambda x: 0.75 / (x * x * np.sqrt(x)), lo, hi),
-           lambda x: 1.0 / np.sqrt(x), (0.0, math.inf))
-SQRT = Fn(lambda lo, hi: _mono(np.sqrt, lo, hi),
-          lambda lo, hi: _mono(lambda x: 0.5 / np.sqrt(x), lo, hi),
-          lambda lo, hi: _mono(lambda x: -0.25 / (x * np.sqrt(x)), lo, hi),
-          np.sqrt, (0.0, math.inf))
+def relaxation_fn(op: Arithmetic, name: str = "") -> Fn:
+    """An arithmetic op's value, slope and curvature enclosures: its relaxation's functions
+    (lsa_models/operators/arithmetic.py) at the ends of the range, padded outward; NotAffine
+    where the op has none (Pow by an exponent other than 2, 0.5, -1, -0.5)."""
+    try:
+        r = op.relaxation()
+    except ModeNotImplemented as e:
+        raise NotAffine(f"{op.op_type} node {name}: {e}") from None
+    rv = r.value
 
+    def value(lo: np.ndarray, hi: np.ndarray) -> Iv:
+        return _pad(*rv(lo, hi)) if rv is not None else _mono(r.point, lo, hi)
+
+    def d2(lo: np.ndarray, hi: np.ndarray) -> Iv:
+        return (r.d2(lo), r.d2(hi)) if r.exact_d2 else _mono(r.d2, lo, hi)
+    return Fn(value, lambda lo, hi: _mono(r.d1, lo, hi), d2, r.point, r.domain)
+
+
+EXP = relaxation_fn(Exp("Exp"))
+SQUARE = relaxation_fn(Pow("Pow", {"exponent": 2.0}))
+RECIPROCAL = relaxation_fn(Reciprocal("Reciprocal"))
+RSQRT = relaxation_fn(Pow("Pow", {"exponent": -0.5}))
+SQRT = relaxation_fn(Sqrt("Sqrt"))
 
 
 def activation_fn(op: Activation, name: str = "") -> Fn:
@@ -1089,7 +1097,12 @@ LAYOUT = ("Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity",
 LINEAR = ("Add", "Sub", "Neg", "Mul", "Div", "MatMul", "Gemm", "ReduceMean", "ReduceSum",
           "Conv")
 SINGLE = FUSABLE_ACTIVATIONS  # smooth activations: as one-node chains (fused.py)
-_POW = {2.0: SQUARE, 0.5: SQRT, -1.0: RECIPROCAL, -0.5: RSQRT}
+
+
+def _arithmetic(node: Node) -> Arithmetic:
+    op = arithmetic(node.op_type, node.attrs)
+    assert op is not None
+    return op
 
 
 def _power(node: Node, args: list) -> Fn:
@@ -1098,10 +1111,9 @@ def _power(node: Node, args: list) -> Fn:
     if isinstance(e, Aff):
         raise NotAffine(f"Pow node {node.name}: an input-dependent exponent")
     ev = np.asarray(e, dtype=np.float64).reshape(-1)
-    fn = _POW.get(float(ev[0])) if ev.size == 1 else None
-    if fn is None:
+    if ev.size != 1:
         raise NotAffine(f"Pow node {node.name}: no affine rule for this exponent")
-    return fn
+    return relaxation_fn(Pow("Pow", {"exponent": float(ev[0])}), node.name)
 
 
 def step(node: Node, args: list, centers: list[np.ndarray | None], ball: Ball,
@@ -1323,9 +1335,9 @@ def _step(node: Node, args: list, centers: list[np.ndarray | None], ball: Ball,
     if t == RELU_GRAD:
         return [_relu_grad(args, ball, ranges_of(1), c0, m0)]
     op = activation(t, node.attrs)
-    if (op is not None or t in ("Exp", "Sqrt", "Reciprocal", "Pow")) and var == [0]:
+    if (op is not None or t in ARITHMETIC_TYPES) and var == [0]:
         fn = activation_fn(op, node.name) if op is not None else _power(node, args) \
-            if t == "Pow" else {"Exp": EXP, "Sqrt": SQRT, "Reciprocal": RECIPROCAL}[t]
+            if t == "Pow" else relaxation_fn(_arithmetic(node), node.name)
         rg = ranges_of(0)
         return [elementwise(args[0], fn, ball, xlo=_lo(rg), xhi=_hi(rg), out_c=c0, out_m=m0)]
     if t == "Softmax" and var == [0]:

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from ..onnx.ops import OPS, Node, RunContext, decimal_attr
-from ..operators import ACTIVATION_TYPES, activation
+from ..operators import ACTIVATION_TYPES, ARITHMETIC_TYPES, make
 
 PREC = 256
 # elementary ball operations one evaluation may take (~0.1 us each: x-transformers' 1.9e6 in
@@ -141,29 +141,12 @@ def _distance(arb: Any, c: np.ndarray, b: Balls) -> np.ndarray:
 
 
 def _elementwise(arb: Any, op: str, node: Node, x: Balls, pw: float | None) -> Balls:
-    one = arb(1)
-    act = activation(op, node.attrs)
-    if act is not None:  # lsa_models/operators/
-        f = act.arb(arb)
-    elif op == "Exp":
-        f = lambda a: a.exp()  # noqa: E731
-    elif op == "Sqrt":
-        f = lambda a: a.sqrt()  # noqa: E731
-    elif op == "Reciprocal":
-        f = lambda a: one / a  # noqa: E731
+    """f in ball arithmetic entrywise: the op's own (lsa_models/operators/), or Neg."""
+    fn = make(op, {"exponent": pw} if op == "Pow" else node.attrs)
+    if fn is not None and (op != "Pow" or pw is not None):
+        f = fn.arb(arb)
     elif op == "Neg":
         f = lambda a: -a  # noqa: E731
-    elif op == "Pow" and pw is not None:
-        if pw == 2.0:
-            f = lambda a: a * a  # noqa: E731
-        elif pw == 0.5:
-            f = lambda a: a.sqrt()  # noqa: E731
-        elif pw == int(pw) and abs(pw) <= 16:
-            n = int(pw)
-            f = lambda a: a ** n  # noqa: E731
-        else:
-            e = arb(pw)
-            f = lambda a: a ** e  # noqa: E731
     else:
         raise _Unknown(op)
     return np.asarray(np.frompyfunc(f, 1, 1)(x), dtype=object)
@@ -217,7 +200,7 @@ def _node(arb: Any, node: Node, vals: dict[str, Balls], env: dict[str, torch.Ten
         return [np.asarray(e / np.sum(e, axis=ax, keepdims=True), dtype=object)]
     if t == "LayerNormalization" and fixed and len([o for o in node.outputs if o]) == 1:
         return [_layernorm(arb, node, ball)]
-    if t in ACTIVATION_TYPES or t in ("Exp", "Sqrt", "Reciprocal", "Neg", "Pow"):
+    if t in ACTIVATION_TYPES or t in ARITHMETIC_TYPES or t == "Neg":
         pw = None
         if t == "Pow":
             if args[1] in vals:

@@ -8,8 +8,8 @@ each op with its own outward-rounded rule,
   - layout ops move entries (run on both ends: exact);
   - linear maps y = L(x) + b: |y - c_y| <= |L|(r_x) + gamma_k (|L|(|c_x|) + |b|), the second
     term bounding the float64 rounding of c_y = fl(L(c_x) + b) in any summation order;
-  - elementwise f: the range of f over the input interval (primitives.value_range; an
-    activation's own, lsa_models/operators/);
+  - elementwise f: the range of f over the input interval (primitives.value_range; the
+    op's own, lsa_models/operators/);
   - products a * b, a @ b: |c_a| r_b + r_a |c_b| + r_a r_b + gamma_k |c_a| |c_b|;
   - Softmax from the logit intervals; LayerNorm from u = P x, s = mean(u^2) + eps, z = u/sigma
     intervals (layernorm.jacobian_ranges);
@@ -24,9 +24,9 @@ import numpy as np
 import torch
 
 from ..onnx.ops import OPS, Node, RunContext, decimal_attr
-from ..operators import activation
+from ..operators import make
 from . import forward_ball
-from .elementwise_ranges import Kind, value_range
+from .elementwise_ranges import value_range
 from .internal_ops import GUARDS, RELU_GRAD
 from .layernorm import _bounds_of_s, jacobian_ranges
 from .primitives import _softmax_ranges
@@ -39,7 +39,6 @@ PROVEN_CAP = 1e-3
 _LAYOUT = ("Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Slice",
            "Gather", "Concat", "Split", "Expand", "Dropout", "Cast", "Tile")
 _LINEAR = ("Add", "Sub", "Neg", "Mul", "Div", "MatMul", "Gemm", "ReduceMean", "ReduceSum")
-_ELEMENTWISE = {"Exp": "exp", "Sqrt": "sqrt", "Reciprocal": "reciprocal", "Pow": "pow"}
 Iv = tuple[np.ndarray, np.ndarray]
 
 
@@ -177,13 +176,9 @@ def _node(node: Node, iv: dict[str, Iv], env: dict[str, torch.Tensor]) -> Iv | N
         return None
     if t in _LINEAR or (t == "Conv" and var == [0]):  # Conv: a constant kernel and bias
         return _linear(node, args, iv, env)
-    op = activation(t, node.attrs)
-    if op is not None or t in _ELEMENTWISE:
-        kind: Kind = op if op is not None else _ELEMENTWISE[t]
-        p = 2.0
-        if kind == "pow":
-            p = float(env[args[1]].reshape(()))
-        vlo, vhi = value_range(kind, *iv[args[0]], exponent=p)
+    op = make(t, {"exponent": float(env[args[1]].reshape(()))} if t == "Pow" else node.attrs)
+    if op is not None:
+        vlo, vhi = value_range(op, *iv[args[0]])
         return None if vlo is None or vhi is None else (vlo, vhi)
     if t == "Softmax":
         ax = int(node.attrs.get("axis", -1)) % c_out.ndim

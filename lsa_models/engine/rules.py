@@ -17,7 +17,7 @@ from torch.func import vmap
 
 from ..bounds.numerics import U
 from ..onnx.ops import FLOAT_TYPES, OPS, Node, RunContext, decimal_attr
-from ..operators import ACTIVATION_TYPES, activation
+from ..operators import ACTIVATION_TYPES, ARITHMETIC_TYPES, make
 from . import primitives as pr
 from .layernorm import _bounds_of_s as bounds_of_s
 from .layernorm import chain_errors, token_radius
@@ -289,16 +289,13 @@ def _unbroadcast(g: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     return g.sum(axis=axes, keepdims=True) if axes else g
 
 
-_KIND = {"Exp": "exp", "Sqrt": "sqrt", "Reciprocal": "reciprocal", "Pow": "pow"}
-
-
 @register_local
 class ElementwiseRule(LocalRule):
     """Pointwise nonlinearities: slopes over the input's range (primitives.elementwise); the
     activations' from lsa_models/operators/. Gelu is rules_more.GeluRule's (its tanh form as
     a chain, the exact one by this rule)."""
 
-    types = tuple(t for t in ACTIVATION_TYPES if t != "Gelu") + tuple(_KIND)
+    types = tuple(t for t in ACTIVATION_TYPES if t != "Gelu") + ARITHMETIC_TYPES
 
     def apply(self, node: Node, args: list[Arg], centers: list[np.ndarray | None],
               ball: Ball) -> list[LocalValue | np.ndarray | None]:
@@ -307,17 +304,17 @@ class ElementwiseRule(LocalRule):
         if not isinstance(x, LocalValue) or c is None:
             raise LocalNotCertified(f"{node.op_type} node {node.name}: input-dependent "
                                     "exponent")
-        op = activation(node.op_type, node.attrs)
-        kind: pr.Kind = op if op is not None else _KIND[node.op_type]
-        exponent = 2.0
-        if kind == "pow":
+        attrs = node.attrs
+        if node.op_type == "Pow":
             e = args[1]
             if not isinstance(e, np.ndarray) or e.size != 1:
                 raise LocalNotCertified(f"Pow node {node.name}: the exponent must be one "
                                         "constant")
-            exponent = float(e.reshape(()))
+            attrs = {"exponent": float(e.reshape(()))}
+        kind = make(node.op_type, attrs)
+        assert kind is not None
         try:
-            return [pr.elementwise(x, kind, c, ball, exponent)]
+            return [pr.elementwise(x, kind, c, ball)]
         except LocalNotCertified as e:
             raise LocalNotCertified(f"{node.op_type} node {node.name}: {e}") from None
 

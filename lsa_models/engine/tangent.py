@@ -28,7 +28,13 @@ import torch
 from ..bounds.numerics import U
 from ..onnx.loading import OnnxModel
 from ..onnx.ops import Node, RunContext, decimal_attr
-from ..operators import ACTIVATION_TYPES, ModeNotImplemented, activation
+from ..operators import (
+    ACTIVATION_TYPES,
+    ARITHMETIC_TYPES,
+    ModeNotImplemented,
+    activation,
+    arithmetic,
+)
 from . import affine, affine_rules
 from .affine import PAIRS, Aff
 from .deferred import find_tail, tail_matrix
@@ -247,20 +253,20 @@ def _reduce(b: _Builder, node: Node, dep: list[int], tx: dict[int, str]) -> str:
 
 
 def _derivative(b: _Builder, node: Node) -> str:
-    """f'(x) of an arithmetic elementwise node y = f(x), from y where it can (the
-    activations': `_activation`)."""
-    t, x, y = node.op_type, node.inputs[0], node.outputs[0]
-    if t == "Exp":
-        return y
-    if t == "Sqrt":  # 1 / (2 y)
-        return b.op("Reciprocal", [b.op("Mul", [y, b.const(2.0)])])
-    if t == "Reciprocal":  # -y^2
-        return b.op("Neg", [b.op("Mul", [y, y])])
-    # Pow by a constant exponent
-    p = b.env[node.inputs[1]].detach().double().reshape(-1)
-    if p.numel() != 1 or float(p[0]) != 2.0:
-        raise NoTangent(f"Pow node {node.name}: a tangent only for the exponent 2")
-    return b.op("Mul", [x, b.const(2.0)])
+    """f'(x) of an arithmetic elementwise node y = f(x) (lsa_models/operators/arithmetic.py),
+    from y where it can (the activations': `_activation`)."""
+    attrs: dict = {}
+    if node.op_type == "Pow":  # by a constant exponent
+        p = b.env[node.inputs[1]].detach().double().reshape(-1)
+        if p.numel() != 1:
+            raise NoTangent(f"Pow node {node.name}: a tangent only for the exponent 2")
+        attrs = {"exponent": float(p[0])}
+    op = arithmetic(node.op_type, attrs)
+    assert op is not None
+    try:
+        return op.derivative_graph(b, node.inputs[0], node.outputs[0])
+    except ModeNotImplemented as e:
+        raise NoTangent(f"{node.op_type} node {node.name}: {e}") from None
 
 
 def _elementwise(b: _Builder, node: Node, dep: list[int], tx: dict[int, str]) -> str:
@@ -310,7 +316,7 @@ RULES: dict[str, Rule] = {
     "MatMul": _product, "Div": _div, "Gemm": _gemm, "ReduceMean": _reduce,
     "ReduceSum": _reduce, "Softmax": _softmax, "LayerNormalization": _layernorm_rule,
     "Where": _where, **dict.fromkeys(ACTIVATION_TYPES, _activation),
-    **dict.fromkeys(("Exp", "Sqrt", "Reciprocal", "Pow"), _elementwise),
+    **dict.fromkeys(ARITHMETIC_TYPES, _elementwise),
 }
 
 

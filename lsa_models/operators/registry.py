@@ -8,7 +8,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import activation as act
+from . import arithmetic as ar
 from .activation import Activation
+from .arithmetic import Arithmetic
+from .base import Operator
 
 ACTIVATIONS: dict[str, type[Activation]] = {
     "Relu": act.Relu,
@@ -24,7 +27,17 @@ ACTIVATIONS: dict[str, type[Activation]] = {
 ACTIVATION_TYPES: tuple[str, ...] = tuple(ACTIVATIONS)
 # smooth activations with f'' enclosed: members of elementwise chains (engine/fused.py)
 FUSABLE_ACTIVATIONS: tuple[str, ...] = tuple(t for t, c in ACTIVATIONS.items() if c.fusable)
+# the arithmetic elementwise functions (Pow's constant exponent as the attribute "exponent")
+ARITHMETIC: dict[str, type[Arithmetic]] = {
+    "Exp": ar.Exp,
+    "Sqrt": ar.Sqrt,
+    "Reciprocal": ar.Reciprocal,
+    "Pow": ar.Pow,
+}
+ARITHMETIC_TYPES: tuple[str, ...] = tuple(ARITHMETIC)
+OPERATORS: dict[str, type[Operator]] = {**ACTIVATIONS, **ARITHMETIC}
 _BY_KIND = {c.kind: t for t, c in ACTIVATIONS.items()}
+_ARITHMETIC_BY_KIND = {c.kind: t for t, c in ARITHMETIC.items()}
 
 
 def activation(op_type: str, attrs: Mapping[str, Any] | None = None) -> Activation | None:
@@ -33,10 +46,31 @@ def activation(op_type: str, attrs: Mapping[str, Any] | None = None) -> Activati
     return None if cls is None else cls(op_type, attrs)
 
 
+def make(op_type: str, attrs: Mapping[str, Any] | None = None) -> Operator | None:
+    """The operator for a node's type and attributes; None: not in the registry."""
+    cls = OPERATORS.get(op_type)
+    return None if cls is None else cls(op_type, attrs)
+
+
+def arithmetic(op_type: str, attrs: Mapping[str, Any] | None = None) -> Arithmetic | None:
+    """The arithmetic op for a node's type and attributes; None: not one."""
+    cls = ARITHMETIC.get(op_type)
+    return None if cls is None else cls(op_type, attrs)
+
+
+def arithmetic_by_kind(kind: str, attrs: Mapping[str, Any] | None = None
+                       ) -> Arithmetic | None:
+    """The arithmetic op the local engine names `kind` ("exp", ..., "pow"); None: none."""
+    t = _ARITHMETIC_BY_KIND.get(kind)
+    return None if t is None else arithmetic(t, attrs)
+
+
 def by_kind(kind: str, attrs: Mapping[str, Any] | None = None) -> Activation | None:
     """The activation whose reports name it `kind` ("tanh", ...); None: no such one."""
     t = _BY_KIND.get(kind)
     return None if t is None else activation(t, attrs)
 
 
-__all__ = ["ACTIVATIONS", "ACTIVATION_TYPES", "FUSABLE_ACTIVATIONS", "activation", "by_kind"]
+__all__ = ["ACTIVATIONS", "ACTIVATION_TYPES", "ARITHMETIC", "ARITHMETIC_TYPES",
+           "FUSABLE_ACTIVATIONS", "OPERATORS", "activation", "arithmetic", "arithmetic_by_kind",
+           "by_kind", "make"]

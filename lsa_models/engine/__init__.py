@@ -3,7 +3,9 @@
 values.py (the value type), primitives.py (enclosure arithmetic), rules.py (one local rule
 class per op family, in a registry), layernorm.py (LayerNorm's Jacobian enclosed directly),
 fused.py (elementwise chains as one function), structured.py (factored output norms),
-forward_error.py (the forward margin proven a posteriori), driver.py (the graph driver),
+forward_error.py (the forward margin proven a posteriori), driver.py (the graph driver:
+local_jacobian; centre.py its forward pass at X0, jacobian_walk.py its walk, telescope.py
+the telescoped remainder), margins.py (the margins from the affine forms alone),
 local.py (the public functions: certify_local, robustness), rules_conv.py and
 rules_more.py (more ops, registered into the same registry after rules.py). Derivations:
 docs/local-bounds.md.

@@ -36,7 +36,8 @@ class LocalNotCertified(Exception):
 
 @dataclass(frozen=True)
 class Ball:
-    """The perturbation domain: centre X0 (in the graph input's shape), radius, norm."""
+    """The perturbation domain {X : ||X - X0||_norm <= eps}: centre X0 (in the graph input's
+    shape), radius eps >= 0, norm "2" (Frobenius over the whole input) or "inf"."""
 
     center: np.ndarray
     eps: float
@@ -52,45 +53,68 @@ Parts = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 @dataclass
 class LocalValue:
+    """What the local engine knows about one input-dependent tensor T over the ball.
+
+    The enclosure (always set; the walk's contract, docs/local-enclosure.md): for every X in
+    the ball, lo <= T(X) <= hi and |dT/dX (X) - jc| <= jr entrywise, with center the
+    computed T(X0) (within center_margin(center) of the true one) and lo <= center <= hi.
+
+    The rest are optional annotations, each valid exactly as stated below; None says nothing.
+
+    The op's remainder term, set by the rule that produced T (rules.py, primitives.py,
+    rules_more.py) and read by the telescope (telescope.py) when T is one of the ops summed
+    over; `opnorm` and `second` are pairs (term, fn) that hold only while their first item
+    `is` this value's `term` (a rule that wraps the term, signed.SignedTerm, re-keys them):
+      - term: ga -> a nonnegative (K, P) bound on |G (D_op(X) - D_op(X0)) J_in(X)| over the
+        ball, for any adjoint G (K, *S) with |G| <= ga (the telescope's G = d out / d T at
+        X0; signed.bind's transient values hold for its one G only). None: the op is
+        linear (no remainder).
+      - parts: the same bound factored (structured.py): for |G| (K, *S), a list of
+        (c, jc_in, jr_in), c (K, n) >= 0, the op's input Jacobian jc_in +- jr_in (n, P),
+        with |G (D_op(X) - D_op(X0)) J_in(X)| <= sum_b c_kb |J_in,b(X)| row by row.
+      - opnorm: (term, fn), fn(G) >= sup ||G (D_op(X) - D_op(X0)) J_in(X)||_2 over a 2-ball
+        for the signed adjoint G (opnorm.py).
+      - second: (term, fn), the op's second-order rule for the inf-ball's rows (second.py).
+
+    The 2-ball's norms, set where the walk tightens T (telescope.Telescope._norms, with
+    opnorm.set_token_radius; jacobian_walk's affine forms and the integrated form narrow the
+    token radii) and read by the rules of the ops T feeds (opnorm.py, rules.py,
+    primitives.py); all per token t = a row of the last axis, shaped (*S[:-1], 1):
+      - jnorm >= sup ||dT/dX (X)||_2 over the ball (a float);
+      - tok_jn >= sup ||dT_t/dX (X)||_2;
+      - tok_true >= ||T_t(X) - T_t(X0)||_2 (the true centre);
+      - tok_rad >= ||T_t(X) - center_t||_2 (tok_true plus the centre's margin), and every
+        entry of lo, hi within tok_rad of the centre.
+
+    The inf-ball's second-order annotations (second.py):
+      - nonlin: (eps, b), set where the walk tightens T with second-order rules
+        (telescope.Telescope.tighten, second.value_radius): b (*S,) >=
+        |T(X) - T(X0) - jc . (X - X0)| over the ball of radius eps, for jc as it is here;
+      - jfac: (M (*S, B), dmb (B,), src (B, P), rest (*S, P)), set by elementwise ops and
+        carried through linear and layout ones (rules.py, primitives.py): for every X in the
+        ball, J(X) - jc = M diag(delta) src + R with |delta_b| <= dmb_b and |R| <= rest.
+    """
+
     center: np.ndarray  # (*S,)
     lo: np.ndarray  # (*S,)
     hi: np.ndarray  # (*S,)
     jc: np.ndarray  # (*S, P)
     jr: np.ndarray  # (*S, P), >= 0
-    # The op's remainder term for the output's bound (driver.py, "telescoping"): maps the
-    # output's adjoint G = d out / d this tensor at X0, (K, *S), to a nonnegative (K, P)
-    # bound on G (D_op(X) - D_op(X0)) J_in(X) over the ball. None: the op is linear.
+    # the op's remainder term and its other forms (above)
     term: Callable[[np.ndarray], np.ndarray] | None = field(default=None, repr=False)
-    # The same bound in factored form (driver.py, "structured output norms"): for the adjoint
-    # |G| (K, *S), a list of (c, jc_in, jr_in) with c (K, n) >= 0 and the op's input Jacobian
-    # enclosure jc_in +- jr_in (n, P), such that |G (D_op(X) - D_op(X0)) J_in(X)| is bounded
-    # row by row by sum_b c_kb |J_in,b(X)| with the signs of J_in kept.
     parts: Callable[[np.ndarray], list[Parts]] | None = field(default=None, repr=False)
-    # (term, fn): fn(G) bounds sup ||G (D_op(X) - D_op(X0)) J_in(X)||_2 over a 2-ball for the
-    # signed adjoint G (opnorm.py); valid only while `term` is this value's term
     opnorm: tuple[Callable[[np.ndarray], np.ndarray],
                   Callable[[np.ndarray], float]] | None = field(default=None, repr=False)
-    # 2-ball only, set where the driver tightens a value (driver._Telescope.tighten):
-    # jnorm >= sup ||dT/dX (X)||_2 over the ball; tok_rad (*S[:-1], 1) >= ||T_t(X) - c_t||_2
-    # per token t (the last axis) over the ball, c the computed centre
+    # the 2-ball's norms (above)
     jnorm: float | None = field(default=None, repr=False)
     tok_rad: np.ndarray | None = field(default=None, repr=False)
-    # per token: tok_jn >= sup ||dT_t/dX||_2 over the ball, tok_true >= ||T_t(X) - T_t(X0)||_2
-    # (the true centre: tok_rad less the centre's margin), both (*S[:-1], 1)
     tok_jn: np.ndarray | None = field(default=None, repr=False)
     tok_true: np.ndarray | None = field(default=None, repr=False)
-    # (term, fn): the op's second-order rule for the inf-ball's signed rows (second.py);
-    # valid only while `term` is this value's term
+    # the inf-ball's second-order rule of the op and annotations (above)
     second: tuple[Callable[[np.ndarray], np.ndarray], Callable[..., tuple[np.ndarray,
                                                                       np.ndarray]]] | None = \
         field(default=None, repr=False)
-    # inf-ball, set where the driver tightens a value with second-order rules (driver.tighten,
-    # second.value_radius): (eps, b) with b (*S,) >= |T(X) - T(X0) - jc . (X - X0)| over the
-    # ball of radius eps, the change's part beyond the centre's linear map (jc as it is here)
     nonlin: tuple[float, np.ndarray] | None = field(default=None, repr=False)
-    # inf-ball, a factored Jacobian deviation (set by elementwise ops, carried through linear
-    # and layout ones; second.py uses it): (M (*S, B), dmb (B,), src (B, P), rest (*S, P))
-    # with J(X) - jc = M diag(delta) src + R, |delta_b| <= dmb_b, |R| <= rest, for every X
     jfac: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = \
         field(default=None, repr=False)
 

@@ -55,10 +55,8 @@ def _anywhere(op: Arithmetic) -> bool:
 
 def _interval(op: Arithmetic, rng: np.random.Generator, width: float
               ) -> tuple[np.ndarray, np.ndarray]:
-    if _anywhere(op):
-        lo = rng.uniform(-5, 5, size=16)
-    else:  # inside the domain: x > 0 (Reciprocal also on x < 0, by symmetry below)
-        lo = np.exp(rng.uniform(-4, 2, size=16))
+    # inside the domain: x > 0 where it asks it (Reciprocal also on x < 0, below)
+    lo = rng.uniform(-5, 5, size=16) if _anywhere(op) else np.exp(rng.uniform(-4, 2, size=16))
     hi = lo + rng.uniform(0, width, size=16) * (1 if _anywhere(op) else lo)
     if op.op_type == "Reciprocal":  # one side of 0, either side
         neg = rng.random(16) < 0.5

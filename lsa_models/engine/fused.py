@@ -16,6 +16,7 @@ import numpy as np
 from ..onnx.ops import Node
 from ..operators import FUSABLE_ACTIVATIONS, activation
 from ..operators.activation import Activation
+from ..operators.arithmetic import CHAIN_EXPONENTS, Pow
 from .values import FLOOR
 
 FUSABLE = ("Add", "Sub", "Mul", "Div", "Neg", "Pow") + FUSABLE_ACTIVATIONS
@@ -68,6 +69,33 @@ def _square(a: Iv) -> Iv:
     return _out(near * near, far * far)
 
 
+@dataclass
+class _Intervals:
+    """The arithmetic above for an op's chain rule (operators.base.IntervalOps), its
+    constants shaped like `one`."""
+
+    one: np.ndarray
+
+    def mul(self, a: Iv, b: Iv) -> Iv:
+        return iv_mul(a, b)
+
+    def add(self, a: Iv, b: Iv) -> Iv:
+        return _add(a, b)
+
+    def square(self, a: Iv) -> Iv:
+        return _square(a)
+
+    def out(self, lo: np.ndarray, hi: np.ndarray) -> Iv:
+        return _out(lo, hi)
+
+    def k(self, x: float) -> Iv:
+        return x * self.one, x * self.one
+
+
+def _pow(nd: Node, consts: dict[str, float]) -> Pow:
+    return Pow("Pow", {"exponent": consts[nd.inputs[1]]})
+
+
 def _activation(nd: Node) -> Activation:
     op = activation(nd.op_type, nd.attrs)
     assert op is not None and op.fusable
@@ -104,13 +132,8 @@ def evaluate(chain: Chain, consts: dict[str, float], lo: np.ndarray, hi: np.ndar
                 v, d = iv_mul(a, (inv * one, inv * one)), iv_mul(da, (inv * one, inv * one))
         elif t == "Neg":
             v, d = _neg(a), _neg(da)
-        elif t == "Pow":
-            p = consts[nd.inputs[1]]
-            if p == 2.0:
-                v, d = _square(a), iv_mul(iv_mul(a, da), (2 * one, 2 * one))
-            else:  # p == 3: increasing
-                v = _out(a[0] ** 3, a[1] ** 3)
-                d = iv_mul(iv_mul(_square(a), da), (3 * one, 3 * one))
+        elif t == "Pow":  # by 2 or 3 (`find_chains`)
+            v, d, _ = _pow(nd, consts).chain_rule(_Intervals(one), a, da)
         else:  # a smooth activation: increasing
             op = _activation(nd)
             v = _out(*op.value_range(a[0], a[1]))
@@ -161,16 +184,10 @@ def second(chain: Chain, consts: dict[str, float], lo: np.ndarray, hi: np.ndarra
             v, d, dd = iv_mul(a, inv), iv_mul(da, inv), iv_mul(dda, inv)
         elif op == "Neg":
             v, d, dd = _neg(a), _neg(da), _neg(dda)
-        elif op == "Pow":
-            p = consts[nd.inputs[1]]
-            if p == 2.0:
-                v, d = _square(a), iv_mul(iv_mul(a, da), k(2.0))
-                dd = iv_mul(_add(_square(da), iv_mul(a, dda)), k(2.0))
-            else:  # p == 3
-                v = _out(a[0] ** 3, a[1] ** 3)
-                d = iv_mul(iv_mul(_square(a), da), k(3.0))
-                dd = iv_mul(_add(iv_mul(k(2.0), iv_mul(a, _square(da))), iv_mul(_square(a), dda)),
-                          k(3.0))
+        elif op == "Pow":  # by 2 or 3 (`find_chains`)
+            v, d, ddp = _pow(nd, consts).chain_rule(_Intervals(one), a, da, dda)
+            assert ddp is not None
+            dd = ddp
         else:  # a smooth activation: increasing, f'' enclosed
             f = _activation(nd)
             v = _out(*f.value_range(a[0], a[1]))
@@ -225,7 +242,7 @@ def find_chains(nodes: list[Node], env: dict, variable: set[str], outputs: set[s
             else:
                 c = scalar(env, i)
                 ok = ok and c is not None and not (nd.op_type == "Div" and (k == 0 or c == 0))
-                ok = ok and not (nd.op_type == "Pow" and (k != 1 or c not in (2.0, 3.0)))
+                ok = ok and not (nd.op_type == "Pow" and (k != 1 or c not in CHAIN_EXPONENTS))
         if nd.op_type == "Pow" and len(nd.inputs) > 1 and nd.inputs[1] in variable:
             ok = False
         if ok and len(roots) == 1:

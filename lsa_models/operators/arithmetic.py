@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .base import ChainDiff, GraphBuilder, Iv, Operator, Sym
+from .base import ChainDiff, GraphBuilder, IntervalOps, Iv, Operator, Sym
 
 F = Callable[[np.ndarray], np.ndarray]
 
@@ -188,6 +188,8 @@ class Reciprocal(Arithmetic):
         return lambda a: one / a
 
 
+# the exponents a fused elementwise chain takes (engine/fused.py; `Pow.chain_rule`)
+CHAIN_EXPONENTS = (2.0, 3.0)
 # the affine relaxation's exponents (RMSNorm's x.pow(2), x^0.5, 1/x, x^-1/2)
 _POW_RELAXATIONS = {2.0: SQUARE_RELAXATION, 0.5: SQRT_RELAXATION, -1.0: RECIPROCAL_RELAXATION,
                     -0.5: RSQRT_RELAXATION}
@@ -262,6 +264,23 @@ class Pow(Arithmetic):
             self.refuse("tangent/adjoint", "only for the exponent 2")
         return b.op("Mul", [x, b.const(2.0)])
 
+    def chain_rule(self, iv: IntervalOps, a: Iv, da: Iv, dda: Iv | None = None
+                   ) -> tuple[Iv, Iv, Iv | None]:
+        """u^p, (u^p)' and, given u'' (`dda`), (u^p)'' over intervals, for u in a fused chain
+        (engine/fused.py, p = 2 or 3): (u^2)' = 2 u u', (u^2)'' = 2 (u'^2 + u u''),
+        (u^3)' = 3 u^2 u', (u^3)'' = 3 (2 u u'^2 + u^2 u'')."""
+        if self.p == 2.0:
+            v, d = iv.square(a), iv.mul(iv.mul(a, da), iv.k(2.0))
+            dd = None if dda is None else iv.mul(iv.add(iv.square(da), iv.mul(a, dda)),
+                                                 iv.k(2.0))
+            return v, d, dd
+        v = iv.out(a[0] ** 3, a[1] ** 3)  # p = 3: increasing
+        d = iv.mul(iv.mul(iv.square(a), da), iv.k(3.0))
+        dd = None if dda is None else iv.mul(
+            iv.add(iv.mul(iv.k(2.0), iv.mul(a, iv.square(da))), iv.mul(iv.square(a), dda)),
+            iv.k(3.0))
+        return v, d, dd
+
     def chain_derivative(self, diff: ChainDiff, a: Sym, y: str) -> Sym | None:
         """2 a or 3 a^2 (fused chains hold Pow by 2 or 3 only)."""
         if self.p == 2.0:
@@ -281,4 +300,5 @@ class Pow(Arithmetic):
         return lambda a: a ** e
 
 
-__all__ = ["Arithmetic", "Exp", "Pow", "Reciprocal", "Relaxation", "Sqrt", "ends", "near_far"]
+__all__ = ["CHAIN_EXPONENTS", "Arithmetic", "Exp", "Pow", "Reciprocal", "Relaxation", "Sqrt",
+           "ends", "near_far"]

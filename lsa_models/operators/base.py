@@ -12,7 +12,8 @@ function y = f(x) it stands for, every mode lsa bounds:
 - `subgradient_range`, `d2_range`: the slopes and the curvature the affine relaxation takes;
 - `scaled_derivative`: g f'(x) as graph nodes (the tangent and adjoint graphs);
 - `chain_derivative`: f' from its output inside a fused elementwise chain (the adjoint of a
-  chain as one chain);
+  chain as one chain); Pow's `chain_rule`: its link's value, first and second derivative in a
+  chain's interval differentiation;
 - `arb`: f in ball arithmetic (the centre's forward error at 256 bits).
 
 A mode an op does not implement raises `ModeNotImplemented(op, mode)`; each front end turns it
@@ -63,6 +64,21 @@ class ChainDiff(Protocol):
     def mul(self, p: Sym, q: Sym) -> Sym: ...
 
     def add(self, p: Sym, q: Sym, sub: bool = False) -> Sym: ...
+
+
+class IntervalOps(Protocol):
+    """The padded interval arithmetic of a fused elementwise chain (engine/fused.py): each
+    result widened outward for its rounding; `k(x)`: the constant x as an interval."""
+
+    def mul(self, a: Iv, b: Iv) -> Iv: ...
+
+    def add(self, a: Iv, b: Iv) -> Iv: ...
+
+    def square(self, a: Iv) -> Iv: ...
+
+    def out(self, lo: np.ndarray, hi: np.ndarray) -> Iv: ...
+
+    def k(self, x: float) -> Iv: ...
 
 
 def text_attr(attrs: Mapping[str, Any], name: str, default: str) -> str:
@@ -129,5 +145,5 @@ class Operator:
         self.refuse("ball arithmetic")
 
 
-__all__ = ["ChainDiff", "GraphBuilder", "Iv", "ModeNotImplemented", "Operator", "Sym",
-           "text_attr"]
+__all__ = ["ChainDiff", "GraphBuilder", "IntervalOps", "Iv", "ModeNotImplemented", "Operator",
+           "Sym", "text_attr"]

@@ -1,9 +1,8 @@
 """The local 2-norm constant of the 12-layer D=768 encoder of bench/onnx_bound_speed.py (post-norm,
 ReLU, H=12, d_ff=3072) on the ball of radius eps around a random input, and its time, beside the
 global bound on the bounded domain (radius 1). At this size the Jacobian enclosure would not
-fit (MAX_JACOBIAN_ENTRIES): the global per-layer rules on the tokens the ball reaches and the
-per-layer local rules on the layer graph (centre + per-token radii) bound it; both are
-reported with their times. Writes bench/out/local_large.json and prints it.
+fit (MAX_JACOBIAN_ENTRIES): the global per-layer rules on the tokens the ball reaches bound
+it, reported with their time. Writes bench/out/local_large.json and prints it.
 
     .venv/bin/python bench/local_large.py [--seq-len 16] [--eps 0.01]
 """
@@ -57,9 +56,9 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
 
-    from lsa_models.engine.local import _global, certify_local
+    from lsa_models.engine.constant_routes import global_bound
+    from lsa_models.engine.local import certify_local
     from lsa_models.onnx import LoadOptions, analyse, load_onnx
-    from lsa_models.onnx.ball import ball_bound
 
     model = build(args.d_model, args.heads, args.layers)
     x = torch.randn(1, args.seq_len, args.d_model, generator=torch.Generator().manual_seed(1))
@@ -70,15 +69,12 @@ def main() -> None:
             torch.onnx.export(model, (x,), str(path), dynamo=False, opset_version=18,
                               input_names=["x"], output_names=["y"])
         om = load_onnx(path.read_bytes(), "encoder.onnx", LoadOptions(check_ort=False))
-    # the two candidates certify_local takes the best of, each timed, in the same run: the
-    # global per-layer rules on the tokens the ball reaches (the only one before the ball
-    # rules) and the per-layer local rules on the layer graph (lsa_models/onnx/ball.py)
+    # the global per-layer rules on the tokens the ball reaches (certify_local's route
+    # where the enclosure does not fit), timed alone
     x0 = x.double().numpy()
     tb = time.perf_counter()
-    reach = _global(om, "2", x0, args.eps)
+    reach = global_bound(om, "2", x0, args.eps)
     tr = time.perf_counter()
-    ball, _ = ball_bound(om, x0, args.eps)
-    tl = time.perf_counter()
     t0 = time.perf_counter()
     local = certify_local(om, x.numpy(), args.eps, "2")
     t1 = time.perf_counter()
@@ -90,7 +86,6 @@ def main() -> None:
            "eps": args.eps, "local_upper": local.upper, "local_verdict": local.verdict,
            "local_seconds": t1 - t0, "global_radius1_upper": glob.upper,
            "reachable_tokens_upper": reach.upper, "reachable_tokens_seconds": tr - tb,
-           "ball_rules_upper": ball, "ball_rules_seconds": tl - tr,
            "global_seconds": t2 - t1, "method": local.method,
            "largest_layer_factors": [{"name": lb.name, "kind": lb.kind, "upper": lb.upper,
                                       "rule": lb.rule} for lb in worst]}

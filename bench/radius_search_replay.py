@@ -1,4 +1,4 @@
-"""Replay the certified-radius search (lsa_models.engine.local.affine_radius: the plain,
+"""Replay the certified-radius search (lsa_models.engine.radius_search.affine_radius: the plain,
 second-order and eigenvalue stages) on recorded margin lower bounds, to tune its constants
 without walking the engine: `record` walks each stage of the tf1 and tf2 classifiers
 (bench/local_models.py) at a grid of radii once (minutes) and writes the margins' lower bounds;
@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.local_models import build, center, export  # noqa: E402
-from lsa_models.engine import local  # noqa: E402
+from lsa_models.engine import radius_search  # noqa: E402
 from lsa_models.engine.driver import Centre, margin_lower_bounds  # noqa: E402
 from lsa_models.onnx import load_onnx  # noqa: E402
 
@@ -56,8 +56,9 @@ def record() -> None:
     for (kind, norm), stages in STAGES.items():
         om, x0, label, margins = _setup(kind)
         ctr = Centre(om, x0)
-        start = local._first_order_radius(om.module.with_dtype(torch.float64), x0, label,
-                                          margins, norm) * local.AFFINE_START
+        start = radius_search._first_order_radius(om.module.with_dtype(torch.float64), x0,
+                                                  label, margins, norm) \
+            * radius_search.AFFINE_START
         for stage, (a, b) in stages.items():
             rs = np.geomspace(a, b, POINTS)
             vals = []
@@ -108,31 +109,32 @@ class _NoCentre:
 
 
 def replay(args: argparse.Namespace) -> None:
-    """The real `local.affine_route` (the three stages) on each model's recorded margins."""
+    """The real `radius_search.affine_route` (the three stages) on each model's recorded margins."""
     grid = json.loads(GRID.read_text())
-    local.QUAD_STEP["inf"], local.QUAD_STEP["2"] = args.quad_step_inf, args.quad_step_2
-    saved = local.margin_lower_bounds, local.Centre
-    local.Centre = _NoCentre  # type: ignore[misc,assignment]
+    step = radius_search.QUAD_STEP
+    step["inf"], step["2"] = args.quad_step_inf, args.quad_step_2
+    saved = radius_search.margin_lower_bounds, radius_search.Centre
+    radius_search.Centre = _NoCentre  # type: ignore[misc,assignment]
     try:
         for kind, norm in STAGES:
             key = f"{kind}/{norm}"
             oracle = _Replay(grid, key)
-            local.margin_lower_bounds = oracle  # type: ignore[assignment]
-            aff, walks = local.affine_route(None, None, norm, 0,  # type: ignore[arg-type]
-                                            grid[f"{key}/plain"]["start"],
-                                            quad="quad" in oracle.stages)
+            radius_search.margin_lower_bounds = oracle  # type: ignore[assignment]
+            aff, walks = radius_search.affine_route(
+                None, None, norm, 0, grid[f"{key}/plain"]["start"],  # type: ignore[arg-type]
+                quad="quad" in oracle.stages)
             stages = ", ".join(f"{s} {oracle.best[s]:.5g} ({n} walks)"
                                for s, n in oracle.walks.items() if n)
             print(f"{kind} {norm:3s} radius {aff:.5g} in {walks} walks: {stages}")
     finally:
-        local.margin_lower_bounds, local.Centre = saved  # type: ignore[misc]
+        radius_search.margin_lower_bounds, radius_search.Centre = saved  # type: ignore[misc]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("mode", choices=["record", "replay"])
-    ap.add_argument("--quad-step-inf", type=float, default=local.QUAD_STEP["inf"])
-    ap.add_argument("--quad-step-2", type=float, default=local.QUAD_STEP["2"])
+    ap.add_argument("--quad-step-inf", type=float, default=radius_search.QUAD_STEP["inf"])
+    ap.add_argument("--quad-step-2", type=float, default=radius_search.QUAD_STEP["2"])
     args = ap.parse_args()
     if args.mode == "record":
         record()

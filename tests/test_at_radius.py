@@ -327,7 +327,7 @@ def test_sweep_never_passes_the_first_order_radius(mlp: tuple[OnnxModel, Path],
     """decide skips the sweep past min_j m_j / ||grad m_j(X0)||_dual: the radius search's
     sweep (run to the end, no other route's floor) stays below it on the MLP, where the sweep
     is the route that wins."""
-    from lsa_models.engine import local
+    from lsa_models.engine import local, sweep
 
     om, _ = mlp
     for seed in (5, 6):
@@ -335,6 +335,6 @@ def test_sweep_never_passes_the_first_order_radius(mlp: tuple[OnnxModel, Path],
         label = _label(om, x0)
         _, x, f64, margins, _ = local.centre_margins(om, x0, label, norm)
         reach = at_radius._sweep_reach(f64, x, label, margins, norm)
-        best, runs, _ = local._sweep(om, x, norm, label, margins, 30,
-                                     adjoint=norm in local.ADJOINT_NORMS)
+        best, runs, _ = sweep._sweep(om, x, norm, label, margins, 30,
+                                     adjoint=norm in sweep.ADJOINT_NORMS)
         assert 0 < best <= reach and runs >= 3

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from lsa_models.engine import local
+from lsa_models.engine import sweep
 from lsa_models.engine.adjoint import AdjointGraph, l1_sup, l2_sup
 from lsa_models.engine.affine import Aff
 from lsa_models.engine.local import certify_local, robustness
@@ -178,9 +178,9 @@ def test_robustness_mlp_inf_radius_is_at_least_0_6_of_the_attack(models) -> None
 def test_sweep_constants_are_the_smaller_of_adjoint_and_enclosure(models, monkeypatch) -> None:
     om, x0 = models["tf1"]
     label = int(om.module.with_dtype(torch.float64)(torch.from_numpy(x0)).argmax())
-    both = local._constants_at(om, x0, 3e-2, "inf", label)
-    monkeypatch.setattr(local, "ADJOINT_NORMS", ())
-    enclosure = local._constants_at(om, x0, 3e-2, "inf", label)
+    both = sweep._constants_at(om, x0, 3e-2, "inf", label)
+    monkeypatch.setattr(sweep, "ADJOINT_NORMS", ())
+    enclosure = sweep._constants_at(om, x0, 3e-2, "inf", label)
     assert both is not None and enclosure is not None
     assert all(both[j] <= enclosure[j] for j in both)
     assert min(enclosure[j] / both[j] for j in both) > 3  # 18.9 vs 3.3 measured
@@ -198,21 +198,21 @@ def test_sweep_probe_walks_the_engines_of_the_next_piece(monkeypatch) -> None:
     margins = {j: float(logits[label] - logits[j]) - 1e-6 for j in range(logits.numel())
                if j != label}
     radii: list[float] = []
-    real = local.local_jacobian
+    real = sweep.local_jacobian
 
     def counted(om_, x_, r, *a, **k):  # type: ignore[no-untyped-def]
         radii.append(r)
         return real(om_, x_, r, *a, **k)
-    monkeypatch.setattr(local, "local_jacobian", counted)
-    free, runs_free, _ = local._sweep(om, x0, "inf", label, margins, 30)
+    monkeypatch.setattr(sweep, "local_jacobian", counted)
+    free, runs_free, _ = sweep._sweep(om, x0, "inf", label, margins, 30)
     without = list(radii)
     radii.clear()
     floor = 1e-9  # below every piece: the probe does not end the sweep
-    probed, runs_probed, _ = local._sweep(om, x0, "inf", label, margins, 30, floor=floor)
+    probed, runs_probed, _ = sweep._sweep(om, x0, "inf", label, margins, 30, floor=floor)
     assert (probed, runs_probed) == (free, runs_free + 1)
     # the enclosure at the centre and every ENCLOSURE_EVERY-th piece, not at the probe
-    assert radii == without and local.SWEEP_PROBE * floor not in radii
-    assert radii[0] == 0.0 and len(radii) == 1 + (runs_free - 1) // local.ENCLOSURE_EVERY
+    assert radii == without and sweep.SWEEP_PROBE * floor not in radii
+    assert radii[0] == 0.0 and len(radii) == 1 + (runs_free - 1) // sweep.ENCLOSURE_EVERY
 
 
 class SplitHeads(nn.Module):
@@ -265,14 +265,14 @@ def test_adjoint_graph_through_split_gather_and_slice(split_model) -> None:
 def test_adjoint_cache_is_matched_by_the_model_itself(models, monkeypatch) -> None:
     """Two models whose cache keys collide (an address reused after the first is freed)
     never share graphs: the entry holds its model and is matched by identity."""
-    monkeypatch.setattr(local, "_adj_key", lambda om, x, label: ("collide",))
+    monkeypatch.setattr(sweep, "_adj_key", lambda om, x, label: ("collide",))
     (tf1, x0), (mlp, _) = models["tf1"], models["mlp"]
-    first = local._adjoint_graphs(tf1, x0, 0)
-    second = local._adjoint_graphs(mlp, x0, 0)
+    first = sweep._adjoint_graphs(tf1, x0, 0)
+    second = sweep._adjoint_graphs(mlp, x0, 0)
     assert first and second
     assert all(g.model is tf1 for g in first.values())
     assert all(g.model is mlp for g in second.values())
-    assert local._adjoint_graphs(mlp, x0, 0) is second  # cached for the same model
+    assert sweep._adjoint_graphs(mlp, x0, 0) is second  # cached for the same model
 
 
 def test_adjoint_bound_is_none_where_the_forward_walk_stops(models, monkeypatch) -> None:

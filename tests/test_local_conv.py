@@ -21,7 +21,8 @@ from lsa_models.engine import affine_rules
 from lsa_models.engine import primitives as pr
 from lsa_models.engine.affine import Aff
 from lsa_models.engine.driver import graph_input_shape, local_jacobian, margin_lower_bounds
-from lsa_models.engine.local import affine_radius, certify_local, robustness
+from lsa_models.engine.local import certify_local, robustness
+from lsa_models.engine.radius_search import affine_radius
 from lsa_models.engine.rules import LOCAL_RULES
 from lsa_models.engine.values import Ball, LocalValue, input_value
 from lsa_models.onnx import analyse, load_onnx

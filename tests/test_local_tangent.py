@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from lsa_models.engine import affine, affine_rules, local
+from lsa_models.engine import affine, affine_rules, constant_routes
 from lsa_models.engine.affine import Aff
 from lsa_models.engine.local import certify_local
 from lsa_models.engine.tangent import NoTangent, TangentGraph
@@ -216,7 +216,7 @@ def test_certify_local_takes_the_tangent_bound_where_smaller(models, monkeypatch
     """tf1's inf-ball at 3e-2: the Jacobian enclosure's boxes compound (18x the lower bound),
     the tangent graph's forms give ~3.4x. (The tangent graph runs where the
     adjoint graph gave nothing: here it is switched off.)"""
-    monkeypatch.setattr(local, "ADJOINT_MAX_ROWS", 0)
+    monkeypatch.setattr(constant_routes, "ADJOINT_MAX_ROWS", 0)
     om, x0 = models["tf1"]
     res = certify_local(om, x0, 3e-2, "inf")
     tan = TangentGraph(om, x0).bound(3e-2)

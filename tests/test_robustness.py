@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,7 @@ from typer.testing import CliRunner
 
 from bench.local_models import build, center, export, relu_mlp
 from lsa_models.empirical.local import _pgd, _targets, attack_radius
-from lsa_models.engine import driver, local, local_jacobian
+from lsa_models.engine import driver, local_jacobian, radius_search, routes, sweep
 from lsa_models.engine.local import robustness
 from lsa_models.onnx import OnnxModel, load_onnx
 from service.cli import app
@@ -103,7 +104,7 @@ def test_robustness_takes_the_larger_route_and_names_it(tmp_path: Path) -> None:
     `certified_by` names it, and the affine radius's margins are positive when recomputed on
     that ball."""
     from lsa_models.engine.driver import margin_lower_bounds
-    from lsa_models.engine.local import QUAD_TOL
+    from lsa_models.engine.radius_search import QUAD_TOL
     om = load_onnx(export(build("tf1"), tmp_path / "tf1.onnx").read_bytes())
     x0 = center().numpy().astype(np.float64)
     f = om.module.with_dtype(torch.float64)
@@ -135,12 +136,12 @@ def test_robustness_takes_the_larger_route_and_names_it(tmp_path: Path) -> None:
 
 
 def test_sweep_stops_once_it_cannot_pass_the_other_routes_radius(mlp_path: Path) -> None:
-    """local._sweep with `floor` (the affine route's radius) first probes 0.75 floor and
+    """sweep._sweep with `floor` (the affine route's radius) first probes 0.75 floor and
     stops when (1 - 0.75) floor L_j there already spends a margin (it cannot pass the floor),
     and stops later once the margins left, at the last certified ball's constants, cannot
     carry it past the floor: a floor beyond any reach stops it at the probe; a floor below
     every piece only costs the probe's run."""
-    from lsa_models.engine.local import _sweep
+    from lsa_models.engine.sweep import _sweep
     om = load_onnx(mlp_path.read_bytes())
     x0 = center(5).numpy().astype(np.float64)
     logits = om.module.with_dtype(torch.float64)(torch.from_numpy(x0)).reshape(-1).detach()
@@ -167,9 +168,9 @@ def test_robustness_skips_the_adjoint_sweep_after_a_cut_off_one(
     om = load_onnx(mlp_path.read_bytes())
     x0 = center(5).numpy().astype(np.float64)
     label = int(om.module.with_dtype(torch.float64)(torch.from_numpy(x0)).argmax())
-    monkeypatch.setattr(local, "_has_attention", lambda om: True)
-    monkeypatch.setattr(local, "_use_quad", lambda om, x: False)
-    monkeypatch.setattr(local, "affine_radius", lambda *a, **k: (0.02, 3))
+    monkeypatch.setattr(routes, "has_attention", lambda om: True)
+    monkeypatch.setattr(routes, "use_quad", lambda om, x: False)
+    monkeypatch.setattr(radius_search, "affine_radius", lambda *a, **k: (0.02, 3))
     for stop, calls in ((True, 1), (False, 2)):
         seen: list[float] = []
 
@@ -179,7 +180,8 @@ def test_robustness_skips_the_adjoint_sweep_after_a_cut_off_one(
             if cut is not None and stop:
                 cut.append(True)
             return 0.01, 3, {}
-        monkeypatch.setattr(local, "_sweep", fake)
+        monkeypatch.setattr(routes, "SWEEP_PASSES",
+                            tuple(replace(r, run=fake) for r in routes.SWEEP_PASSES))
         r = robustness(om, x0, label, "inf")
         assert len(seen) == calls and r.certified_radius == 0.02 and r.certified_by == "affine"
 
@@ -191,18 +193,17 @@ def test_sweep_near_a_decision_boundary_takes_few_pieces_and_stops_at_the_attack
     what the margins left allow (a causal-mask classifier's job: 17 runs -> 5); the radius
     stays within 2% of the crawl's, and with `cap` (the attack's radius) the sweep stops
     there."""
-    from lsa_models.engine import local
     om = load_onnx(mlp_path.read_bytes())
     x0 = center(5).numpy().astype(np.float64)
     logits = om.module.with_dtype(torch.float64)(torch.from_numpy(x0)).reshape(-1).detach()
     label = int(logits.argmax())
     margins = {j: 1e-3 * float(logits[label] - logits[j]) for j in range(logits.numel())
                if j != label}
-    fast, runs_fast, _ = local._sweep(om, x0, "inf", label, margins, 30, adjoint=False)
-    monkeypatch.setattr(local, "SWEEP_FLAT", 0.0)  # never flat: the crawl
-    slow, runs_slow, _ = local._sweep(om, x0, "inf", label, margins, 30, adjoint=False)
+    fast, runs_fast, _ = sweep._sweep(om, x0, "inf", label, margins, 30, adjoint=False)
+    monkeypatch.setattr(sweep, "SWEEP_FLAT", 0.0)  # never flat: the crawl
+    slow, runs_slow, _ = sweep._sweep(om, x0, "inf", label, margins, 30, adjoint=False)
     assert runs_fast < runs_slow and fast >= 0.98 * slow
-    capped, runs_capped, _ = local._sweep(om, x0, "inf", label, margins, 30, adjoint=False,
+    capped, runs_capped, _ = sweep._sweep(om, x0, "inf", label, margins, 30, adjoint=False,
                                           cap=0.5 * slow)
     assert 0.5 * slow * (1 - 1e-3) <= capped < slow and runs_capped < runs_slow
 
@@ -260,7 +261,7 @@ def test_two_ball_sweep_constants_without_halvings_hold_at_ball_points(tf1: Onnx
     f = tf1.module.with_dtype(torch.float64)
     label = int(f(torch.from_numpy(x0)).argmax())
     r = 0.2
-    consts = local._constants_at(tf1, x0, r, "2", label, adjoint=False)
+    consts = sweep._constants_at(tf1, x0, r, "2", label, adjoint=False)
     assert consts is not None
     rng = np.random.default_rng(0)
 
@@ -300,7 +301,7 @@ def test_regula_falsi_reaches_a_cliff_root_without_creeping(steep: float) -> Non
     lo, hi = root / 4, root * 4
     flo, fhi = value(lo), value(hi)
     calls.clear()
-    got = local._regula_falsi(value, lo, flo, hi, fhi, lambda: len(calls) < 60, tol=1e-3)
+    got = radius_search._regula_falsi(value, lo, flo, hi, fhi, lambda: len(calls) < 60, tol=1e-3)
     walks = len(calls)
     assert value(got) > 0
     assert root * (1 - 1e-3) <= got < root

@@ -1,6 +1,7 @@
 """Which route gave which number: the route functions of the engine, wrapped for the length
 of one call of `certify_local`, `robustness` or `decide_all`, each call's value and seconds
-recorded (the library is not edited: module attributes are swapped and restored).
+recorded (the library is not edited: the route tables of lsa_models/engine/routes.py and
+module attributes are swapped and restored).
 
 A route is recorded only where it is called from the public function itself, not from inside
 another route (the sweep's enclosures are the sweep's). Targets that a revision of the engine
@@ -15,11 +16,13 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 LOCAL = "lsa_models.engine.local"
 AT_RADIUS = "lsa_models.engine.at_radius"
+ROUTES = "lsa_models.engine.routes"
+RADIUS_SEARCH = "lsa_models.engine.radius_search"
 
 
 def _finite(v: Any) -> float | None:
@@ -37,10 +40,12 @@ def _affine_name(kw: dict[str, Any]) -> str:
 
 
 def _adjoint_norms() -> tuple[str, ...]:
-    try:
-        return tuple(importlib.import_module(LOCAL).ADJOINT_NORMS)
-    except (ImportError, AttributeError):
-        return ("inf",)
+    for mod in ("lsa_models.engine.sweep", LOCAL):
+        try:
+            return tuple(importlib.import_module(mod).ADJOINT_NORMS)
+        except (ImportError, AttributeError):
+            continue
+    return ("inf",)
 
 
 def _sweep_name(args: tuple[Any, ...], kw: dict[str, Any]) -> str:
@@ -57,19 +62,43 @@ def _upper(lj: Any) -> float | None:
     return _finite(lj.upper())
 
 
-# (module, attribute, route name from the call's (args, kwargs), value from the result)
+def _global_upper(r: Any) -> float | None:
+    return _finite(r.upper)
+
+
+def _sweep_radius(r: Any) -> float | None:
+    return _finite(r[0])
+
+
+def _named(route: str) -> Callable[[tuple[Any, ...], dict[str, Any]], str]:
+    return lambda a, k: route
+
+
+# the route tables of routes.py: (module, table, value from the result by route name; None:
+# the sweep's, named by the call). Each entry's callable is wrapped under its route's name.
+TABLES: tuple[tuple[str, str, dict[str, Callable[[Any], float | None]] | None], ...] = (
+    (ROUTES, "LOCAL_ROUTES", {"global": _global_upper, "enclosure": _upper,
+                              "adjoint": _finite, "tangent": _finite}),
+    (ROUTES, "AFFINE_STAGES", {"affine": _lows, "affine-quad": _lows, "affine-eig": _lows}),
+    (ROUTES, "SWEEP_PASSES", None),
+)
+
+# (module, attribute, route name from the call's (args, kwargs), value from the result): the
+# radius search's affine walks, the attacks, and earlier revisions' route functions (before
+# routes.py; skipped where absent, so their records keep their numbers)
 Namer = Callable[[tuple[Any, ...], dict[str, Any]], str]
 TARGETS: tuple[tuple[str, str, Namer, Callable[[Any], float | None]], ...] = (
-    (LOCAL, "_global", lambda a, k: "global", lambda r: _finite(r.upper)),
+    (RADIUS_SEARCH, "affine_radius", lambda a, k: _affine_name(k), lambda r: _finite(r[0])),
+    (LOCAL, "_global", lambda a, k: "global", _global_upper),
     (LOCAL, "local_jacobian", lambda a, k: "enclosure", _upper),
     (LOCAL, "_ball_candidate", lambda a, k: "ball", _finite),
     (LOCAL, "_adjoint_candidate", lambda a, k: "adjoint", _finite),
     (LOCAL, "_tangent_candidate", lambda a, k: "tangent", _finite),
     (LOCAL, "affine_radius", lambda a, k: _affine_name(k), lambda r: _finite(r[0])),
-    (LOCAL, "_sweep", _sweep_name, lambda r: _finite(r[0])),
+    (LOCAL, "_sweep", _sweep_name, _sweep_radius),
     (LOCAL, "attack_radius", lambda a, k: "attack", _finite),
     (AT_RADIUS, "margin_lower_bounds", lambda a, k: _affine_name(k), _lows),
-    (AT_RADIUS, "_sweep", _sweep_name, lambda r: _finite(r[0])),
+    (AT_RADIUS, "_sweep", _sweep_name, _sweep_radius),
     (AT_RADIUS, "attack_at", lambda a, k: "attack", lambda r: None if r is None else 1.0),
 )
 # the local constant's optional routes, run directly where certify_local's own test skipped
@@ -117,8 +146,30 @@ class Recorder:
             return out
         return wrapper
 
+    def _wrap_table(self, mod: Any, attr: str,
+                    values: dict[str, Callable[[Any], float | None]] | None) -> None:
+        """The table's routes with their callables wrapped, the table kept to restore."""
+        table = getattr(mod, attr, None)
+        if table is None:
+            return
+        self.originals[(mod.__name__, attr)] = table
+        wrapped = []
+        for r in table:
+            if values is None:
+                namer, value = _sweep_name, _sweep_radius
+            else:
+                namer, value = _named(r.name), values[r.name]
+            wrapped.append(replace(r, run=self.wrap(r.run, namer, value)))
+        setattr(mod, attr, tuple(wrapped))
+
     @contextmanager
     def patched(self) -> Iterator[Recorder]:
+        for mod_name, attr, values in TABLES:
+            try:
+                mod = importlib.import_module(mod_name)
+            except ImportError:
+                continue
+            self._wrap_table(mod, attr, values)
         for mod_name, attr, name, value in TARGETS:
             try:
                 mod = importlib.import_module(mod_name)
@@ -139,10 +190,8 @@ class Recorder:
     def force(self, route: str, *args: Any) -> None:
         """Runs the local constant's optional `route` directly (its function as the engine
         has it), recorded as forced."""
-        attr = {"adjoint": "_adjoint_candidate", "tangent": "_tangent_candidate"}[route]
-        try:
-            fn = getattr(importlib.import_module(LOCAL), attr)
-        except (ImportError, AttributeError):
+        fn = _local_route(route)
+        if fn is None:
             return
         t0, c0 = time.perf_counter(), time.process_time()
         err = None
@@ -152,6 +201,22 @@ class Recorder:
             v, err = None, f"{type(exc).__name__}: {exc}"[:200]
         self.calls.append(Call(route, v, time.perf_counter() - t0, time.process_time() - c0,
                                error=err, forced=True))
+
+
+def _local_route(route: str) -> Callable[..., Any] | None:
+    """The local constant's route `route` as the engine has it: routes.py's table, or the
+    function of local.py before it."""
+    try:
+        for r in importlib.import_module(ROUTES).LOCAL_ROUTES:
+            if r.name == route:
+                return r  # type: ignore[no-any-return]
+    except (ImportError, AttributeError):
+        pass
+    attr = {"adjoint": "_adjoint_candidate", "tangent": "_tangent_candidate"}[route]
+    try:
+        return getattr(importlib.import_module(LOCAL), attr)  # type: ignore[no-any-return]
+    except (ImportError, AttributeError):
+        return None
 
 
 def record_calls(fn: Callable[..., Any], *args: Any, **kw: Any) -> tuple[Any, list[Call]]:

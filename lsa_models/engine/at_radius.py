@@ -33,22 +33,14 @@ import torch
 
 from ..empirical.local import attack_at
 from ..onnx.loading import OnnxModel
+from . import routes
 from .budget import Budget, check_time_budget
-from .driver import Centre, center_sha256, check_center, margin_lower_bounds
-from .local import (
-    ADJOINT_NORMS,
-    EIG_NORMS,
-    EIG_WALK_COST,
-    QUAD_WALK_COST,
-    SWEEP_CAP_TOL,
-    _has_attention,
-    _sweep,
-    as_onnx,
-    centre_margins,
-    first_order_radius,
-    second_order,
-)
-from .values import LocalNotCertified
+from .driver import Centre, center_sha256, check_center
+from .local import as_onnx, centre_margins
+from .radius_search import first_order_radius
+from .route_errors import NOT_APPLICABLE
+from .routes import Route
+from .sweep import SWEEP_CAP_TOL
 
 Status = Literal["certified", "attacked", "unknown", "misclassified"]
 STATUSES: tuple[Status, ...] = ("certified", "attacked", "unknown", "misclassified")
@@ -82,17 +74,6 @@ class Verdict:
     stopped_by_budget: bool = False  # unknown because the time budget ran out
 
 
-def _affine_stages(om: OnnxModel, x: np.ndarray, norm: str) -> list[tuple[str, bool, bool]]:
-    """(name, quad, eig) of the affine walks to try, cheapest first (local.affine_route's
-    stages)."""
-    stages = [("affine", False, False)]
-    if second_order(om, x, norm):
-        stages.append(("affine (second order)", True, False))
-        if norm in EIG_NORMS:
-            stages.append(("affine (eigenvalues)", True, True))
-    return stages
-
-
 # the last plain walk's seconds on a graph (held with it, so its id is not reused): a set's
 # next input predicts its first walk from it under a time budget (a prediction only)
 _PLAIN_WALK_S: dict[int, tuple[OnnxModel, float]] = {}
@@ -100,30 +81,28 @@ _PLAIN_WALK_LOCK = threading.Lock()
 
 
 def _affine(om: OnnxModel, x: np.ndarray, norm: str, label: int, radius: float, ctr: Centre,
-            stages: list[tuple[str, bool, bool]], budget: Budget
-            ) -> tuple[str | None, float | None, int]:
+            stages: list[Route], budget: Budget) -> tuple[str | None, float | None, int]:
     """(the stage that certified or None, the last smallest margin lower bound, walks); the
     budget looked at before each walk."""
     low_min: float | None = None
     walks = 0
     hit = _PLAIN_WALK_S.get(id(om))
-    if stages and not stages[0][1] and budget.last == 0.0 and hit is not None \
+    if stages and not stages[0].options and budget.last == 0.0 and hit is not None \
             and hit[0] is om:
         # the plain walk's time on this graph before (a set's earlier input): its cost
         budget.last = hit[1]
-    for name, quad, eig in stages:
+    for stage in stages:
         # its time predicted from the last walk's (the plain one's before the attack)
-        if budget.out(f"the {name} walk", budget.last * (
-                EIG_WALK_COST if eig else QUAD_WALK_COST if quad else 1.0)):
+        if budget.out(f"the {stage.label} walk", budget.last * stage.time_factor):
             break
         walks += 1
         began = budget.clock()
         try:
-            low = margin_lower_bounds(om, x, radius, norm, label, ctr, quad=quad, eig=eig)
-        except (LocalNotCertified, FloatingPointError, ValueError):
+            low = stage(om, x, radius, norm, label, ctr)
+        except NOT_APPLICABLE:
             low = None
         budget.lap(began)
-        if not quad:
+        if not stage.options:
             with _PLAIN_WALK_LOCK:
                 _PLAIN_WALK_S.clear()  # one graph at a time (a set's)
                 _PLAIN_WALK_S[id(om)] = (om, budget.last)
@@ -132,7 +111,7 @@ def _affine(om: OnnxModel, x: np.ndarray, norm: str, label: int, radius: float, 
         v = min(low.values())
         low_min = v if math.isfinite(v) else None
         if low_min is not None and low_min > 0:
-            return name, low_min, walks
+            return stage.label, low_min, walks
     return None, low_min, walks
 
 
@@ -194,7 +173,7 @@ def decide(model: Any, at: np.ndarray, label: int, norm: str, radius: float, *,
     # cheapest first: the plain walk, the attack's runs from the centre (where most flips
     # are found), the costlier walks, the attack's random restarts, then the sweep
     ctr = Centre(om, x)
-    stages = _affine_stages(om, x, norm)
+    stages = routes.affine_stages(om, x, norm)
     low: float | None = None
     walks = 0
     for part, first in ((stages[:1], 0), (stages[1:], 1)):
@@ -225,20 +204,13 @@ def decide(model: Any, at: np.ndarray, label: int, norm: str, radius: float, *,
 
 def _sweep_to(om: OnnxModel, x: np.ndarray, norm: str, label: int, margins: dict[int, float],
               radius: float, budget: Budget) -> tuple[float, int]:
-    """(the radius the sweep certified, its engine runs): the sweep as in `robustness`, with
-    the radius as its floor (its probe gives up where it cannot pass it) and, divided by
-    1 - SWEEP_CAP_TOL, as its cap (it stops once it reaches the radius)."""
-    cap = radius / (1 - SWEEP_CAP_TOL)
-    one = norm in ADJOINT_NORMS and not _has_attention(om)
-    cut: list[bool] = []
-    best, runs, _ = _sweep(om, x, norm, label, margins, SWEEP_STEPS, floor=radius,
-                           adjoint=one, cap=cap, cut=cut, budget=budget)
-    if best < radius and norm in ADJOINT_NORMS and not one and not cut \
-            and not budget.out("the adjoint graph's sweep"):
-        # the adjoint graph's constants too, as in `robustness`'s second pass
-        best2, runs2, _ = _sweep(om, x, norm, label, margins, SWEEP_STEPS, floor=radius,
-                                 cap=cap, budget=budget)
-        best, runs = max(best, best2), runs + runs2
+    """(the radius the sweep certified, its engine runs): the sweep's passes as in
+    `robustness` (routes.sweep_passes), with the radius as their floor (the probe gives up
+    where it cannot pass it) and, divided by 1 - SWEEP_CAP_TOL, as their cap (they stop once
+    they reach the radius)."""
+    best, runs, _ = routes.sweep_passes(om, x, norm, label, margins, SWEEP_STEPS, radius,
+                                        radius / (1 - SWEEP_CAP_TOL), budget,
+                                        lambda best: radius if best < radius else None)
     return best, runs
 
 

@@ -23,7 +23,7 @@ import torch
 from ..bounds.numerics import U
 from ..onnx.ops import Node, decimal_attr
 from . import affine
-from .affine import Aff
+from .affine import Aff, _up, reference, rough_lin
 from .affine_rules import (
     FLOAT_TYPES,
     LAYOUT,
@@ -34,6 +34,9 @@ from .affine_rules import (
 from .fused import scalar
 from .rules import _abs_node, linear_consts, run_tangents
 from .values import Ball, gamma
+
+# entries of one block of `weighted_sums`' products (~2 MB, as affine_rules' row blocks)
+_BLOCK = 1 << 18
 
 # ops a tail may hold: linear in their one input-dependent operand
 _TAIL_LINEAR = ("ReduceMean", "ReduceSum", "Gemm", "MatMul", "Mul", "Div", "Add", "Sub", "Neg")
@@ -257,11 +260,10 @@ def margins(nodes: list[Node], output: str, env: dict[str, torch.Tensor], ball: 
     c = out.c.reshape(k)
     m = out.m.reshape(k)
     res: dict[int, float] = {}
-    for j in range(k):
-        if j == label:
-            continue
-        w = (a_hat[label] - a_hat[j]).reshape(shape) * gam  # C_ti gamma_i
-        s = weighted_sum(u, w, ball)  # (..., T, 1): s_t = sum_i w_ti u_ti
+    others = [j for j in range(k) if j != label]
+    ws = [(a_hat[label] - a_hat[j]).reshape(shape) * gam for j in others]  # C_ti gamma_i
+    sums = weighted_sums(u, ws, ball)  # (..., T, 1) each: s_t = sum_i w_ti u_ti
+    for j, w, s in zip(others, ws, sums, strict=True):
         ch = product(s, r, ball, matmul=False)  # s_t r_t - s0_t r0_t
         lo = affine.dev_low(_combine_all(ch, ball), ball)  # summed over the tokens
         # the coefficients used, W = fl(fl(a_l - a_j) gamma), against the exact C gamma:
@@ -280,6 +282,46 @@ def margins(nodes: list[Node], output: str, env: dict[str, torch.Tensor], ball: 
             if alt is not None and alt > res[j]:
                 res[j] = alt
     return res
+
+
+def weighted_sums(x: Aff, ws: list[np.ndarray], ball: Ball) -> list[Aff]:
+    """[affine_rules.weighted_sum(x, w, ball) for w in ws], the same numbers, in one pass:
+    the weights (each of x's shape) stacked, every elementwise term and every sum over the
+    last axis computed as weighted_sum computes it for one w (the same operations per
+    entry), the coefficients token row by token row for all the weights at once (each
+    reads x.a's row once, not once per margin); a row every weight leaves out (a margin
+    that reads one token) is 0 without its products."""
+    shape = x.shape
+    if not ws or reference() or x.a.ndim < 3 or any(w.shape != shape for w in ws):
+        return [weighted_sum(x, w, ball) for w in ws]
+    n, q = shape[-1], x.a.shape[-1]
+    g = gamma(n + 2)
+    wk = np.stack(ws)  # (K, *S)
+    aw = np.abs(wk)
+    o = (wk * x.o).sum(axis=-1, keepdims=True)
+    spread = x.b + g * (np.abs(x.o) + rough_lin(x, ball))
+    b = _up((aw * spread).sum(axis=-1, keepdims=True) + g * np.abs(o), n + 4)
+    c = (wk * x.c).sum(axis=-1, keepdims=True)
+    m = _up((aw * (x.m + g * np.abs(x.c))).sum(axis=-1, keepdims=True) + g * np.abs(c),
+            n + 4) + affine.TINY
+    a = _stacked_cols(wk.reshape(len(ws), -1, n), x.a.reshape(-1, n, q))
+    a = a.reshape(len(ws), *shape[:-1], 1, q)
+    return [Aff(c[i], m[i], o[i], a[i], b[i]) for i in range(len(ws))]
+
+
+def _stacked_cols(wk: np.ndarray, a: np.ndarray) -> np.ndarray:
+    """(wk[:, r, :, None] * a[r]).sum(axis=-2) for every row r, (K, R, Q), for weights wk (K,
+    R, n) and coefficients a (R, n, Q): each sum runs down the n axis as `weighted_sum`'s
+    (affine_rules._weighted_cols) does; rows whose weights are all 0 are left 0."""
+    k, rows, n = wk.shape
+    q = a.shape[-1]
+    out = np.zeros((k, rows, q))
+    live = np.flatnonzero(np.any(wk != 0, axis=(0, 2)))
+    step = max(1, _BLOCK // max(1, n * q))
+    for r in live:
+        for j in range(0, k, step):
+            out[j:j + step, r] = (wk[j:j + step, r, :, None] * a[r]).sum(axis=-2)
+    return out
 
 
 def _one_token(w: np.ndarray, err: np.ndarray) -> int | None:

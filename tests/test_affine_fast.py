@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lsa_models.engine import affine, affine_rules
+from lsa_models.engine import affine, affine_linear, affine_products
 from lsa_models.engine.affine import Aff
 from lsa_models.engine.driver import margin_lower_bounds
 from lsa_models.engine.values import Ball
@@ -75,9 +75,9 @@ def test_sum_cols_is_the_sum_of_the_widened_arrays(seed: int, wu: int, wv: int, 
     u = rng.standard_normal((3, 4, wu))
     v = rng.standard_normal((1 if bcast else 3, 4, wv))
     n = max(wu, wv) + extra
-    fast = affine_rules._sum_cols(u, v, n, sub)
+    fast = affine_products._sum_cols(u, v, n, sub)
     with _reference(True):
-        ref = affine_rules._sum_cols(u, v, n, sub)
+        ref = affine_products._sum_cols(u, v, n, sub)
     _same(fast, ref)
 
 
@@ -149,9 +149,9 @@ def test_weighted_sum_by_blocks_is_the_whole_sum(seed: int, tokens: int, d: int,
     rng = np.random.default_rng(seed)
     a = rng.standard_normal((1, tokens, d, q))
     w = rng.standard_normal((1, 1 if bcast else tokens, d))
-    fast = affine_rules._weighted_cols(w, a)
+    fast = affine_linear._weighted_cols(w, a)
     with _reference(True):
-        ref = affine_rules._weighted_cols(w, a)
+        ref = affine_linear._weighted_cols(w, a)
     _same(fast, ref)
 
 
@@ -177,9 +177,9 @@ def test_lin_of_a_sum_by_blocks_is_lin_of_the_whole_sum(seed: int, rows: int, wu
             g1 = min(n, p + 40)
             w = rng.random(g1 - p) + 0.1
             affine.GROUPS.get().append((p, g1, w))  # type: ignore[union-attr]
-        fast = affine_rules._lin_of_sum(u, v, n, sub, ball)
+        fast = affine_products._lin_of_sum(u, v, n, sub, ball)
         with _reference(True):
-            ref = affine_rules._lin_of_sum(u, v, n, sub, ball)
+            ref = affine_products._lin_of_sum(u, v, n, sub, ball)
     _same(fast, ref)
 
 
@@ -198,7 +198,7 @@ def test_fast_walk_gives_the_reference_margins_and_holds_against_pgd(
     f = om.module.with_dtype(torch.float64)
     label = int(f(torch.from_numpy(x0)).reshape(-1).argmax())
     taken = {"layout": 0, "additive": 0}
-    one, add = affine_rules._layout_one, affine_rules._additive
+    one, add = affine_linear._layout_one, affine_linear._additive
 
     def spy_layout(*a, **k):  # type: ignore[no-untyped-def]
         out = one(*a, **k)
@@ -209,8 +209,8 @@ def test_fast_walk_gives_the_reference_margins_and_holds_against_pgd(
         out = add(*a, **k)
         taken["additive"] += out is not None
         return out
-    monkeypatch.setattr(affine_rules, "_layout_one", spy_layout)
-    monkeypatch.setattr(affine_rules, "_additive", spy_add)
+    monkeypatch.setattr(affine_linear, "_layout_one", spy_layout)
+    monkeypatch.setattr(affine_linear, "_additive", spy_add)
     for norm, eps, stages in (("inf", 0.01, ((False, False), (True, False))),
                               ("2", 0.1, ((False, False), (True, True)))):
         for quad, eig in stages:

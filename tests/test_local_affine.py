@@ -18,7 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lsa_models.engine import affine, affine_rules, fused
+from lsa_models.engine import affine, affine_elementwise, affine_linear, affine_rules, fused
 from lsa_models.engine.affine import Aff
 from lsa_models.engine.driver import _chains, margin_lower_bounds
 from lsa_models.engine.values import Ball, box_to_two, dual_row_norms
@@ -129,7 +129,7 @@ def test_affine_elementwise_encloses_every_functional(seed: int, eps: float, nor
         src, g = _source(rng, (2, 3), ball)
         fn, tfn, positive = _FNS[kind]
         if positive:  # 2 + tanh(...) > 0
-            src = affine_rules._shift(src, np.asarray(2.0))
+            src = affine_linear._shift(src, np.asarray(2.0))
             g0 = g
             g = lambda d: 2.0 + g0(d)  # noqa: E731
         try:
@@ -202,7 +202,7 @@ def softmax_then_matmul(rng: np.random.Generator, ball: Ball, scale: float,
     """Softmax of tanh logits, then its product with a value matrix, each checked."""
     z, fz = _source(rng, (2, 4), ball)
     wz = rng.standard_normal((2, 4)) * scale  # logits = wz * tanh(...) * 3
-    logits = affine_rules._scale_const(z, 3 * wz, 3 * wz * z.c, np.zeros((2, 4)), ball)
+    logits = affine_linear._scale_const(z, 3 * wz, 3 * wz * z.c, np.zeros((2, 4)), ball)
     pc = torch.softmax(torch.from_numpy(logits.c), -1).numpy()
     try:
         p = affine_rules.softmax(logits, -1, pc, ball, None, None)
@@ -232,7 +232,7 @@ def layernorm_case(rng: np.random.Generator, ball: Ball, scale: float, ln_eps: f
                    check: Check) -> None:
     """LayerNorm of scaled tanh values, checked."""
     x, fx = _source(rng, (2, 6), ball, 1.0)
-    x = affine_rules._scale_const(x, np.asarray(scale), scale * x.c, np.zeros((2, 6)), ball)
+    x = affine_linear._scale_const(x, np.asarray(scale), scale * x.c, np.zeros((2, 6)), ball)
     gam, beta = rng.standard_normal(6), rng.standard_normal(6)
     tl = torch.nn.functional.layer_norm
     tg, tb = torch.from_numpy(gam), torch.from_numpy(beta)
@@ -381,7 +381,7 @@ def test_affine_token_radius_holds_on_the_ball(seed: int, eps: float, norm: str)
 @given(seed=st.integers(0, 10**6), which=st.sampled_from(["exp", "rsqrt", "reciprocal",
                                                          "square", "relu"]))
 def test_chord_candidate_encloses_the_convex_remainder(seed: int, which: str) -> None:
-    """affine_rules._chord: for f convex on [lo, hi] and the true centre t0 in
+    """affine_elementwise._chord: for f convex on [lo, hi] and the true centre t0 in
     [tlo, thi], f(t) - f(t0) - lam (t - t0) lies in shift +- err at dense points t and t0
     (the grid of tangent lines is coarser than this check); 0.3x of err fails it."""
     rng = np.random.default_rng(seed)
@@ -395,7 +395,7 @@ def test_chord_candidate_encloses_the_convex_remainder(seed: int, which: str) ->
     hi = lo + rng.uniform(1e-3, 3.0, 6)
     tc = lo + (hi - lo) * rng.uniform(0.2, 0.8, 6)
     tlo, thi = tc - 1e-9 * np.abs(tc), tc + 1e-9 * np.abs(tc)
-    lam, shift, err = affine_rules._chord(fn, lo, hi, tlo, thi, np.ones(6, dtype=bool))
+    lam, shift, err = affine_elementwise._chord(fn, lo, hi, tlo, thi, np.ones(6, dtype=bool))
     assert np.all(np.isfinite(err))
     t = lo[:, None] + (hi - lo)[:, None] * np.linspace(0, 1, 2001)  # (6, 2001)
     for t0 in (tlo, thi, tc):

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from lsa_models.engine import affine_rules, deferred, margins
+from lsa_models.engine import affine, affine_rules, deferred, margins
 from lsa_models.engine.driver import Centre, margin_lower_bounds
 from lsa_models.engine.values import Ball
 from lsa_models.onnx import load_onnx
@@ -168,7 +168,7 @@ def test_signed_margin_is_below_the_margin_everywhere_on_the_ball(
         return wt @ uu * torch.rsqrt(uu @ uu / dd + ln_eps)
 
     m0 = float(margin(torch.zeros(p, dtype=torch.float64)))
-    a_s = (w.reshape(dd, 1) * affine_rules._cols(u.a, p).reshape(dd, -1)[:, :p]).sum(0)
+    a_s = (w.reshape(dd, 1) * affine._cols(u.a, p).reshape(dd, -1)[:, :p]).sum(0)
     pts = [torch.from_numpy(d) for d in _points(rng, ball, [a_s])]
     for start in pts[:3]:  # projected descent on m from a few of them
         d = start.clone()

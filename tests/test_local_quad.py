@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from bench.local_models import build, center, export
 from lsa_models.empirical.local import local_lower_bound
-from lsa_models.engine import affine, affine_rules, local_jacobian
+from lsa_models.engine import affine, affine_products, affine_rules, local_jacobian
 from lsa_models.engine.affine import Aff, quad_size
 from lsa_models.engine.driver import _chains, margin_lower_bounds
 from lsa_models.engine.local import robustness
@@ -316,7 +316,7 @@ def test_quad_lockstep_tightens_the_two_ball(transformers: dict) -> None:
        kind=st.sampled_from(["mul", "broadcast", "matmul"]), q=st.integers(0, 12))
 def test_cross_budget_bounds_the_sum_of_the_cross_terms(seed: int, eps: float, norm: str,
                                                         kind: str, q: int) -> None:
-    """The l1 budget a product records for its cross terms (affine_rules._cross_budget) is
+    """The l1 budget a product records for its cross terms (affine_products._cross_budget) is
     at least sum_i |Ix_i Sy_i + Sx_i Iy_i + Sx_i Sy_i| at points of the ball (extreme points
     of the input parts' largest directions, random corners, sphere points) with the noise
     symbols at corners of their box and the second-order ones at their values."""
@@ -336,7 +336,7 @@ def test_cross_budget_bounds_the_sum_of_the_cross_terms(seed: int, eps: float, n
         x, y = form(shapes[0]), form(shapes[1])
         lix, lsx = affine.split_lin(x, ball)
         liy, lsy = affine.split_lin(y, ball)
-        budget = affine_rules._cross_budget(x, y, lix, liy, lsx, lsy, ball, kind == "matmul")
+        budget = affine_products._cross_budget(x, y, lix, liy, lsx, lsy, ball, kind == "matmul")
     mul = np.matmul if kind == "matmul" else np.multiply
     dirs = [rng.standard_normal(P) for _ in range(2)] + \
         [np.linalg.svd(f.a[..., :P].reshape(-1, P))[2][0] for f in (x, y)]
@@ -551,7 +551,7 @@ def test_triu_pack_sym_is_the_upper_triangle_of_the_symmetrised_matrix() -> None
        eps=st.floats(1e-3, 1.0))
 def test_quadratic_on_the_two_ball_solves_each_entry_on_its_support(
         seed: int, tokens: int, width: int, eps: float) -> None:
-    """A MatMul's quadratic form on the 2-ball (affine_rules._quadratic) whose rows read one
+    """A MatMul's quadratic form on the 2-ball (affine_products._quadratic) whose rows read one
     token's inputs each (q k^T after a per-token LayerNorm: entry (i, k) reads tokens i and
     k) gets, entry by entry, the enclosure of its full P x P matrix's extreme eigenvalues:
     solving each support's block only changes no number beyond rounding, and
@@ -569,7 +569,7 @@ def test_quadratic_on_the_two_ball_solves_each_entry_on_its_support(
         uy[:, :, :] = rng.standard_normal((k, n, p))  # a full support too
     ball = Ball(np.zeros(p), eps, "2")
     bound = np.abs(ux).sum(-1) @ np.abs(uy).sum(-1) * eps * eps
-    got = affine_rules._quadratic(ux, uy, ball, bound)
+    got = affine_products._quadratic(ux, uy, ball, bound)
     assert got is not None
     lo, hi = got
     m = np.einsum("ijp,jkq->ikpq", ux, uy)

@@ -119,3 +119,25 @@ def test_the_adjoint_route_gives_no_number_where_a_node_has_no_rule(
     monkeypatch.setattr(constant_routes, "AdjointGraph", _raise(KeyError("a fault")))
     with pytest.raises(KeyError):
         constant_routes.adjoint_bound(om, x0, 1e-2, "inf")
+
+
+def test_output_size_reads_a_graph_without_a_batch_axis(tmp_path: Path) -> None:
+    """A graph whose input is (N, D) (no batch axis): the output's size at x is the graph's
+    output at x, not the module's forward over x's rows as a batch."""
+    class Transposed(nn.Module):  # reads both axes: a row at a time it cannot run
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x).transpose(0, 1)
+
+    torch.manual_seed(0)
+    model = Transposed().eval()
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
+    path = tmp_path / "rank2.onnx"
+    torch.onnx.export(model, (x,), str(path), dynamo=False, opset_version=17,
+                      input_names=["x"], output_names=["y"])
+    om = load_onnx(path.read_bytes(), "rank2.onnx", LoadOptions(check_ort=False))
+    assert om.spec.rank == 2
+    assert constant_routes.output_size(om, x.double().numpy()) == 15

@@ -87,9 +87,13 @@ ADJOINT_MAX_ROWS = 32
 
 
 def output_size(om: OnnxModel, x: np.ndarray) -> int:
-    """The number of output entries at x (the adjoint graphs' weight vectors' size)."""
+    """The number of output entries at x (the adjoint graphs' weight vectors' size): the
+    graph run once on x as its input (x has the graph input's shape; the module's forward
+    would read the first axis of a graph without a batch axis as a batch)."""
+    out = om.spec.output_name
     with torch.no_grad():
-        return int(om.module.with_dtype(torch.float64)(torch.from_numpy(x)).numel())
+        env = om.module.with_dtype(torch.float64).run_env(torch.from_numpy(x), stop=out)
+    return int(env[out].numel())
 
 
 def adjoint_bound(om: OnnxModel, x: np.ndarray, eps: float, norm: str) -> float | None:

@@ -87,12 +87,6 @@ class DPAttention(Layer):
     # rotations' norm is folded into `scale`
     rotary: bool = False
 
-    @property
-    def plain(self) -> bool:
-        """Neither replaced logits nor rotations: the centre-based ball rules
-        (docs/local-layer-graph.md) are derived for this form only."""
-        return not (self.replaced or self.rotary)
-
 
 @dataclass
 class L2Attention(Layer):

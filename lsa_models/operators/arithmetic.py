@@ -40,7 +40,7 @@ def near_far(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 @dataclass(frozen=True)
 class Relaxation:
-    """f, f' and f'' at float64 points for the affine relaxation (engine/affine_rules.py),
+    """f, f' and f'' at float64 points for the affine relaxation (engine/affine_elementwise.py),
     each monotone on the open interval `domain`, so their ranges are their end values (the
     caller pads them). `value`: f's range where f is not monotone (x^2: from |x|'s nearest
     and farthest value); `exact_d2`: f'' is a constant, taken exactly (not padded)."""

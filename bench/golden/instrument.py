@@ -155,6 +155,8 @@ class Recorder:
         self.originals[(mod.__name__, attr)] = table
         wrapped = []
         for r in table:
+            namer: Namer
+            value: Callable[[Any], float | None]
             if values is None:
                 namer, value = _sweep_name, _sweep_radius
             else:

@@ -28,7 +28,6 @@ from ..bounds.numerics import (
     spectral_norm_upper,
 )
 from ..onnx.loading import OnnxModel
-from . import forward_error
 from .centre import Centre, center_sha256, check_center, check_eps, graph_input_shape
 from .jacobian_walk import CHECKPOINTS, MAX_JACOBIAN_ENTRIES, chain_consts, fused_chains, walk
 from .margins import margin_lower_bounds
@@ -36,14 +35,10 @@ from .rules import exact
 from .structured import Structured
 from .telescope import Telescope, adjoint_rows
 from .values import (
-    FORWARD_MARGIN,
-    MARGIN,
-    PROVEN,
     Ball,
     LocalNotCertified,
     LocalValue,
     Values,
-    array_key,
     widen_up,
 )
 
@@ -136,25 +131,11 @@ def local_jacobian(model: OnnxModel, x0: np.ndarray, eps: float, norm: str,
     if x.size * x.size > MAX_JACOBIAN_ENTRIES:
         raise LocalNotCertified(f"the input has {x.size} entries: its Jacobian enclosure would "
                                 f"exceed {MAX_JACOBIAN_ENTRIES} entries per tensor")
-    module = model.module.with_dtype(torch.float64)
-    with torch.no_grad():
-        env = module.run_env(torch.from_numpy(x))
-    # the forward margin, proven a posteriori (forward_error.py)
-    errors: dict[str, np.ndarray] = {}
-    proven, detail = forward_error.check(list(module.runtime_nodes),  # type: ignore[arg-type]
-                                         model.spec.input_name, x, env, errors)
-    token = MARGIN.set(FORWARD_MARGIN if proven is None else proven)
-    # the graph tensors' own proven errors (entrywise: no per-tensor floor)
-    known: dict = {} if proven is None else {array_key(env[n].detach().numpy()): (None, e)
-                                             for n, e in errors.items() if n in env}
-    token_p = PROVEN.set(known)
-    try:
-        return _enclose_all(model, module, env, x, float(eps), norm, telescope, margins_of,
-                            proven is not None, detail,
+    # the forward margin, proven a posteriori (forward_error.py), set for the walks
+    with Centre(model, x) as ctr:
+        return _enclose_all(model, ctr.module, ctr.env, x, float(eps), norm, telescope,
+                            margins_of, ctr.proven is not None, ctr.detail,
                             HALVINGS if halvings is None else halvings, whole, quad)
-    finally:
-        PROVEN.reset(token_p)
-        MARGIN.reset(token)
 
 
 def _enclose_all(model: OnnxModel, module: torch.nn.Module, env: dict[str, torch.Tensor],

@@ -57,8 +57,7 @@ def integrated(v: LocalValue, h: LocalValue | np.ndarray | None, ball: Ball) -> 
     rad = widen_up(ball.eps * rows, 2) + center_margin(v.center)
     lo = np.minimum(np.maximum(v.lo, v.center - rad), v.center)
     hi = np.maximum(np.minimum(v.hi, v.center + rad), v.center)
-    out = LocalValue(v.center, lo, hi, v.jc, v.jr, v.term, v.parts, v.opnorm, v.jnorm,
-                     v.tok_rad, v.tok_jn, v.tok_true, v.second, nonlin=v.nonlin, jfac=v.jfac)
+    out = dataclasses.replace(v, lo=lo, hi=hi)  # every annotation kept
     integrated_tokens(out, h, ball)
     return out
 

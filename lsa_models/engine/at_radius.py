@@ -8,8 +8,9 @@ first, is in `decide`):
   misclassified: some margin f_label - f_j is not positive at the centre itself;
   certified:     the affine forms' margin lower bounds are positive on the whole ball
                  (plain walk, then with second-order symbols, then with the 2-ball's
-                 eigenvalue sizes: the three stages of `local.affine_route`), or else the
-                 radius sweep (margin constants integrated along the segment) reaches r;
+                 eigenvalue sizes: routes.AFFINE_STAGES, the stages `robustness` searches
+                 with), or else the radius sweep's passes (routes.sweep_passes: margin
+                 constants integrated along the segment) reach r;
   attacked:      PGD found a point of the ball whose largest output is not the label (the
                  point is returned: a counterexample, checked in float64);
   unknown:       neither (`reason` says why: the time budget, if one was given and ran out

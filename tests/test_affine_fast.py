@@ -244,3 +244,20 @@ def test_relu_mlp_walk_is_the_reference_walk_bit_for_bit(tmp_path: Path) -> None
             ref = margin_lower_bounds(om, x0, eps, norm, 0)
         assert fast is not None and ref is not None
         assert all(fast[j] == ref[j] for j in ref), (norm, eps, fast, ref)
+
+
+@settings(max_examples=at_most(40), deadline=None)
+@given(seed=st.integers(0, 10**6), lead=st.sampled_from([(), (1,), (3,), (2, 5)]),
+       n=st.integers(1, 300), zeros=st.floats(0.0, 0.9))
+def test_knapsack_in_one_buffer_is_the_formula_bit_for_bit(seed: int, lead: tuple[int, ...],
+                                                            n: int, zeros: float) -> None:
+    """affine.knapsack (its fractions in one buffer) against the formula it computes:
+    the items by c / w, the fractions clip((1 - (cumsum(w) - w)) / w, 0, 1)."""
+    rng = np.random.default_rng(seed)
+    c = np.abs(rng.standard_normal((*lead, n))) * (rng.random((*lead, n)) >= zeros)
+    w = rng.random(n) * 2.0 / n + 1e-3
+    order = np.argsort(-(c / w), axis=-1)
+    cs = np.take_along_axis(c, order, axis=-1)
+    ws = w[order]
+    frac = np.clip((1.0 - (np.cumsum(ws, axis=-1) - ws)) / ws, 0.0, 1.0)
+    _same(affine.knapsack(c, w), (cs * frac).sum(axis=-1) * (1 + 1e-10))

@@ -130,9 +130,16 @@ def knapsack(c: np.ndarray, w: np.ndarray) -> np.ndarray:
     order = np.argsort(-(c / w), axis=-1)
     cs = np.take_along_axis(c, order, axis=-1)
     ws = w[order]
-    before = np.cumsum(ws, axis=-1) - ws
-    frac = np.clip((1.0 - before) / ws, 0.0, 1.0)
-    return (cs * frac).sum(axis=-1) * (1 + 1e-10)
+    # frac = clip((1 - (cumsum(ws) - ws)) / ws, 0, 1), the same operations in one buffer
+    # (the temporaries were a fifth of the knapsack's time)
+    frac = np.cumsum(ws, axis=-1)
+    frac -= ws
+    np.subtract(1.0, frac, out=frac)
+    frac /= ws
+    np.minimum(frac, 1.0, out=frac)
+    np.maximum(frac, 0.0, out=frac)
+    frac *= cs
+    return frac.sum(axis=-1) * (1 + 1e-10)
 
 
 # rows x columns of one block of `abs_sum` (~2 MB: the wide forms' |a| as one temporary was

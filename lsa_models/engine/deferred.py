@@ -263,6 +263,7 @@ def margins(nodes: list[Node], output: str, env: dict[str, torch.Tensor], ball: 
     others = [j for j in range(k) if j != label]
     ws = [(a_hat[label] - a_hat[j]).reshape(shape) * gam for j in others]  # C_ti gamma_i
     sums = weighted_sums(u, ws, ball)  # (..., T, 1) each: s_t = sum_i w_ti u_ti
+    tokens: dict[int, tuple[Aff, Aff]] = {}
     for j, w, s in zip(others, ws, sums, strict=True):
         ch = product(s, r, ball, matmul=False)  # s_t r_t - s0_t r0_t
         lo = affine.dev_low(_combine_all(ch, ball), ball)  # summed over the tokens
@@ -277,8 +278,10 @@ def margins(nodes: list[Node], output: str, env: dict[str, torch.Tensor], ball: 
         res[j] = base + float(lo.reshape(-1)[0]) - slack - affine.TINY
         one = _one_token(w, (err[label] + err[j]).reshape(shape))
         if one is not None:
-            alt = signed_margin(_token(u, one), _token(r, one), _token_w(w, one),
-                                 base - slack, d, ln_eps, ball)
+            if one not in tokens:  # one form per token for all the margins: their sizes
+                tokens[one] = (_token(u, one), _token(r, one))  # are computed once (memo)
+            alt = signed_margin(*tokens[one], _token_w(w, one), base - slack, d, ln_eps,
+                                ball)
             if alt is not None and alt > res[j]:
                 res[j] = alt
     return res

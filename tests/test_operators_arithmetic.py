@@ -4,23 +4,29 @@ slopes, values and curvature at points of an interval inside the op's enclosures
 local engine's Jacobian enclosure (primitives.elementwise) holding the exact Jacobian at points
 of the ball in both norms, and the norm it certifies above the exact one; the affine relaxation
 holding the values; the derived graphs' g f'(x) equal to autograd's; ball arithmetic holding
-the float64 value. Domain violations and missing modes are refused by name."""
+the float64 value; a torch model of the family certified end to end. Domain violations and
+missing modes are refused by name."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
+import onnx
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from torch import nn
 
 from lsa_models.engine import affine, affine_rules
 from lsa_models.engine import primitives as pr
 from lsa_models.engine.forward_ball import PREC
+from lsa_models.engine.local import certify_local, robustness
 from lsa_models.engine.tangent import _Builder
 from lsa_models.engine.values import Ball, LocalNotCertified, enclose
+from lsa_models.onnx import load_onnx, load_onnx_model
 from lsa_models.operators import (
     ARITHMETIC,
     OPERATORS,
@@ -30,7 +36,9 @@ from lsa_models.operators import (
     make,
 )
 from lsa_models.operators.arithmetic import Arithmetic
-from tests.jacobians import ball_points
+from tests.jacobians import ball_points, jacobian_norm
+from tests.margins import boundary_point
+from tests.onnx_export import export_to
 
 CASES: list[tuple[str, dict[str, Any]]] = [
     ("Exp", {}), ("Sqrt", {}), ("Reciprocal", {}),
@@ -228,3 +236,53 @@ def test_domain_and_mode_refusals_are_named() -> None:
         _op(("Pow", {"exponent": 0.5})).value_range(np.ones(1), np.ones(1))
     with pytest.raises(ModeNotImplemented, match="Exp has no global Lipschitz rule"):
         _op(("Exp", {})).global_factor()
+
+
+class _Arithmetic(nn.Module):
+    """Exp, Sqrt, Reciprocal and Pow (3, -0.5) on values the ball keeps in their domains."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(11)
+        self.l1, self.l2 = nn.Linear(6, 8), nn.Linear(32, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.l1(x)
+        a = torch.sqrt(z * z + 1.0)
+        b = torch.reciprocal(1.0 + torch.exp(-z))
+        c = 0.1 * z.pow(3)
+        d = (z * z + 2.0).pow(-0.5)
+        return self.l2(torch.cat([a, b, c, d], dim=-1))
+
+
+@pytest.fixture(scope="module")
+def arithmetic_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[bytes, np.ndarray]:
+    x = torch.randn(1, 6, generator=torch.Generator().manual_seed(12))
+    path = tmp_path_factory.mktemp("arith") / "a.onnx"
+    return export_to(_Arithmetic(), x, path, False).read_bytes(), x.numpy().astype(np.float64)
+
+
+@pytest.mark.parametrize("norm", ["2", "inf"])
+def test_a_model_of_the_family_is_certified_above_exact_jacobians(
+        arithmetic_model: tuple[bytes, np.ndarray], norm: str) -> None:
+    """End to end (torch export, local engine): the certified local constant above the exact
+    Jacobian norms at points of the ball, and no label flip inside the certified radius."""
+    data, x0 = arithmetic_model
+    ops = {n.op_type for n in onnx.load_from_string(data).graph.node}
+    assert {"Exp", "Sqrt", "Reciprocal", "Pow"} <= ops
+    lm = load_onnx_model(data, "a.onnx", check_ort=False)
+    f = load_onnx(data).module.with_dtype(torch.float64)
+    rng = np.random.default_rng(13)
+    for eps in (1e-2, 0.2):
+        upper = certify_local(lm, x0, eps, norm).upper
+        assert upper is not None and math.isfinite(upper)
+        exact = [jacobian_norm(f, torch.from_numpy(x0 + boundary_point(rng, x0.shape, eps,
+                                                                         norm)), norm)
+                 for _ in range(12)]
+        assert max(exact) <= upper
+    label = int(f(torch.from_numpy(x0)).argmax())
+    r = robustness(lm, x0, label, norm, steps=6, attack_restarts=1).certified_radius
+    assert r > 0
+    for _ in range(64):
+        d = boundary_point(rng, x0.shape, r * (1 - 1e-9), norm)
+        assert int(f(torch.from_numpy(x0 + d)).argmax()) == label

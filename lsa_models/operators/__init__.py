@@ -1,7 +1,7 @@
 """lsa's operators: one class per op owning every bound mode, one registry (docs/operators.md).
 
 `activation.py` holds the elementwise activations, `arithmetic.py` Exp, Sqrt, Reciprocal and
-Pow; `registry.py` maps ONNX op types to classes; `base.py` the interface and
+Pow, `softmax.py` Softmax; `registry.py` maps ONNX op types to classes; `base.py` the interface and
 `ModeNotImplemented`.
 """
 
@@ -12,6 +12,7 @@ from .registry import (
     ARITHMETIC,
     ARITHMETIC_TYPES,
     FUSABLE_ACTIVATIONS,
+    NORMS,
     OPERATORS,
     activation,
     arithmetic,
@@ -21,5 +22,5 @@ from .registry import (
 )
 
 __all__ = ["ACTIVATIONS", "ACTIVATION_TYPES", "ARITHMETIC", "ARITHMETIC_TYPES",
-           "FUSABLE_ACTIVATIONS", "ModeNotImplemented", "OPERATORS", "Operator", "activation",
-           "arithmetic", "arithmetic_by_kind", "by_kind", "make"]
+           "FUSABLE_ACTIVATIONS", "ModeNotImplemented", "NORMS", "OPERATORS", "Operator",
+           "activation", "arithmetic", "arithmetic_by_kind", "by_kind", "make"]

@@ -50,6 +50,10 @@ class GraphBuilder(Protocol):
 
     def const(self, value: np.ndarray | float, hint: str = "c") -> str: ...
 
+    def ints(self, value: list[int], hint: str = "axes") -> str:
+        """An int64 constant (a reduction's axes)."""
+        ...
+
     def step(self, g: str, u: str) -> str:
         """g * H(u), H the step (u > 0): the derivative op of Relu."""
         ...

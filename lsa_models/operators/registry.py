@@ -12,6 +12,7 @@ from . import arithmetic as ar
 from .activation import Activation
 from .arithmetic import Arithmetic
 from .base import Operator
+from .softmax import Softmax
 
 ACTIVATIONS: dict[str, type[Activation]] = {
     "Relu": act.Relu,
@@ -35,7 +36,11 @@ ARITHMETIC: dict[str, type[Arithmetic]] = {
     "Pow": ar.Pow,
 }
 ARITHMETIC_TYPES: tuple[str, ...] = tuple(ARITHMETIC)
-OPERATORS: dict[str, type[Operator]] = {**ACTIVATIONS, **ARITHMETIC}
+# the row-wise normalisations (not elementwise: their rules read rows along an axis)
+NORMS: dict[str, type[Operator]] = {
+    "Softmax": Softmax,
+}
+OPERATORS: dict[str, type[Operator]] = {**ACTIVATIONS, **ARITHMETIC, **NORMS}
 _BY_KIND = {c.kind: t for t, c in ACTIVATIONS.items()}
 _ARITHMETIC_BY_KIND = {c.kind: t for t, c in ARITHMETIC.items()}
 
@@ -72,5 +77,5 @@ def by_kind(kind: str, attrs: Mapping[str, Any] | None = None) -> Activation | N
 
 
 __all__ = ["ACTIVATIONS", "ACTIVATION_TYPES", "ARITHMETIC", "ARITHMETIC_TYPES",
-           "FUSABLE_ACTIVATIONS", "OPERATORS", "activation", "arithmetic", "arithmetic_by_kind",
-           "by_kind", "make"]
+           "FUSABLE_ACTIVATIONS", "NORMS", "OPERATORS", "activation", "arithmetic",
+           "arithmetic_by_kind", "by_kind", "make"]

@@ -9,9 +9,14 @@ from typing import Any
 
 from . import activation as act
 from . import arithmetic as ar
+from . import conv as cv
+from . import layout as lo
+from . import linear as li
+from . import reduce as rd
 from .activation import Activation
 from .arithmetic import Arithmetic
 from .base import Operator
+from .linear import GlobalOperator
 from .softmax import Softmax
 
 ACTIVATIONS: dict[str, type[Activation]] = {
@@ -76,6 +81,30 @@ def by_kind(kind: str, attrs: Mapping[str, Any] | None = None) -> Activation | N
     return None if t is None else activation(t, attrs)
 
 
+# the linear maps, layouts and reductions: their evaluation and global mode (onnx/ops reads
+# them through `global_operator`)
+LINEAR_MAPS: dict[str, type[GlobalOperator]] = {
+    "MatMul": li.MatMul, "Gemm": li.Gemm, "Add": li.AddSub, "Sub": li.AddSub,
+    "Mul": li.MulDiv, "Div": li.MulDiv, "Neg": li.Neg,
+    "Conv": cv.Conv,
+    "Reshape": lo.Reshape, "Flatten": lo.Flatten, "Transpose": lo.Transpose,
+    "Squeeze": lo.Squeeze, "Unsqueeze": lo.Squeeze, "Identity": lo.Identity,
+    "Dropout": lo.Identity, "Cast": lo.Cast, "Slice": lo.Slice, "Gather": lo.Gather,
+    "GatherElements": lo.GatherElements, "Concat": lo.Concat, "Split": lo.Split,
+    "Expand": lo.Expand,
+    "ReduceMean": rd.Reduce, "ReduceSum": rd.Reduce, "ReduceMax": rd.Reduce,
+    "Where": rd.Where,
+}
+OPERATORS.update(LINEAR_MAPS)
+
+
+def global_operator(op_type: str, attrs: Mapping[str, Any] | None = None
+                    ) -> GlobalOperator | None:
+    """The linear map, layout or reduction op for a node; None: not one."""
+    cls = LINEAR_MAPS.get(op_type)
+    return None if cls is None else cls(op_type, attrs)
+
+
 __all__ = ["ACTIVATIONS", "ACTIVATION_TYPES", "ARITHMETIC", "ARITHMETIC_TYPES",
-           "FUSABLE_ACTIVATIONS", "NORMS", "OPERATORS", "activation", "arithmetic",
-           "arithmetic_by_kind", "by_kind", "make"]
+           "FUSABLE_ACTIVATIONS", "LINEAR_MAPS", "NORMS", "OPERATORS", "activation",
+           "arithmetic", "arithmetic_by_kind", "by_kind", "global_operator", "make"]

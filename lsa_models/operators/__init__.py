@@ -1,8 +1,8 @@
 """lsa's operators: one class per op owning every bound mode, one registry (docs/operators.md).
 
 `activation.py` holds the elementwise activations, `arithmetic.py` Exp, Sqrt, Reciprocal and
-Pow, `softmax.py` Softmax; `registry.py` maps ONNX op types to classes; `base.py` the interface and
-`ModeNotImplemented`.
+Pow, `softmax.py` Softmax, `normalization.py` LayerNormalization; `registry.py` maps ONNX op
+types to classes; `base.py` the interface and `ModeNotImplemented`.
 """
 
 from .base import ModeNotImplemented, Operator

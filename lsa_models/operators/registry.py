@@ -17,6 +17,7 @@ from .activation import Activation
 from .arithmetic import Arithmetic
 from .base import Operator
 from .linear import GlobalOperator
+from .normalization import LayerNormalization
 from .softmax import Softmax
 
 ACTIVATIONS: dict[str, type[Activation]] = {
@@ -44,6 +45,7 @@ ARITHMETIC_TYPES: tuple[str, ...] = tuple(ARITHMETIC)
 # the row-wise normalisations (not elementwise: their rules read rows along an axis)
 NORMS: dict[str, type[Operator]] = {
     "Softmax": Softmax,
+    "LayerNormalization": LayerNormalization,
 }
 OPERATORS: dict[str, type[Operator]] = {**ACTIVATIONS, **ARITHMETIC, **NORMS}
 _BY_KIND = {c.kind: t for t, c in ACTIVATIONS.items()}

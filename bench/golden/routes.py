@@ -3,9 +3,10 @@ number, how often it wins by more than WIN_MARGIN over the best other route, how
 the only route with a number, and its share of the seconds (the routes: the tables of
 lsa_models/engine/routes.py). Local constants: the smallest route number wins (global,
 enclosure, adjoint, tangent); certified radii: the largest (affine, affine-quad, affine-eig,
-sweep, sweep-adjoint); set verdicts: the route `decide` names as certifying. Ties go to the route called first (the cheaper one, in the engine's
-order). Optional routes the engine skipped and the recorder ran directly ("forced") count
-as "would win" where they beat the engine's number. Writes bench/out/golden/routes-<label>.json
+sweep, sweep-adjoint); set verdicts: the route `decide` names as certifying. Ties go to the
+route called first (the cheaper one, in the engine's order). Optional routes the engine
+skipped and the recorder ran directly ("forced") count as "would win" where they beat the
+engine's number. Writes bench/out/golden/routes-<label>.json
 and .png and prints the table.
 
     .venv/bin/python -m bench.golden.routes bench/out/golden/base.json

@@ -24,10 +24,12 @@ import torch
 from torch import Tensor
 
 from ...bounds.layer_graph.values import Value
-from ...bounds.numerics import (  # noqa: F401  (SILU_LIPSCHITZ: re-exported for the ops)
-    SILU_LIPSCHITZ,
-    mul_up,
-)
+from ...bounds.numerics import SILU_LIPSCHITZ  # noqa: F401  (re-exported for the ops)
+from ...operators.layout import FLOAT_TYPES, element_dtype  # noqa: F401  (re-exported)
+from ...operators.linear import GlobalOperator, Refused, Unevaluable
+from ...operators.linear import ints as _ints  # noqa: F401  (the ops' shape arguments)
+from ...operators.linear import row_width as _row_width  # noqa: F401  (the ops' token widths)
+from ...operators.registry import global_operator
 
 SOFTMAX_LIPSCHITZ = 0.5  # ||diag(p) - p p^T|| <= 1/2 in the 2- and inf-norms
 
@@ -71,27 +73,8 @@ class RunContext:
 Arg = Flow | np.ndarray
 
 
-_ONNX_TO_TORCH: dict[int, torch.dtype] = {
-    onnx.TensorProto.FLOAT: torch.float32,
-    onnx.TensorProto.DOUBLE: torch.float64,
-    onnx.TensorProto.FLOAT16: torch.float16,
-    onnx.TensorProto.BFLOAT16: torch.bfloat16,
-    onnx.TensorProto.INT64: torch.int64,
-    onnx.TensorProto.INT32: torch.int32,
-    onnx.TensorProto.INT8: torch.int8,
-    onnx.TensorProto.UINT8: torch.uint8,
-    onnx.TensorProto.BOOL: torch.bool,
-}
-FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16,
-               onnx.TensorProto.BFLOAT16}
-
-
 def torch_dtype(onnx_type: int, ctx: RunContext) -> torch.dtype:
-    if onnx_type in FLOAT_TYPES:
-        return ctx.float_dtype  # the evaluator runs in one float precision
-    if onnx_type not in _ONNX_TO_TORCH:
-        raise NotImplementedError(f"tensor element type {onnx_type} is not supported")
-    return _ONNX_TO_TORCH[onnx_type]
+    return element_dtype(onnx_type, ctx.float_dtype)
 
 
 def tensor_from_proto(t: onnx.TensorProto, ctx: RunContext) -> Tensor:
@@ -100,10 +83,6 @@ def tensor_from_proto(t: onnx.TensorProto, ctx: RunContext) -> Tensor:
         return torch.from_numpy(arr.astype(np.float64))  # one pass: convert and own the copy
     out = torch.from_numpy(np.array(arr, copy=True))
     return out.to(ctx.float_dtype) if out.is_floating_point() else out
-
-
-def _ints(t: Tensor | None) -> list[int]:
-    return [] if t is None else [int(v) for v in t.reshape(-1).tolist()]
 
 
 class Op:
@@ -120,6 +99,31 @@ class Op:
                            "input-dependent operands")
 
 
+class RegistryOp(Op):
+    """An op whose evaluation and global rule are its class's in lsa_models/operators/ (the
+    registry's LINEAR_MAPS); its refusals name the node."""
+
+    def operator(self, node: Node) -> GlobalOperator:
+        op = global_operator(node.op_type, node.attrs)
+        assert op is not None, node.op_type
+        return op
+
+    def run(self, node: Node, ins: list[Tensor | None], ctx: RunContext) -> list[Tensor]:
+        try:
+            return self.operator(node).evaluate_inputs(ins, ctx.float_dtype, len(node.outputs))
+        except Unevaluable as e:
+            raise NotImplementedError(f"{node.op_type} node {node.name}{e.tail}") from None
+
+    def bound(self, node: Node, args: list[Arg | None], out_shapes: list[tuple[int, ...]],
+              norm: str) -> list[Flow | None]:
+        try:
+            outs = self.operator(node).global_bound(args, out_shapes, norm)
+        except Refused as e:
+            raise NotCertified(f"{node.op_type} node {node.name}{e.tail}") from None
+        return [None if o is None else Flow(o.lip, o.radius, shape)
+                for o, shape in zip(outs, out_shapes, strict=False)]
+
+
 OPS: dict[str, Op] = {}
 
 
@@ -128,23 +132,6 @@ def register(cls: type[Op]) -> type[Op]:
     for t in cls.types:
         OPS[t] = inst
     return cls
-
-
-def _variables(args: Sequence[Arg | None]) -> list[tuple[int, Flow]]:
-    return [(i, a) for i, a in enumerate(args) if isinstance(a, Flow)]
-
-
-def _max_row_norm(c: np.ndarray) -> float:
-    """Largest 2-norm of a last-axis row of a constant (a broadcast bias)."""
-    c = np.asarray(c, dtype=np.float64)
-    if c.ndim == 0:
-        return abs(float(c))  # broadcast over a row of unknown width: handled by callers
-    rows = np.sqrt(np.square(c).reshape(-1, c.shape[-1]).sum(axis=1)) if c.size else np.zeros(1)
-    return mul_up(float(rows.max()), 1.0 + 1e-12)
-
-
-def _row_width(shape: tuple[int, ...]) -> int:
-    return int(shape[-1]) if shape else 1
 
 
 def supported_op_types() -> list[str]:

@@ -59,7 +59,7 @@ class Conv(GlobalOperator):
             return f"it has {self.attrs.get('group')} groups"
         return None
 
-    def evaluate_inputs(self, ins: Sequence[Tensor | None], float_dtype: torch.dtype,
+    def evaluate_inputs(self, ins: Sequence[Tensor | None], float_dtype: torch.dtype | None,
                         n_outputs: int = 1) -> list[Tensor]:
         x, w = ins[0], ins[1]
         assert x is not None and w is not None

@@ -57,9 +57,10 @@ FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto
                onnx.TensorProto.BFLOAT16}
 
 
-def element_dtype(onnx_type: int, float_dtype: torch.dtype) -> torch.dtype:
+def element_dtype(onnx_type: int, float_dtype: torch.dtype | None) -> torch.dtype:
     """The torch dtype of an ONNX element type; floats in the evaluator's one precision."""
     if onnx_type in FLOAT_TYPES:
+        assert float_dtype is not None
         return float_dtype  # the evaluator runs in one float precision
     if onnx_type not in ONNX_TO_TORCH:
         raise NotImplementedError(f"tensor element type {onnx_type} is not supported")
@@ -88,7 +89,7 @@ class Layout(GlobalOperator):
 class Reshape(Layout):
     types = ("Reshape",)
 
-    def evaluate_inputs(self, ins: Sequence[Tensor | None], float_dtype: torch.dtype,
+    def evaluate_inputs(self, ins: Sequence[Tensor | None], float_dtype: torch.dtype | None,
                         n_outputs: int = 1) -> list[Tensor]:
         x, shape = ins[0], ints(ins[1])
         assert x is not None
@@ -100,7 +101,7 @@ class Reshape(Layout):
 class Flatten(Layout):
     types = ("Flatten",)
 
-    def evaluate_inputs(self, ins: Sequence[Tensor | None], float_dtype: torch.dtype,
+    def evaluate_inputs(self, ins: Sequence[Tensor | None], float_dtype: torch.dtype | None,
                         n_outputs: int = 1) -> list[Tensor]:
         x = ins[0]
         assert x is not None
@@ -114,7 +115,7 @@ class Flatten(Layout):
 class Transpose(Layout):
     types = ("Transpose",)
 
-    def evaluate_inputs(self, ins: Sequence[Tensor | None], float_dtype: torch.dtype,
+    def evaluate_inputs(self, ins: Sequence[Tensor | None], float_dtype: torch.dtype | None,
                         n_outputs: int = 1) -> list[Tensor]:
         x = ins[0]
         assert x is not None
@@ -129,7 +130,7 @@ class Transpose(Layout):
 class Squeeze(Layout):
     types = ("Squeeze", "Unsqueeze")
 
-    def evaluate_inputs(self, ins: Sequence[Tensor | None], float_dtype: torch.dtype,
+    def evaluate_inputs(self, ins: Sequence[Tensor | None], float_dtype: torch.dtype | None,
                         n_outputs: int = 1) -> list[Tensor]:
         x = ins[0]
         assert x is not None
@@ -151,7 +152,7 @@ class Squeeze(Layout):
 class Identity(Layout):
     types = ("Identity", "Dropout")
 
-    def evaluate_inputs(self, ins: Sequence[Tensor | None], float_dtype: torch.dtype,
+    def evaluate_inputs(self, ins: Sequence[Tensor | None], float_dtype: torch.dtype | None,
                         n_outputs: int = 1) -> list[Tensor]:
         x = ins[0]
         assert x is not None
@@ -163,7 +164,7 @@ class Identity(Layout):
 class Cast(Layout):
     types = ("Cast",)
 
-    def evaluate_inputs(self, ins: Sequence[Tensor | None], float_dtype: torch.dtype,
+    def evaluate_inputs(self, ins: Sequence[Tensor | None], float_dtype: torch.dtype | None,
                         n_outputs: int = 1) -> list[Tensor]:
         return [ins[0].to(element_dtype(int(self.attrs["to"]), float_dtype))]  # type: ignore[union-attr]
 
@@ -182,7 +183,7 @@ def _slice_indices(dim: int, start: int, end: int, step: int) -> list[int]:
 class Slice(Layout):
     types = ("Slice",)
 
-    def evaluate_inputs(self, ins: Sequence[Tensor | None], float_dtype: torch.dtype,
+    def evaluate_inputs(self, ins: Sequence[Tensor | None], float_dtype: torch.dtype | None,
                         n_outputs: int = 1) -> list[Tensor]:
         x = ins[0]
         assert x is not None
@@ -210,7 +211,7 @@ class GatherElements(GlobalOperator):
 
     types = ("GatherElements",)
 
-    def evaluate_inputs(self, ins: Sequence[Tensor | None], float_dtype: torch.dtype,
+    def evaluate_inputs(self, ins: Sequence[Tensor | None], float_dtype: torch.dtype | None,
                         n_outputs: int = 1) -> list[Tensor]:
         x, idx = ins[0], ins[1]
         assert x is not None and idx is not None
@@ -238,7 +239,7 @@ class GatherElements(GlobalOperator):
 class Gather(Layout):
     types = ("Gather",)
 
-    def evaluate_inputs(self, ins: Sequence[Tensor | None], float_dtype: torch.dtype,
+    def evaluate_inputs(self, ins: Sequence[Tensor | None], float_dtype: torch.dtype | None,
                         n_outputs: int = 1) -> list[Tensor]:
         x, idx = ins[0], ins[1]
         assert x is not None and idx is not None
@@ -271,7 +272,7 @@ class Gather(Layout):
 class Concat(GlobalOperator):
     types = ("Concat",)
 
-    def evaluate_inputs(self, ins: Sequence[Tensor | None], float_dtype: torch.dtype,
+    def evaluate_inputs(self, ins: Sequence[Tensor | None], float_dtype: torch.dtype | None,
                         n_outputs: int = 1) -> list[Tensor]:
         xs = [x for x in ins if x is not None]
         dtype = torch.promote_types(xs[0].dtype, xs[-1].dtype)
@@ -304,7 +305,7 @@ class Concat(GlobalOperator):
 class Split(Layout):
     types = ("Split",)
 
-    def evaluate_inputs(self, ins: Sequence[Tensor | None], float_dtype: torch.dtype,
+    def evaluate_inputs(self, ins: Sequence[Tensor | None], float_dtype: torch.dtype | None,
                         n_outputs: int = 1) -> list[Tensor]:
         x = ins[0]
         assert x is not None
@@ -324,7 +325,7 @@ class Split(Layout):
 class Expand(GlobalOperator):
     types = ("Expand",)
 
-    def evaluate_inputs(self, ins: Sequence[Tensor | None], float_dtype: torch.dtype,
+    def evaluate_inputs(self, ins: Sequence[Tensor | None], float_dtype: torch.dtype | None,
                         n_outputs: int = 1) -> list[Tensor]:
         x = ins[0]
         assert x is not None

@@ -8,7 +8,8 @@ the map input -> tensor in the chosen norm (2: Frobenius norm of the whole tenso
 largest entry), `radius`, a bound on every last-axis row's 2-norm (None: unknown), and `shape`.
 `global_bound(args, out_shapes, norm)` answers one `Out(lip, radius)` per output; a use the op
 has no rule for raises `Refused`, whose `tail` completes "<op> node <name>" in the front end's
-refusal. `evaluate_inputs(ins, float_dtype, n_outputs)` is the torch value of a node of the op.
+refusal. `evaluate_inputs(ins, float_dtype, n_outputs)` is the torch value of a node of the op
+(`float_dtype`, the evaluator's float precision, is read by Cast only).
 
 MatMul `x W` by a constant W (the row-vector convention) has constant `||W||` (2: spectral
 norm; inf: largest absolute row sum of W^T) and maps rows of norm r to rows of norm
@@ -108,7 +109,7 @@ def ints(t: Tensor | None) -> list[int]:
 class GlobalOperator(Operator):
     """An op of the global analysis: its torch value on a node's inputs and its rule."""
 
-    def evaluate_inputs(self, ins: Sequence[Tensor | None], float_dtype: torch.dtype,
+    def evaluate_inputs(self, ins: Sequence[Tensor | None], float_dtype: torch.dtype | None,
                         n_outputs: int = 1) -> list[Tensor]:
         self.refuse("evaluation")
 
@@ -143,7 +144,7 @@ def right_linear(a: Tracked, w: np.ndarray, bias: np.ndarray | None, norm: str) 
 class MatMul(GlobalOperator):
     types = ("MatMul",)
 
-    def evaluate_inputs(self, ins: Sequence[Tensor | None], float_dtype: torch.dtype,
+    def evaluate_inputs(self, ins: Sequence[Tensor | None], float_dtype: torch.dtype | None,
                         n_outputs: int = 1) -> list[Tensor]:
         a, b = ins[0], ins[1]
         assert a is not None and b is not None
@@ -181,7 +182,7 @@ class Gemm(GlobalOperator):
             y = y + self.attrs.get("beta", 1.0) * ins[2]
         return y
 
-    def evaluate_inputs(self, ins: Sequence[Tensor | None], float_dtype: torch.dtype,
+    def evaluate_inputs(self, ins: Sequence[Tensor | None], float_dtype: torch.dtype | None,
                         n_outputs: int = 1) -> list[Tensor]:
         a, b = ins[0], ins[1]
         assert a is not None and b is not None
@@ -220,7 +221,7 @@ def _broadcast_add_radius(flow: Tracked, c: np.ndarray) -> float | None:
 class AddSub(GlobalOperator):
     types = ("Add", "Sub")
 
-    def evaluate_inputs(self, ins: Sequence[Tensor | None], float_dtype: torch.dtype,
+    def evaluate_inputs(self, ins: Sequence[Tensor | None], float_dtype: torch.dtype | None,
                         n_outputs: int = 1) -> list[Tensor]:
         a, b = ins[0], ins[1]
         return [a + b if self.op_type == "Add" else a - b]  # type: ignore[operator]
@@ -257,7 +258,7 @@ def product_bound(a: Tracked, b: Tracked, shape: tuple[int, ...]) -> Out:
 class MulDiv(GlobalOperator):
     types = ("Mul", "Div")
 
-    def evaluate_inputs(self, ins: Sequence[Tensor | None], float_dtype: torch.dtype,
+    def evaluate_inputs(self, ins: Sequence[Tensor | None], float_dtype: torch.dtype | None,
                         n_outputs: int = 1) -> list[Tensor]:
         a, b = ins[0], ins[1]
         assert a is not None and b is not None
@@ -297,7 +298,7 @@ class MulDiv(GlobalOperator):
 class Neg(GlobalOperator):
     types = ("Neg",)
 
-    def evaluate_inputs(self, ins: Sequence[Tensor | None], float_dtype: torch.dtype,
+    def evaluate_inputs(self, ins: Sequence[Tensor | None], float_dtype: torch.dtype | None,
                         n_outputs: int = 1) -> list[Tensor]:
         return [-ins[0]]  # type: ignore[operator]
 

@@ -29,7 +29,7 @@ from .linear import Arg, GlobalOperator, Out, ints, is_var
 class Reduce(GlobalOperator):
     types = ("ReduceMean", "ReduceSum", "ReduceMax")
 
-    def evaluate_inputs(self, ins: Sequence[Tensor | None], float_dtype: torch.dtype,
+    def evaluate_inputs(self, ins: Sequence[Tensor | None], float_dtype: torch.dtype | None,
                         n_outputs: int = 1) -> list[Tensor]:
         x = ins[0]
         assert x is not None
@@ -61,7 +61,7 @@ class Reduce(GlobalOperator):
 class Where(GlobalOperator):
     types = ("Where",)
 
-    def evaluate_inputs(self, ins: Sequence[Tensor | None], float_dtype: torch.dtype,
+    def evaluate_inputs(self, ins: Sequence[Tensor | None], float_dtype: torch.dtype | None,
                         n_outputs: int = 1) -> list[Tensor]:
         c, x, y = ins
         assert c is not None and x is not None and y is not None

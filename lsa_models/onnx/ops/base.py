@@ -109,8 +109,10 @@ class RegistryOp(Op):
         return op
 
     def run(self, node: Node, ins: list[Tensor | None], ctx: RunContext) -> list[Tensor]:
+        # (ctx: only a Cast reads it; some callers evaluate ops that never cast without one)
+        dtype = None if ctx is None else ctx.float_dtype
         try:
-            return self.operator(node).evaluate_inputs(ins, ctx.float_dtype, len(node.outputs))
+            return self.operator(node).evaluate_inputs(ins, dtype, len(node.outputs))
         except Unevaluable as e:
             raise NotImplementedError(f"{node.op_type} node {node.name}{e.tail}") from None
 

@@ -261,3 +261,26 @@ def test_knapsack_in_one_buffer_is_the_formula_bit_for_bit(seed: int, lead: tupl
     ws = w[order]
     frac = np.clip((1.0 - (np.cumsum(ws, axis=-1) - ws)) / ws, 0.0, 1.0)
     _same(affine.knapsack(c, w), (cs * frac).sum(axis=-1) * (1 + 1e-10))
+
+
+@settings(max_examples=at_most(60), deadline=None)
+@given(seed=st.integers(0, 10**6), rows=st.integers(1, 60), n=st.integers(1, 400),
+       zeros=st.floats(0.0, 0.99), scale=st.sampled_from([0.2, 1.0, 3.0, 50.0]))
+def test_group_sum_is_the_smaller_of_sum_and_knapsack_bit_for_bit(
+        seed: int, rows: int, n: int, zeros: float, scale: float) -> None:
+    """affine.group_sum (the knapsack solved only on the rows whose items do not all fit)
+    against min(sum, knapsack) on every row: weights summing to about `scale` over the
+    group, so rows with few nonzero items fit and the others do not, ties at 1 included."""
+    rng = np.random.default_rng(seed)
+    c = np.abs(rng.standard_normal((rows, n))) * (rng.random((rows, n)) >= zeros)
+    w = rng.random(n) + 1e-3
+    w *= scale / w.sum()
+    ref = np.minimum(c.sum(axis=-1), affine.knapsack(c, w))
+    _same(affine.group_sum(c, w), ref)
+    _same(affine.group_sum(c[0], w), np.minimum(c[0].sum(), affine.knapsack(c[0], w)))
+    # a row whose items weigh exactly 1 together
+    edge = np.zeros(n)
+    edge[0] = 1.0
+    one = np.ones(n)
+    _same(affine.group_sum(edge[None], one), np.minimum(edge[None].sum(axis=-1),
+                                                          affine.knapsack(edge[None], one)))

@@ -180,10 +180,37 @@ def sym_sum(a: np.ndarray, lo: int, hi: int) -> np.ndarray:
         if g0 < cur or g1 > hi:
             continue
         total = total + abs_sum(a, cur, g0)
-        blk = np.abs(a[..., g0:g1])
-        total = total + np.minimum(blk.sum(axis=-1), knapsack(blk, w))
+        total = total + group_sum(np.abs(a[..., g0:g1]), w)
         cur = g1
     return total + abs_sum(a, cur, hi)
+
+
+# groups up to this many symbols take `group_sum`'s shortcut (its rounding argument needs
+# n u well below 1e-10; a walk's groups hold at most MAX_SYMBOLS)
+FIT_MAX = 100_000
+
+
+def group_sum(c: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """min(c.sum(axis=-1), knapsack(c, w)) for c (..., n) >= 0, w (n,) > 0, the same numbers,
+    the knapsack solved only on the rows whose items do not all fit: where the weights of
+    the nonzero items sum to at most 1 - 1e-9 (each then at most 1, so c / w > 0 and they
+    sort first), every one is taken whole (1 - before >= w with room for the sums'
+    rounding, n u << 1e-9), and the knapsack is their sum in another order times 1 + 1e-10,
+    above the plain sum (the two orders differ by at most 2 n u of it): the minimum is the
+    plain sum. A group's coefficients are mostly on a few rows' symbols (the other rows
+    never met that op), so most rows fit."""
+    plain = c.sum(axis=-1)
+    n = c.shape[-1]
+    if n > FIT_MAX or REFERENCE:
+        return np.minimum(plain, knapsack(c, w))
+    rows = c.reshape(-1, n)
+    fit = (rows > 0) @ w <= 1 - 1e-9
+    if np.all(fit):
+        return plain
+    out = plain.reshape(-1).copy()
+    rest = ~fit
+    out[rest] = np.minimum(out[rest], knapsack(rows[rest], w))
+    return out.reshape(plain.shape)
 
 
 # split_lin's last results by the identity of the form's coefficient array (held weakly, so a

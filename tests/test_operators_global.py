@@ -170,3 +170,19 @@ def test_every_linear_map_is_registered_and_refuses_by_name() -> None:
     assert where is not None
     with pytest.raises(Refused, match="condition"):
         where.global_bound([two[0], two[1], np.ones((3, 4))], [(3, 4)], "inf")
+
+
+def test_front_end_refusals_name_the_node() -> None:
+    """onnx/ops reads the classes and completes their refusals with the node's name."""
+    from lsa_models.onnx.ops import OPS, Node, NotCertified, RunContext
+
+    two = [Value(1.0, None, (3, 4)), Value(1.0, None, (4, 2))]
+    with pytest.raises(NotCertified, match="^MatMul node mm multiplies two input-dependent"):
+        OPS["MatMul"].bound(Node("mm", "MatMul", ["a", "b"], ["y"]), list(two), [(3, 2)], "2")
+    with pytest.raises(NotCertified, match="^Div node d divides by zero"):
+        OPS["Div"].bound(Node("d", "Div", ["a", "b"], ["y"]), [two[0], np.zeros(4)],
+                         [(3, 4)], "2")
+    with pytest.raises(NotImplementedError, match="^Conv node c: 4-D convolutions"):
+        OPS["Conv"].run(Node("c", "Conv", ["x", "w"], ["y"]),
+                        [torch.zeros(1, 1, 2, 2, 2, 2), torch.zeros(1, 1, 1, 1, 1, 1)],
+                        RunContext(F64))

@@ -30,6 +30,8 @@ import torch
 from ..onnx.loading import OnnxModel
 from ..onnx.ops import Node
 from ..operators import ACTIVATION_TYPES, ARITHMETIC_TYPES, ModeNotImplemented, activation, make
+from ..operators.normalization import LayerNormalization
+from ..operators.softmax import Softmax
 from . import affine_rules, fused
 from .affine import Aff
 from .dual_norms import l1_sup, l2_sup
@@ -267,26 +269,22 @@ def _activation(b: _Builder, node: Node, dep: list[int], gy: str, ln: LN) -> dic
 
 
 def _softmax(b: _Builder, node: Node, dep: list[int], gy: str, ln: LN) -> dict[int, str]:
-    """dz = y (dy - sum(dy y)) along the axis."""
+    """dz = y (dy - sum(dy y)) along the axis (operators/softmax.py)."""
     y = node.outputs[0]
     ax = int(node.attrs.get("axis", -1)) % len(b.shape(y))
-    s = b.op("ReduceSum", [b.op("Mul", [gy, y]), b.ints([ax])], {"keepdims": 1})
-    return {0: b.op("Mul", [y, b.op("Sub", [gy, s])])}
+    return {0: Softmax("Softmax", {"axis": ax}).scaled_derivative(b, gy, node.inputs[0], y,
+                                                                  False)}
 
 
 def _layernorm(b: _Builder, node: Node, dep: list[int], gy: str, ln: LN) -> dict[int, str]:
     """J^T g = r (g - mean g - n mean(n g)) for J = r (I - n n^T / D)(I - 1 1^T / D) (the
-    tangent rule's matrix; mean n = 0), g = gy gamma."""
+    tangent rule's matrix; mean n = 0), g = gy gamma (operators/normalization.py)."""
     if dep != [0]:
         raise NoAdjoint("LayerNorm with input-dependent weights")
     n, r = ln[node.name]
     ins = node.inputs
-    g = b.op("Mul", [gy, ins[1]]) if len(ins) > 1 and ins[1] else gy
-    axes = b.ints([-1])
-    keep = {"keepdims": 1}
-    centred = b.op("Sub", [g, b.op("ReduceMean", [g, axes], keep)])
-    along = b.op("Mul", [n, b.op("ReduceMean", [b.op("Mul", [n, g]), axes], keep)])
-    return {0: b.op("Mul", [r, b.op("Sub", [centred, along])])}
+    scale = ins[1] if len(ins) > 1 and ins[1] else None
+    return {0: LayerNormalization(node.op_type, node.attrs).adjoint_graph(b, gy, n, r, scale)}
 
 
 RULES: dict[str, Rule] = {

@@ -28,7 +28,7 @@ from .affine import (
 from .affine_elementwise import EXP, RECIPROCAL, RSQRT, SQUARE, elementwise
 from .affine_linear import _reduce, _scale_const, _shift, weighted_sum
 from .affine_products import _sum_cols, product
-from .primitives import _softmax_ranges, probability_ranges
+from .primitives import SOFTMAX
 from .values import Ball, center_margin, gamma
 
 
@@ -125,7 +125,7 @@ def softmax(x: Aff, axis: int, out_c: np.ndarray, ball: Ball, xlo: np.ndarray | 
     lo, hi = ranges(x, ball)
     if np.all(np.isfinite(lo)) and np.all(np.isfinite(hi)):
         p = select(p, _softmax_taylor(x, oc, ball, lo, hi), ball)
-    plo, phi = probability_ranges(lo, hi, oc)
+    plo, phi = SOFTMAX.probability_ranges(lo, hi, oc)
     p = narrow(p, plo, phi, ball)
     if ax != x.c.ndim - 1:
         return Aff(out_c, np.moveaxis(p.m, -1, ax), np.moveaxis(p.o, -1, ax),
@@ -138,14 +138,14 @@ def _softmax_taylor(x: Aff, oc: np.ndarray, ball: Ball, lo: np.ndarray, hi: np.n
                     ) -> Aff:
     """Softmax along the last axis by the mean value theorem on each output entry:
     p_i(z) - p_i(z0) = sum_j J_ij(xi) D_j, D = z - z0, xi in the logits' box [lo, hi] (which
-    holds z0 and z), J = diag(p) - p p^T within sc +- sr there (`_softmax_ranges`, from the
+    holds z0 and z), J = diag(p) - p p^T within sc +- sr there (`Softmax.jacobian_ranges`, from the
     probability ranges), sc = J at the computed centre. So the change is the linear map sc
     applied to D's form, plus sum_j sr_ij max|D_j| as a new symbol: the logits' shared
     symbols go through sc with their signs (the exp / sum product form multiplies two
     forms that move together)."""
     n = x.shape[-1]
-    sc = np.einsum("...i,ij->...ij", oc, np.eye(n)) - oc[..., :, None] * oc[..., None, :]
-    _, _, sr = _softmax_ranges(lo, hi, oc, sc)
+    sc = SOFTMAX.jacobian_center(oc)
+    _, _, sr = SOFTMAX.jacobian_ranges(lo, hi, oc, sc)
     dlo, dhi = dev(x, ball)
     dmax = np.maximum(np.abs(dlo), np.abs(dhi))
     o = np.einsum("...ij,...j->...i", sc, x.o)
@@ -188,6 +188,6 @@ def _softmax_or_interval(x: Aff, ax: int, c0: np.ndarray, m0: np.ndarray, ball: 
         return softmax(x, ax, c0, ball, _lo(rg), _hi(rg))
     except NotAffine:  # the probabilities of the logits' ranges, as an interval form
         lo, hi = ranges(x, ball) if rg is None else rg
-        plo, phi = probability_ranges(np.moveaxis(lo, ax, -1), np.moveaxis(hi, ax, -1),
-                                  np.moveaxis(c0, ax, -1))
+        plo, phi = SOFTMAX.probability_ranges(np.moveaxis(lo, ax, -1),
+                                              np.moveaxis(hi, ax, -1), np.moveaxis(c0, ax, -1))
         return interval(c0, m0, np.moveaxis(plo, -1, ax), np.moveaxis(phi, -1, ax), ball.size)

@@ -28,8 +28,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..onnx.ops import OPS, Node, RunContext, decimal_attr
+from ..onnx.ops import OPS, Node, RunContext
 from ..operators import ACTIVATION_TYPES, ARITHMETIC_TYPES, make
+from ..operators.normalization import LayerNormalization
+from ..operators.softmax import Softmax
 
 PREC = 256
 # elementary ball operations one evaluation may take (~0.1 us each: x-transformers' 1.9e6 in
@@ -193,11 +195,8 @@ def _node(arb: Any, node: Node, vals: dict[str, Balls], env: dict[str, torch.Ten
     if t == "Where" and args[0] not in vals:
         cond = const(args[0]).astype(bool)
         return [np.asarray(np.where(cond, ball(args[1]), ball(args[2])), dtype=object)]
-    if t == "Softmax":
-        x = ball(args[0])
-        ax = int(node.attrs.get("axis", -1)) % x.ndim
-        e = _elementwise(arb, "Exp", node, x, None)
-        return [np.asarray(e / np.sum(e, axis=ax, keepdims=True), dtype=object)]
+    if t == "Softmax":  # e^z / sum e^z (operators/softmax.py)
+        return [Softmax(t, node.attrs).arb(arb)(ball(args[0]))]
     if t == "LayerNormalization" and fixed and len([o for o in node.outputs if o]) == 1:
         return [_layernorm(arb, node, ball)]
     if t in ACTIVATION_TYPES or t in ARITHMETIC_TYPES or t == "Neg":
@@ -244,18 +243,8 @@ def _layernorm(arb: Any, node: Node, ball: Callable[[str], Balls]) -> Balls:
     """(x - mean) (mean of its squares + eps)^-1/2 scale + bias over the axes from `axis` on;
     epsilon read as the engine reads it (decimal_attr, docs/bounds.md "Conventions")."""
     args = node.inputs
-    x = ball(args[0])
-    ax = int(node.attrs.get("axis", -1)) % x.ndim  # type: ignore[arg-type]
-    axes = tuple(range(ax, x.ndim))
-    n = arb(int(np.prod(x.shape[ax:])))
-    u = x - np.sum(x, axis=axes, keepdims=True) / n
-    var = np.sum(u * u, axis=axes, keepdims=True) / n
-    eps = arb(decimal_attr(float(node.attrs.get("epsilon", 1e-5))))  # type: ignore[arg-type]
-    r = np.frompyfunc(lambda v: (v + eps).rsqrt(), 1, 1)(var)
-    y = u * r * ball(args[1])
-    if len(args) > 2 and args[2]:
-        y = y + ball(args[2])
-    return np.asarray(y, dtype=object)
+    f = LayerNormalization(node.op_type, node.attrs).arb(arb)  # operators/normalization.py
+    return f(ball(args[0]), ball(args[1]), ball(args[2]) if len(args) > 2 and args[2] else None)
 
 
 def _conv(arb: Any, node: Node, x: Balls, w: Balls, b: Balls | None) -> Balls:

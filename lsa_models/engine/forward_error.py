@@ -12,7 +12,7 @@ each op with its own outward-rounded rule,
     op's own, lsa_models/operators/);
   - products a * b, a @ b: |c_a| r_b + r_a |c_b| + r_a r_b + gamma_k |c_a| |c_b|;
   - Softmax from the logit intervals; LayerNorm from u = P x, s = mean(u^2) + eps, z = u/sigma
-    intervals (layernorm.jacobian_ranges);
+    intervals (LayerNormalization.output_range);
 and returns the smallest margin that covers the resulting radius around every c_T; the engine
 runs with it. An op without such a rule leaves FORWARD_MARGIN an assumption (reported), never
 refused.
@@ -23,13 +23,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..onnx.ops import OPS, Node, RunContext, decimal_attr
+from ..onnx.ops import OPS, Node, RunContext
 from ..operators import make
+from ..operators.normalization import LayerNormalization
 from . import forward_ball
 from .elementwise_ranges import value_range
 from .internal_ops import GUARDS, RELU_GRAD
-from .layernorm import _bounds_of_s, jacobian_ranges
-from .primitives import _softmax_ranges
+from .primitives import SOFTMAX
 from .values import FORWARD_FLOOR, FORWARD_MARGIN, gamma, widen_up
 
 CTX = RunContext(torch.float64)
@@ -111,22 +111,14 @@ def _product(node: Node, a: Iv, b: Iv, ca: np.ndarray, cb: np.ndarray,
 
 
 def _layernorm(node: Node, x: Iv, xc: np.ndarray, g: np.ndarray, b: np.ndarray | None) -> Iv:
+    """y's range from x's: u = P x within uc +- ru (the centring's rounding included), then
+    the op's own (operators/normalization.py, `output_range`)."""
     d = xc.shape[-1]
-    eps = decimal_attr(float(node.attrs.get("epsilon", 1e-5)))
     rx = np.maximum(x[1] - xc, xc - x[0])
     uc = xc - xc.mean(axis=-1, keepdims=True)
     ru = widen_up(rx + rx.mean(axis=-1, keepdims=True)
                   + gamma(d + 2) * (np.abs(xc) + np.abs(xc).mean(axis=-1, keepdims=True)), 4)
-    norm0 = np.sqrt(np.square(uc).sum(axis=-1, keepdims=True))
-    rho = np.sqrt(np.square(ru).sum(axis=-1, keepdims=True)) * (1 + 1e-12)
-    s_lo, s_hi = _bounds_of_s(norm0, rho, d, eps)
-    zr = jacobian_ranges(uc - ru, uc + ru, s_lo, s_hi)[3]
-    gg = np.broadcast_to(g, (d,))
-    bb = np.zeros(d) if b is None else np.broadcast_to(b, (d,))
-    y1, y2 = gg * zr[0] + bb, gg * zr[1] + bb
-    lo, hi = np.minimum(y1, y2), np.maximum(y1, y2)
-    pad = 1e-12 * (np.abs(lo) + np.abs(hi)) + 1e-300
-    return lo - pad, hi + pad
+    return LayerNormalization(node.op_type, node.attrs).output_range(uc, ru, g, b)
 
 
 def _node(node: Node, iv: dict[str, Iv], env: dict[str, torch.Tensor]) -> Iv | None:
@@ -176,21 +168,22 @@ def _node(node: Node, iv: dict[str, Iv], env: dict[str, torch.Tensor]) -> Iv | N
         return None
     if t in _LINEAR or (t == "Conv" and var == [0]):  # Conv: a constant kernel and bias
         return _linear(node, args, iv, env)
-    op = make(t, {"exponent": float(env[args[1]].reshape(()))} if t == "Pow" else node.attrs)
-    if op is not None:
-        vlo, vhi = value_range(op, *iv[args[0]])
-        return None if vlo is None or vhi is None else (vlo, vhi)
     if t == "Softmax":
         ax = int(node.attrs.get("axis", -1)) % c_out.ndim
         llo, lhi = np.moveaxis(iv[args[0]][0], ax, -1), np.moveaxis(iv[args[0]][1], ax, -1)
         pc = np.moveaxis(c_out, ax, -1)
-        n = pc.shape[-1]
-        plo, phi, _ = _softmax_ranges(llo, lhi, pc, np.zeros((*pc.shape, n)))
+        plo, phi = SOFTMAX.probability_ranges(llo, lhi, pc)
         return np.moveaxis(plo, -1, ax), np.moveaxis(phi, -1, ax)
-    if t == "LayerNormalization" and var == [0]:
+    if t == "LayerNormalization":
+        if var != [0]:
+            return None
         g = env[args[1]].detach().numpy()
         b = env[args[2]].detach().numpy() if len(args) > 2 and args[2] else None
         return _layernorm(node, iv[args[0]], env[args[0]].detach().numpy(), g, b)
+    op = make(t, {"exponent": float(env[args[1]].reshape(()))} if t == "Pow" else node.attrs)
+    if op is not None:
+        vlo, vhi = value_range(op, *iv[args[0]])
+        return None if vlo is None or vhi is None else (vlo, vhi)
     return None
 
 

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..operators.normalization import REL, LayerNormalization
 from .opnorm import sigma_max_upper
 from .values import FLOOR, PROVEN, Ball, LocalValue, U, array_key, center_margin, gamma, widen_up
 
 # relative allowance for the round-to-nearest float64 operations forming one interval end
-# (a few operations per end, each within u = 1.1e-16 relative)
-_REL = 1e-12
+_REL = REL
 
 
 def token_radius(v: LocalValue, ball: Ball) -> np.ndarray:
@@ -53,57 +53,11 @@ def token_radius(v: LocalValue, ball: Ball) -> np.ndarray:
     return rho.reshape(*v.shape[:-1], 1)
 
 
-def _bounds_of_s(norm0: np.ndarray, rho: np.ndarray, d: int, eps: float
-                 ) -> tuple[np.ndarray, np.ndarray]:
-    """sigma^2 = ||u||^2 / D + eps over ||u|| in [norm0 - rho, norm0 + rho] (..., 1)."""
-    slack = _REL * (np.square(norm0 + rho) / d + eps)
-    s_lo = np.maximum(np.square(np.maximum(norm0 - rho, 0.0)) / d + eps - slack,
-                      eps * (1 - _REL))
-    s_hi = np.square(norm0 + rho) / d + eps + slack
-    return s_lo, s_hi
-
-
-def jacobian_ranges(u_lo: np.ndarray, u_hi: np.ndarray, s_lo: np.ndarray, s_hi: np.ndarray
-                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """From u in [u_lo, u_hi] (..., D) and sigma^2 in [s_lo, s_hi] (..., 1): the interval
-    [lo, hi] of every entry of S (..., D, D), the magnitude of the terms forming them (for
-    rounding), and z's interval (2, ..., D)."""
-    d = u_lo.shape[-1]
-    w_lo = 1.0 / np.sqrt(s_hi) * (1 - _REL)  # 1/sigma, outward
-    w_hi = 1.0 / np.sqrt(s_lo) * (1 + _REL)
-    # z = u w with w > 0: the ends are u_lo w_hi or u_lo w_lo (and likewise for u_hi)
-    z_lo = np.minimum(u_lo * w_lo, u_lo * w_hi)
-    z_hi = np.maximum(u_hi * w_lo, u_hi * w_hi)
-    lim = np.sqrt(d) * (1 + _REL)  # ||z||^2 = D ||u||^2 / (||u||^2 + D eps) < D
-    z_lo = np.clip(z_lo - _REL * np.abs(z_lo), -lim, lim)
-    z_hi = np.clip(z_hi + _REL * np.abs(z_hi), -lim, lim)
-    # z_i z_j: interval product; the diagonal z_i^2 >= 0
-    cands = np.stack([z_lo[..., :, None] * z_lo[..., None, :],
-                      z_lo[..., :, None] * z_hi[..., None, :],
-                      z_hi[..., :, None] * z_lo[..., None, :],
-                      z_hi[..., :, None] * z_hi[..., None, :]])
-    zz_lo, zz_hi = cands.min(axis=0), cands.max(axis=0)
-    eye = np.eye(d, dtype=bool)
-    across = (z_lo <= 0) & (z_hi >= 0)
-    diag_lo = np.where(across, 0.0, np.minimum(z_lo * z_lo, z_hi * z_hi))
-    zz_lo = np.where(eye, diag_lo[..., :, None], zz_lo)
-    pm = np.eye(d) - 1.0 / d
-    q_lo = pm - zz_hi / d  # P_ij - z_i z_j / D
-    q_hi = pm - zz_lo / d
-    wl, wh = w_lo[..., None], w_hi[..., None]  # (..., 1, 1)
-    s_entry_lo = np.minimum(wl * q_lo, wh * q_lo)
-    s_entry_hi = np.maximum(wl * q_hi, wh * q_hi)
-    mag = wh * (np.abs(pm) + np.maximum(np.abs(zz_lo), np.abs(zz_hi)) / d)
-    return s_entry_lo, s_entry_hi, mag, np.stack([z_lo, z_hi])
-
-
-def center_jacobian(uc: np.ndarray, sc: np.ndarray) -> np.ndarray:
-    """S(X0) = (1/sigma)(P - z z^T / D) per token, float64 (rounding: `_REL` of `mag`)."""
-    d = uc.shape[-1]
-    wc = 1.0 / np.sqrt(sc)  # (..., 1)
-    zc = uc * wc  # (..., D)
-    pm = np.eye(d) - 1.0 / d
-    return wc[..., None] * (pm - zc[..., :, None] * zc[..., None, :] / d)
+# sigma^2's range, the entries of S and z's interval, S at the centre: the op's own
+# (lsa_models/operators/normalization.py)
+_bounds_of_s = LayerNormalization.variance_range
+jacobian_ranges = LayerNormalization.jacobian_ranges
+center_jacobian = LayerNormalization.jacobian_center
 
 
 def direct(x: LocalValue, u: LocalValue, g: np.ndarray, beta: np.ndarray | None,

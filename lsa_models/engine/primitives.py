@@ -11,6 +11,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ..bounds.numerics import U, add_up
+from ..operators.softmax import Softmax
 from . import opnorm
 from .elementwise_ranges import LIBM_REL, Deriv, Kind, derivative, value_range
 from .second import Curv2, elementwise_second, matmul_second, mul_second, softmax_second
@@ -331,45 +332,14 @@ def _product_values(ac: np.ndarray, ar: np.ndarray, ajr: np.ndarray, am: np.ndar
     return out_center - rad, out_center + rad
 
 
-def probability_ranges(lo: np.ndarray, hi: np.ndarray, pc: np.ndarray
-                       ) -> tuple[np.ndarray, np.ndarray]:
-    """Softmax probability ranges over the last axis from logit ranges [lo, hi] (..., n),
-    widened to contain the centre's pc: p_i >= e^lo_i / (e^lo_i + sum_{j != i} e^hi_j) and the
-    mirror, the sums formed by a product with (1 - I) (positive terms, no cancellation)."""
-    n = lo.shape[-1]
-    m = hi.max(axis=-1, keepdims=True)
-    elo, ehi = np.exp(lo - m), np.exp(hi - m)
-    off = 1.0 - np.eye(n)
-    plo = elo / (elo + ehi @ off)
-    phi = ehi / (ehi + elo @ off)
-    plo = np.clip(plo * (1 - 8 * (n + 4) * 1e-16) - 1e-300, 0.0, 1.0)
-    phi = np.clip(phi * (1 + 8 * (n + 4) * 1e-16) + 1e-300, 0.0, 1.0)
-    return np.minimum(plo, pc), np.maximum(phi, pc)
-
-
-def _softmax_ranges(lo: np.ndarray, hi: np.ndarray, pc: np.ndarray,
-                    sc: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Probability ranges from logit ranges (..., n), and the radius of S = diag(p) - p p^T's
-    entries around sc. Sums over j != i are formed by a product with (1 - I): positive terms
-    only, no cancellation."""
-    n = lo.shape[-1]
-    plo, phi = probability_ranges(lo, hi, pc)
-    # entry ranges: diagonal q - q^2 (concave), off diagonal -p_i p_j (monotone)
-    q = lambda x: x - x * x  # noqa: E731
-    dmax = np.where((plo <= 0.5) & (phi >= 0.5), 0.25, np.maximum(q(plo), q(phi)))
-    dmin = np.minimum(q(plo), q(phi))
-    omax = -plo[..., :, None] * plo[..., None, :]
-    omin = -phi[..., :, None] * phi[..., None, :]
-    eye = np.eye(n, dtype=bool)
-    smax = np.where(eye, dmax[..., :, None] * np.ones(n), omax)
-    smin = np.where(eye, dmin[..., :, None] * np.ones(n), omin)
-    sr = np.maximum(np.maximum(smax - sc, sc - smin), 0.0) * (1 + 1e-12) + FLOOR
-    return plo, phi, sr
+# the softmax's ranges and Jacobian entries (lsa_models/operators/softmax.py; the axis is moved
+# last here)
+SOFTMAX = Softmax("Softmax")
 
 
 def softmax(v: LocalValue, axis: int, out_center: np.ndarray, ball: Ball) -> LocalValue:
     """p = softmax(l) along `axis`: J = diag(p) - p p^T per row, its entries enclosed from
-    the probability ranges that the logit ranges allow."""
+    the probability ranges that the logit ranges allow (`Softmax.jacobian_ranges`)."""
     ax = axis % len(v.shape)
     lo, hi = np.moveaxis(v.lo, ax, -1), np.moveaxis(v.hi, ax, -1)  # (..., n)
     pc = np.moveaxis(out_center, ax, -1)
@@ -377,13 +347,13 @@ def softmax(v: LocalValue, axis: int, out_center: np.ndarray, ball: Ball) -> Loc
         raise LocalNotCertified("Softmax of logits with infinite entries (a mask) has no "
                                 "local rule yet")
     n = lo.shape[-1]
-    sc = np.einsum("...i,ij->...ij", pc, np.eye(n)) - pc[..., :, None] * pc[..., None, :]
-    plo, phi, sr = _softmax_ranges(lo, hi, pc, sc)
+    sc = SOFTMAX.jacobian_center(pc)
+    plo, phi, sr = SOFTMAX.jacobian_ranges(lo, hi, pc, sc)
     # |S(X) - S(X0)| for the true centre S(X0): sr plus the centre's own uncertainty (the
     # same ranges over the forward margin of the logits)
     lc = np.moveaxis(v.center, ax, -1)
     mc = np.moveaxis(center_margin(v.center), ax, -1)
-    _, _, sr0 = _softmax_ranges(lc - mc, lc + mc, pc, sc)
+    _, _, sr0 = SOFTMAX.jacobian_ranges(lc - mc, lc + mc, pc, sc)
     jc_in = np.moveaxis(v.jc, ax, -2)  # (..., n, P)
     jr_in = np.moveaxis(v.jr, ax, -2)
     ajc = np.abs(jc_in)

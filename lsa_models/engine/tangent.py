@@ -18,7 +18,6 @@ The graph is built once per model (`TangentGraph`); `bound(eps)` walks it.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -27,7 +26,7 @@ import torch
 
 from ..bounds.numerics import U
 from ..onnx.loading import OnnxModel
-from ..onnx.ops import Node, RunContext, decimal_attr
+from ..onnx.ops import Node, RunContext
 from ..operators import (
     ACTIVATION_TYPES,
     ARITHMETIC_TYPES,
@@ -35,6 +34,8 @@ from ..operators import (
     activation,
     arithmetic,
 )
+from ..operators.normalization import LayerNormalization
+from ..operators.softmax import Softmax
 from . import affine, affine_rules
 from .affine import PAIRS, Aff
 from .deferred import find_tail, tail_matrix
@@ -125,7 +126,7 @@ def ln_chain(b: _Builder, node: Node) -> tuple[str, str]:
     mu = b.op("ReduceMean", [x, axes], keep, "ln_mu")
     u = b.op("Sub", [x, mu], hint="ln_u")
     q = b.op("Mul", [u, u], hint="ln_q")
-    ln_eps = decimal_attr(float(node.attrs.get("epsilon", 1e-5)))
+    ln_eps = LayerNormalization(node.op_type, node.attrs).eps
     v = b.op("Add", [b.op("ReduceMean", [q, axes], keep, "ln_v"), b.const(ln_eps, "ln_eps")])
     # a mean of squares plus eps is at least eps (the forms alone may not see it); the walk
     # narrows it by the tokens' radii (`LayerNormHook`)
@@ -135,21 +136,19 @@ def ln_chain(b: _Builder, node: Node) -> tuple[str, str]:
     r = b.op("Reciprocal", [b.op("Sqrt", [v], hint="ln_s")], hint="ln_r")
     n = b.op("Mul", [u, r], hint="ln_n")
     # the normalised entries: a zero-sum vector of norm <= sqrt(D) has |n_i| <= sqrt(D - 1)
-    lim = math.sqrt(b.shape(x)[-1] - 1) * (1 + 1e-12)
+    lim = LayerNormalization.normalised_limit(b.shape(x)[-1])
     b.known[n] = (np.full(b.shape(n), -lim), np.full(b.shape(n), lim))
     return n, r
 
 
 def _layernorm(b: _Builder, node: Node, t: str) -> str:
     """y = g n + beta, n = u r, u = x - mean x, r = (mean u^2 + eps)^-1/2 over the last axis:
-    dn = r (du - n mean(n du)), du = dx - mean dx (n and r recomputed as their own ops)."""
+    dn = r (du - n mean(n du)), du = dx - mean dx (n and r recomputed as their own ops; the
+    formula: operators/normalization.py)."""
     n, r = ln_chain(b, node)
-    axes = b.ints([-1])
-    keep = {"keepdims": 1}
-    du = b.op("Sub", [t, b.op("ReduceMean", [t, axes], keep)])
-    w = b.op("ReduceMean", [b.op("Mul", [n, du]), axes], keep)
-    dn = b.op("Mul", [r, b.op("Sub", [du, b.op("Mul", [n, w])])], hint="ln_dn")
-    b.ln_parts[node.name] = {"n": n, "r": r, "du": du, "w": w, "dn": dn}
+    parts = LayerNormalization(node.op_type, node.attrs).tangent_graph(b, t, n, r)
+    b.ln_parts[node.name] = {"n": n, "r": r, **parts}
+    dn = parts["dn"]
     if len(node.inputs) > 1 and node.inputs[1]:
         dn = b.op("Mul", [dn, node.inputs[1]], hint="ln_dy")
     return dn
@@ -296,11 +295,10 @@ def _activation(b: _Builder, node: Node, dep: list[int], tx: dict[int, str]) -> 
 
 
 def _softmax(b: _Builder, node: Node, dep: list[int], tx: dict[int, str]) -> str:
-    """dy = y (dz - sum(y dz)) along the axis."""
+    """dy = y (dz - sum(y dz)) along the axis (operators/softmax.py)."""
     y = node.outputs[0]
     ax = int(node.attrs.get("axis", -1)) % b.env[y].dim()
-    s = b.op("ReduceSum", [b.op("Mul", [y, tx[0]]), b.ints([ax])], {"keepdims": 1})
-    return b.op("Mul", [y, b.op("Sub", [tx[0], s])])
+    return Softmax("Softmax", {"axis": ax}).scaled_derivative(b, tx[0], node.inputs[0], y, True)
 
 
 def _layernorm_rule(b: _Builder, node: Node, dep: list[int], tx: dict[int, str]) -> str:

@@ -167,7 +167,7 @@ class LayerNormalization(Operator):
         return math.sqrt(d - 1) * (1 + REL)
 
     # ball arithmetic
-    def arb(self, arb: Any) -> Callable[[Any], Any]:
+    def arb(self, arb: Any) -> Callable[..., Any]:
         """(x, scale, bias) -> y on object arrays of balls: (x - mean) (mean of its squares
         + eps)^-1/2 scale + bias over the axes from `axis` on."""
         eps = arb(self.eps)

@@ -5,14 +5,13 @@ The activations' every mode is their class's in lsa_models/operators/ (docs/oper
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
-from ...bounds.numerics import mul_up, sqrt_up
+from ...bounds.numerics import mul_up
 from ...operators import ACTIVATION_TYPES, ModeNotImplemented, activation
 from ...operators.activation import Activation
+from ...operators.softmax import Softmax
 from .base import (
-    SOFTMAX_LIPSCHITZ,
     Arg,
     Flow,
     Node,
@@ -57,15 +56,15 @@ class SoftmaxOp(Op):
     types = ("Softmax",)
 
     def run(self, node: Node, ins: list[Tensor | None], ctx: RunContext) -> list[Tensor]:
-        return [torch.softmax(ins[0], dim=int(node.attrs.get("axis", -1)))]  # type: ignore[arg-type]
+        assert ins[0] is not None
+        return [Softmax(node.op_type, node.attrs).evaluate(ins[0])]
 
     def bound(self, node: Node, args: list[Arg | None], out_shapes: list[tuple[int, ...]],
               norm: str) -> list[Flow | None]:
         a = args[0]
         assert isinstance(a, Flow)
-        axis = int(node.attrs.get("axis", -1)) % max(len(a.shape), 1)
-        # probabilities: a row along the softmax axis has 2-norm <= 1, any row <= sqrt(width)
-        radius = 1.0 if axis == len(a.shape) - 1 else sqrt_up(_row_width(a.shape))
-        return [Flow(mul_up(a.lip, SOFTMAX_LIPSCHITZ), radius, out_shapes[0])]
+        op = Softmax(node.op_type, node.attrs)  # operators/softmax.py
+        radius = op.token_radius(a.radius, _row_width(a.shape), len(a.shape))
+        return [Flow(mul_up(a.lip, op.global_factor()), radius, out_shapes[0])]
 
 

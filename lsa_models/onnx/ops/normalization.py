@@ -1,19 +1,22 @@
-"""LayerNormalization, the LayerNorm flow shared with the decomposed pattern, and RMSNorm's
-bound (the decomposed LLaMA/Qwen form is recognised in patterns.py)."""
+"""LayerNormalization (its modes: lsa_models/operators/normalization.py), the LayerNorm flow
+shared with the decomposed pattern, and RMSNorm's bound (the decomposed LLaMA/Qwen form is
+recognised in patterns.py)."""
 
 from __future__ import annotations
 
 import numpy as np
-import torch
 from torch import Tensor
 
-from ...bounds.formulas import layernorm_bound, linear_bound
+from ...bounds.formulas import linear_bound
 from ...bounds.layer_graph.families import rmsnorm_bound as _rmsnorm_bound
 from ...bounds.numerics import (
     add_up,
     mul_up,
     sqrt_up,
 )
+from ...operators import ModeNotImplemented
+from ...operators.normalization import LayerNormalization
+from ...operators.normalization import decimal_attr as decimal_attr  # read through onnx/ops
 from .base import (
     Arg,
     Flow,
@@ -34,10 +37,7 @@ class LayerNormOp(Op):
         x, scale = ins[0], ins[1]
         assert x is not None and scale is not None
         bias = ins[2] if len(ins) > 2 else None
-        axis = int(node.attrs.get("axis", -1)) % x.dim()
-        y = torch.nn.functional.layer_norm(x, tuple(x.shape[axis:]), scale, bias,
-                                           float(node.attrs.get("epsilon", 1e-5)))
-        return [y]
+        return [LayerNormalization(node.op_type, node.attrs).evaluate(x, scale, bias)]
 
     def bound(self, node: Node, args: list[Arg | None], out_shapes: list[tuple[int, ...]],
               norm: str) -> list[Flow | None]:
@@ -50,16 +50,8 @@ class LayerNormOp(Op):
         if int(node.attrs.get("axis", -1)) % len(a.shape) != len(a.shape) - 1:
             raise NotCertified(f"LayerNormalization node {node.name} normalises over more "
                                "than the last axis")
-        eps = decimal_attr(float(node.attrs.get("epsilon", 1e-5)))
+        eps = LayerNormalization(node.op_type, node.attrs).eps
         return [layernorm_flow(a, gamma, beta, eps, norm, out_shapes[0])]
-
-
-def decimal_attr(x: float) -> float:
-    """A float32 attribute read as the shortest decimal that rounds to it: the value the
-    exporter was given (eps=1e-5 is stored as 9.99999974738e-06). The native analyser reads
-    the configured value too; see docs/bounds.md, "Conventions"."""
-    return float(np.format_float_positional(np.float32(x), unique=True, trim="-")) \
-        if abs(x) >= 1e-30 else float(x)
 
 
 def layernorm_flow(a: Flow, gamma: np.ndarray, beta: np.ndarray | None, eps: float, norm: str,
@@ -67,9 +59,10 @@ def layernorm_flow(a: Flow, gamma: np.ndarray, beta: np.ndarray | None, eps: flo
     """Shared by the LayerNormalization op and the decomposed pattern (native rule's numbers)."""
     width = _row_width(shape)
     g = np.broadcast_to(np.asarray(gamma, dtype=np.float64), (width,))
-    if eps <= 0:
-        raise NotCertified("LayerNorm with epsilon <= 0 is not Lipschitz")
-    upper = layernorm_bound(g, eps, norm)
+    try:  # the op's global factor (operators/normalization.py)
+        upper = LayerNormalization("LayerNormalization").lipschitz(g, norm, eps)
+    except ModeNotImplemented:
+        raise NotCertified("LayerNorm with epsilon <= 0 is not Lipschitz") from None
     gmax = float(np.abs(g).max())
     b = 0.0 if beta is None else linear_bound(
         np.broadcast_to(np.asarray(beta, dtype=np.float64), (width,))[None, :], "2")

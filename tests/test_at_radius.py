@@ -338,3 +338,38 @@ def test_sweep_never_passes_the_first_order_radius(mlp: tuple[OnnxModel, Path],
         best, runs, _ = sweep._sweep(om, x, norm, label, margins, 30,
                                      adjoint=norm in sweep.ADJOINT_NORMS)
         assert 0 < best <= reach and runs >= 3
+
+
+class _TokensFirst(nn.Module):
+    """A classifier of one (N, D) input with no batch axis: its first axis is the tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.mix, self.head = nn.Linear(4, 6), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (N, D) -> (3,)
+        return self.head(torch.tanh(self.mix(x)).mean(0))
+
+
+def test_margins_on_a_graph_without_a_batch_axis(tmp_path: Path) -> None:
+    """On an (N, D) graph the centre's margins are the model's own (the graph run on X0 as its
+    input, not row by row as a batch of N), and a verdict at a radius is reached."""
+    from lsa_models.engine.local import centre_margins
+
+    net = _TokensFirst().eval()
+    x0 = torch.randn(5, 4, generator=torch.Generator().manual_seed(0))
+    torch.onnx.export(net, (x0,), tmp_path / "tokens.onnx", dynamo=False)
+    om = load_onnx((tmp_path / "tokens.onnx").read_bytes())
+    assert om.spec.rank == 2
+    x = x0.numpy().astype(np.float64)
+    with torch.no_grad():
+        want = net.double()(torch.from_numpy(x)).numpy()
+    label = int(np.argmax(want))
+    _, _, f64, margins, predicted = centre_margins(om, x, label, "inf")
+    assert predicted == label and sorted(margins) == [j for j in range(3) if j != label]
+    for j, m in margins.items():
+        assert m == pytest.approx(want[label] - want[j], abs=1e-6)
+    assert tuple(f64(torch.from_numpy(x)).shape) == want.shape
+    v = decide(om, x, label, "inf", 1e-4)
+    assert v.status == "certified"

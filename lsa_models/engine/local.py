@@ -144,16 +144,30 @@ class RobustnessResult:
     stopped_before: str | None = None
 
 
+class GraphAt(torch.nn.Module):
+    """The graph in float64 on one input shaped as the graph's input (the module's forward
+    reads the first axis of a graph without a batch axis, (N, D), as a batch: row by row)."""
+
+    def __init__(self, om: OnnxModel) -> None:
+        super().__init__()
+        self.graph = om.module.with_dtype(torch.float64)
+        self.out = om.spec.output_name
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: the graph input's shape
+        return self.graph.run_env(x.to(torch.float64), stop=self.out)[self.out]
+
+
 def centre_margins(model: Any, at: np.ndarray, label: int, norm: str
                    ) -> tuple[OnnxModel, np.ndarray, torch.nn.Module, dict[int, float], int]:
-    """(the graph, the checked centre X0, the float64 module, the margins f_label - f_j at X0
+    """(the graph, the checked centre X0, the graph in float64 on one input (`GraphAt`: what
+    the attack and the first-order radius differentiate), the margins f_label - f_j at X0
     less an allowance for the forward pass's rounding, the predicted class). ValueError for a
     bad norm, input or label."""
     if norm not in ("2", "inf"):
         raise ValueError(f"unknown norm {norm!r}; use '2' or 'inf'")
     om = as_onnx(model, np.asarray(at).shape[-2] if np.asarray(at).ndim >= 2 else None)
     x = check_center(om, at)
-    f64 = om.module.with_dtype(torch.float64)
+    f64 = GraphAt(om)
     with torch.no_grad():
         logits = f64(torch.from_numpy(x)).reshape(-1).numpy()
     k = logits.size

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -20,8 +21,8 @@ import torch
 from typer.testing import CliRunner
 
 from bench.local_models import build, center, export
-from lsa_models.engine import at_radius
 from lsa_models.engine import budget as budget_mod
+from lsa_models.engine import routes
 from lsa_models.engine.at_radius import decide, decide_all
 from lsa_models.engine.budget import Budget, check_time_budget
 from lsa_models.engine.local import RobustnessResult, robustness
@@ -51,9 +52,16 @@ def _label(om: OnnxModel, x0: np.ndarray) -> int:
 
 def _ticks(monkeypatch: pytest.MonkeyPatch) -> None:
     """The budgets' clock advances one second per look (a budget of k seconds is spent at
-    its k-th look)."""
+    its k-th look); no walk timed yet, and a first walk predicted to take one look."""
     clock = itertools.count()
     monkeypatch.setattr(budget_mod, "time", SimpleNamespace(monotonic=lambda: float(next(clock))))
+    _predict(monkeypatch, 1.0)
+
+
+def _predict(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+    """No walk timed yet; the size-based prediction of the first one is `seconds`."""
+    monkeypatch.setattr(routes, "_PLAIN_WALK_S", {})
+    monkeypatch.setattr(routes, "walk_estimate", lambda om, x: seconds)
 
 
 def _search(r: RobustnessResult) -> tuple[Any, ...]:
@@ -111,9 +119,12 @@ def test_a_budget_stops_a_verdict_at_a_prefix(
                     assert v.reason.startswith(f"the time budget ({looks:g} s) ")
                     assert v.walks <= full.walks and v.sweep_runs <= full.sweep_runs
                 else:
-                    assert (v.status, v.certified_by, v.walks, v.sweep_runs,
-                            v.flip_distance) == (full.status, full.certified_by, full.walks,
-                                                 full.sweep_runs, full.flip_distance)
+                    assert (v.status, v.certified_by, v.flip_distance) == \
+                        (full.status, full.certified_by, full.flip_distance)
+                    if v.status == "attacked":  # the attack first: no walk before it
+                        assert v.walks == v.sweep_runs == 0
+                    else:
+                        assert (v.walks, v.sweep_runs) == (full.walks, full.sweep_runs)
 
 
 def test_tiny_and_generous_budgets_on_the_clock(
@@ -131,7 +142,8 @@ def test_tiny_and_generous_budgets_on_the_clock(
     radius = 0.5 * full.certified_radius
     v = decide(om, x0, label, "2", radius, time_budget=1e-9)
     assert v.status == "unknown" and v.stopped_by_budget and v.walks == 0
-    assert v.reason == "the time budget (1e-09 s) ran out before the affine walk"
+    assert v.reason == "the time budget (1e-09 s) ran out before the attack"
+    assert v.stopped_before == "the attack" and v.proven_radius == 0.0
     assert decide(om, x0, label, "inf", radius, time_budget=3600).status == \
         decide(om, x0, label, "inf", radius).status == "certified"
 
@@ -181,11 +193,72 @@ def test_a_set_predicts_an_inputs_first_walk_from_the_last(
     _ticks(monkeypatch)
     first = decide(om, x0, label, "inf", 1e-4, time_budget=1000)
     assert first.status == "certified" and first.certified_by == "affine"
-    slow = at_radius._PLAIN_WALK_S[id(om)]
-    monkeypatch.setitem(at_radius._PLAIN_WALK_S, id(om), (slow[0], 5000.0))
+    slow = routes._PLAIN_WALK_S[id(om)]
+    monkeypatch.setitem(routes._PLAIN_WALK_S, id(om), (slow[0], 5000.0))
     v = decide(om, x0, label, "inf", 1e-4, time_budget=1000)
     assert v.status == "unknown" and v.walks == 0 and v.reason is not None
     assert v.reason.startswith("the time budget (1000 s) would run out in the affine walk")
+    assert v.stopped_before == "the affine walk"
+
+
+def _walks_cost(monkeypatch: pytest.MonkeyPatch, seconds: float) -> list[float]:
+    """A clock that only the affine walks move, each plain walk by `seconds` (the attack
+    and the sweep free); its reading, [now]."""
+    now = [0.0]
+    monkeypatch.setattr(budget_mod, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    plain = routes.AFFINE_STAGES[0]
+
+    def walk(*args: Any, **kw: Any) -> Any:
+        now[0] += seconds
+        return plain.run(*args, **kw)
+
+    monkeypatch.setattr(routes, "AFFINE_STAGES",
+                        (replace(plain, run=walk), *routes.AFFINE_STAGES[1:]))
+    return now
+
+
+def test_a_walk_predicted_past_the_budget_is_not_started(
+        mlp: tuple[OnnxModel, Path], searched: tuple[np.ndarray, int, RobustnessResult],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first walk's size-based prediction decides whether it starts: where it fits, the
+    verdict is the unbudgeted one and ends within the budget; where it does not, unknown at
+    once, naming the walk and its predicted time, nothing certified; the attack ran first."""
+    om, _ = mlp
+    x0, label, r = searched
+    radius = 0.5 * r.affine_radius
+    assert decide(om, x0, label, "inf", radius).certified_by == "affine"
+    now = _walks_cost(monkeypatch, 3.0)
+    _predict(monkeypatch, 3.0)
+    v = decide(om, x0, label, "inf", radius, time_budget=4.0)
+    assert (v.status, v.certified_by, v.walks, now[0]) == ("certified", "affine", 1, 3.0)
+    now[0] = 0.0
+    _predict(monkeypatch, 3.0)
+    v = decide(om, x0, label, "inf", radius, time_budget=2.0)
+    assert (v.status, v.walks, v.sweep_runs, now[0]) == ("unknown", 0, 0, 0.0)
+    assert v.stopped_by_budget and v.stopped_before == "the affine walk"
+    assert v.reason == "the time budget (2 s) would run out in the affine walk (predicted 3 s)"
+    assert v.proven_radius == 0.0 and v.certified_by is None
+    # an input the attack flips is answered though no walk fits
+    _predict(monkeypatch, 3.0)
+    assert r.attack_radius is not None
+    a = decide(om, x0, label, "inf", 1.05 * r.attack_radius, time_budget=2.0)
+    assert (a.status, a.walks, now[0]) == ("attacked", 0, 0.0)
+    # the radius search: no walk started, radius 0
+    _predict(monkeypatch, 3.0)
+    s = robustness(om, x0, label, "inf", time_budget=2.0)
+    assert (s.certified_radius, s.affine_walks, s.sweep_runs, now[0]) == (0.0, 0, 0, 0.0)
+    assert s.stopped_by_budget and s.stopped_before == "the affine walks"
+
+
+def test_the_walk_estimate_grows_with_the_input(mlp: tuple[OnnxModel, Path],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The size-based estimate: the forward pass's seconds (a counting clock here) times
+    WALK_PER_ENTRY per entry of the input."""
+    om, _ = mlp
+    x0 = center(5).numpy().astype(np.float64)
+    ticks = itertools.count()
+    monkeypatch.setattr(routes, "time", SimpleNamespace(perf_counter=lambda: float(next(ticks))))
+    assert routes.walk_estimate(om, x0) == routes.WALK_PER_ENTRY * x0.size
 
 
 @pytest.mark.parametrize("value", ["-1", "0", "nan", "inf", "abc", "1e9", ""])
@@ -226,7 +299,7 @@ def test_cli_budget_in_json_and_text(mlp: tuple[OnnxModel, Path], tmp_path: Path
     assert at["status"] == "unknown" and at["stopped_by_budget"] is True
     assert at["reason"].startswith("the time budget (1e-09 s) ran out")
     printed = run(app, [*one, "--radius", "0.01", "--time-budget", "1e-9"]).stdout
-    assert "unknown (the time budget (1e-09 s) ran out before the affine walk)" in printed
+    assert "unknown (the time budget (1e-09 s) ran out before the attack)" in printed
     many = ["robustness", str(path), "--inputs", str(tmp_path / "xs.npy"), "--labels",
             str(tmp_path / "ys.npy"), "--radius", "0.01", "--norm", "inf", "--time-budget",
             "1e-9"]
@@ -234,7 +307,7 @@ def test_cli_budget_in_json_and_text(mlp: tuple[OnnxModel, Path], tmp_path: Path
     s = json.loads(res.stdout)
     assert s["time_budget_s"] == 1e-9 and s["stopped_by_budget"] == 2
     assert [x["reason"] for x in s["samples"]] == [
-        "the time budget (1e-09 s) ran out before the affine walk"] * 2
+        "the time budget (1e-09 s) ran out before the attack"] * 2
     assert "input 1/2: unknown (stopped by the time budget)" in res.stderr
     assert "(2 unknown when the time budget of 1e-09 s per input ran out)" in \
         run(app, many).stdout

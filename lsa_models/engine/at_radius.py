@@ -15,15 +15,17 @@ first, is in `decide`):
                  point is returned: a counterexample, checked in float64);
   unknown:       neither (`reason` says why: the time budget, if one was given and ran out
                  first, or no route reached a verdict).
-With a time budget (budget.py) the steps stop once it is spent; a verdict reached is the one
-reached without it. Both certified routes are the ones `robustness` reports radii with, so a
-certified verdict at r is exactly as sound as a certified radius >= r.
+With a time budget (budget.py) the attack runs first (a flip is answered at once), a step
+predicted to overrun what is left is not started, and the steps stop once it is spent; a
+verdict reached is the one reached without it (a flip is a point of the ball, a certificate
+holds on all of it: never both), and an unknown one names the step it skipped and why. Both
+certified routes are the ones `robustness` reports radii with, so a certified verdict at r is
+exactly as sound as a certified radius >= r.
 """
 
 from __future__ import annotations
 
 import math
-import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -37,7 +39,7 @@ from ..onnx.loading import OnnxModel
 from . import routes
 from .budget import Budget, check_time_budget
 from .driver import Centre, center_sha256, check_center
-from .local import as_onnx, centre_margins
+from .local import GraphAt, as_onnx, centre_margins
 from .radius_search import first_order_radius
 from .route_errors import NOT_APPLICABLE
 from .routes import Route
@@ -73,27 +75,24 @@ class Verdict:
     # unknown: why (the budget that ran out, or what no route reached); None otherwise
     reason: str | None = None
     stopped_by_budget: bool = False  # unknown because the time budget ran out
-
-
-# the last plain walk's seconds on a graph (held with it, so its id is not reused): a set's
-# next input predicts its first walk from it under a time budget (a prediction only)
-_PLAIN_WALK_S: dict[int, tuple[OnnxModel, float]] = {}
-_PLAIN_WALK_LOCK = threading.Lock()
+    # the step the budget kept from running (its reason: spent, or predicted not to fit)
+    stopped_before: str | None = None
+    # unknown: the largest radius proven robust on the way (the sweep's; 0: none)
+    proven_radius: float | None = None
 
 
 def _affine(om: OnnxModel, x: np.ndarray, norm: str, label: int, radius: float, ctr: Centre,
             stages: list[Route], budget: Budget) -> tuple[str | None, float | None, int]:
     """(the stage that certified or None, the last smallest margin lower bound, walks); the
-    budget looked at before each walk."""
+    budget looked at before each walk, with the walk's predicted time (routes.py)."""
     low_min: float | None = None
     walks = 0
-    hit = _PLAIN_WALK_S.get(id(om))
-    if stages and not stages[0].options and budget.last == 0.0 and hit is not None \
-            and hit[0] is om:
-        # the plain walk's time on this graph before (a set's earlier input): its cost
-        budget.last = hit[1]
+    if stages and not stages[0].options and budget.timed:
+        # the plain walk's time on this graph before (a set's earlier input), else its
+        # size-based estimate
+        budget.last = routes.plain_walk_seconds(om, x)
     for stage in stages:
-        # its time predicted from the last walk's (the plain one's before the attack)
+        # its time predicted from the last walk's
         if budget.out(f"the {stage.label} walk", budget.last * stage.time_factor):
             break
         walks += 1
@@ -104,9 +103,7 @@ def _affine(om: OnnxModel, x: np.ndarray, norm: str, label: int, radius: float, 
             low = None
         budget.lap(began)
         if not stage.options:
-            with _PLAIN_WALK_LOCK:
-                _PLAIN_WALK_S.clear()  # one graph at a time (a set's)
-                _PLAIN_WALK_S[id(om)] = (om, budget.last)
+            routes.timed_plain_walk(om, budget.last)
         if not low:
             continue
         v = min(low.values())
@@ -114,6 +111,19 @@ def _affine(om: OnnxModel, x: np.ndarray, norm: str, label: int, radius: float, 
         if low_min is not None and low_min > 0:
             return stage.label, low_min, walks
     return None, low_min, walks
+
+
+def _attack(f64: torch.nn.Module, x: np.ndarray, label: int, norm: str, radius: float,
+            first: int, restarts: int, seed: int, budget: Budget
+            ) -> tuple[np.ndarray, float, int] | None:
+    """A flip the attack found in the ball (`_within`): its runs from the centre (first 0)
+    or its random restarts (first 1); None where none was, or the budget kept it from
+    running."""
+    if budget.out("the attack" if first == 0 else "the attack's restarts"):
+        return None
+    flip = attack_at(f64, x, label, norm, radius, restarts=1 if first == 0 else restarts,
+                     seed=seed, first=first)
+    return None if flip is None else _within(flip, x, radius, norm, f64, label)
 
 
 def _within(flip: np.ndarray, x: np.ndarray, radius: float, norm: str,
@@ -150,10 +160,11 @@ def decide(model: Any, at: np.ndarray, label: int, norm: str, radius: float, *,
            attack_restarts: int = 3, seed: int = 0, sweep: bool = True,
            time_budget: float | None = None) -> Verdict:
     """The verdict for one input (module docstring). `time_budget`: seconds from the call
-    (monotonic clock; None: none), looked at before each step, each affine walk and each of
-    the sweep's runs (budget.py): once spent, `unknown` with `stopped_by_budget` and the
-    smallest margin lower bound of the last walk. ValueError for a bad input, label, norm,
-    radius or budget."""
+    (monotonic clock; None: none), looked at before each step, each affine walk (with its
+    predicted time) and each of the sweep's runs (budget.py): once spent, or where the next
+    walk would overrun it, `unknown` with `stopped_by_budget`, `stopped_before`, the
+    smallest margin lower bound of the last walk and the radius proven so far. ValueError
+    for a bad input, label, norm, radius or budget."""
     if not (isinstance(radius, float | int) and math.isfinite(radius) and radius > 0):
         raise ValueError(f"radius must be finite and > 0, got {radius}")
     radius = float(radius)
@@ -172,25 +183,26 @@ def decide(model: Any, at: np.ndarray, label: int, norm: str, radius: float, *,
     if min(margins.values()) <= 0:
         return verdict("misclassified")
     # cheapest first: the plain walk, the attack's runs from the centre (where most flips
-    # are found), the costlier walks, the attack's random restarts, then the sweep
+    # are found), the costlier walks, the attack's random restarts, then the sweep; under a
+    # time budget the attack first (a flip answers at once, where a walk may not fit)
     ctr = Centre(om, x)
     stages = routes.affine_stages(om, x, norm)
+    plan: tuple[int | list[Route], ...] = (0, 1, stages[:1], stages[1:]) if budget.timed \
+        else (stages[:1], 0, stages[1:], 1)
     low: float | None = None
     walks = 0
-    for part, first in ((stages[:1], 0), (stages[1:], 1)):
-        by, low_part, w = _affine(om, x, norm, label, radius, ctr, part, budget)
+    for step in plan:
+        if isinstance(step, int):
+            hit = _attack(f64, x, label, norm, radius, step, attack_restarts, seed, budget)
+            if hit is not None:
+                return verdict("attacked", margin_lower=low, walks=walks, flip=hit[0],
+                               flip_distance=hit[1], flip_class=hit[2])
+            continue
+        by, low_part, w = _affine(om, x, norm, label, radius, ctr, step, budget)
         walks += w
         low = low if low_part is None else low_part
         if by is not None:
             return verdict("certified", certified_by=by, margin_lower=low, walks=walks)
-        if budget.out("the attack" if first == 0 else "the attack's restarts"):
-            break
-        flip = attack_at(f64, x, label, norm, radius, restarts=1 if first == 0
-                         else attack_restarts, seed=seed, first=first)
-        hit = None if flip is None else _within(flip, x, radius, norm, f64, label)
-        if hit is not None:
-            return verdict("attacked", margin_lower=low, walks=walks, flip=hit[0],
-                           flip_distance=hit[1], flip_class=hit[2])
     runs, best = 0, None
     beyond = not sweep or budget.stopped or radius >= _sweep_reach(f64, x, label, margins,
                                                                    norm)
@@ -200,7 +212,8 @@ def decide(model: Any, at: np.ndarray, label: int, norm: str, radius: float, *,
             return verdict("certified", certified_by="sweep", margin_lower=low, walks=walks,
                            sweep_runs=runs)
     return verdict("unknown", margin_lower=low, walks=walks, sweep_runs=runs,
-                   reason=_unknown_reason(budget, sweep, best), stopped_by_budget=budget.stopped)
+                   reason=_unknown_reason(budget, sweep, best), stopped_by_budget=budget.stopped,
+                   stopped_before=budget.stopped_before, proven_radius=best or 0.0)
 
 
 def _sweep_to(om: OnnxModel, x: np.ndarray, norm: str, label: int, margins: dict[int, float],
@@ -326,8 +339,7 @@ def _check_set(om: OnnxModel, inputs: np.ndarray, labels: np.ndarray) -> None:
         except ValueError as exc:
             raise ValueError(f"inputs[{i}]: {exc}") from None
     with torch.no_grad():
-        k = int(om.module.with_dtype(torch.float64)(
-            torch.from_numpy(check_center(om, inputs[0]))).numel())
+        k = int(GraphAt(om)(torch.from_numpy(check_center(om, inputs[0]))).numel())
     bad = np.flatnonzero((labels < 0) | (labels >= k))
     if bad.size:
         i = int(bad[0])

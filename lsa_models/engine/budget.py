@@ -1,9 +1,10 @@
 """A time budget for one input's radius search or decision (`local.robustness`,
 `at_radius.decide`): a deadline on the monotonic clock, looked at between the stages of the
 search (affine walks, attacks, sweep runs), never inside one. A stage that has started runs
-to its end; where the time of a like stage is known (the last affine walk, times the cost
-ratio of the next kind of walk; the last sweep run), a stage predicted to end past the
-deadline is not started, so an input overruns its budget by less than one stage's time.
+to its end; a stage predicted to end past the deadline is not started: an affine walk from
+the last walk timed on its graph (routes.plain_walk_seconds: a set's earlier input, or a
+size-based estimate before any), times the cost ratio of its kind (Route.time_factor); a
+sweep run from the last one. An input overruns its budget by at most a misprediction.
 
 Stopping early only loses tightness: each stage reports only what it certified, and a
 search stopped by its budget is a prefix of the same search without one (the stages run in
@@ -50,6 +51,11 @@ class Budget:
         if s is None:
             return cls()
         return cls(time.monotonic() + s, s)
+
+    @property
+    def timed(self) -> bool:
+        """Whether there is a deadline (predictions are worth making)."""
+        return self.deadline < math.inf
 
     @property
     def stopped(self) -> bool:

@@ -16,7 +16,7 @@ from ..onnx.loading import OnnxModel
 from .budget import Budget
 from .driver import Centre, margin_lower_bounds
 from .route_errors import NOT_APPLICABLE
-from .routes import AFFINE_STAGES
+from .routes import AFFINE_STAGES, plain_walk_seconds, timed_plain_walk
 
 # the affine route: the radius grows by AFFINE_GROWTH while certified, then bisection to a
 # relative width of AFFINE_TOL; at most AFFINE_WALKS walks
@@ -67,6 +67,8 @@ def affine_radius(om: OnnxModel, x: np.ndarray, norm: str, label: int, start: fl
         except NOT_APPLICABLE:
             low = None
         b.lap(began)
+        if not quad:
+            timed_plain_walk(om, b.last)
         v = -math.inf if not low else min(low.values())
         if not math.isfinite(v):
             v = -math.inf
@@ -164,11 +166,12 @@ def affine_route(om: OnnxModel, x: np.ndarray, norm: str, label: int, start: flo
     the second-order one from just past it and, on affine-eig's balls, the eigenvalue one (each
     stage's walks only, through `margin_lower_bounds`; bench/radius_search_replay.py runs
     this on recorded margins). Its progress fills the first AFFINE_SHARE of a radius job.
-    `budget`: looked at before each stage and between walks (the radius so far once it is
-    spent)."""
+    `budget`: looked at before each stage and between walks, the first walk's time predicted
+    (routes.plain_walk_seconds), each next one's from the last (the radius so far once it is
+    spent or the next walk would overrun it)."""
     plain, second, third = AFFINE_STAGES
     b = budget or Budget()
-    if b.out("the affine walks"):
+    if b.out("the affine walks", plain_walk_seconds(om, x) if b.timed else 0.0):
         return 0.0, 0
     aff, walks = affine_radius(om, x, norm, label, max(start, 1e-12),
                                _scaled_progress(progress, 0.0, AFFINE_SHARE),

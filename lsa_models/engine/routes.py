@@ -16,11 +16,14 @@ callers then keep the other routes' numbers; any other exception propagates.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
 from ..onnx.loading import OnnxModel
 from .budget import Budget
@@ -111,6 +114,49 @@ AFFINE_STAGES: tuple[Route, ...] = (
           f"{EIG_WALK_COST} second-order walks", _LOWER, margin_lower_bounds,
           {"quad": True, "eig": True}, EIG_WALK_COST),
 )
+
+# a plain walk's seconds over a forward pass's per input entry (the walk carries one symbol
+# per entry through every node): the prediction of a walk on a graph no walk was timed on
+# (a time budget's only; about 100-200 on the digits ViTs, wall and CPU seconds alike)
+WALK_PER_ENTRY = 100.0
+
+# the last plain walk's seconds on a graph (held with it, so its id is not reused): a set's
+# next input predicts its walks from it under a time budget
+_PLAIN_WALK_S: dict[int, tuple[OnnxModel, float]] = {}
+_PLAIN_WALK_LOCK = threading.Lock()
+
+
+def plain_walk_seconds(om: OnnxModel, x: np.ndarray) -> float:
+    """The predicted seconds of a plain affine walk at x: the last one timed on this graph,
+    else `walk_estimate`."""
+    hit = _PLAIN_WALK_S.get(id(om))
+    if hit is not None and hit[0] is om:
+        return hit[1]
+    return walk_estimate(om, x)
+
+
+def walk_estimate(om: OnnxModel, x: np.ndarray) -> float:
+    """A plain walk's seconds before any was timed: the graph's float64 forward pass at x
+    (the faster of two, on this machine as loaded now) times WALK_PER_ENTRY per entry of x."""
+    g = om.module.with_dtype(torch.float64)
+    out = om.spec.output_name
+    t = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float64))
+    best = float("inf")
+    with torch.no_grad():
+        for _ in range(2):
+            began = time.perf_counter()
+            g.run_env(t, stop=out)
+            best = min(best, time.perf_counter() - began)
+    return best * WALK_PER_ENTRY * x.size
+
+
+def timed_plain_walk(om: OnnxModel, seconds: float) -> None:
+    """A plain walk on `om` took `seconds`: the prediction of the next one (one graph at a
+    time: a set's)."""
+    with _PLAIN_WALK_LOCK:
+        _PLAIN_WALK_S.clear()
+        _PLAIN_WALK_S[id(om)] = (om, seconds)
+
 
 _RADIUS = "(the certified radius, engine runs, the margin constants at its last piece)"
 SWEEP_PASSES: tuple[Route, ...] = (

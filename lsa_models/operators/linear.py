@@ -21,7 +21,7 @@ constant and moves each row by at most the constant's row norm. Mul/Div by a con
 diagonal scaling: max |c| (1 / min |c| for Div). The product of two tensors whose tokens are
 bounded (R_a, R_b): A B - A' B' = (A - A') B + A' (B - B'), so Lip <= R_b Lip(a) + R_a Lip(b)
 in both norms and tokens have norm <= R_a R_b (docs/bounds.md, "Gated MLPs (SwiGLU)"). Neg is
-an isometry (and -x in ball arithmetic, `arb`).
+an isometry.
 
 The other modes live in the local engine today: the Jacobian enclosure (engine/rules.py,
 engine/affine_linear.py), the affine forms (engine/affine_linear.py, affine_rules.py), the
@@ -31,7 +31,7 @@ tangent and adjoint graphs (engine/tangent.py, adjoint.py), the forward error
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
@@ -307,9 +307,6 @@ class Neg(GlobalOperator):
         a = args[0]
         assert is_var(a)
         return [Out(a.lip, a.radius)]
-
-    def arb(self, arb: Any) -> Callable[[Any], Any]:
-        return lambda a: -a
 
 
 __all__ = ["AddSub", "Arg", "Gemm", "GlobalOperator", "MatMul", "MulDiv", "Neg", "Out",

@@ -97,7 +97,8 @@ LINEAR_MAPS: dict[str, type[GlobalOperator]] = {
     "ReduceMean": rd.Reduce, "ReduceSum": rd.Reduce, "ReduceMax": rd.Reduce,
     "Where": rd.Where,
 }
-OPERATORS.update(LINEAR_MAPS)
+# (not in OPERATORS yet: the engine reads `make` as "an elementwise or row-wise op", e.g.
+# forward_error's range fallback; it joins when those readers dispatch by family)
 
 
 def global_operator(op_type: str, attrs: Mapping[str, Any] | None = None

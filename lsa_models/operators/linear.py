@@ -1,6 +1,7 @@
 """The linear family: MatMul and Gemm by a constant, Add/Sub, Mul/Div by a constant (and the
-product of two token-bounded tensors), Neg; and the vocabulary of the global mode that every
-linear-map family (conv.py, layout.py, reduce.py) shares.
+product of two token-bounded tensors), Neg, Einsum; and the vocabulary of the global mode that
+every family with a global mode (conv.py, layout.py, reduce.py, masks.py, constants.py)
+shares.
 
 The global mode (the ONNX front end's rules, onnx/ops/) sees each operand either as a constant
 (a float64 array) or as an input-dependent tensor `Tracked`: `lip`, the Lipschitz constant of
@@ -9,7 +10,8 @@ largest entry), `radius`, a bound on every last-axis row's 2-norm (None: unknown
 `global_bound(args, out_shapes, norm)` answers one `Out(lip, radius)` per output; a use the op
 has no rule for raises `Refused`, whose `tail` completes "<op> node <name>" in the front end's
 refusal. `evaluate_inputs(ins, float_dtype, n_outputs)` is the torch value of a node of the op
-(`float_dtype`, the evaluator's float precision, is read by Cast only).
+(`float_dtype`, the evaluator's float precision, is read by Cast, Constant and
+ConstantOfShape).
 
 MatMul `x W` by a constant W (the row-vector convention) has constant `||W||` (2: spectral
 norm; inf: largest absolute row sum of W^T) and maps rows of norm r to rows of norm
@@ -21,7 +23,9 @@ constant and moves each row by at most the constant's row norm. Mul/Div by a con
 diagonal scaling: max |c| (1 / min |c| for Div). The product of two tensors whose tokens are
 bounded (R_a, R_b): A B - A' B' = (A - A') B + A' (B - B'), so Lip <= R_b Lip(a) + R_a Lip(b)
 in both norms and tokens have norm <= R_a R_b (docs/bounds.md, "Gated MLPs (SwiGLU)"). Neg is
-an isometry.
+an isometry. Einsum is evaluated (weight arithmetic folds to constants; attention's
+contractions are the recognised layer's, onnx/attention.py) and refused on other
+input-dependent operands.
 
 The other modes live in the local engine today: the Jacobian enclosure (engine/rules.py,
 engine/affine_linear.py), the affine forms (engine/affine_linear.py, affine_rules.py), the
@@ -78,6 +82,10 @@ class Unevaluable(NotImplementedError):
     def __init__(self, tail: str) -> None:
         super().__init__(tail.lstrip(" :"))
         self.tail = tail
+
+
+# the refusal of an op the global analysis meets on constants, or inside patterns, only
+OUTSIDE_PATTERN = " applied to an input-dependent tensor outside a recognised pattern"
 
 
 def is_var(a: Arg) -> bool:
@@ -309,6 +317,24 @@ class Neg(GlobalOperator):
         return [Out(a.lip, a.radius)]
 
 
-__all__ = ["AddSub", "Arg", "Gemm", "GlobalOperator", "MatMul", "MulDiv", "Neg", "Out",
-           "Refused", "Tracked", "Unevaluable", "ints", "is_var", "max_row_norm", "product_bound",
-           "right_linear", "row_width", "variables"]
+class Einsum(GlobalOperator):
+    """Appears in weight arithmetic (folded to constants) and in attention's contractions
+    (onnx/attention.py reads them as the layer's products); on other input-dependent operands
+    the global mode refuses it rather than guess which contraction it is."""
+
+    types = ("Einsum",)
+
+    def evaluate_inputs(self, ins: Sequence[Tensor | None], float_dtype: torch.dtype | None,
+                        n_outputs: int = 1) -> list[Tensor]:
+        eq = self.attrs["equation"]
+        eq = eq.decode() if isinstance(eq, bytes) else str(eq)
+        return [torch.einsum(eq, *[x for x in ins if x is not None])]
+
+    def global_bound(self, args: Sequence[Arg], out_shapes: list[tuple[int, ...]],
+                     norm: str) -> list[Out | None]:
+        raise self.refused(OUTSIDE_PATTERN)
+
+
+__all__ = ["OUTSIDE_PATTERN", "AddSub", "Arg", "Einsum", "Gemm", "GlobalOperator", "MatMul",
+           "MulDiv", "Neg", "Out", "Refused", "Tracked", "Unevaluable", "ints", "is_var",
+           "max_row_norm", "product_bound", "right_linear", "row_width", "variables"]

@@ -1,16 +1,12 @@
-"""The reduction family: ReduceMean, ReduceSum and ReduceMax; and Where by a constant mask.
+"""The reduction family: ReduceMean, ReduceSum and ReduceMax (Where: masks.py).
 
 A mean or a max of m entries is 1-Lipschitz in both norms; a sum of m entries is sqrt(m) in
 the 2-norm and m in the inf-norm (m: the input's entries per output entry). The reduced
-tensor's rows are not the input's tokens: no radius. Where with a constant condition selects
-entries: each output entry copies one entry of one branch, so the 2-norm constant is
-sqrt(Lx^2 + Ly^2) when both branches depend on the input (the max in the inf-norm, or with one
-input-dependent branch); an input-dependent condition, or a branch broadcast to the output,
-has no rule.
+tensor's rows are not the input's tokens: no radius.
 
-The other modes live in the local engine today: the Jacobian enclosure and the affine forms
-(engine/rules.py, engine/affine_linear.py, engine/affine_masks.py), the tangent and adjoint
-graphs (engine/tangent.py, adjoint.py), the forward error (engine/forward_error.py) and the ball
+The other modes live in the local engine today: the Jacobian enclosure (engine/rules.py), the
+affine forms (engine/affine_rules.py, engine/deferred.py), the tangent and adjoint graphs
+(engine/tangent.py, adjoint.py), the forward error (engine/forward_error.py) and the ball
 arithmetic (engine/forward_ball.py).
 """
 
@@ -22,7 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..bounds.numerics import add_up, mul_up, sqrt_up
+from ..bounds.numerics import mul_up, sqrt_up
 from .linear import Arg, GlobalOperator, Out, ints, is_var
 
 
@@ -58,30 +54,4 @@ class Reduce(GlobalOperator):
         return [Out(mul_up(a.lip, factor), None)]
 
 
-class Where(GlobalOperator):
-    types = ("Where",)
-
-    def evaluate_inputs(self, ins: Sequence[Tensor | None], float_dtype: torch.dtype | None,
-                        n_outputs: int = 1) -> list[Tensor]:
-        c, x, y = ins
-        assert c is not None and x is not None and y is not None
-        return [torch.where(c.bool(), x, y)]
-
-    def global_bound(self, args: Sequence[Arg], out_shapes: list[tuple[int, ...]],
-                     norm: str) -> list[Out | None]:
-        c, x, y = args
-        if is_var(c):
-            raise self.refused(" with an input-dependent condition")
-        flows = [f for f in (x, y) if is_var(f)]
-        if any(f.shape != out_shapes[0] for f in flows):
-            raise self.refused(" broadcasts an input-dependent tensor")
-        # a constant mask selects entries: each output entry copies one input entry
-        # (2-norm: the selected entries of both inputs, sqrt(Lx^2 + Ly^2); inf-norm: the max)
-        if len(flows) == 2 and norm == "2":
-            lip = sqrt_up(add_up(*(mul_up(f.lip, f.lip) for f in flows)))
-        else:
-            lip = max(f.lip for f in flows)
-        return [Out(lip, None)]
-
-
-__all__ = ["Reduce", "Where"]
+__all__ = ["Reduce"]

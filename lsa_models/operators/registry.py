@@ -9,9 +9,11 @@ from typing import Any
 
 from . import activation as act
 from . import arithmetic as ar
+from . import constants as cs
 from . import conv as cv
 from . import layout as lo
 from . import linear as li
+from . import masks as ms
 from . import reduce as rd
 from .activation import Activation
 from .arithmetic import Arithmetic
@@ -87,7 +89,7 @@ def by_kind(kind: str, attrs: Mapping[str, Any] | None = None) -> Activation | N
 # them through `global_operator`)
 LINEAR_MAPS: dict[str, type[GlobalOperator]] = {
     "MatMul": li.MatMul, "Gemm": li.Gemm, "Add": li.AddSub, "Sub": li.AddSub,
-    "Mul": li.MulDiv, "Div": li.MulDiv, "Neg": li.Neg,
+    "Mul": li.MulDiv, "Div": li.MulDiv, "Neg": li.Neg, "Einsum": li.Einsum,
     "Conv": cv.Conv,
     "Reshape": lo.Reshape, "Flatten": lo.Flatten, "Transpose": lo.Transpose,
     "Squeeze": lo.Squeeze, "Unsqueeze": lo.Squeeze, "Identity": lo.Identity,
@@ -95,19 +97,32 @@ LINEAR_MAPS: dict[str, type[GlobalOperator]] = {
     "GatherElements": lo.GatherElements, "Concat": lo.Concat, "Split": lo.Split,
     "Expand": lo.Expand,
     "ReduceMean": rd.Reduce, "ReduceSum": rd.Reduce, "ReduceMax": rd.Reduce,
-    "Where": rd.Where,
 }
+# the masks and clips: Where, the comparisons and logic, Trilu, Max/Min
+MASKS: dict[str, type[GlobalOperator]] = {
+    "Where": ms.Where, "Trilu": ms.Trilu, "Max": ms.MaxMin, "Min": ms.MaxMin,
+    **{t: ms.Compare for t in ms.Compare.types},
+}
+# what the global analysis evaluates on constants and shapes only (Exp, Sqrt, Reciprocal and
+# Pow there: their ONNX form on constants; the input-dependent ones are ARITHMETIC's)
+CONSTANTS: dict[str, type[GlobalOperator]] = {
+    "Constant": cs.Constant, "Shape": cs.Shape, "Size": cs.Shape,
+    "ConstantOfShape": cs.ConstantOfShape,
+    **{t: cs.ConstantFunction for t in cs.ConstantFunction.types},
+}
+GLOBAL_OPERATORS: dict[str, type[GlobalOperator]] = {**LINEAR_MAPS, **MASKS, **CONSTANTS}
 # (not in OPERATORS yet: the engine reads `make` as "an elementwise or row-wise op", e.g.
 # forward_error's range fallback; it joins when those readers dispatch by family)
 
 
 def global_operator(op_type: str, attrs: Mapping[str, Any] | None = None
                     ) -> GlobalOperator | None:
-    """The linear map, layout or reduction op for a node; None: not one."""
-    cls = LINEAR_MAPS.get(op_type)
+    """The op of a node's global mode (evaluation and rule); None: not one."""
+    cls = GLOBAL_OPERATORS.get(op_type)
     return None if cls is None else cls(op_type, attrs)
 
 
-__all__ = ["ACTIVATIONS", "ACTIVATION_TYPES", "ARITHMETIC", "ARITHMETIC_TYPES",
-           "FUSABLE_ACTIVATIONS", "LINEAR_MAPS", "NORMS", "OPERATORS", "activation",
-           "arithmetic", "arithmetic_by_kind", "by_kind", "global_operator", "make"]
+__all__ = ["ACTIVATIONS", "ACTIVATION_TYPES", "ARITHMETIC", "ARITHMETIC_TYPES", "CONSTANTS",
+           "FUSABLE_ACTIVATIONS", "GLOBAL_OPERATORS", "LINEAR_MAPS", "MASKS", "NORMS",
+           "OPERATORS", "activation", "arithmetic", "arithmetic_by_kind", "by_kind",
+           "global_operator", "make"]

@@ -250,15 +250,19 @@ def test_a_walk_predicted_past_the_budget_is_not_started(
     assert s.stopped_by_budget and s.stopped_before == "the affine walks"
 
 
-def test_the_walk_estimate_grows_with_the_input(mlp: tuple[OnnxModel, Path],
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """The size-based estimate: the forward pass's seconds (a counting clock here) times
-    WALK_PER_ENTRY per entry of the input."""
+def test_the_walk_estimate_counts_the_forms_entries(mlp: tuple[OnnxModel, Path]) -> None:
+    """The size-based estimate: WALK_ENTRY_S per entry of each computed tensor per input
+    entry (the coefficients the walk's forms carry), whatever the input's values."""
     om, _ = mlp
     x0 = center(5).numpy().astype(np.float64)
-    ticks = itertools.count()
-    monkeypatch.setattr(routes, "time", SimpleNamespace(perf_counter=lambda: float(next(ticks))))
-    assert routes.walk_estimate(om, x0) == routes.WALK_PER_ENTRY * x0.size
+    g = om.module.with_dtype(torch.float64)
+    with torch.no_grad():
+        env = g.run_env(torch.from_numpy(x0))
+    computed = [v for k, v in env.items() if k not in g.consts and v.is_floating_point()]
+    assert len(computed) > 2
+    want = routes.WALK_ENTRY_S * x0.size * sum(v.numel() for v in computed)
+    assert routes.walk_estimate(om, x0) == pytest.approx(want, rel=1e-12)
+    assert routes.walk_estimate(om, 3 * x0) == routes.walk_estimate(om, x0)
 
 
 @pytest.mark.parametrize("value", ["-1", "0", "nan", "inf", "abc", "1e9", ""])

@@ -17,7 +17,6 @@ callers then keep the other routes' numbers; any other exception propagates.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -115,10 +114,12 @@ AFFINE_STAGES: tuple[Route, ...] = (
           {"quad": True, "eig": True}, EIG_WALK_COST),
 )
 
-# a plain walk's seconds over a forward pass's per input entry (the walk carries one symbol
-# per entry through every node): the prediction of a walk on a graph no walk was timed on
-# (a time budget's only; about 100-200 on the digits ViTs, wall and CPU seconds alike)
-WALK_PER_ENTRY = 100.0
+# a plain walk's seconds per entry of the graph's tensors per input entry (the walk carries
+# one symbol per input entry through every tensor): the prediction of a walk on a graph no
+# walk was timed on (a time budget's only; 1.4-2.8e-6 s wall, 0.7-1.8e-6 s CPU on the
+# digits ViTs on a loaded 2-core machine; the forward pass's time predicts it worse: the
+# walk's cost per node differs far more than the forward's between operators)
+WALK_ENTRY_S = 2e-6
 
 # the last plain walk's seconds on a graph (held with it, so its id is not reused): a set's
 # next input predicts its walks from it under a time budget
@@ -136,18 +137,15 @@ def plain_walk_seconds(om: OnnxModel, x: np.ndarray) -> float:
 
 
 def walk_estimate(om: OnnxModel, x: np.ndarray) -> float:
-    """A plain walk's seconds before any was timed: the graph's float64 forward pass at x
-    (the faster of two, on this machine as loaded now) times WALK_PER_ENTRY per entry of x."""
-    g = om.module.with_dtype(torch.float64)
-    out = om.spec.output_name
-    t = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float64))
-    best = float("inf")
+    """A plain walk's seconds before any was timed: WALK_ENTRY_S times the entries of the
+    graph's computed tensors at x (one forward pass) times the entries of x."""
+    out = om.module.with_dtype(torch.float64)
+    consts = out.consts
     with torch.no_grad():
-        for _ in range(2):
-            began = time.perf_counter()
-            g.run_env(t, stop=out)
-            best = min(best, time.perf_counter() - began)
-    return best * WALK_PER_ENTRY * x.size
+        env = out.run_env(torch.from_numpy(np.ascontiguousarray(x, dtype=np.float64)))
+    entries = sum(v.numel() for k, v in env.items()
+                  if k not in consts and isinstance(v, torch.Tensor) and v.is_floating_point())
+    return WALK_ENTRY_S * entries * x.size
 
 
 def timed_plain_walk(om: OnnxModel, seconds: float) -> None:

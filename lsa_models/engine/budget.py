@@ -6,11 +6,13 @@ the last walk timed on its graph (routes.plain_walk_seconds: a set's earlier inp
 size-based estimate before any), times the cost ratio of its kind (Route.time_factor); a
 sweep run from the last one. An input overruns its budget by at most a misprediction.
 
-Stopping early only loses tightness: each stage reports only what it certified, and a
-search stopped by its budget is a prefix of the same search without one (the stages run in
-the same order, on the same inputs), so the radius it certified is at most the unbudgeted
-one and any verdict it reached is the unbudgeted one. A search that never found the budget
-spent is the unbudgeted search, to the bit.
+Stopping early, or skipping a stage, only loses tightness: each stage reports only what it
+certified. A radius search stopped by its budget is a prefix of the same search without one
+(the stages run in the same order, on the same inputs), so the radius it certified is at
+most the unbudgeted one; a verdict at a radius under a budget runs the attack before the
+walks, and reaches the unbudgeted verdict or none (a flip found and a certificate exclude
+each other). A search that never found the budget spent is the unbudgeted search, to the
+bit (at a radius, up to that order).
 """
 
 from __future__ import annotations

@@ -3,12 +3,12 @@
 One module per op family (auto_LiRPA's `operators/` layout): `linear` (MatMul, Gemm),
 `arithmetic` (Add/Sub/Mul/Div/Neg), `activation` (pointwise activations; Softmax),
 `normalization` (LayerNormalization), `conv` (Conv), `layout` (reshape, transpose, slice,
-gather, concat, ...), `reduce` (reductions, Where), `constant` (ops that only see constants or
-shapes). The activations', linear maps', layouts' and reductions' evaluation and global rule
-are their classes' in lsa_models/operators/ (docs/operators.md); `base.RegistryOp` reads them
-and names the node in their refusals. Each module registers its ops in `base.OPS` with
-`@register`; importing this package imports them all, so the registry is complete whenever
-`OPS` is reachable.
+gather, concat, ...), `reduce` (reductions), `constant` (constants, shapes, masks, Max/Min
+clips, Einsum). The activations', linear maps', layouts', reductions', masks' and constants'
+evaluation and global rule are their classes' in lsa_models/operators/ (docs/operators.md);
+`base.RegistryOp` reads them and names the node in their refusals. Each module registers its
+ops in `base.OPS` with `@register`; importing this package imports them all, so the registry
+is complete whenever `OPS` is reachable.
 """
 
 from __future__ import annotations

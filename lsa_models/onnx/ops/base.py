@@ -25,6 +25,7 @@ from torch import Tensor
 
 from ...bounds.layer_graph.values import Value
 from ...bounds.numerics import SILU_LIPSCHITZ  # noqa: F401  (re-exported for the ops)
+from ...operators.constants import from_proto
 from ...operators.layout import FLOAT_TYPES, element_dtype  # noqa: F401  (re-exported)
 from ...operators.linear import GlobalOperator, Refused, Unevaluable
 from ...operators.linear import ints as _ints  # noqa: F401  (the ops' shape arguments)
@@ -78,11 +79,7 @@ def torch_dtype(onnx_type: int, ctx: RunContext) -> torch.dtype:
 
 
 def tensor_from_proto(t: onnx.TensorProto, ctx: RunContext) -> Tensor:
-    arr = onnx.numpy_helper.to_array(t)
-    if np.issubdtype(arr.dtype, np.floating) and ctx.float_dtype == torch.float64:
-        return torch.from_numpy(arr.astype(np.float64))  # one pass: convert and own the copy
-    out = torch.from_numpy(np.array(arr, copy=True))
-    return out.to(ctx.float_dtype) if out.is_floating_point() else out
+    return from_proto(t, ctx.float_dtype)
 
 
 class Op:
@@ -101,7 +98,7 @@ class Op:
 
 class RegistryOp(Op):
     """An op whose evaluation and global rule are its class's in lsa_models/operators/ (the
-    registry's LINEAR_MAPS); its refusals name the node."""
+    registry's `global_operator`); its refusals name the node."""
 
     def operator(self, node: Node) -> GlobalOperator:
         op = global_operator(node.op_type, node.attrs)

@@ -1,5 +1,5 @@
-"""Reductions (ReduceSum/ReduceMean/ReduceMax) and Where; their evaluation and global rule are
-the classes' in lsa_models/operators/reduce.py."""
+"""Reductions (ReduceSum/ReduceMean/ReduceMax); their evaluation and global rule are the
+classes' in lsa_models/operators/reduce.py (Where: constant.py)."""
 
 from __future__ import annotations
 
@@ -8,4 +8,4 @@ from .base import RegistryOp, register
 
 @register
 class ReduceOp(RegistryOp):
-    types = ("ReduceMean", "ReduceSum", "ReduceMax", "Where")
+    types = ("ReduceMean", "ReduceSum", "ReduceMax")

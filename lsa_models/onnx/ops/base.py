@@ -31,8 +31,7 @@ from ...operators.linear import GlobalOperator, Refused, Unevaluable
 from ...operators.linear import ints as _ints  # noqa: F401  (the ops' shape arguments)
 from ...operators.linear import row_width as _row_width  # noqa: F401  (the ops' token widths)
 from ...operators.registry import global_operator
-
-SOFTMAX_LIPSCHITZ = 0.5  # ||diag(p) - p p^T|| <= 1/2 in the 2- and inf-norms
+from ...operators.softmax import LIPSCHITZ as SOFTMAX_LIPSCHITZ  # noqa: F401  (Softmax's own)
 
 
 @dataclass

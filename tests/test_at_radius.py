@@ -373,3 +373,24 @@ def test_margins_on_a_graph_without_a_batch_axis(tmp_path: Path) -> None:
     assert tuple(f64(torch.from_numpy(x)).shape) == want.shape
     v = decide(om, x, label, "inf", 1e-4)
     assert v.status == "certified"
+
+
+def test_margins_on_a_tokens_first_graph(tmp_path: Path) -> None:
+    """On the zoo's (N, 1, D) graph (tokens first, the batch axis second) the centre's
+    margins are the model's own."""
+    from lsa_models.engine.local import centre_margins
+    from tests.zoo.cases import _cases_l2
+
+    (case,) = [c for c in _cases_l2() if c.key == "l2-stpp[(N, 1, D)]"]
+    built = case.build()
+    torch.onnx.export(built.module, (built.example,), tmp_path / "stpp.onnx", dynamo=False)
+    om = load_onnx((tmp_path / "stpp.onnx").read_bytes())
+    x = built.example.numpy().astype(np.float64)
+    with torch.no_grad():
+        want = built.module.double()(torch.from_numpy(x)).reshape(-1).numpy()
+    label = int(np.argmax(want))
+    # the input as the engine takes it: (N, D), the graph's (N, 1, D) read from it
+    _, _, _, margins, predicted = centre_margins(om, x.reshape(x.shape[0], -1), label, "2")
+    assert predicted == label and len(margins) == want.size - 1
+    for j, m in margins.items():
+        assert m == pytest.approx(want[label] - want[j], abs=1e-6)

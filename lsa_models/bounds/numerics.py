@@ -300,6 +300,9 @@ def phi_inv_upper(n_minus_1: float) -> float:
 # sup_x |d/dx GELU(x)| = Phi(sqrt 2) + sqrt 2 phi(sqrt 2) = 1.128904... (exact GELU) and
 # 1.128993... for the tanh approximation (GPT-2's): one constant above both.
 GELU_LIPSCHITZ = 1.1290
+# The one table of these factors: the native models' layer graph reads it here and the
+# registry's classes (operators/activation.py, global_factor) read theirs from it, since
+# operators/ imports bounds/ and so bounds/ cannot read the classes.
 ACTIVATION_LIPSCHITZ: dict[str, float] = {
     "relu": 1.0,
     "tanh": 1.0,

@@ -17,7 +17,9 @@ import torch
 from scipy import special
 from torch import Tensor
 
-from ..bounds.numerics import GELU_LIPSCHITZ, U, add_up, mul_up, sqrt_up
+# ACTIVATION_LIPSCHITZ: the one table of these factors, read by the native models' layer
+# graph too (bounds/ sits below this package and cannot import it)
+from ..bounds.numerics import ACTIVATION_LIPSCHITZ, GELU_LIPSCHITZ, U, add_up, mul_up, sqrt_up
 from .base import ChainDiff, GraphBuilder, Iv, Operator, Sym, text_attr
 
 # sup |erf'| = 2/sqrt(pi) = 1.1283791670955126..., rounded up.
@@ -99,6 +101,7 @@ class Tanh(SigmoidShaped):
     types = ("Tanh",)
     kind = "tanh"
     bounds = (-1.0, 1.0)
+    lipschitz = ACTIVATION_LIPSCHITZ["tanh"]
     # tanh''' = -2 (1 - t^2)(1 - 3 t^2), t = tanh x: zero at t = +-1/sqrt 3
     crits = (-math.atanh(1.0 / math.sqrt(3.0)), math.atanh(1.0 / math.sqrt(3.0)))
 
@@ -129,7 +132,7 @@ class Sigmoid(SigmoidShaped):
     types = ("Sigmoid",)
     kind = "sigmoid"
     bounds = (0.0, 1.0)
-    lipschitz = 0.25
+    lipschitz = ACTIVATION_LIPSCHITZ["sigmoid"]  # 1/4
     through_zero = False  # values in (0, 1)
     # sigmoid''' = s (1 - s)(1 - 6 s + 6 s^2): zero at s = (3 -+ sqrt 3) / 6
     _crit = math.log((3.0 + math.sqrt(3.0)) / (3.0 - math.sqrt(3.0)))
@@ -254,7 +257,7 @@ class Gelu(Activation):
         return torch.nn.functional.gelu(x, approximate=self.approximate)
 
     def global_factor(self) -> float:
-        return GELU_LIPSCHITZ  # above both forms' sup |f'|
+        return ACTIVATION_LIPSCHITZ["gelu"]  # GELU_LIPSCHITZ: above both forms' sup |f'|
 
     def token_radius(self, radius: float | None, width: int) -> float | None:
         return None if radius is None else mul_up(GELU_LIPSCHITZ, radius)
@@ -324,7 +327,7 @@ class Relu(Activation):
         return torch.relu(x)
 
     def global_factor(self) -> float:
-        return 1.0
+        return ACTIVATION_LIPSCHITZ["relu"]  # 1
 
     def token_radius(self, radius: float | None, width: int) -> float | None:
         return None if radius is None else mul_up(1.0, radius)  # |relu(x)| <= |x|

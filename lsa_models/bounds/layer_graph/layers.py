@@ -58,7 +58,7 @@ class Norm(Layer):
 
 @dataclass
 class Activation(Layer):
-    act: str  # a key of numerics.ACTIVATION_LIPSCHITZ
+    act: str  # a key of numerics.LAYER_ACTIVATION_LIPSCHITZ
 
 
 @dataclass

@@ -250,6 +250,31 @@ def test_a_walk_predicted_past_the_budget_is_not_started(
     assert s.stopped_by_budget and s.stopped_before == "the affine walks"
 
 
+def test_a_sweep_run_predicted_past_the_budget_is_not_started(
+        mlp: tuple[OnnxModel, Path], searched: tuple[np.ndarray, int, RobustnessResult],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sweep's run at the centre predicts nothing: its runs on balls are predicted as
+    SWEEP_RUN_COST plain walks until one is timed; where that would not fit, unknown before
+    them, else the unbudgeted verdict."""
+    om, _ = mlp
+    x0, label, r = searched
+    radius = r.certified_radius * 0.999
+    full = decide(om, x0, label, "inf", radius)
+    assert full.certified_by == "sweep"
+    now = _walks_cost(monkeypatch, 1.0)  # each plain walk 1 s; the sweep's runs free
+    _predict(monkeypatch, 1.0)
+    tight = 1.0 + routes.SWEEP_RUN_COST - 0.5
+    v = decide(om, x0, label, "inf", radius, time_budget=tight)
+    assert (v.status, v.walks, v.sweep_runs, now[0]) == ("unknown", 1, 1, 1.0)
+    assert v.stopped_before == "the radius sweep's runs"
+    assert v.reason == (f"the time budget ({tight:g} s) would run out in the radius sweep's "
+                        f"runs (predicted {routes.SWEEP_RUN_COST:g} s)")
+    now[0] = 0.0
+    _predict(monkeypatch, 1.0)
+    v = decide(om, x0, label, "inf", radius, time_budget=tight + 1.0)
+    assert (v.status, v.certified_by, v.sweep_runs) == ("certified", "sweep", full.sweep_runs)
+
+
 def test_the_walk_estimate_counts_the_forms_entries(mlp: tuple[OnnxModel, Path]) -> None:
     """The size-based estimate: WALK_ENTRY_S per entry of each computed tensor per input
     entry (the coefficients the walk's forms carry), whatever the input's values."""

@@ -45,6 +45,9 @@ class Budget:
     stopped_before: str | None = None
     last: float = 0.0  # seconds of the last stage timed (`lap`): the next like one's cost
     predicted: float = 0.0  # > 0: stopped because the next stage would take this long
+    # a sweep run's predicted seconds on a ball of positive radius (routes.sweep_passes):
+    # the sweep's first run, at the centre, takes a fraction of one and predicts none
+    sweep_run: float = 0.0
 
     @classmethod
     def start(cls, seconds: float | None) -> Budget:

@@ -121,6 +121,10 @@ AFFINE_STAGES: tuple[Route, ...] = (
 # walk's cost per node differs far more than the forward's between operators)
 WALK_ENTRY_S = 2e-6
 
+# a sweep run on a ball of positive radius over a plain walk (16-20 on the digits ViTs): a
+# time budget's prediction of the sweep's runs before one is timed
+SWEEP_RUN_COST = 16.0
+
 # the last plain walk's seconds on a graph (held with it, so its id is not reused): a set's
 # next input predicts its walks from it under a time budget
 _PLAIN_WALK_S: dict[int, tuple[OnnxModel, float]] = {}
@@ -217,6 +221,8 @@ def sweep_passes(om: OnnxModel, x: np.ndarray, norm: str, label: int,
     sweep would walk 10 runs to stay below it; on an MLP it adds about 1% of radius).
     (the larger radius with its constants, the runs of both)."""
     first, second = SWEEP_PASSES
+    if budget.timed:
+        budget.sweep_run = SWEEP_RUN_COST * plain_walk_seconds(om, x)
     one = norm in second.norms and not has_attention(om)
     cut: list[bool] = []
     best, runs, consts = first(om, x, norm, label, margins, steps, progress, floor,

@@ -4,7 +4,8 @@ search (affine walks, attacks, sweep runs), never inside one. A stage that has s
 to its end; a stage predicted to end past the deadline is not started: an affine walk from
 the last walk timed on its graph (routes.plain_walk_seconds: a set's earlier input, or a
 size-based estimate before any), times the cost ratio of its kind (Route.time_factor); a
-sweep run from the last one. An input overruns its budget by at most a misprediction.
+sweep run on a ball from the last one, or before any (`sweep_run`) as routes.SWEEP_RUN_COST
+plain walks. An input overruns its budget by at most a misprediction.
 
 Stopping early, or skipping a stage, only loses tightness: each stage reports only what it
 certified. A radius search stopped by its budget is a prefix of the same search without one

@@ -13,7 +13,7 @@ what it was.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -21,7 +21,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .base import ChainDiff, GraphBuilder, IntervalOps, Iv, Operator, Sym
+from .base import ChainDiff, GraphBuilder, IntervalOps, Iv, Sym
+from .linear import OUTSIDE_PATTERN, Arg, GlobalOperator, Out
 
 F = Callable[[np.ndarray], np.ndarray]
 
@@ -70,12 +71,24 @@ SQRT_RELAXATION = Relaxation(np.sqrt, lambda x: 0.5 / np.sqrt(x),
                              lambda x: -0.25 / (x * np.sqrt(x)), (0.0, math.inf))
 
 
-class Arithmetic(Operator):
+class Arithmetic(GlobalOperator):
     """y = f(x) entrywise. `kind`: the name the local engine's elementwise functions go by;
-    `bounds`: the range of f (value ranges are clipped to it)."""
+    `bounds`: the range of f (value ranges are clipped to it). The global analysis evaluates
+    it on constants and has no rule on an input-dependent operand (exp and 1/x are not
+    globally Lipschitz): registry.CONSTANTS."""
 
     kind: ClassVar[str] = ""
     bounds: ClassVar[tuple[float, float]] = (-math.inf, math.inf)
+
+    def evaluate_inputs(self, ins: Sequence[Tensor | None], float_dtype: torch.dtype | None,
+                        n_outputs: int = 1) -> list[Tensor]:
+        x = ins[0]
+        assert x is not None
+        return [self.evaluate(x)]
+
+    def global_bound(self, args: Sequence[Arg], out_shapes: list[tuple[int, ...]],
+                     norm: str) -> list[Out | None]:
+        raise self.refused(OUTSIDE_PATTERN)
 
     def d1_range(self, lo: np.ndarray, hi: np.ndarray) -> Iv:
         return ends(self.d1, lo, hi)  # f' monotone on the domain
@@ -214,6 +227,12 @@ class Pow(Arithmetic):
 
     def evaluate(self, x: Tensor) -> Tensor:
         return torch.pow(x, self.p)
+
+    def evaluate_inputs(self, ins: Sequence[Tensor | None], float_dtype: torch.dtype | None,
+                        n_outputs: int = 1) -> list[Tensor]:
+        x, p = ins[0], ins[1]  # the ONNX node's exponent: a tensor operand
+        assert x is not None and p is not None
+        return [torch.pow(x, p)]
 
     def point(self, x: np.ndarray) -> np.ndarray:
         return np.power(x, self.p)

@@ -1,14 +1,15 @@
 """Ops the global analysis meets on constants and shapes only: Constant, Shape/Size,
 ConstantOfShape, and the elementwise functions of position and scale tables (Range, Mod, Log,
-Cos, Sin; Exp, Sqrt, Reciprocal and Pow where a graph computes a constant with them).
+Cos, Sin; Exp, Sqrt, Reciprocal and Pow, where a graph computes a constant with them, are their
+classes in arithmetic.py, which evaluate them here too).
 
 Their global mode evaluates them: a node whose inputs are all constants is a constant. On an
 input-dependent operand they have no rule: a Shape's output is a constant of any input (the
 front end never bounds it); the others are refused ("applied to an input-dependent tensor
 outside a recognised pattern") unless a pattern took their node first (decomposed LayerNorm
 and RMSNorm, GELU's Erf form, softmax's Exp). The input-dependent Exp, Sqrt, Reciprocal and
-Pow of the local engine are their classes' in arithmetic.py; here their evaluation is the same
-class's (Pow reads its exponent as an operand, a tensor, not an attribute).
+Pow are one class each in arithmetic.py, every mode (local and global: `evaluate_inputs`, Pow's
+exponent read as an operand, a tensor, not an attribute, and the same refusal as here).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import onnx
 import torch
 from torch import Tensor
 
-from .arithmetic import Exp, Reciprocal, Sqrt
 from .linear import OUTSIDE_PATTERN, Arg, GlobalOperator, Out, Unevaluable, ints
 
 
@@ -90,28 +90,23 @@ class ConstantOfShape(ConstantOnly):
         return [torch.full(shape, v.item(), dtype=v.dtype)]
 
 
-_ARITHMETIC = {"Exp": Exp, "Sqrt": Sqrt, "Reciprocal": Reciprocal}
 _TABLES = {"Cos": torch.cos, "Sin": torch.sin, "Log": torch.log}
 
 
 class ConstantFunction(ConstantOnly):
-    """Range, Mod, Log, Cos, Sin, Exp, Sqrt, Reciprocal and Pow on constants."""
+    """Range, Mod, Log, Cos, Sin on constants."""
 
-    types = ("Range", "Mod", "Log", "Cos", "Sin", "Exp", "Sqrt", "Reciprocal", "Pow")
+    types = ("Range", "Mod", "Log", "Cos", "Sin")
 
     def evaluate_inputs(self, ins: Sequence[Tensor | None], float_dtype: torch.dtype | None,
                         n_outputs: int = 1) -> list[Tensor]:
         t = self.op_type
         x = ins[0]
         assert x is not None
-        if t in _ARITHMETIC:
-            return [_ARITHMETIC[t](t).evaluate(x)]
         if t in _TABLES:
             return [_TABLES[t](x)]
         y = ins[1]
         assert y is not None
-        if t == "Pow":
-            return [torch.pow(x, y)]
         if t == "Mod":
             return [torch.fmod(x, y) if self.attrs.get("fmod", 0) else torch.remainder(x, y)]
         start, limit, delta = (v.item() for v in ins)  # type: ignore[union-attr]  # Range

@@ -103,12 +103,13 @@ MASKS: dict[str, type[GlobalOperator]] = {
     "Where": ms.Where, "Trilu": ms.Trilu, "Max": ms.MaxMin, "Min": ms.MaxMin,
     **{t: ms.Compare for t in ms.Compare.types},
 }
-# what the global analysis evaluates on constants and shapes only (Exp, Sqrt, Reciprocal and
-# Pow there: their ONNX form on constants; the input-dependent ones are ARITHMETIC's)
+# what the global analysis evaluates on constants and shapes only (ARITHMETIC's classes too:
+# one class per op, evaluated on constants, refused on an input-dependent operand)
 CONSTANTS: dict[str, type[GlobalOperator]] = {
     "Constant": cs.Constant, "Shape": cs.Shape, "Size": cs.Shape,
     "ConstantOfShape": cs.ConstantOfShape,
     **{t: cs.ConstantFunction for t in cs.ConstantFunction.types},
+    **ARITHMETIC,
 }
 GLOBAL_OPERATORS: dict[str, type[GlobalOperator]] = {**LINEAR_MAPS, **MASKS, **CONSTANTS}
 # (not in OPERATORS yet: the engine reads `make` as "an elementwise or row-wise op", e.g.

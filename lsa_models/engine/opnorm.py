@@ -2,7 +2,7 @@
 telescoping").
 
 The telescoped remainder of the output's Jacobian is a sum of terms
-`T_k = G_k (D_k(X) - D_k(X0)) J_in_k(X)` (driver.py). The entrywise bounds take absolute values
+`T_k = G_k (D_k(X) - D_k(X0)) J_in_k(X)` (telescope.py). The entrywise bounds take absolute values
 of G_k, of the change of D_k and of J_in_k, which in the 2-norm costs up to the square root of
 the dimensions (for a random n x m matrix W, || |W| ||_2 is about sqrt(nm)/(sqrt n + sqrt m)
 times ||W||_2). Here each term is bounded in the operator 2-norm instead,
@@ -98,7 +98,7 @@ def group_radius(v: LocalValue, ball: Ball, axes: int) -> np.ndarray:
     mn = np.sqrt(widen_up(np.square(mg).sum(axis=1), m)) * (1 + 4 * U)
     best = np.minimum(form, box)
     if v.tok_true is not None and v.tok_true.size * shape[-1] == v.center.size:
-        # the tokens' (last axis rows') telescoped radii (driver.tighten): the group's
+        # the tokens' (last axis rows') telescoped radii (telescope.Telescope.tighten): the group's
         # Frobenius change is the root sum of its rows' squared changes
         t = v.tok_true.reshape(-1, m // shape[-1])
         best = np.minimum(best, np.sqrt(widen_up(np.square(t).sum(axis=1), t.shape[1]))

@@ -397,7 +397,7 @@ def _softmax_derivative_block(v: LocalValue, ball: Ball) -> np.ndarray:
     |Cov(A, B^2)| <= (1/4) range(A) range(B^2) <= (1/4) sqrt(2) ||dz|| 2 ||u||^2 (a vector's
     range is at most sqrt 2 times its 2-norm; B^2 lies in [0, range(u)^2]), so
     ||DS[dz]||_2 <= ||dz||_2 / sqrt(2) (the two-point sup is sqrt(2/27) = 0.272 of it);
-    ||dz||_2 <= the row's token radius (telescoped in the operator norm, driver.tighten) or
+    ||dz||_2 <= the row's token radius (telescoped in the operator norm, Telescope.tighten) or
     its group radius."""
     rad = v.tok_rad if v.tok_rad is not None else \
         opnorm.group_radius(v, ball, 1)[..., None]

@@ -352,7 +352,7 @@ def layernorm(x: LocalValue, gamma: np.ndarray, beta: np.ndarray | None, eps: fl
     # or from the Jacobian enclosures of x and of u = P x (layernorm.token_radius): a 2-ball
     # moves a token by far less than its entrywise box says
     rho = np.minimum(rho, np.minimum(token_radius(x, ball), token_radius(u, ball)))
-    if x.tok_rad is not None:  # telescoped in the operator norm (driver.tighten)
+    if x.tok_rad is not None:  # telescoped in the operator norm (Telescope.tighten)
         rho = np.minimum(rho, x.tok_rad)
     slack = 1e-12 * (norm0 * norm0 / d + eps)  # rounding of these few float64 operations
     s_lo = np.maximum(norm0 - rho, 0.0) ** 2 / d + eps - slack

@@ -1,7 +1,7 @@
 """The local rule for Conv (docs/local-enclosure.md, "Conv"): a Conv with a constant kernel and
 bias on an input-dependent tensor is linear, y = K * x + b, so
 
-- centre: the op's float64 evaluation at X0 (the driver's forward pass);
+- centre: the op's float64 evaluation at X0 (centre.py's forward pass);
 - Jacobian centre `jc' = K * jc` (the kernel applied to each of the P input-direction slices,
   no bias), radius `jr' = |K| * jr`, widened by gamma_k |K| * |jc| for the rounding of jc'
   (k = C/g * prod kernel: the products summed per output entry);

@@ -44,7 +44,7 @@ from .values import FLOOR, LocalValue, gamma, widen_up
 SecondFn = Callable[[np.ndarray, np.ndarray, float], tuple[np.ndarray, np.ndarray]]
 # the rows' Hessians held at once (M P^2 float64 entries): beyond, the signed rows stand
 MAX_HESSIAN_ENTRIES = 4_000_000
-# the same for the entrywise enclosures of intermediate tensors (driver.tighten): each
+# the same for the entrywise enclosures of intermediate tensors (telescope.Telescope.tighten): each
 # checkpoint pays it again. 4.3e6 reaches the FFN hidden layer of an 8-token, D = 16
 # Transformer (N D_FF = 256 rows, P = 128), not only its residual stream: 4% tighter on a
 # 2-layer one's inf-ball for 1.3x the time, peak RSS 0.8 GB
@@ -67,7 +67,7 @@ def elementwise_second(v: LocalValue, dm: np.ndarray, mc: np.ndarray,
     dmf = dm.reshape(-1)
     du = widen_up(v.rad + mc, 2).reshape(-1)  # |u_b(X) - u_b(X0)| over the ball
     # |eps_b| = |du_b - jc_u,b . d| <= eps ||jr_u,b||_1 (mean value), or the checkpoint's
-    # second-order bound on it (second.value_radius) where the driver set one
+    # second-order bound on it (second.value_radius) where Telescope.tighten set one
     epsb = eps_part(v)
     jc1 = widen_up(ajc.sum(axis=1), p)  # ||jc_u,b||_1
     m = np.zeros_like(dmf)
@@ -145,7 +145,7 @@ def _signed_c2(gs: np.ndarray, fm: np.ndarray, m: np.ndarray, jc: np.ndarray,
 
 def eps_part(v: LocalValue) -> Callable[[float], np.ndarray]:
     """eps -> a bound on |u_b(X) - u_b(X0) - jc_b . d| per entry b (B,): eps ||jr_b||_1, or
-    smaller where the driver's checkpoint set `nonlin` (second.value_radius)."""
+    smaller where a checkpoint set `nonlin` (Telescope.tighten, second.value_radius)."""
     p = v.jc.shape[-1]
     jr1 = widen_up(v.jr.reshape(-1, p).sum(axis=1), p)
     nl = v.nonlin

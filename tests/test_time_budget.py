@@ -28,6 +28,7 @@ from lsa_models.engine.budget import Budget, check_time_budget
 from lsa_models.engine.local import RobustnessResult, robustness
 from lsa_models.onnx import OnnxModel, load_onnx
 from service.cli import app
+from service.robustness.verdicts import verdict_json
 
 
 @pytest.fixture(scope="module")
@@ -238,6 +239,9 @@ def test_a_walk_predicted_past_the_budget_is_not_started(
     assert v.stopped_by_budget and v.stopped_before == "the affine walk"
     assert v.reason == "the time budget (2 s) would run out in the affine walk (predicted 3 s)"
     assert v.proven_radius == 0.0 and v.certified_by is None
+    out = verdict_json(v)  # a set report's line says the same
+    assert (out["stopped_by_budget"], out["stopped_before"], out["proven_radius"]) == (
+        True, "the affine walk", 0.0)
     # an input the attack flips is answered though no walk fits
     _predict(monkeypatch, 3.0)
     assert r.attack_radius is not None

@@ -131,7 +131,7 @@ def check_label(runtime: Runtime, model: ModelRef, x0: np.ndarray, label: int) -
     import torch  # deferred: seconds at start-up
 
     from lsa_models.engine.driver import center_sha256, check_center
-    from lsa_models.engine.local import as_onnx
+    from lsa_models.engine.local import GraphAt, as_onnx
 
     loaded = load_model(runtime, model)
     try:
@@ -140,7 +140,7 @@ def check_label(runtime: Runtime, model: ModelRef, x0: np.ndarray, label: int) -
     except (ValueError, TypeError) as exc:
         raise InvalidRequest(f"at: {exc}") from None
     with torch.no_grad():
-        k = int(om.module.with_dtype(torch.float64)(torch.from_numpy(x)).numel())
+        k = int(GraphAt(om)(torch.from_numpy(x)).numel())
     if not 0 <= label < k:
         raise InvalidRequest(f"label must be in 0..{k - 1} (the model has {k} outputs), got "
                              f"{label}")

@@ -61,7 +61,8 @@ def verdict_json(v: Any) -> dict[str, Any]:
             "flip_distance": v.flip_distance, "flip_class": v.flip_class,
             "center_sha256": v.center_sha256, "affine_walks": v.walks,
             "sweep_runs": v.sweep_runs, "seconds": v.seconds,
-            "stopped_by_budget": v.stopped_by_budget, "reason": v.reason}
+            "stopped_by_budget": v.stopped_by_budget, "stopped_before": v.stopped_before,
+            "proven_radius": v.proven_radius, "reason": v.reason}
 
 
 def inputs_sha256(xs: np.ndarray, labels: Any) -> str:

@@ -16,7 +16,7 @@ the symbol budget, the margins' lower bounds and the per-token radii; quadform.p
 second-order symbols' quadratic forms; affine_rules.py the rules, one node at a time, and the
 standalone walk.
 
-driver._walk runs the rules in lockstep with the Jacobian enclosure (each op's inputs narrowed
+jacobian_walk.walk runs the rules in lockstep with the Jacobian enclosure (each op's inputs narrowed
 to the enclosure's ranges, the enclosure's outputs intersected with the forms'); alone they
 bound the classification margins on a ball, the certified radius's second route (local.py).
 """
@@ -74,7 +74,7 @@ class Aff:
     stochastic: bool = False
     # entries an attention mask sets to -inf (or below MASKED_BELOW) everywhere on the ball:
     # their c, m, o, a, b are 0 and never read as values, only a Softmax reads the mask (as
-    # probability 0); every other rule refuses a masked form (affine_rules._masks)
+    # probability 0); every other rule refuses a masked form (affine_masks._masks)
     masked: np.ndarray | None = None
 
     @property
@@ -107,7 +107,7 @@ PAIRS: ContextVar[tuple[int, int] | None] = ContextVar("pair_symbols", default=N
 # any other noise symbol; they are functions of d alone, shared by every form of the walk.
 # Products put the exact quadratic part (u_x . d)(u_y . d) = d^T M d of their input parts on
 # them, d^T M d = eps^2 / 2 tr M + sum_{p<q} eps^2 (M_pq + M_qp) sigma_pq
-# + sum_p eps^2 M_pp / 2 sigma_pp (affine_rules._to_quad), instead of a fresh symbol per
+# + sum_p eps^2 M_pp / 2 sigma_pp (affine_products._to_quad), instead of a fresh symbol per
 # entry: later sums of such products keep their cancellations (the attention scores' and
 # P @ V's quadratic terms feed every later layer).
 QUAD: ContextVar[int | None] = ContextVar("quad_symbols", default=None)

@@ -1,7 +1,8 @@
 """Telescoped terms with the adjoint's signs kept (docs/local-second-order.md, "Signed adjoints").
 
-The driver's remainder term of an op k is `G_k (D_k(X) - D_k(X0)) J_in(X)`; the rules bound it
-from `|G_k|`, so the signs of the adjoint are lost before the op's Jacobian change is bounded.
+The telescoped remainder term (telescope.py) of an op k is `G_k (D_k(X) - D_k(X0)) J_in(X)`;
+the rules bound it from `|G_k|`, so the signs of the adjoint are lost before the op's
+Jacobian change is bounded.
 For an op whose local Jacobian acts on one token at a time (LayerNorm), the row vector
 `phi_i(x) = G_k,i D_k(x)` is the gradient of the scalar `h_i(x) = G_k,i . op(x)`, and
   |phi_i(x) - phi_i(x0)| <= sup_box |hess h_i| |x - x0|                  (entrywise)
@@ -52,7 +53,7 @@ class SignedTerm:
 
 def bind(u: LocalValue, g: np.ndarray, ga: np.ndarray) -> LocalValue:
     """u with its term and parts tightened by the signed bound for the adjoint g (ga: the
-    |G| bound the driver passes to the term). Both bounds hold, so their entrywise minimum
+    |G| bound the telescope passes to the term). Both bounds hold, so their entrywise minimum
     does."""
     st = u.term
     if not isinstance(st, SignedTerm):
@@ -94,7 +95,7 @@ def bind(u: LocalValue, g: np.ndarray, ga: np.ndarray) -> LocalValue:
 # numel(jc_x) = 16384)
 RELATIONAL_MAX_ENTRIES = 10_000_000
 # the same for the output's own rows, bound a few times per certificate rather than at every
-# checkpoint (driver._Telescope sets RELATIONAL_CAP while it binds them): GPT-2 1.069 -> 1.038
+# checkpoint (telescope.Telescope sets RELATIONAL_CAP while it binds them): GPT-2 1.069 -> 1.038
 # in the same time (55 s), x-transformers 21.76 -> 21.30
 RELATIONAL_OUTPUT_MAX_ENTRIES = 20_000_000
 RELATIONAL_CAP: ContextVar[int | None] = ContextVar("relational_cap", default=None)

@@ -90,12 +90,12 @@ def _rule_of(om: OnnxModel, x0: np.ndarray, eps: float, y0: np.ndarray
         local_jacobian(om, x0, eps, "inf")
     assert calls, "the second-order rows were not run"
     terms, _ = calls[-1]
-    hits = [(g, ga, u) for g, ga, u, _ in terms if u.second is not None
-            and u.second[0] is u.term and u.center.size == y0.size
+    hits = [(g, ga, u) for g, ga, u, _ in terms if u.remainder is not None
+            and u.remainder.second is not None and u.center.size == y0.size
             and np.allclose(u.center.reshape(-1), y0, rtol=1e-6, atol=1e-9)]
     assert len(hits) == 1
     g, ga, u = hits[0]
-    got = u.second[1](g, ga, eps)
+    got = u.remainder.second(g, ga, eps)
     _LAST_RULE[:] = [got]
     hess, rest = got
     return hess, rest, g.reshape(g.shape[0], -1)
@@ -192,14 +192,14 @@ def test_second_rule_bounds_each_term_at_points_of_the_ball(seed: int, eps: floa
                                                              model.pre(c), strict=True)]
     checked = 0
     for g, ga, u, _bound in terms:
-        if u.second is None or u.second[0] is not u.term:
+        if u.remainder is None or u.remainder.second is None:
             continue
         # a1's output has 12 entries, a2's 8 (the centres agree to the export's float32)
         which = [k for k in range(2) if y0[k].shape == u.center.reshape(-1).shape
                  and np.allclose(y0[k], u.center.reshape(-1), rtol=1e-4, atol=1e-6)]
         assert len(which) == 1
         k = which[0]
-        got = u.second[1](g, ga, eps)
+        got = u.remainder.second(g, ga, eps)
         hess, rest = got
         s0 = _slope(act, model.pre(c)[k])
         gs = g.reshape(g.shape[0], -1)

@@ -10,9 +10,9 @@ times ||W||_2). Here each term is bounded in the operator 2-norm instead,
 with the op's Jacobian change factored as B_k C_k where B_k is a diagonal or block-diagonal
 scaling whose blocks are known in norm. The signs of the adjoint G_k are kept.
 
-A rule attaches `LocalValue.opnorm = (term, fn)`: `fn(G)` bounds sup ||G (D(X) - D(X0))
-J_in(X)||_2 over the ball for the signed adjoint G (K, *S). The driver uses it only while
-`opnorm[0] is term` (a rule that replaces a value's term invalidates its opnorm).
+A rule attaches `fn` as `OpRemainder.opnorm` (values.py), next to the term it bounds:
+`fn(G)` bounds sup ||G (D(X) - D(X0)) J_in(X)||_2 over the ball for the signed adjoint G
+(K, *S). A rule that replaces a value's term builds a new OpRemainder, without it.
 """
 
 from __future__ import annotations
@@ -226,19 +226,19 @@ def rows_bound(terms: list, rnd: np.ndarray, groups: list[np.ndarray], margin: f
     not finite. `plain_of(u, ga)`: u.term(ga) (a caller's memo of it)."""
     out = _group_norms(rnd, groups)
     for ga, u, g in terms:
-        term, op = u.term, u.opnorm
-        assert term is not None
+        assert u.remainder is not None
+        term, op = u.remainder.term, u.remainder.opnorm
         plain = _finite(lambda: term(ga) if plain_of is None  # noqa: B023 (called at once)
                         else plain_of(u, ga))  # noqa: B023
         norms = np.full(len(groups), math.inf) if plain is None else _group_norms(plain, groups)
-        live = op is not None and op[0] is term
+        live = op is not None
         err = _finite(lambda: term(margin * (np.abs(g) + float(np.abs(g).max())))) \
             if live else None  # noqa: B023
         for r, sl in enumerate(groups):
             best = float(norms[r])
             if live and op is not None and err is not None and np.all(np.isfinite(err[sl])):
                 with contextlib.suppress(ValueError, np.linalg.LinAlgError):
-                    best = min(best, add_up(op[1](g[sl]), frobenius_upper(err[sl])))
+                    best = min(best, add_up(op(g[sl]), frobenius_upper(err[sl])))
             out[r] = add_up(float(out[r]), best)
     if not np.all(np.isfinite(out)):
         return None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 
@@ -22,6 +23,7 @@ from .values import (
     Ball,
     LocalNotCertified,
     LocalValue,
+    OpRemainder,
     Parts,
     center_margin,
     dual_row_norms,
@@ -88,9 +90,9 @@ def elementwise(v: LocalValue, kind: Kind, out_center: np.ndarray, ball: Ball,
         c2 = widen_up((c @ np.abs(fm.reshape(n, -1))) * dmb, n + 2)
         split = [(c, v.jc.reshape(-1, p), frest.reshape(-1, p)), (c2, src, np.zeros_like(src))]
         return PartsChoice([base, split])  # the bounds take the better (structured.py)
-    out.term, out.parts = term, parts
+    sec = op = None
     if ball.norm == "inf":
-        out.second = (term, elementwise_second(v, dr + dr0, mc, curv2))
+        sec = elementwise_second(v, dr + dr0, mc, curv2)
         b = v.center.size
         if b * b <= MAX_JFAC_ENTRIES:
             # J_y(X) - jc_y = delta (jc_x + R_x) + dc R_x + (dc jc_x - fl(dc jc_x)), |delta| <= dr
@@ -100,7 +102,8 @@ def elementwise(v: LocalValue, kind: Kind, out_center: np.ndarray, ball: Ball,
         kap = None
         if curv is not None:  # |f''| over both x(X) and x(X0): the range and the centre's
             kap = curv(np.minimum(v.lo, v.center - mc), np.maximum(v.hi, v.center + mc))
-        out.opnorm = (term, opnorm.elementwise(dr + dr0, v.jc, v.jr, v.jnorm, kap, ball.eps))
+        op = opnorm.elementwise(dr + dr0, v.jc, v.jr, v.jnorm, kap, ball.eps)
+    out.remainder = OpRemainder(term, parts, op, sec)
     return out
 
 
@@ -187,30 +190,33 @@ def product(a: LocalValue | np.ndarray, b: LocalValue | np.ndarray, out_center: 
             return np.broadcast_to(x, (*s, p)).reshape(-1, p)
         return [(h1.reshape(k, -1), flat(ajc, s1), flat(ajr, s1)),
                 (h2.reshape(k, -1), flat(bjc, s2), flat(bjr, s2))]
-    out.term, out.parts = term, parts
-    _product_rules(out, a, b, ball, matmul, ar + am, br + bm)
+    out.remainder = _product_rules(OpRemainder(term, parts), out.shape, a, b, ball, matmul,
+                                   ar + am, br + bm)
     return out
 
 
-def _product_rules(out: LocalValue, a: LocalValue | np.ndarray, b: LocalValue | np.ndarray,
-                   ball: Ball, matmul: bool, ar2: np.ndarray, br2: np.ndarray) -> None:
-    """Attach the signed, second-order (inf-ball) and operator-norm (2-ball) forms of a
-    product's term; `ar2`, `br2` bound the operands' moves."""
-    term, parts, shape = out.term, out.parts, out.shape
-    assert term is not None and parts is not None
+def _product_rules(rem: OpRemainder, shape: tuple[int, ...], a: LocalValue | np.ndarray,
+                   b: LocalValue | np.ndarray, ball: Ball, matmul: bool, ar2: np.ndarray,
+                   br2: np.ndarray) -> OpRemainder:
+    """A product's remainder `rem` (term and parts) with its signed, second-order (inf-ball)
+    and operator-norm (2-ball) forms; `ar2`, `br2` bound the operands' moves."""
+    term, parts = rem.term, rem.parts
+    assert parts is not None
     if isinstance(a, LocalValue) and isinstance(b, LocalValue):
         if not matmul:
             if ball.norm == "inf":
-                out.second = (term, mul_second(a, b, shape, ar2, br2, term))
+                rem = replace(rem, second=mul_second(a, b, shape, ar2, br2, term))
         elif a.center.ndim == b.center.ndim == len(shape) >= 2 \
                 and a.shape[:-2] == b.shape[:-2] == shape[:-2]:
-            out.term = SignedTerm(term, parts, _matmul_signed(a, b, br2, ar2, ball))
+            rem = OpRemainder(SignedTerm(term, parts, _matmul_signed(a, b, br2, ar2, ball)),
+                              parts)
             if ball.norm == "inf":
-                out.second = (out.term, matmul_second(a, b, ar2, br2, term))
+                rem = replace(rem, second=matmul_second(a, b, ar2, br2, term))
     if ball.norm == "2":
         fn = opnorm.matmul(a, b, shape, ball) if matmul else _mul_opnorm(a, b, shape)
-        if fn is not None and out.term is not None:
-            out.opnorm = (out.term, fn)
+        if fn is not None:
+            rem = replace(rem, opnorm=fn)
+    return rem
 
 
 def _mul_opnorm(a: LocalValue | np.ndarray, b: LocalValue | np.ndarray,
@@ -374,18 +380,18 @@ def softmax(v: LocalValue, axis: int, out_center: np.ndarray, ball: Ball) -> Loc
         k, p = g.shape[0], jc_in.shape[-1]
         h = (np.moveaxis(np.abs(g), ax + 1, -1)[..., None, :] @ (sr + sr0))[..., 0, :]
         return [(h.reshape(k, -1), jc_in.reshape(-1, p), jr_in.reshape(-1, p))]
-    out.term, out.parts = term, parts
     sfn = _softmax_signed(out, ax, pc, sr + sr0, ball)
-    out.term = SignedTerm(term, parts, sfn)
+    rem = OpRemainder(SignedTerm(term, parts, sfn), parts)
     if ball.norm == "inf" and ax == len(v.shape) - 1:
-        out.second = (out.term, softmax_second(v, plo, phi, pc, mc, term, sfn))
+        rem = replace(rem, second=softmax_second(v, plo, phi, pc, mc, term, sfn))
     if ball.norm == "2":
         rows = _softmax_block(plo, phi, sr + sr0)
         last = ax == len(v.shape) - 1
         if last:
             rows = np.minimum(rows, _softmax_derivative_block(v, ball))
-        out.opnorm = (out.term, opnorm.blockwise(float(rows.max()), v.jc, v.jr, known=v.jnorm,
-                                                 blocks=rows if last else None))
+        rem = replace(rem, opnorm=opnorm.blockwise(float(rows.max()), v.jc, v.jr, known=v.jnorm,
+                                                   blocks=rows if last else None))
+    out.remainder = rem
     return out
 
 

@@ -24,7 +24,16 @@ from .layernorm import chain_errors, token_radius
 from .layernorm import direct as ln_direct
 from .opnorm import blockwise as op_blockwise
 from .opnorm import nonneg_block_norms
-from .values import Ball, LocalNotCertified, LocalValue, Parts, center_margin, enclose, widen_up
+from .values import (
+    Ball,
+    LocalNotCertified,
+    LocalValue,
+    OpRemainder,
+    Parts,
+    center_margin,
+    enclose,
+    widen_up,
+)
 from .values import gamma as gamma_k
 
 Arg = LocalValue | np.ndarray | None
@@ -276,7 +285,8 @@ def _divide(node: Node, args: list[Arg], centers: list[np.ndarray | None],
 
     def parts(g: np.ndarray) -> list[Parts]:
         return prod_parts(g) + inv_parts(_unbroadcast(g * np.abs(ac), inv.shape))
-    out.term, out.parts = term, parts
+    # a new term: the product's opnorm and second-order rules bound the product's alone
+    out.remainder = OpRemainder(term, parts)
     return out
 
 
@@ -401,12 +411,12 @@ def layernorm(x: LocalValue, gamma: np.ndarray, beta: np.ndarray | None, eps: fl
         k, p = gy.shape[0], x.jc.shape[-1]
         h = (np.abs(gy * g)[..., None, :] @ srs)[..., 0, :] * (1 + gamma_k(2 * d))
         return [(h.reshape(k, -1), x.jc.reshape(-1, p), x.jr.reshape(-1, p))]
-    out.term, out.parts = term, parts
+    op = None
     if ball.norm == "2":
         block = np.minimum(ln_block_norms(u, norm0, rho, d, eps),
                            nonneg_block_norms(srs)) * (1 + 4 * U)
-        out.opnorm = (term, op_blockwise(float(block.max()), x.jc, x.jr, g, x.jnorm,
-                                         blocks=block))
+        op = op_blockwise(float(block.max()), x.jc, x.jr, g, x.jnorm, blocks=block)
+    out.remainder = OpRemainder(term, parts, op)
     return out
 
 

@@ -38,6 +38,7 @@ from .values import (
     Ball,
     LocalNotCertified,
     LocalValue,
+    OpRemainder,
     center_margin,
     dual_row_norms,
     enclose,
@@ -121,7 +122,7 @@ def masked_softmax(x: LocalValue, axis: int, out_center: np.ndarray, ball: Ball)
         k = g.shape[0]
         extra = TINY * up * np.abs(g).reshape(k, -1).sum(axis=1, keepdims=True)  # (K, 1)
         return base_term(g) + extra * np.ones((1, ball.size))
-    res.term = term
+    res.remainder = OpRemainder(term)
     return res
 
 
@@ -171,7 +172,8 @@ def _masked_value(v: LocalValue, masked: np.ndarray) -> LocalValue:
     out = LocalValue(np.where(masked, NEG_MASK, v.center), np.where(masked, NEG_MASK, v.lo),
                      np.where(masked, NEG_MASK, v.hi), np.where(keep, v.jc, 0.0),
                      np.where(keep, v.jr, 0.0))
-    out.term = v.term
+    if v.remainder is not None:  # the term alone: the other forms are v's op's on v's entries
+        out.remainder = OpRemainder(v.remainder.term)
     return out
 
 
@@ -352,7 +354,7 @@ def reduce_max(x: LocalValue, axes: tuple[int, ...], out_center: np.ndarray,
     def term(g: np.ndarray) -> np.ndarray:
         k = g.shape[0]
         return np.abs(g).reshape(k, -1) @ spread
-    out.term = term
+    out.remainder = OpRemainder(term)
     return out
 
 
@@ -407,7 +409,8 @@ def gelu_tanh(x: LocalValue, out_center: np.ndarray, ball: Ball) -> LocalValue:
         gt = ag * hmax
         gx3 = widen_up(gt * tslope * (_C * _A), 2)
         return y_t(ag) + t_t(gt) + x3_t(gx3)
-    y.term = term
+    # the chain's term alone: the product's other forms bound the product's share only
+    y.remainder = OpRemainder(term)
     return y
 
 
@@ -445,16 +448,15 @@ class SignedLayerNormRule(LocalRule):
               ball: Ball) -> Out:
         outs = self.base.apply(node, args, centers, ball)
         y, x, g = outs[0], args[0], args[1]
+        rem = y.remainder if isinstance(y, LocalValue) else None
+        parts = None if rem is None else rem.parts
         if isinstance(y, LocalValue) and isinstance(x, LocalValue) and \
-                isinstance(g, np.ndarray) and y.term is not None and y.parts is not None:
+                isinstance(g, np.ndarray) and rem is not None and parts is not None:
             d = x.shape[-1]
             gam = np.broadcast_to(np.asarray(g, dtype=np.float64), (d,))
             eps = decimal_attr(float(node.attrs.get("epsilon", 1e-5)))
-            old = y.term
             fn, sec = layernorm_rules(x, gam, eps, center_margin(x.center), ball)
-            y.term = SignedTerm(y.term, y.parts, fn)
-            if y.opnorm is not None and y.opnorm[0] is old:  # the same op's term
-                y.opnorm = (y.term, y.opnorm[1])
-            if ball.norm == "inf" and sec is not None:  # second.py
-                y.second = (y.term, sec)
+            # the same op's term, signed: its opnorm rule stays; second.py's rule on the inf-ball
+            y.remainder = OpRemainder(SignedTerm(rem.term, parts, fn), parts, rem.opnorm,
+                                      sec if ball.norm == "inf" else None)
         return outs

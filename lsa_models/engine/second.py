@@ -8,8 +8,8 @@ known where the first-order enclosure is narrower than the entry. The true first
 of row i is `H_i d` (H_i the Hessian of output i at X0, d = X - X0): signed, and summed over
 all ops before any norm is taken.
 
-An op with a second-order rule (`LocalValue.second`) returns its share of the rows' Hessians
-and an entrywise O(eps^2) rest:
+An op with a second-order rule (`OpRemainder.second`, values.py) returns its share of the rows'
+Hessians and an entrywise O(eps^2) rest:
     |T_k,ip(X) - H_k,i[p] . d| <= r_k,ip                      (every X in the ball),
 an op without one puts its entrywise term bound into the rest. With H = sum_k H_k and
 r = sum_k r_k + the centre's rounding, every entry of the row moves by at most
@@ -333,9 +333,9 @@ def hessian_rest_factored(terms: list, zr: np.ndarray, eps: float,
     facs: list[tuple[np.ndarray, np.ndarray]] = []
     used = 0
     for g, ga, u, bound in terms:
-        sec = u.second
-        if sec is not None and sec[0] is u.term:
-            got = sec[1](g, ga, eps)
+        sec = None if u.remainder is None else u.remainder.second
+        if sec is not None:
+            got = sec(g, ga, eps)
             hk, rk = got
             hess += hk
             rest = rest + rk

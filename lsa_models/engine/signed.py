@@ -27,7 +27,7 @@ import numpy as np
 
 from .second import SecondFn, eps_part, gradient_second
 from .structured import PartsChoice, Structured, alternatives
-from .values import Ball, LocalValue, Parts, dual_row_norms, gamma, widen_up
+from .values import Ball, LocalValue, OpRemainder, Parts, dual_row_norms, gamma, widen_up
 
 Term = Callable[[np.ndarray], np.ndarray]
 PartsFn = Callable[[np.ndarray], list[Parts]]
@@ -55,8 +55,9 @@ def bind(u: LocalValue, g: np.ndarray, ga: np.ndarray) -> LocalValue:
     """u with its term and parts tightened by the signed bound for the adjoint g (ga: the
     |G| bound the telescope passes to the term). Both bounds hold, so their entrywise minimum
     does."""
-    st = u.term
-    if not isinstance(st, SignedTerm):
+    rem = u.remainder
+    st = None if rem is None else rem.term
+    if rem is None or not isinstance(st, SignedTerm):
         return u
     ps = st.parts(ga)
     if isinstance(ps, PartsChoice):
@@ -81,10 +82,8 @@ def bind(u: LocalValue, g: np.ndarray, ga: np.ndarray) -> LocalValue:
     def parts(ga2: np.ndarray) -> list[Parts]:
         return combined if ga2 is ga else st.parts(ga2)
 
-    # the operator-norm rule (opnorm.py) bounds the same op's term: it stays attached
-    op = (term, u.opnorm[1]) if u.opnorm is not None and u.opnorm[0] is st else None
-    sec = (term, u.second[1]) if u.second is not None and u.second[0] is st else None
-    return replace(u, term=term, parts=parts, opnorm=op, second=sec)
+    # the operator-norm and second-order rules bound the same op's term: they stay
+    return replace(u, remainder=OpRemainder(term, parts, rem.opnorm, rem.second))
 
 
 # the relational form's arrays hold K * numel(jc_x) entries each (K adjoint rows; its |L| jr

@@ -1,10 +1,12 @@
 """The telescoped remainder of a tensor's Jacobian enclosure: the exact adjoints at X0
-(autograd) times each op's remainder term (values.py, `LocalValue.term`), summed over the ops
+(autograd) times each op's remainder term (values.py, `OpRemainder.term`), summed over the ops
 before the tensor; with the factored (structured.py), signed (signed.py), operator-norm
 (opnorm.py) and second-order (second.py) forms of the same terms.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -252,7 +254,9 @@ class Telescope:
                     + center_margin(v.center)
                 lo, hi = np.maximum(lo, v.center - rad), np.minimum(hi, v.center + rad)
         out = enclose(v.center, v.jc, jr, ball, lo, hi)
-        out.term, out.opnorm, out.second, out.jfac = v.term, v.opnorm, v.second, v.jfac
+        # the op's remainder without its factored form (the numbers as they were measured)
+        out.remainder = None if v.remainder is None else replace(v.remainder, parts=None)
+        out.jfac = v.jfac
         out.nonlin = nonlin
         if ball.norm == "2" and tokens:
             self._norms(name, out, values, ball)

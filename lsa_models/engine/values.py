@@ -49,6 +49,31 @@ class Ball:
 
 
 Parts = tuple[np.ndarray, np.ndarray, np.ndarray]
+Term = Callable[[np.ndarray], np.ndarray]
+PartsFn = Callable[[np.ndarray], list[Parts]]
+
+
+@dataclass(frozen=True)
+class OpRemainder:
+    """The remainder term of the op that produced a tensor T (*S,) and its other forms, all
+    bounding the one quantity R(G) = G (D_op(X) - D_op(X0)) J_in(X) over the ball, with D_op
+    the op's local Jacobian and J_in its input's Jacobian; the forms of one object belong to
+    one op, so a rule that changes the term builds a new one (frozen).
+      - term: ga -> a nonnegative (K, P) bound on |R(G)| for any adjoint G (K, *S) with
+        |G| <= ga (the telescope's G = d out / d T at X0; signed.bind's bound holds for its
+        one G only). A signed.SignedTerm where the rule also has the signed form.
+      - parts: the same bound factored (structured.py): for |G| (K, *S), a list of
+        (c, jc_in, jr_in), c (K, n) >= 0, the op's input Jacobian jc_in +- jr_in (n, P),
+        with |R(G)| <= sum_b c_kb |J_in,b(X)| row by row. None: not factored.
+      - opnorm: G -> a float >= sup ||R(G)||_2 over a 2-ball for the signed adjoint G
+        (opnorm.py). None: no such rule.
+      - second: the op's second-order rule for the inf-ball's rows (second.py, SecondFn).
+        None: no such rule."""
+
+    term: Term
+    parts: PartsFn | None = None
+    opnorm: Callable[[np.ndarray], float] | None = None
+    second: Callable[..., tuple[np.ndarray, np.ndarray]] | None = None
 
 
 @dataclass
@@ -61,20 +86,9 @@ class LocalValue:
 
     The rest are optional annotations, each valid exactly as stated below; None says nothing.
 
-    The op's remainder term, set by the rule that produced T (rules.py, primitives.py,
-    rules_more.py) and read by the telescope (telescope.py) when T is one of the ops summed
-    over; `opnorm` and `second` are pairs (term, fn) that hold only while their first item
-    `is` this value's `term` (a rule that wraps the term, signed.SignedTerm, re-keys them):
-      - term: ga -> a nonnegative (K, P) bound on |G (D_op(X) - D_op(X0)) J_in(X)| over the
-        ball, for any adjoint G (K, *S) with |G| <= ga (the telescope's G = d out / d T at
-        X0; signed.bind's transient values hold for its one G only). None: the op is
-        linear (no remainder).
-      - parts: the same bound factored (structured.py): for |G| (K, *S), a list of
-        (c, jc_in, jr_in), c (K, n) >= 0, the op's input Jacobian jc_in +- jr_in (n, P),
-        with |G (D_op(X) - D_op(X0)) J_in(X)| <= sum_b c_kb |J_in,b(X)| row by row.
-      - opnorm: (term, fn), fn(G) >= sup ||G (D_op(X) - D_op(X0)) J_in(X)||_2 over a 2-ball
-        for the signed adjoint G (opnorm.py).
-      - second: (term, fn), the op's second-order rule for the inf-ball's rows (second.py).
+    `remainder` (OpRemainder, below): the op's remainder term and its other forms, set by the
+    rule that produced T (rules.py, primitives.py, rules_more.py) and read by the telescope
+    (telescope.py) when T is one of the ops summed over. None: the op is linear.
 
     The 2-ball's norms, set where the walk tightens T (telescope.Telescope._norms, with
     opnorm.set_token_radius; jacobian_walk's affine forms and the integrated form narrow the
@@ -100,20 +114,13 @@ class LocalValue:
     hi: np.ndarray  # (*S,)
     jc: np.ndarray  # (*S, P)
     jr: np.ndarray  # (*S, P), >= 0
-    # the op's remainder term and its other forms (above)
-    term: Callable[[np.ndarray], np.ndarray] | None = field(default=None, repr=False)
-    parts: Callable[[np.ndarray], list[Parts]] | None = field(default=None, repr=False)
-    opnorm: tuple[Callable[[np.ndarray], np.ndarray],
-                  Callable[[np.ndarray], float]] | None = field(default=None, repr=False)
+    remainder: OpRemainder | None = field(default=None, repr=False)
     # the 2-ball's norms (above)
     jnorm: float | None = field(default=None, repr=False)
     tok_rad: np.ndarray | None = field(default=None, repr=False)
     tok_jn: np.ndarray | None = field(default=None, repr=False)
     tok_true: np.ndarray | None = field(default=None, repr=False)
-    # the inf-ball's second-order rule of the op and annotations (above)
-    second: tuple[Callable[[np.ndarray], np.ndarray], Callable[..., tuple[np.ndarray,
-                                                                      np.ndarray]]] | None = \
-        field(default=None, repr=False)
+    # the inf-ball's second-order annotations (above)
     nonlin: tuple[float, np.ndarray] | None = field(default=None, repr=False)
     jfac: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = \
         field(default=None, repr=False)
@@ -121,6 +128,16 @@ class LocalValue:
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(self.center.shape)
+
+    @property
+    def term(self) -> Term | None:
+        """The op's remainder term (OpRemainder.term); None: the op is linear."""
+        return None if self.remainder is None else self.remainder.term
+
+    @property
+    def parts(self) -> PartsFn | None:
+        """The op's remainder term factored (OpRemainder.parts), where the rule gives it."""
+        return None if self.remainder is None else self.remainder.parts
 
     @property
     def rad(self) -> np.ndarray:

@@ -2,10 +2,11 @@
 the ball: the enclosure (lo <= T(X) <= hi, |J(X) - jc| <= jr) and, where set, the 2-ball's
 norms (jnorm, tok_jn, tok_rad, tok_true) and the inf-ball's second-order annotations (nonlin,
 jfac), on a one-layer Transformer (2-ball) and an MLP (inf-ball) walked with the telescope as
-local_jacobian walks them."""
+local_jacobian walks them; and each value's OpRemainder answers an adjoint in its forms."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import torch
 
 from lsa_models.engine.centre import Centre
 from lsa_models.engine.jacobian_walk import walk
+from lsa_models.engine.structured import alternatives
 from lsa_models.engine.telescope import Telescope, adjoint_rows
 from lsa_models.engine.values import Ball, LocalValue, center_margin
 from lsa_models.onnx import load_onnx
@@ -135,3 +137,41 @@ def test_every_value_holds_its_invariants_at_points_of_the_ball(kind: str, norm:
             assert np.all(np.abs(j - jc) <= jr * (1 + REL) + REL * np.abs(j).max(initial=0.0))
             seen += _check_norms(v, t, j, c) + _check_second(v, t, j, c, dx, eps)
     assert seen > 0, "no value carried the annotations this test checks"
+
+
+@pytest.mark.parametrize(("kind", "norm"), [("tf1", "2"), ("tf1", "inf")])
+def test_every_remainder_gives_its_forms_for_one_adjoint(kind: str, norm: str,
+                                                         tmp_path: Path) -> None:
+    """Each value's OpRemainder (values.py) answers an adjoint G (K, *S) as its forms state:
+    term (K, P) >= 0, parts' (c (K, n) >= 0, jc_in, jr_in (n, P)), opnorm a float >= 0 on
+    the 2-ball, the second-order rule on the inf-ball; one frozen object per op."""
+    _, x0, values = _walked(tmp_path, norm, 0.01, kind)
+    rng = np.random.default_rng(3)
+    p, k = x0.size, 2
+    kinds: set[str] = set()
+    for v in values.values():
+        rem = v.remainder
+        if rem is None:
+            continue
+        assert v.term is rem.term and v.parts is rem.parts
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            rem.term = rem.term  # type: ignore[misc]
+        g = rng.standard_normal((k, *v.shape))
+        t = rem.term(np.abs(g))
+        assert t.shape == (k, p) and np.all(t >= 0) and np.all(np.isfinite(t))
+        kinds.add("term")
+        if rem.parts is not None:
+            for alt in alternatives(rem.parts(np.abs(g))):
+                for c, jc_in, jr_in in alt:
+                    assert c.shape == (k, jc_in.shape[0]) and np.all(c >= 0)
+                    assert jc_in.shape == jr_in.shape == (c.shape[1], p) and np.all(jr_in >= 0)
+            kinds.add("parts")
+        if rem.opnorm is not None:
+            assert norm == "2" and rem.opnorm(g) >= 0.0
+            kinds.add("opnorm")
+        if rem.second is not None:
+            assert norm == "inf"
+            hess, rest = rem.second(g, np.abs(g), 0.01)
+            assert np.all(rest >= 0) and np.all(np.isfinite(hess))
+            kinds.add("second")
+    assert kinds >= {"term", "parts", "opnorm" if norm == "2" else "second"}

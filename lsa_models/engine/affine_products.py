@@ -131,7 +131,14 @@ def _cross_budget(x: Aff, y: Aff, lix: np.ndarray, liy: np.ndarray, lsx: np.ndar
     Elementwise: sum_i |Ix_i Sy_i| <= ||Ix|| ||Sy||. MatMul (n, k) @ (k, m):
     sum_ij |sum_k Ix_ik Sy_kj| <= sum_ik |Ix_ik| c_k (c_k = sum_j ls_y,kj) <= sqrt(n) ||c||
     ||Ix||, and <= sum_ij ||Ix_i:|| ||Sy_:j|| <= sqrt(n m) ||Ix|| ||Sy||; likewise the others;
-    batches by Cauchy-Schwarz once more."""
+    batches by Cauchy-Schwarz once more.
+
+    The whole-tensor `_symbol_norm` (a Gram matrix's eigenvalues) is formed only where it can
+    change the result, with the same numbers: `_symbol_low` gives lo <= the float it would
+    return, and a product of nonnegative floats is monotone in each factor when rounded, so
+    fl(fl(c sx) sy) >= fl(fl(c lo_x) lo_y); where that is already >= the term's cheap
+    entries, the min of them all is the min of the cheap ones (a float min's value does not
+    depend on which of equal entries it picks) and the norm is not read."""
     if matmul:
         batch = np.broadcast_shapes(x.c.shape[:-2], y.c.shape[:-2])
         xs = (*batch, *x.c.shape[-2:])
@@ -140,19 +147,33 @@ def _cross_budget(x: Aff, y: Aff, lix: np.ndarray, liy: np.ndarray, lsx: np.ndar
         xs = ys = np.broadcast_shapes(x.c.shape, y.c.shape)
     bx, by = np.broadcast_to(lsx, xs), np.broadcast_to(lsy, ys)
     ix, iy = _input_norm(x, xs, ball), _input_norm(y, ys, ball)
-    sx, sy = _symbol_norm(x, xs, bx, ball), _symbol_norm(y, ys, by, ball)
+    lox, sx_ = _symbol_low(x, xs, bx, ball)
+    loy, sy_ = _symbol_low(y, ys, by, ball)
     if matmul:
         n, m = xs[-2], ys[-1]
-        nm = math.sqrt(n * m)
-        t1 = min(float((lix @ lsy).sum()), math.sqrt(n) * _norm2(by.sum(axis=-1)) * ix,
-                 nm * ix * sy)
-        t2 = min(float((lsx @ liy).sum()), math.sqrt(m) * _norm2(bx.sum(axis=-2)) * iy,
-                 nm * sx * iy)
-        t3 = min(float((bx @ by).sum()), nm * sx * sy)
+        c = math.sqrt(n * m)
+        cheap1 = min(float((lix @ lsy).sum()), math.sqrt(n) * _norm2(by.sum(axis=-1)) * ix)
+        cheap2 = min(float((lsx @ liy).sum()), math.sqrt(m) * _norm2(bx.sum(axis=-2)) * iy)
+        cheap3 = float((bx @ by).sum())
     else:
-        t1 = min(float((lix * lsy).sum()), ix * sy)
-        t2 = min(float((lsx * liy).sum()), sx * iy)
-        t3 = min(float((bx * by).sum()), sx * sy)
+        c = 1.0
+        cheap1 = float((lix * lsy).sum())
+        cheap2 = float((lsx * liy).sum())
+        cheap3 = float((bx * by).sum())
+    # the same products as below with the lower bounds in place of the norms
+    need1 = not c * ix * loy >= cheap1
+    need2 = not c * lox * iy >= cheap2
+    need3 = not c * lox * loy >= cheap3
+    sx = sx_() if need2 or need3 else 0.0
+    sy = sy_() if need1 or need3 else 0.0
+    if matmul:
+        t1 = min(cheap1, c * ix * sy) if need1 else cheap1
+        t2 = min(cheap2, c * sx * iy) if need2 else cheap2
+        t3 = min(cheap3, c * sx * sy) if need3 else cheap3
+    else:
+        t1 = min(cheap1, ix * sy) if need1 else cheap1
+        t2 = min(cheap2, sx * iy) if need2 else cheap2
+        t3 = min(cheap3, sx * sy) if need3 else cheap3
     return _up(np.asarray(t1 + t2 + t3), 4).item() * (1 + 1e-10)
 
 
@@ -185,6 +206,47 @@ def _symbol_norm(f: Aff, shape: tuple[int, ...], ls: np.ndarray, ball: Ball) -> 
     block (f's own rows, times `_copies`)."""
     whole = float(symbol_radius(f.a.reshape(1, -1, f.a.shape[-1]), ball)[0])
     return min(_norm2(ls), _copies(whole, f, shape))
+
+
+def _symbol_low(f: Aff, shape: tuple[int, ...], ls: np.ndarray, ball: Ball
+                ) -> tuple[float, Callable[[], float]]:
+    """lo <= `_symbol_norm`(f, shape, ls, ball) without its Gram matrix, and what computes
+    that norm (the same float; the Gram skipped where lo shows the min is the root sum).
+    lo = min(_norm2(ls), _copies(w)) with w <= ||A e||_2 for one e that is 0 on the groups'
+    and the second-order symbols' columns and +-1 on the others: `symbol_radius` bounds the
+    sup over a set holding every such e (the box on those columns; its second-order and
+    group parts add nonnegative terms or take the min with the box), so w <= the float it
+    returns, and `_copies` and min are monotone."""
+    cheap = _norm2(ls)
+    w = _sign_low(f.a.reshape(-1, f.a.shape[-1]), ball)
+    lo = min(cheap, _copies(w, f, shape))
+    if lo >= cheap:  # the whole tensor's norm is >= the root sum: the min is the latter
+        return lo, lambda: cheap
+    return lo, lambda: _symbol_norm(f, shape, ls, ball)
+
+
+def _sign_low(a: np.ndarray, ball: Ball) -> float:
+    """<= ||A_F e||_2 for e_q = sign((A_F^T r)_q) (r the rows' l1 sizes) over the free symbol
+    columns F (P on, not a group's, not a second-order symbol's): the computed A e is within
+    gamma_|F| r_i of the true one per row and its norm within gamma_(D+2) (Higham), both far
+    below the 1e-9 taken off while |F| + D < 1e6 (else 0)."""
+    p, q = ball.size, a.shape[-1]
+    free = np.zeros(q, dtype=bool)
+    free[p:] = True
+    base = QUAD.get()
+    if base is not None:
+        free[base:base + ball.size * (ball.size + 1) // 2] = False
+    for g0, g1, _ in GROUPS.get() or []:
+        free[g0:g1] = False
+    if not np.any(free) or int(free.sum()) + a.shape[0] >= 1_000_000:
+        return 0.0
+    af = a[:, free]
+    r = np.abs(af).sum(axis=-1)
+    e = np.sign(af.T @ r)
+    y = af @ e
+    lo = float(np.sqrt(np.square(y).sum())) * (1 - 1e-9) - \
+        1e-9 * float(np.sqrt(np.square(r).sum()))
+    return lo if math.isfinite(lo) and lo > 0.0 else 0.0
 
 
 # entries of one block of the row-blocked helpers below (as affine.ABS_SUM_BLOCK: ~2 MB)

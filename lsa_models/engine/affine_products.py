@@ -225,9 +225,14 @@ def _symbol_low(f: Aff, shape: tuple[int, ...], ls: np.ndarray, ball: Ball
     return lo, lambda: _symbol_norm(f, shape, ls, ball)
 
 
+# sign steps of `_sign_low`'s ascent (each two products with the (D, |F|) block)
+SIGN_STEPS = 4
+
+
 def _sign_low(a: np.ndarray, ball: Ball) -> float:
-    """<= ||A_F e||_2 for e_q = sign((A_F^T r)_q) (r the rows' l1 sizes) over the free symbol
-    columns F (P on, not a group's, not a second-order symbol's): the computed A e is within
+    """<= max ||A_F e||_2 over a few sign vectors e (e_q = sign((A_F^T y)_q), y the rows' l1
+    sizes, then y = A_F e) on the free symbol columns F (P on, not a group's, not a
+    second-order symbol's): the computed A e is within
     gamma_|F| r_i of the true one per row and its norm within gamma_(D+2) (Higham), both far
     below the 1e-9 taken off while |F| + D < 1e6 (else 0)."""
     p, q = ball.size, a.shape[-1]
@@ -242,10 +247,12 @@ def _sign_low(a: np.ndarray, ball: Ball) -> float:
         return 0.0
     af = a[:, free]
     r = np.abs(af).sum(axis=-1)
-    e = np.sign(af.T @ r)
-    y = af @ e
-    lo = float(np.sqrt(np.square(y).sum())) * (1 - 1e-9) - \
-        1e-9 * float(np.sqrt(np.square(r).sum()))
+    y = r
+    best = 0.0
+    for _ in range(SIGN_STEPS):  # ascent: ||A e'|| >= <A e, A e'> / ||A e|| >= ||A e||
+        y = af @ np.sign(af.T @ y)
+        best = max(best, float(np.sqrt(np.square(y).sum())))
+    lo = best * (1 - 1e-9) - 1e-9 * float(np.sqrt(np.square(r).sum()))
     return lo if math.isfinite(lo) and lo > 0.0 else 0.0
 
 

@@ -16,9 +16,10 @@ import torch
 
 from lsa_models.engine.centre import Centre
 from lsa_models.engine.jacobian_walk import walk
+from lsa_models.engine.rules_more import gelu_tanh
 from lsa_models.engine.structured import alternatives
 from lsa_models.engine.telescope import Telescope, adjoint_rows
-from lsa_models.engine.values import Ball, LocalValue, center_margin
+from lsa_models.engine.values import Ball, LocalValue, center_margin, input_value
 from lsa_models.onnx import load_onnx
 from tests.jacobians import ball_points
 
@@ -175,3 +176,33 @@ def test_every_remainder_gives_its_forms_for_one_adjoint(kind: str, norm: str,
             assert np.all(rest >= 0) and np.all(np.isfinite(hess))
             kinds.add("second")
     assert kinds >= {"term", "parts", "opnorm" if norm == "2" else "second"}
+
+
+@pytest.mark.parametrize("norm", ["2", "inf"])
+def test_the_fused_gelu_chain_bounds_its_remainder_in_every_form(norm: str) -> None:
+    """gelu_tanh's OpRemainder bounds the whole chain's R(G) = G (D(X) - D(X0)) (its input the
+    ball's own, J_in = I) at points of the ball: the term, and the parts summed over every
+    link with their inputs' Jacobian enclosures."""
+    rng = np.random.default_rng(11)
+    x0 = rng.uniform(-2.0, 2.0, 12)
+    eps = 0.5 if norm == "2" else 0.2
+    ball = Ball(x0, eps, norm)
+    xt = torch.from_numpy(x0)
+    y0 = torch.nn.functional.gelu(xt, approximate="tanh").numpy()
+    y = gelu_tanh(input_value(ball), y0, ball)
+    assert y.remainder is not None and y.remainder.parts is not None
+
+    def slope(x: np.ndarray) -> np.ndarray:
+        xv = torch.from_numpy(x).requires_grad_(True)
+        torch.nn.functional.gelu(xv, approximate="tanh").sum().backward()
+        assert xv.grad is not None
+        return xv.grad.numpy()
+
+    g = rng.standard_normal((3, x0.size))
+    term = y.remainder.term(np.abs(g))
+    via = sum(c @ (np.abs(jc) + jr) for alt in alternatives(y.remainder.parts(np.abs(g)))[:1]
+              for c, jc, jr in alt)
+    for dx in ball_points(rng, x0.size, eps, norm, k=64):
+        r = np.abs(g * (slope(x0 + dx) - slope(x0)))  # (K, P): D diagonal, J_in = I
+        assert np.all(r <= term * (1 + REL) + 1e-300)
+        assert np.all(r <= via * (1 + REL) + 1e-300)

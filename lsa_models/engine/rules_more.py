@@ -32,6 +32,7 @@ from ..operators.activation import Gelu
 from . import primitives as pr
 from .rules import LOCAL_RULES, Arg, ElementwiseRule, LocalRule, register_local
 from .signed import SignedTerm, layernorm_rules
+from .structured import alternatives
 from .values import (
     FORWARD_FLOOR,
     FORWARD_MARGIN,
@@ -39,6 +40,7 @@ from .values import (
     LocalNotCertified,
     LocalValue,
     OpRemainder,
+    Parts,
     center_margin,
     dual_row_norms,
     enclose,
@@ -404,13 +406,24 @@ def gelu_tanh(x: LocalValue, out_center: np.ndarray, ball: Ball) -> LocalValue:
     near = np.maximum(np.abs(uc) - center_margin(uc), 0.0)
     tslope = np.minimum(1.0, widen_up(1.0 - np.tanh(near) ** 2, 4) + pr.LIBM_REL)
 
-    def term(g: np.ndarray) -> np.ndarray:
+    def adjoints(g: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         ag = np.abs(g)
         gt = ag * hmax
-        gx3 = widen_up(gt * tslope * (_C * _A), 2)
+        return ag, gt, widen_up(gt * tslope * (_C * _A), 2)
+
+    def term(g: np.ndarray) -> np.ndarray:
+        ag, gt, gx3 = adjoints(g)
         return y_t(ag) + t_t(gt) + x3_t(gx3)
-    # the chain's term alone: the product's other forms bound the product's share only
-    y.remainder = OpRemainder(term)
+
+    links = (y.parts, t.parts, x3.parts)
+
+    def parts(g: np.ndarray) -> list[Parts]:
+        # the links' factored terms for the same adjoint bounds, each by its first
+        # decomposition (every one of a PartsChoice is valid)
+        return [pt for f, a in zip(links, adjoints(g), strict=True) if f is not None
+                for pt in alternatives(f(a))[0]]
+    # the chain's own forms: the product's opnorm and second-order rules bound its share only
+    y.remainder = OpRemainder(term, parts if all(f is not None for f in links) else None)
     return y
 
 

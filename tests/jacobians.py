@@ -88,3 +88,22 @@ def ball_points(rng: np.random.Generator, p: int, eps: float, norm: str, k: int 
             d *= eps / np.linalg.norm(d) * (1.0 if rng.random() < 0.5 else rng.random())
         out.append(d)
     return out
+
+
+def assert_arb_holds(op: object, x: np.ndarray) -> None:
+    """The op's 256-bit ball arithmetic (`op.arb`) holds f at each float64 point of x to
+    1e-13 relative, with a radius below 1e-60 (an elementwise op: `op.point` is f)."""
+    import flint
+
+    from lsa_models.engine.forward_ball import PREC
+
+    old = flint.ctx.prec
+    flint.ctx.prec = PREC
+    try:
+        f = op.arb(flint.arb)  # type: ignore[attr-defined]
+        for v, want in zip(x, op.point(x), strict=True):  # type: ignore[attr-defined]
+            b = f(flint.arb(float(v)))
+            assert float((b - flint.arb(float(want))).abs_upper()) <= 1e-13 * (1 + abs(want))
+            assert float(b.rad()) < 1e-60 * (1 + abs(want))
+    finally:
+        flint.ctx.prec = old

@@ -18,12 +18,11 @@ from hypothesis import strategies as st
 
 from lsa_models.engine import affine, affine_rules
 from lsa_models.engine import primitives as pr
-from lsa_models.engine.forward_ball import PREC
 from lsa_models.engine.tangent import _Builder
 from lsa_models.engine.values import Ball, LocalNotCertified, enclose
 from lsa_models.operators import ACTIVATIONS, ModeNotImplemented, activation
 from lsa_models.operators.activation import Activation
-from tests.jacobians import ball_points
+from tests.jacobians import assert_arb_holds, ball_points
 
 # every activation, with attribute settings where it has them (torch's exports among them)
 CASES: list[tuple[str, dict[str, Any]]] = [
@@ -203,19 +202,10 @@ def test_derived_graph_is_g_times_the_derivative(case: tuple[str, dict[str, Any]
 
 @given(case=st.sampled_from(CASES), seed=st.integers(0, 10**6))
 def test_ball_arithmetic_holds_the_value(case: tuple[str, dict[str, Any]], seed: int) -> None:
-    flint = pytest.importorskip("flint")
+    pytest.importorskip("flint")
     op = _op(case)
     x = np.random.default_rng(seed).uniform(-8, 8, size=6)
-    old = flint.ctx.prec
-    flint.ctx.prec = PREC
-    try:
-        f = op.arb(flint.arb)
-        for v, want in zip(x, op.point(x), strict=True):
-            b = f(flint.arb(float(v)))
-            assert float((b - flint.arb(float(want))).abs_upper()) <= 1e-13 * (1 + abs(want))
-            assert float(b.rad()) < 1e-60 * (1 + abs(want))
-    finally:
-        flint.ctx.prec = old
+    assert_arb_holds(op, x)
 
 
 def test_refusals_are_typed_and_named() -> None:

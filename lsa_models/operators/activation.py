@@ -38,15 +38,6 @@ class Activation(Operator):
     bounds: ClassVar[tuple[float, float]] = (-math.inf, math.inf)
     fusable: ClassVar[bool] = False
 
-    def scaled_derivative(self, b: GraphBuilder, g: str, x: str, y: str,
-                          derivative_first: bool) -> str:
-        d = self.derivative_graph(b, x, y)
-        return b.op("Mul", [d, g] if derivative_first else [g, d])
-
-    def derivative_graph(self, b: GraphBuilder, x: str, y: str) -> str:
-        """f'(x) as graph nodes, from y = f(x) where it can."""
-        self.refuse("tangent/adjoint")
-
 
 def _near_far(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     near = np.where((lo <= 0) & (hi >= 0), 0.0, np.minimum(np.abs(lo), np.abs(hi)))

@@ -102,15 +102,6 @@ class Arithmetic(GlobalOperator):
     def d2_range(self, lo: np.ndarray, hi: np.ndarray) -> Iv | None:
         return ends(self.relaxation().d2, lo, hi)
 
-    def scaled_derivative(self, b: GraphBuilder, g: str, x: str, y: str,
-                          derivative_first: bool) -> str:
-        d = self.derivative_graph(b, x, y)
-        return b.op("Mul", [d, g] if derivative_first else [g, d])
-
-    def derivative_graph(self, b: GraphBuilder, x: str, y: str) -> str:
-        """f'(x) as graph nodes, from y = f(x) where it can."""
-        self.refuse("tangent/adjoint")
-
 
 class Exp(Arithmetic):
     types = ("Exp",)

@@ -139,6 +139,13 @@ class Operator:
     # derived graphs
     def scaled_derivative(self, b: GraphBuilder, g: str, x: str, y: str,
                           derivative_first: bool) -> str:
+        """g f'(x) as graph nodes (an elementwise op: f'(x) times g, in the order the caller's
+        graph multiplies)."""
+        d = self.derivative_graph(b, x, y)
+        return b.op("Mul", [d, g] if derivative_first else [g, d])
+
+    def derivative_graph(self, b: GraphBuilder, x: str, y: str) -> str:
+        """f'(x) as graph nodes, from y = f(x) where it can."""
         self.refuse("tangent/adjoint")
 
     def chain_derivative(self, diff: ChainDiff, a: Sym, y: str) -> Sym | None:

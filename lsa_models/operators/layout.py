@@ -36,6 +36,7 @@ from .linear import (
     Arg,
     GlobalOperator,
     Out,
+    axes_of,
     ints,
     is_var,
     max_row_norm,
@@ -134,8 +135,7 @@ class Squeeze(Layout):
                         n_outputs: int = 1) -> list[Tensor]:
         x = ins[0]
         assert x is not None
-        axes = ints(ins[1]) if len(ins) > 1 and ins[1] is not None else list(
-            self.attrs.get("axes", []))
+        axes = axes_of(ins, self.attrs)
         if self.op_type == "Squeeze":
             if not axes:
                 return [x.squeeze()]

@@ -35,7 +35,7 @@ tangent and adjoint graphs (engine/tangent.py, adjoint.py), the forward error
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
@@ -112,6 +112,12 @@ def row_width(shape: tuple[int, ...]) -> int:
 
 def ints(t: Tensor | None) -> list[int]:
     return [] if t is None else [int(v) for v in t.reshape(-1).tolist()]
+
+
+def axes_of(ins: Sequence[Tensor | None], attrs: Mapping[str, Any]) -> list[int]:
+    """A node's axes: its second input (opset 13+ for Squeeze/Unsqueeze, 18+ for the
+    reductions), else its `axes` attribute (the older opsets); [] where neither is given."""
+    return ints(ins[1]) if len(ins) > 1 and ins[1] is not None else list(attrs.get("axes", []))
 
 
 class GlobalOperator(Operator):

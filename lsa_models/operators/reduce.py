@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from ..bounds.numerics import mul_up, sqrt_up
-from .linear import Arg, GlobalOperator, Out, ints, is_var
+from .linear import Arg, GlobalOperator, Out, axes_of, is_var
 
 
 class Reduce(GlobalOperator):
@@ -29,8 +29,7 @@ class Reduce(GlobalOperator):
                         n_outputs: int = 1) -> list[Tensor]:
         x = ins[0]
         assert x is not None
-        axes = ints(ins[1]) if len(ins) > 1 and ins[1] is not None else list(
-            self.attrs.get("axes", []))
+        axes = axes_of(ins, self.attrs)
         keep = bool(self.attrs.get("keepdims", 1))
         if not axes:
             if self.attrs.get("noop_with_empty_axes", 0):

@@ -138,7 +138,8 @@ def _cross_budget(x: Aff, y: Aff, lix: np.ndarray, liy: np.ndarray, lsx: np.ndar
     return, and a product of nonnegative floats is monotone in each factor when rounded, so
     fl(fl(c sx) sy) >= fl(fl(c lo_x) lo_y); where that is already >= the term's cheap
     entries, the min of them all is the min of the cheap ones (a float min's value does not
-    depend on which of equal entries it picks) and the norm is not read."""
+    depend on which of equal entries it picks) and the norm is not read. The cheaper norm
+    is formed first where a term needs it, and the other's need judged with it."""
     if matmul:
         batch = np.broadcast_shapes(x.c.shape[:-2], y.c.shape[:-2])
         xs = (*batch, *x.c.shape[-2:])
@@ -160,21 +161,33 @@ def _cross_budget(x: Aff, y: Aff, lix: np.ndarray, liy: np.ndarray, lsx: np.ndar
         cheap1 = float((lix * lsy).sum())
         cheap2 = float((lsx * liy).sum())
         cheap3 = float((bx * by).sum())
-    # the same products as below with the lower bounds in place of the norms
-    need1 = not c * ix * loy >= cheap1
-    need2 = not c * lox * iy >= cheap2
-    need3 = not c * lox * loy >= cheap3
-    sx = sx_() if need2 or need3 else 0.0
-    sy = sy_() if need1 or need3 else 0.0
-    if matmul:
-        t1 = min(cheap1, c * ix * sy) if need1 else cheap1
-        t2 = min(cheap2, c * sx * iy) if need2 else cheap2
-        t3 = min(cheap3, c * sx * sy) if need3 else cheap3
-    else:
-        t1 = min(cheap1, ix * sy) if need1 else cheap1
-        t2 = min(cheap2, sx * iy) if need2 else cheap2
-        t3 = min(cheap3, sx * sy) if need3 else cheap3
+    sx, sy = lox, loy
+
+    def needs() -> tuple[bool, bool, bool]:
+        # the products below with the bounds at hand (lower bounds or the norms)
+        return (not c * ix * sy >= cheap1, not c * sx * iy >= cheap2,
+                not c * sx * sy >= cheap3)
+    x_first = _gram_cost(x) <= _gram_cost(y)
+    for x_turn in (x_first, not x_first):  # the cheaper norm first, the other seen with it
+        need1, need2, need3 = needs()
+        if x_turn and (need2 or need3):
+            sx = sx_()
+        elif not x_turn and (need1 or need3):
+            sy = sy_()
+    # a term still needed had its norms formed at their turns (at a turn the other factor
+    # was at most its final value, so the check was no easier than now)
+    need1, need2, need3 = needs()
+    # elementwise c = 1: fl(1 u) = u, the products Cauchy-Schwarz gives there
+    t1 = min(cheap1, c * ix * sy) if need1 else cheap1
+    t2 = min(cheap2, c * sx * iy) if need2 else cheap2
+    t3 = min(cheap3, c * sx * sy) if need3 else cheap3
     return _up(np.asarray(t1 + t2 + t3), 4).item() * (1 + 1e-10)
+
+
+def _gram_cost(f: Aff) -> int:
+    """The size of the whole-tensor symbol norm's work for f: rows x columns x the smaller."""
+    d, q = int(np.prod(f.a.shape[:-1])), f.a.shape[-1]
+    return d * q * min(d, q)
 
 
 def _norm2(v: np.ndarray) -> float:

@@ -9,6 +9,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -246,6 +247,8 @@ def test_relu_mlp_walk_is_the_reference_walk_bit_for_bit(tmp_path: Path) -> None
         assert all(fast[j] == ref[j] for j in ref), (norm, eps, fast, ref)
 
 
+# bit-for-bit against the reference arithmetic: a few dozen random layouts cover the
+# branches; the full profile's count only repeats them
 @settings(max_examples=at_most(40), deadline=None)
 @given(seed=st.integers(0, 10**6), lead=st.sampled_from([(), (1,), (3,), (2, 5)]),
        n=st.integers(1, 300), zeros=st.floats(0.0, 0.9))
@@ -263,6 +266,8 @@ def test_knapsack_in_one_buffer_is_the_formula_bit_for_bit(seed: int, lead: tupl
     _same(affine.knapsack(c, w), (cs * frac).sum(axis=-1) * (1 + 1e-10))
 
 
+# bit-for-bit against the reference arithmetic: a few dozen random layouts cover the
+# branches; the full profile's count only repeats them
 @settings(max_examples=at_most(60), deadline=None)
 @given(seed=st.integers(0, 10**6), rows=st.integers(1, 60), n=st.integers(1, 400),
        zeros=st.floats(0.0, 0.99), scale=st.sampled_from([0.2, 1.0, 3.0, 50.0]))
@@ -284,3 +289,20 @@ def test_group_sum_is_the_smaller_of_sum_and_knapsack_bit_for_bit(
     one = np.ones(n)
     _same(affine.group_sum(edge[None], one), np.minimum(edge[None].sum(axis=-1),
                                                           affine.knapsack(edge[None], one)))
+
+
+def test_a_difference_negates_the_subtrahends_extra_columns_exactly() -> None:
+    """x - y where y has more symbols than x: the columns only y holds are -y's, bit for bit
+    (numpy 2.4's np.negative from a strided input into a strided `out` view wrote wrong
+    entries on this layout: 3 x 4 tokens, 7 and 8 symbols, 11 columns)."""
+    rng = np.random.default_rng(2)
+    u, v = rng.standard_normal((3, 4, 7)), rng.standard_normal((3, 4, 8))
+    out = affine_products._sum_cols(u, v, 11, sub=True)
+    assert np.array_equal(out[..., :7], u - v[..., :7])
+    assert np.array_equal(out[..., 7], -v[..., 7]) and not out[..., 8:].any()
+    x, y = _form(rng, (3, 4), 7), _form(rng, (3, 4), 8)
+    node = SimpleNamespace(op_type="Sub")
+    a = affine_linear._additive(node, [x, y], [0, 1], [x, y], 11)  # type: ignore[arg-type]
+    assert a is not None
+    assert np.array_equal(a[..., :7], x.a - y.a[..., :7])
+    assert np.array_equal(a[..., 7], -y.a[..., 7]) and not a[..., 8:].any()

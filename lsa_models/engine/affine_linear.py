@@ -94,8 +94,8 @@ def _additive(node: Node, args: list, var: list[int], vals: list[Aff], w: int
             np.subtract(x.a, y.a[..., :nx], out=out[..., :nx])
         if t == "Add":
             out[..., nx:ny] = y.a[..., nx:]
-        else:
-            np.negative(y.a[..., nx:], out=out[..., nx:ny])
+        else:  # a new array, then copied (affine_products._sum_into says why)
+            out[..., nx:ny] = -y.a[..., nx:]
     return out
 
 

@@ -392,7 +392,9 @@ def _sum_into(u: np.ndarray, v: np.ndarray, out: np.ndarray, sub: bool = False) 
     if nu > nv:
         out[..., lo:hi] = u[..., lo:]
     elif sub:
-        np.negative(v[..., lo:], out=out[..., lo:hi])
+        # negated into a new array, then copied: numpy 2.4's np.negative from a strided input
+        # into a strided `out` view writes wrong entries (negation is exact: the same floats)
+        out[..., lo:hi] = -v[..., lo:]
     else:
         out[..., lo:hi] = v[..., lo:]
     out[..., hi:] = 0.0

@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from lsa_models.engine import affine, affine_rules, deferred, driver  # noqa: E402
+from lsa_models.engine import affine, affine_rules, deferred, driver, jacobian_walk  # noqa: E402
 from lsa_models.engine.affine import Aff  # noqa: E402
 from lsa_models.engine.values import Ball, dual_row_norms  # noqa: E402
 from lsa_models.onnx import load_onnx  # noqa: E402
@@ -132,7 +132,7 @@ def measure(name: str, norm: str, radius: float, quad: bool, top: int) -> dict[s
         created.clear()
         ctr = driver.Centre(om, x0)
         with ctr:
-            chains, inside = driver._chains(om, ctr.module, ctr.env)
+            chains, inside = jacobian_walk.fused_chains(om, ctr.module, ctr.env)
             forms = affine_rules.walk(list(ctr.module.runtime_nodes), om.spec.input_name,
                                       ctr.env, ball, chains, inside, om.spec.output_name,
                                       quad=quad)

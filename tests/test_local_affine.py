@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 
 from lsa_models.engine import affine, affine_elementwise, affine_linear, affine_rules, fused
 from lsa_models.engine.affine import Aff
-from lsa_models.engine.driver import _chains, margin_lower_bounds
+from lsa_models.engine.driver import margin_lower_bounds
+from lsa_models.engine.jacobian_walk import fused_chains
 from lsa_models.engine.values import Ball, box_to_two, dual_row_norms
 from lsa_models.onnx import load_onnx
 from lsa_models.onnx.ops import Node
@@ -269,7 +270,7 @@ def test_affine_walk_encloses_every_tensor_of_the_issue_classifiers(
     module = om.module.with_dtype(torch.float64)
     with torch.no_grad():
         env = module.run_env(torch.from_numpy(x0))
-    chains, inside = _chains(om, module, env)
+    chains, inside = fused_chains(om, module, env)
     rng = np.random.default_rng(1)
     for eps in ((0.03, 0.3) if norm == "inf" else (0.1, 1.0)):
         ball = Ball(x0, eps, norm)
@@ -430,7 +431,7 @@ def test_affine_walk_through_attention_masks_encloses_every_tensor(key: str, nor
     module = om.module.with_dtype(torch.float64)
     with torch.no_grad():
         env = module.run_env(torch.from_numpy(x0))
-    chains, inside = _chains(om, module, env)
+    chains, inside = fused_chains(om, module, env)
     rng = np.random.default_rng(2)
     ball = Ball(x0, 1e-2 if norm == "inf" else 5e-2, norm)
     forms = affine_rules.walk(list(module.runtime_nodes), om.spec.input_name, env, ball,

@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 from bench.local_models import N, build, center, export, relu_mlp
 from lsa_models.empirical.local import jacobian_norm, local_lower_bound
 from lsa_models.engine import LocalValue, forward_error, local_jacobian
-from lsa_models.engine.driver import _Telescope, _walk
+from lsa_models.engine.jacobian_walk import walk
 from lsa_models.engine.local import certify_local
+from lsa_models.engine.telescope import Telescope
 from lsa_models.engine.values import Ball
 from lsa_models.onnx import OnnxModel, load_onnx
 from tests.margins import boundary_point
@@ -162,10 +163,10 @@ def test_local_value_ranges_hold_for_every_tensor(
     module = om.module.with_dtype(torch.float64)
     with torch.no_grad():
         env = module.run_env(torch.from_numpy(x0))
-    zero, _ = _walk(om, module, env, Ball(x0, 0.0, norm), None)
-    tight = _Telescope(om, x0, zero)
-    half, _ = _walk(om, module, env, Ball(x0, eps / 2, norm), tight)
-    values, _ = _walk(om, module, env, Ball(x0, eps, norm), tight, half)
+    zero, _ = walk(om, module, env, Ball(x0, 0.0, norm), None)
+    tight = Telescope(om, x0, zero)
+    half, _ = walk(om, module, env, Ball(x0, eps / 2, norm), tight)
+    values, _ = walk(om, module, env, Ball(x0, eps, norm), tight, half)
     rng = np.random.default_rng(seed)
     for _ in range(4):
         d = rng.choice([-1.0, 1.0], size=x0.shape) * eps if norm == "inf" else \

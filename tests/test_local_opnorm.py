@@ -17,9 +17,10 @@ from bench.local_models import build, center, export
 from lsa_models.empirical.local import local_lower_bound
 from lsa_models.engine import LocalValue, fused, local_jacobian
 from lsa_models.engine import opnorm as op
-from lsa_models.engine.driver import _adjoint_rows, _chain_consts, _chains
+from lsa_models.engine.jacobian_walk import chain_consts, fused_chains
 from lsa_models.engine.layernorm import token_radius
 from lsa_models.engine.rules import ln_block_norms
+from lsa_models.engine.telescope import adjoint_rows
 from lsa_models.engine.values import Ball, LocalNotCertified, enclose, widen_up
 from lsa_models.onnx import load_onnx
 from tests.profile import at_most
@@ -215,7 +216,7 @@ def test_adjoint_rows_batched_equal_the_row_by_row_backward(transformers: dict) 
              and env[n].dtype == torch.float64][:12]
     target = env[om.spec.output_name].reshape(-1)
     ts = [env[n] for n in names]
-    batched = _adjoint_rows(target, ts)
+    batched = adjoint_rows(target, ts)
     for i in range(target.numel()):
         ref = torch.autograd.grad(target[i], ts, retain_graph=True, allow_unused=True)
         for a, b in zip(batched[i], ref, strict=True):
@@ -234,9 +235,9 @@ def gelu_chain(tmp_path_factory: pytest.TempPathFactory) -> tuple:
     module = om.module.with_dtype(torch.float64)
     with torch.no_grad():
         env = module.run_env(torch.from_numpy(x0))
-    chains, _ = _chains(om, module, env)
+    chains, _ = fused_chains(om, module, env)
     chain = next(iter(chains.values()))
-    return chain, _chain_consts(chain, env)
+    return chain, chain_consts(chain, env)
 
 
 def _chain_second(chain: fused.Chain, consts: dict, x: np.ndarray) -> np.ndarray:
@@ -310,10 +311,10 @@ def torch_act_chain(request: pytest.FixtureRequest, tmp_path_factory: pytest.Tem
     module = om.module.with_dtype(torch.float64)
     with torch.no_grad():
         env = module.run_env(torch.zeros(1, 4, dtype=torch.float64))
-    chains, _ = _chains(om, module, env)
+    chains, _ = fused_chains(om, module, env)
     assert chains, f"{request.param}: no fused chain"
     chain = next(iter(chains.values()))
-    return chain, _chain_consts(chain, env)
+    return chain, chain_consts(chain, env)
 
 
 @settings(max_examples=at_most(40), deadline=None)  # an example costs ~60 ms on 2 shared cores

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 from lsa_models.engine import fused
 from lsa_models.engine import primitives as pr
-from lsa_models.engine.driver import _chains
 from lsa_models.engine.fused import Chain
+from lsa_models.engine.jacobian_walk import fused_chains
 from lsa_models.engine.rules import layernorm
 from lsa_models.engine.structured import _inf_to_one
 from lsa_models.engine.values import Ball, LocalValue, enclose
@@ -183,7 +183,7 @@ def test_local_fused_chains_found_in_a_tanh_gelu_mlp(tmp_path: Path) -> None:
     om = load_onnx(path.read_bytes())
     module = om.module.with_dtype(torch.float64)
     env = module.run_env(torch.zeros(1, 3, 4, dtype=torch.float64))
-    chains, inside = _chains(om, module, env)
+    chains, inside = fused_chains(om, module, env)
     assert len(chains) == 2 and all(len(c.nodes) == 9 for c in chains.values())
     assert len(inside) == 18
 

@@ -22,7 +22,8 @@ from bench.local_models import build, center, export
 from lsa_models.empirical.local import local_lower_bound
 from lsa_models.engine import affine, affine_products, affine_rules, local_jacobian
 from lsa_models.engine.affine import Aff, quad_size
-from lsa_models.engine.driver import _chains, margin_lower_bounds
+from lsa_models.engine.driver import margin_lower_bounds
+from lsa_models.engine.jacobian_walk import fused_chains
 from lsa_models.engine.local import robustness
 from lsa_models.engine.values import Ball, LocalNotCertified
 from lsa_models.onnx import OnnxModel, load_onnx
@@ -201,7 +202,7 @@ def test_quad_walk_encloses_every_tensor_of_the_issue_transformers(kind: str,
     module = om.module.with_dtype(torch.float64)
     with torch.no_grad():
         env = module.run_env(torch.from_numpy(x0))
-    chains, inside = _chains(om, module, env)
+    chains, inside = fused_chains(om, module, env)
     rng = np.random.default_rng(1)
     for norm, eps in (("inf", 0.06), ("inf", 0.12), ("2", 0.3), ("2", 0.6)):
         ball = Ball(x0, eps, norm)

@@ -133,14 +133,14 @@ def _factored_holds(rng: np.random.Generator, x0: np.ndarray, eps: float, got: A
 def _walk_at(om: OnnxModel, seed: int, eps: float) -> tuple[np.random.Generator, np.ndarray,
                                                              dict]:
     """(rng, X0, the enclosure's values on the inf-ball of radius eps) for a seeded centre."""
-    from lsa_models.engine import driver
+    from lsa_models.engine.jacobian_walk import walk
     from lsa_models.engine.values import Ball
     rng = np.random.default_rng(seed)
     x0 = rng.standard_normal((1, N, D))
     module = om.module.with_dtype(torch.float64)
     with torch.no_grad():
         env = module.run_env(torch.from_numpy(x0))
-    values, _ = driver._walk(om, module, env, Ball(x0, eps, "inf"), None)
+    values, _ = walk(om, module, env, Ball(x0, eps, "inf"), None)
     return rng, x0, values
 
 
@@ -487,20 +487,21 @@ def test_telescope_terms_memo_is_keyed_by_the_value_objects() -> None:
     tightened tensor, or the same tensor walked on another ball) recomputes them."""
     from dataclasses import replace
 
-    from lsa_models.engine.driver import _Telescope, _walk
+    from lsa_models.engine.jacobian_walk import walk
+    from lsa_models.engine.telescope import Telescope
     from lsa_models.engine.values import Ball, LocalValue
     om = _export(_MLP("tanh", 2))
     x0 = np.random.default_rng(2).standard_normal((1, N, D))
     module = om.module.with_dtype(torch.float64)
     with torch.no_grad():
         env = module.run_env(torch.from_numpy(x0))
-    zero, _ = _walk(om, module, env, Ball(x0, 0.0, "inf"), None)
-    tight = _Telescope(om, x0, zero)
-    values, _ = _walk(om, module, env, Ball(x0, 0.05, "inf"), None)
+    zero, _ = walk(om, module, env, Ball(x0, 0.0, "inf"), None)
+    tight = Telescope(om, x0, zero)
+    values, _ = walk(om, module, env, Ball(x0, 0.05, "inf"), None)
     out = om.spec.output_name
     first = tight._terms(out, values, None)
     assert first is not None and tight._terms(out, values, None) is first
-    other, _ = _walk(om, module, env, Ball(x0, 0.1, "inf"), None)  # another ball
+    other, _ = walk(om, module, env, Ball(x0, 0.1, "inf"), None)  # another ball
     again = tight._terms(out, other, None)
     assert again is not first and again is not None
     name = next(t for t, u in values.items() if getattr(u, "term", None) is not None)

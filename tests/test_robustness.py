@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from bench.local_models import build, center, export, relu_mlp
 from lsa_models.empirical.local import _pgd, _targets, attack_radius
-from lsa_models.engine import driver, local_jacobian, radius_search, routes, sweep
+from lsa_models.engine import local_jacobian, radius_search, routes, sweep, telescope
 from lsa_models.engine.local import robustness
 from lsa_models.onnx import OnnxModel, load_onnx
 from service.cli import app
@@ -242,7 +242,7 @@ def test_sweep_enclosure_keeps_the_rows_and_margins_of_the_plain_call(
     label = int(tf1.module.with_dtype(torch.float64)(torch.from_numpy(x0)).argmax())
     plain = local_jacobian(tf1, x0, eps, norm, margins_of=label)
     sweep = local_jacobian(tf1, x0, eps, norm, margins_of=label, whole=False)
-    monkeypatch.setattr(driver._Telescope, "plain", lambda self, u, ga: u.term(ga))
+    monkeypatch.setattr(telescope.Telescope, "plain", lambda self, u, ga: u.term(ga))
     fresh = local_jacobian(tf1, x0, eps, norm, margins_of=label)
     assert sweep.structured is None and sweep.opnorm_two is None
     assert plain.structured is not None

@@ -29,11 +29,11 @@ from ..bounds.numerics import (
 )
 from ..onnx.loading import OnnxModel
 from .centre import Centre, center_sha256, check_center, check_eps, graph_input_shape
-from .jacobian_walk import CHECKPOINTS, MAX_JACOBIAN_ENTRIES, chain_consts, fused_chains, walk
+from .jacobian_walk import CHECKPOINTS, MAX_JACOBIAN_ENTRIES, walk
 from .margins import margin_lower_bounds
 from .rules import exact
 from .structured import Structured
-from .telescope import Telescope, adjoint_rows
+from .telescope import Telescope
 from .values import (
     Ball,
     LocalNotCertified,
@@ -47,10 +47,6 @@ __all__ = [
     "center_sha256", "check_center", "graph_input_shape", "local_jacobian",
     "margin_lower_bounds",
 ]
-
-# the moved helpers under the names the tests and benches reach them by
-_walk, _Telescope, _chains = walk, Telescope, fused_chains
-_chain_consts, _adjoint_rows = chain_consts, adjoint_rows
 
 # Balls of radius eps/2, eps/4, ... walked before the ball itself (values by the integrated
 # mean value form); each costs one more walk. One halving tightens a Transformer's inf-ball

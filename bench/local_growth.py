@@ -25,7 +25,9 @@ from torch.autograd import forward_ad
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.local_models import build, center, export  # noqa: E402
-from lsa_models.engine.driver import _Telescope, _walk, check_center  # noqa: E402
+from lsa_models.engine.driver import check_center  # noqa: E402
+from lsa_models.engine.jacobian_walk import walk  # noqa: E402
+from lsa_models.engine.telescope import Telescope  # noqa: E402
 from lsa_models.engine.values import Ball, LocalValue  # noqa: E402
 from lsa_models.onnx import load_onnx  # noqa: E402
 
@@ -90,9 +92,9 @@ def main() -> None:
     module = om.module.with_dtype(torch.float64)
     with torch.no_grad():
         env = module.run_env(torch.from_numpy(x))
-    zero, _ = _walk(om, module, env, Ball(x, 0.0, args.norm), None)
-    tight = _Telescope(om, x, zero)
-    values, _ = _walk(om, module, env, Ball(x, args.eps, args.norm), tight)
+    zero, _ = walk(om, module, env, Ball(x, 0.0, args.norm), None)
+    tight = Telescope(om, x, zero)
+    values, _ = walk(om, module, env, Ball(x, args.eps, args.norm), tight)
     producer = {o: nd for nd in module.runtime_nodes for o in nd.outputs}
     names = [n for n, v in values.items() if isinstance(v, LocalValue) and n in env]
     lo, hi, dev = sampled(module, x, args.eps, args.norm, args.samples, args.seed, names)

@@ -236,7 +236,7 @@ def tf1(tmp_path_factory: pytest.TempPathFactory) -> OnnxModel:
 def test_sweep_enclosure_keeps_the_rows_and_margins_of_the_plain_call(
         tf1: OnnxModel, norm: str, eps: float, monkeypatch: pytest.MonkeyPatch) -> None:
     """What the sweep asks of the enclosure (whole=False: no whole-output bounds; the
-    remainder terms computed once per adjoint, `_Telescope.plain`) changes no row and no
+    remainder terms computed once per adjoint, `Telescope.plain`) changes no row and no
     margin bound: the same numbers as the plain call, and as with every term recomputed."""
     x0 = center(1).numpy().astype(np.float64)
     label = int(tf1.module.with_dtype(torch.float64)(torch.from_numpy(x0)).argmax())

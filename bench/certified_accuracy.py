@@ -1,4 +1,4 @@
-"""Certified accuracy at a radius on a set of inputs: lsa (`lsa_models.engine.at_radius`,
+"""Certified accuracy at a radius on a set of inputs: lsa (`lsa_models.engine.routes.at_radius`,
 what `lsa robustness --inputs --labels --radius` runs) against auto_LiRPA's CROWN (and
 alpha-CROWN where it runs: its LayerNorm relaxation asserts on the Transformers) on the same
 classifiers (bench/local_models.py: the MLP and the 1- and 2-layer pre-norm Transformers),
@@ -65,7 +65,7 @@ def _runner(python: Path, kind: str, xs: Path, ys: Path, norm: str, method: str,
 
 
 def run_kind(kind: str, n: int, tmp: Path, python: Path | None) -> list[dict[str, Any]]:
-    from lsa_models.engine.at_radius import decide_all
+    from lsa_models.engine.routes.at_radius import decide_all
     from lsa_models.onnx import load_onnx
 
     om = load_onnx(export(build(kind, 0), tmp / f"{kind}.onnx").read_bytes())

@@ -56,8 +56,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
 
-    from lsa_models.engine.constant_routes import global_bound
-    from lsa_models.engine.local import certify_local
+    from lsa_models.engine.routes.certify import certify_local
+    from lsa_models.engine.routes.constant import global_bound
     from lsa_models.onnx import LoadOptions, analyse, load_onnx
 
     model = build(args.d_model, args.heads, args.layers)

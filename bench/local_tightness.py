@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.local_models import KINDS, build, center, export  # noqa: E402
 from bench.local_vs_autolirpa import lsa_rows  # noqa: E402
-from lsa_models.engine.local import robustness  # noqa: E402
+from lsa_models.engine.routes.certify import robustness  # noqa: E402
 from lsa_models.onnx import load_onnx  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.local_models import KINDS, build, center, export  # noqa: E402
 from lsa_models.empirical.local import local_lower_bound  # noqa: E402
-from lsa_models.engine.local import certify_local, robustness  # noqa: E402
+from lsa_models.engine.routes.certify import certify_local, robustness  # noqa: E402
 from lsa_models.onnx import load_onnx  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"

@@ -7,7 +7,7 @@ LayerNorm's rsqrt, ...). The table sums `|a_q|` per op that made the symbol, for
 output form and, where the head reads one token (docs/local-affine.md, "One token's margin by
 its sign"), for the signed form too; with --quad the second-order symbols' part is sized as
 the margins size it alone (Frobenius on the 2-ball, l1 on the inf-ball). Diagnostic only: the
-certified radius itself comes from `lsa_models.engine.local.robustness`.
+certified radius itself comes from `lsa_models.engine.routes.certify.robustness`.
 
     .venv/bin/python bench/margin_losses.py tf1 --norm 2 --radius 0.342 [--quad]
     .venv/bin/python bench/margin_losses.py hf-vit --norm inf --radius 0.04
@@ -34,8 +34,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from lsa_models.engine import affine, affine_rules, deferred, driver, jacobian_walk  # noqa: E402
-from lsa_models.engine.affine import Aff  # noqa: E402
+from lsa_models.engine.affine import form as affine  # noqa: E402
+from lsa_models.engine.affine import walk as affine_rules
+from lsa_models.engine.affine.form import Aff  # noqa: E402
+from lsa_models.engine.drivers import jacobian as driver
+from lsa_models.engine.drivers import jacobian_walk
+from lsa_models.engine.heads import final_layernorm as deferred
 from lsa_models.engine.values import Ball, dual_row_norms  # noqa: E402
 from lsa_models.onnx import load_onnx  # noqa: E402
 

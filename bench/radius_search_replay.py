@@ -1,11 +1,10 @@
-"""Replay the certified-radius search (lsa_models.engine.radius_search.affine_radius: the plain,
-second-order and eigenvalue stages) on recorded margin lower bounds, to tune its constants
+"""Replay the certified-radius search (lsa_models.engine.routes.radius_search.affine_radius: the
+plain, second-order and eigenvalue stages) on recorded margin lower bounds, to tune its constants
 without walking the engine: `record` walks each stage of the tf1 and tf2 classifiers
 (bench/local_models.py) at a grid of radii once (minutes) and writes the margins' lower bounds;
 `replay` runs the real search code with the walks replaced by interpolation on that grid
-(milliseconds) and prints each stage's radius and walks. The replay reproduces the real
-searches' walk counts (tf1/tf2, both norms); a choice it suggests must still be measured on real
-walks.
+(milliseconds) and prints each stage's radius and walks. The replay reproduces the real searches'
+walk counts (tf1/tf2, both norms); a choice it suggests must still be measured on real walks.
 
     .venv/bin/python bench/radius_search_replay.py record   # bench/out/radius_search_grid.json
     .venv/bin/python bench/radius_search_replay.py replay [--quad-step-inf 1.08] [...]
@@ -26,8 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.local_models import build, center, export  # noqa: E402
-from lsa_models.engine import radius_search  # noqa: E402
-from lsa_models.engine.driver import Centre, margin_lower_bounds  # noqa: E402
+from lsa_models.engine.drivers.jacobian import Centre, margin_lower_bounds  # noqa: E402
+from lsa_models.engine.routes import radius_search  # noqa: E402
 from lsa_models.onnx import load_onnx  # noqa: E402
 
 GRID = Path(__file__).resolve().parent / "out" / "radius_search_grid.json"

@@ -28,8 +28,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import tests.zoo.tv_schemas  # noqa: E402,F401  (before timm/transformers import torchvision)
-from lsa_models.engine import forward_ball  # noqa: E402
-from lsa_models.engine.local import robustness  # noqa: E402
+from lsa_models.engine.rounding import forward_ball  # noqa: E402
+from lsa_models.engine.routes.certify import robustness  # noqa: E402
 from lsa_models.onnx import load_onnx  # noqa: E402
 from service.bounds.local import model_input  # noqa: E402
 from tests.onnx_export import export_to  # noqa: E402

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.certified_accuracy import RADII  # noqa: E402
 from bench.local_models import build, center, export  # noqa: E402
-from lsa_models.engine.at_radius import SetReport  # noqa: E402
+from lsa_models.engine.routes.at_radius import SetReport  # noqa: E402
 from lsa_models.onnx import load_onnx  # noqa: E402
 from service.robustness.set_pool import decide_all  # noqa: E402
 

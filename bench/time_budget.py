@@ -1,7 +1,7 @@
 """Certified accuracy and seconds per input at one radius with the default time budget
 (api_schemas.requests.DEFAULT_DECIDE_BUDGET_S per input) and without one, on the first K test
 images of the digits models of bench/trained/ (the 2-layer ViTs by default), each input
-decided by lsa_models.engine.at_radius.decide in this process, one thread. Also the radius
+decided by lsa_models.engine.routes.at_radius.decide in this process, one thread. Also the radius
 search (local.robustness) under its default budget (DEFAULT_RADIUS_BUDGET_S) on the first
 images. The unbudgeted verdicts take minutes each on these models: --k-none decides only the
 first few images without a budget, and on those the bench checks that a budgeted verdict is
@@ -59,7 +59,7 @@ def load(name: str) -> Any:
 def verdicts(loaded: Any, images: np.ndarray, labels: np.ndarray, norm: str, radius: float,
              budget: float | None) -> list[dict[str, Any]]:
     """One decide per image (the image cut into the patches the graph reads)."""
-    from lsa_models.engine.at_radius import decide
+    from lsa_models.engine.routes.at_radius import decide
     from service.bounds.local import model_input
     from service.robustness.verdicts import verdict_json
 
@@ -113,7 +113,7 @@ def prefix_ok(budgeted: list[dict[str, Any]], free: list[dict[str, Any]]) -> boo
 def searches(loaded: Any, images: np.ndarray, labels: np.ndarray, norm: str
              ) -> list[dict[str, Any]]:
     """The radius search under its default budget."""
-    from lsa_models.engine.local import robustness
+    from lsa_models.engine.routes.certify import robustness
     from service.bounds.local import model_input
 
     out = []

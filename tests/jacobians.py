@@ -95,7 +95,7 @@ def assert_arb_holds(op: object, x: np.ndarray) -> None:
     1e-13 relative, with a radius below 1e-60 (an elementwise op: `op.point` is f)."""
     import flint
 
-    from lsa_models.engine.forward_ball import PREC
+    from lsa_models.engine.rounding.forward_ball import PREC
 
     old = flint.ctx.prec
     flint.ctx.prec = PREC

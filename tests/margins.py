@@ -47,7 +47,7 @@ def with_and_without_heads(om: object, x0: np.ndarray, eps: float, norm: str, la
     """The margins' lower bounds with the heads' refinements (deferred LayerNorm / RMSNorm
     product, one-token sign, ReLU head) and with the plain output form alone
     (margins.DEFER off)."""
-    from lsa_models.engine import margins
+    from lsa_models.engine.drivers import margins
 
     low = margins.margin_lower_bounds(om, x0, eps, norm, label)  # type: ignore[arg-type]
     token = margins.DEFER

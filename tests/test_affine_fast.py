@@ -17,9 +17,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lsa_models.engine import affine, affine_linear, affine_products
-from lsa_models.engine.affine import Aff
-from lsa_models.engine.driver import margin_lower_bounds
+from lsa_models.engine.affine import form as affine
+from lsa_models.engine.affine import linear as affine_linear
+from lsa_models.engine.affine import products as affine_products
+from lsa_models.engine.affine.form import Aff
+from lsa_models.engine.drivers.jacobian import margin_lower_bounds
 from lsa_models.engine.values import Ball
 from lsa_models.onnx import load_onnx
 from tests.margins import descend_margin

@@ -16,10 +16,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lsa_models.engine import affine, affine_products
-from lsa_models.engine.affine import Aff
-from lsa_models.engine.driver import margin_lower_bounds
-from lsa_models.engine.quadform import quad_size
+from lsa_models.engine.affine import form as affine
+from lsa_models.engine.affine import products as affine_products
+from lsa_models.engine.affine.form import Aff
+from lsa_models.engine.affine.quadform import quad_size
+from lsa_models.engine.drivers.jacobian import margin_lower_bounds
 from lsa_models.engine.values import Ball
 from lsa_models.onnx import load_onnx
 

@@ -1,4 +1,4 @@
-"""Verdicts at a given radius (lsa_models.engine.at_radius): certified / attacked / unknown /
+"""Verdicts at a given radius (lsa_models.engine.routes.at_radius): certified / attacked / unknown /
 misclassified, consistent with the radius search and with attacks; the CLI's set mode, its
 certified accuracy and its CI gate."""
 
@@ -18,9 +18,9 @@ from typer.testing import CliRunner
 
 from bench.local_models import build, center, export, relu_mlp
 from lsa_models.empirical.local import _pgd, _targets
-from lsa_models.engine import at_radius
-from lsa_models.engine.at_radius import decide, decide_all
-from lsa_models.engine.local import robustness
+from lsa_models.engine.routes import at_radius
+from lsa_models.engine.routes.at_radius import decide, decide_all
+from lsa_models.engine.routes.certify import robustness
 from lsa_models.onnx import OnnxModel, load_onnx
 from service.cli import app
 from tests.margins import boundary_point
@@ -327,7 +327,8 @@ def test_sweep_never_passes_the_first_order_radius(mlp: tuple[OnnxModel, Path],
     """decide skips the sweep past min_j m_j / ||grad m_j(X0)||_dual: the radius search's
     sweep (run to the end, no other route's floor) stays below it on the MLP, where the sweep
     is the route that wins."""
-    from lsa_models.engine import local, sweep
+    from lsa_models.engine.routes import certify as local
+    from lsa_models.engine.routes import sweep
 
     om, _ = mlp
     for seed in (5, 6):
@@ -355,7 +356,7 @@ class _TokensFirst(nn.Module):
 def test_margins_on_a_graph_without_a_batch_axis(tmp_path: Path) -> None:
     """On an (N, D) graph the centre's margins are the model's own (the graph run on X0 as its
     input, not row by row as a batch of N), and a verdict at a radius is reached."""
-    from lsa_models.engine.local import centre_margins
+    from lsa_models.engine.routes.certify import centre_margins
 
     net = _TokensFirst().eval()
     x0 = torch.randn(5, 4, generator=torch.Generator().manual_seed(0))
@@ -378,7 +379,7 @@ def test_margins_on_a_graph_without_a_batch_axis(tmp_path: Path) -> None:
 def test_margins_on_a_tokens_first_graph(tmp_path: Path) -> None:
     """On the zoo's (N, 1, D) graph (tokens first, the batch axis second) the centre's
     margins are the model's own."""
-    from lsa_models.engine.local import centre_margins
+    from lsa_models.engine.routes.certify import centre_margins
     from tests.zoo.cases import _cases_l2
 
     (case,) = [c for c in _cases_l2() if c.key == "l2-stpp[(N, 1, D)]"]

@@ -8,8 +8,9 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lsa_models.engine import affine_rules, deferred
-from lsa_models.engine.affine import Aff
+from lsa_models.engine.affine import walk as affine_rules
+from lsa_models.engine.affine.form import Aff
+from lsa_models.engine.heads import final_layernorm as deferred
 from lsa_models.engine.values import Ball
 from tests.profile import at_most
 

@@ -1,5 +1,5 @@
-"""The centre's forward error by ball arithmetic (lsa_models/engine/forward_ball.py): every bound
-covers the float64 pass's exact error, every op's balls compute the function the runtime
+"""The centre's forward error by ball arithmetic (lsa_models/engine/rounding/forward_ball.py): every
+bound covers the float64 pass's exact error, every op's balls compute the function the runtime
 computes, and the engine falls back to the interval bound where the balls do not apply."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from lsa_models.engine import forward_ball, forward_error
+from lsa_models.engine.rounding import forward_ball, forward_error
 from lsa_models.onnx import OnnxModel, load_onnx
 from tests.onnx_export import export_to
 from tests.profile import at_most

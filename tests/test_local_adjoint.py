@@ -1,4 +1,4 @@
-"""Margin gradients over a ball from the adjoint graph (lsa_models/engine/adjoint.py): the
+"""Margin gradients over a ball from the adjoint graph (lsa_models/engine/derived/adjoint.py): the
 graph must compute J_F(X)^T c exactly (against autodiff), and its bound on the gradient's dual
 norm must never be below the exact float64 gradient's at points of the ball (random points,
 corners, ascent on the norm); the l1 relaxation must enclose every realisation of a form."""
@@ -14,10 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from lsa_models.engine import sweep
-from lsa_models.engine.adjoint import AdjointGraph, l1_sup, l2_sup
-from lsa_models.engine.affine import Aff
-from lsa_models.engine.local import certify_local, robustness
+from lsa_models.engine.affine.form import Aff
+from lsa_models.engine.derived.adjoint import AdjointGraph, l1_sup, l2_sup
+from lsa_models.engine.routes import sweep
+from lsa_models.engine.routes.certify import certify_local, robustness
 from lsa_models.engine.values import Ball
 from lsa_models.onnx import load_onnx
 from lsa_models.onnx.loading import OnnxModel
@@ -279,7 +279,7 @@ def test_adjoint_bound_is_none_where_the_forward_walk_stops(models, monkeypatch)
     """A forward walk that stops (an op without a rule, a form that overflowed) leaves the
     tensors after it without forms; the adjoint walk must then give no bound rather than read
     them as constants (which would drop their change over the ball)."""
-    from lsa_models.engine import affine_rules
+    from lsa_models.engine.affine import walk as affine_rules
     om, x0 = models["tf1"]
     ag = AdjointGraph(om, x0, np.eye(4)[0])
     assert ag.dual_norm_bound(1e-2, "inf") is not None
@@ -304,7 +304,7 @@ def test_adjoint_and_tangent_graphs_through_attention_masks(key: str, tmp_path) 
     NaN guard Where(IsNaN(p), 0, p) an input-dependent condition)."""
     import warnings
 
-    from lsa_models.engine.tangent import TangentGraph
+    from lsa_models.engine.derived.tangent import TangentGraph
     from tests.zoo.cases import CASES
     from tests.zoo.harness import export as zoo_export
     warnings.simplefilter("ignore")

@@ -1,4 +1,4 @@
-"""Property tests of the affine value forms (lsa_models/engine/affine.py): for an input
+"""Property tests of the affine value forms (lsa_models/engine/affine/form.py): for an input
 X = X0 + d with d in the ball, every linear functional w of an op's exact float64 output must
 lie in the range the form gives it,
     w . (T(X) - T(X0)) in w . o +- (eps ||w^T a_in||_dual + ||w^T a_sym||_1 + |w| . b),
@@ -18,10 +18,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lsa_models.engine import affine, affine_elementwise, affine_linear, affine_rules, fused
-from lsa_models.engine.affine import Aff
-from lsa_models.engine.driver import margin_lower_bounds
-from lsa_models.engine.jacobian_walk import fused_chains
+from lsa_models.engine import elementwise_chains as fused
+from lsa_models.engine.affine import elementwise as affine_elementwise
+from lsa_models.engine.affine import form as affine
+from lsa_models.engine.affine import linear as affine_linear
+from lsa_models.engine.affine import walk as affine_rules
+from lsa_models.engine.affine.form import Aff
+from lsa_models.engine.drivers.jacobian import margin_lower_bounds
+from lsa_models.engine.drivers.jacobian_walk import fused_chains
 from lsa_models.engine.values import Ball, box_to_two, dual_row_norms
 from lsa_models.onnx import load_onnx
 from lsa_models.onnx.ops import Node
@@ -521,7 +525,7 @@ def test_matmul_tangents_match_the_vmapped_op(seed: int, lead: tuple[int, ...], 
                                               m: int, p: int, side: int) -> None:
     """`rules.run_tangents` of a MatMul by a constant matrix (the direct BLAS product) gives
     the op vmapped over the tangents' last axis (X W and C X, vectors and batches)."""
-    from lsa_models.engine import rules
+    from lsa_models.engine.enclosure import rules
     rng = np.random.default_rng(seed)
     nd = Node("mm", "MatMul", ["a", "b"], ["y"], {}, "")
     shape = (*lead, k)  # X (..., k) for X W; for C X, X (..., k, m) with C (m, k)

@@ -1,7 +1,7 @@
-"""The local Conv rule (lsa_models/engine/rules_conv.py, docs/local-enclosure.md "Conv"): the
-enclosure holds the exact float64 Jacobian and value at points of the ball for strided,
-padded, dilated, grouped 1-D/2-D Convs; ViT blocks on pixels get local bounds between the
-in-ball lower bound and the global bound; a pixel classifier gets a robustness radius."""
+"""The local Conv rule (lsa_models/engine/enclosure/rules_conv.py, docs/local-enclosure.md "Conv"):
+the enclosure holds the exact float64 Jacobian and value at points of the ball for strided, padded,
+dilated, grouped 1-D/2-D Convs; ViT blocks on pixels get local bounds between the in-ball lower
+bound and the global bound; a pixel classifier gets a robustness radius."""
 
 from __future__ import annotations
 
@@ -17,13 +17,17 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 from lsa_models.empirical.local import local_lower_bound
-from lsa_models.engine import affine_rules
-from lsa_models.engine import primitives as pr
-from lsa_models.engine.affine import Aff
-from lsa_models.engine.driver import graph_input_shape, local_jacobian, margin_lower_bounds
-from lsa_models.engine.local import certify_local, robustness
-from lsa_models.engine.radius_search import affine_radius
-from lsa_models.engine.rules import LOCAL_RULES
+from lsa_models.engine.affine import walk as affine_rules
+from lsa_models.engine.affine.form import Aff
+from lsa_models.engine.drivers.jacobian import (
+    graph_input_shape,
+    local_jacobian,
+    margin_lower_bounds,
+)
+from lsa_models.engine.enclosure import primitives as pr
+from lsa_models.engine.enclosure.rules import LOCAL_RULES
+from lsa_models.engine.routes.certify import certify_local, robustness
+from lsa_models.engine.routes.radius_search import affine_radius
 from lsa_models.engine.values import Ball, LocalValue, input_value
 from lsa_models.onnx import analyse, load_onnx
 from lsa_models.onnx.ops import Node

@@ -1,6 +1,6 @@
 """Margins past the final LayerNorm with its product deferred past the head
-(lsa_models/engine/deferred.py): the tail is found only where it is linear and read once, and
-the deferred lower bounds never exceed the margins PGD reaches inside the ball, on the
+(lsa_models/engine/heads/final_layernorm.py): the tail is found only where it is linear and read
+once, and the deferred lower bounds never exceed the margins PGD reaches inside the ball, on the
 issue-15 Transformers and on tails spelled differently (CLS token, flattened tokens, a
 temperature)."""
 
@@ -16,8 +16,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from lsa_models.engine import affine, affine_rules, deferred, margins
-from lsa_models.engine.driver import Centre, margin_lower_bounds
+from lsa_models.engine.affine import form as affine
+from lsa_models.engine.affine import walk as affine_rules
+from lsa_models.engine.drivers import margins
+from lsa_models.engine.drivers.jacobian import Centre, margin_lower_bounds
+from lsa_models.engine.heads import final_layernorm as deferred
 from lsa_models.engine.values import Ball
 from lsa_models.onnx import load_onnx
 from lsa_models.onnx.loading import OnnxModel

@@ -15,12 +15,13 @@ from hypothesis import strategies as st
 
 from bench.local_models import build, center, export
 from lsa_models.empirical.local import local_lower_bound
-from lsa_models.engine import LocalValue, fused, local_jacobian
-from lsa_models.engine import opnorm as op
-from lsa_models.engine.jacobian_walk import chain_consts, fused_chains
-from lsa_models.engine.layernorm import token_radius
-from lsa_models.engine.rules import ln_block_norms
-from lsa_models.engine.telescope import adjoint_rows
+from lsa_models.engine import LocalValue, local_jacobian
+from lsa_models.engine import elementwise_chains as fused
+from lsa_models.engine.drivers.jacobian_walk import chain_consts, fused_chains
+from lsa_models.engine.enclosure.layernorm import token_radius
+from lsa_models.engine.enclosure.rules import ln_block_norms
+from lsa_models.engine.remainders import operator_norms as op
+from lsa_models.engine.remainders.telescope import adjoint_rows
 from lsa_models.engine.values import Ball, LocalNotCertified, enclose, widen_up
 from lsa_models.onnx import load_onnx
 from tests.profile import at_most
@@ -429,7 +430,7 @@ def test_softmax_derivative_block_bounds_the_exact_change(seed: int, n: int, sca
     with ||z - z0||_2 <= rho (the row's token radius), S = diag(p) - p p^T; at random points
     and after projected ascent on ||S(z) - S(z0)||_2, which reaches 0.385 of the bound
     (sqrt(2/27) sqrt(2)) at small rho: a 0.3x bound fails."""
-    from lsa_models.engine.primitives import _softmax_derivative_block
+    from lsa_models.engine.enclosure.primitives import _softmax_derivative_block
     rng = np.random.default_rng(seed)
     z0 = rng.standard_normal((2, n)) * scale  # two rows
     v = LocalValue(z0, z0 - rho, z0 + rho, np.zeros((2, n, 1)), np.zeros((2, n, 1)))

@@ -13,12 +13,12 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lsa_models.engine import fused
-from lsa_models.engine import primitives as pr
-from lsa_models.engine.fused import Chain
-from lsa_models.engine.jacobian_walk import fused_chains
-from lsa_models.engine.rules import layernorm
-from lsa_models.engine.structured import _inf_to_one
+from lsa_models.engine import elementwise_chains as fused
+from lsa_models.engine.drivers.jacobian_walk import fused_chains
+from lsa_models.engine.elementwise_chains import Chain
+from lsa_models.engine.enclosure import primitives as pr
+from lsa_models.engine.enclosure.rules import layernorm
+from lsa_models.engine.remainders.structured_norms import _inf_to_one
 from lsa_models.engine.values import Ball, LocalValue, enclose
 from lsa_models.onnx import load_onnx
 from lsa_models.onnx.ops import Node

@@ -1,4 +1,4 @@
-"""Margins through a ReLU head (lsa_models/engine/relu_head.py): the last ReLU's one-sided
+"""Margins through a ReLU head (lsa_models/engine/heads/relu_head.py): the last ReLU's one-sided
 relaxations chosen per margin give lower bounds that never exceed the margins (exact
 functions at the extreme points and random points of the ball, PGD on ONNX models) and are
 never below the plain forms' bounds."""
@@ -16,7 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from lsa_models.engine import affine, affine_rules, driver, relu_head
+from lsa_models.engine.affine import form as affine
+from lsa_models.engine.affine import walk as affine_rules
+from lsa_models.engine.drivers import jacobian as driver
+from lsa_models.engine.heads import relu_head
 from lsa_models.engine.values import Ball
 from lsa_models.onnx import load_onnx
 from lsa_models.onnx.loading import OnnxModel

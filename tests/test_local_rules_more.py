@@ -1,8 +1,8 @@
-"""Property tests of the local rules of lsa_models/engine/rules_more.py (masked softmax, -inf
-masks, Where, comparisons, IsNaN, ReduceMax, fused tanh-Gelu): at sampled points of the ball
-(corners and boundary included) the exact float64 Jacobian and value of the op must lie inside
-the enclosure; whole graphs exported from torch must have their local bound at or above the
-exact Jacobian norm at points of the ball and along projected ascent."""
+"""Property tests of the local rules of lsa_models/engine/enclosure/rules_more.py (masked softmax,
+-inf masks, Where, comparisons, IsNaN, ReduceMax, fused tanh-Gelu): at sampled points of the ball
+(corners and boundary included) the exact float64 Jacobian and value of the op must lie inside the
+enclosure; whole graphs exported from torch must have their local bound at or above the exact
+Jacobian norm at points of the ball and along projected ascent."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from torch import nn
 
 from lsa_models.empirical.local import local_lower_bound
 from lsa_models.engine import local_jacobian
-from lsa_models.engine.rules_more import (
+from lsa_models.engine.enclosure.rules_more import (
     NEG_MASK,
     CompareRule,
     gelu_tanh,

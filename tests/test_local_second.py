@@ -1,4 +1,4 @@
-"""The second-order signed rows of the inf-ball (lsa_models/engine/second.py,
+"""The second-order signed rows of the inf-ball (lsa_models/engine/remainders/second_order.py,
 docs/local-second-order.md "Second-order signed rows"): each elementwise op's split of its term into
 a Hessian part and a rest, against the exact float64 term at corners and inside points of the
 ball; and the output rows and margin constants of MLPs spelled with torch's own activations
@@ -21,7 +21,7 @@ from torch import nn
 
 from lsa_models.empirical.local import local_lower_bound
 from lsa_models.engine import local_jacobian
-from lsa_models.engine import second as second_mod
+from lsa_models.engine.remainders import second_order as second_mod
 from lsa_models.onnx import load_onnx
 from lsa_models.onnx.loading import OnnxModel
 from tests.profile import at_most
@@ -108,7 +108,7 @@ def _signed_sums_hold(rng: np.random.Generator, got: Any, rho: np.ndarray) -> No
     """For the exact residual rho = T(X) - H . d (M, P) and sign rows s (rho's own, random,
     random with zeros): sum_p s_ip rho_ip <= sum_facs sum_b c_ib |sum_p s_ip jc_bp| +
     sum_p |s_ip| other_ip (second.Factored, what second_rows uses on sign-fixed entries)."""
-    from lsa_models.engine.second import Factored
+    from lsa_models.engine.remainders.second_order import Factored
     assert isinstance(got, Factored)
     for s in (np.sign(rho), np.sign(rng.standard_normal(rho.shape)),
               rng.choice([-1.0, 0.0, 1.0], size=rho.shape)):
@@ -133,7 +133,7 @@ def _factored_holds(rng: np.random.Generator, x0: np.ndarray, eps: float, got: A
 def _walk_at(om: OnnxModel, seed: int, eps: float) -> tuple[np.random.Generator, np.ndarray,
                                                              dict]:
     """(rng, X0, the enclosure's values on the inf-ball of radius eps) for a seeded centre."""
-    from lsa_models.engine.jacobian_walk import walk
+    from lsa_models.engine.drivers.jacobian_walk import walk
     from lsa_models.engine.values import Ball
     rng = np.random.default_rng(seed)
     x0 = rng.standard_normal((1, N, D))
@@ -487,8 +487,8 @@ def test_telescope_terms_memo_is_keyed_by_the_value_objects() -> None:
     tightened tensor, or the same tensor walked on another ball) recomputes them."""
     from dataclasses import replace
 
-    from lsa_models.engine.jacobian_walk import walk
-    from lsa_models.engine.telescope import Telescope
+    from lsa_models.engine.drivers.jacobian_walk import walk
+    from lsa_models.engine.remainders.telescope import Telescope
     from lsa_models.engine.values import Ball, LocalValue
     om = _export(_MLP("tanh", 2))
     x0 = np.random.default_rng(2).standard_normal((1, N, D))
@@ -523,7 +523,7 @@ def test_factored_jacobian_deviation_holds_on_the_second_layer(seed: int, eps: f
     over u2's entries and signs s over the input, sum_bp w_b s_p (J(X) - jc)_bp <=
     sum_c |sum_b w_b M_bc| dmb_c |sum_p s_p src_cp| + sum_bp |w_b| |s_p| rest_bp, with s the
     signs of the left side's own terms, at corners and inside points."""
-    from lsa_models.engine import driver
+    from lsa_models.engine.drivers import jacobian as driver
     model = _MLP(act, seed % 97).double()
     om = _export(_MLP(act, seed % 97))
     rng, x0, values = _walk_at(om, seed, eps)
@@ -561,8 +561,8 @@ def test_elementwise_parts_alternatives_each_bound_the_term(seed: int, eps: floa
     and the one through its input's factored deviation, LocalValue.jfac), each on its own:
     sum_p |T_ip(X)| <= the structured rows bound, T(X) = g (f'(u2(X)) - f'(u2(X0))) J_u2(X)
     exact in float64, at corners, inside points and the corners of the rows' own signs."""
-    from lsa_models.engine import driver
-    from lsa_models.engine.structured import PartsChoice, _factored
+    from lsa_models.engine.drivers import jacobian as driver
+    from lsa_models.engine.remainders.structured_norms import PartsChoice, _factored
     m32 = _MLP(act, seed % 97)
     if saturated:  # the first activation's slope near 0 at X0, large on the ball: the
         with torch.no_grad():  # second layer's jc is small and its J(X) moves (the jfac part)
@@ -606,7 +606,7 @@ def test_unfixed_signs_bound_every_corner(seed: int, eps: float) -> None:
     """second._unfixed_signs: for J_ip(X) = jc_ip + H_i[p] . d + rho_ip with |rho| <= r, the
     row sums sum_p |J_ip| at every corner d of the inf-ball (P = 6: all 64) and the worst rho
     stay below the bound (the fixed entries: eps ||H_i[p]||_1 + r_ip < |jc_ip|)."""
-    from lsa_models.engine.second import _unfixed_signs
+    from lsa_models.engine.remainders.second_order import _unfixed_signs
     rng = np.random.default_rng(seed)
     m, p = 3, 6
     hess = rng.standard_normal((m, p, p)) * rng.choice([0.1, 1.0, 10.0])
@@ -635,7 +635,7 @@ def test_signed_c2_bounds_the_ops_change_mixed_by_the_jfac_map(seed: int, eps: f
     e_c = sup|f'''| du_c^2 / 2, at the corners that extremise each (i, b)'s linear part and at
     random corners: the first-order part is kept signed over c, so at small eps the bound is
     nearly attained (a 0.3x first-order part fails there)."""
-    from lsa_models.engine.second import _signed_c2
+    from lsa_models.engine.remainders.second_order import _signed_c2
     rng = np.random.default_rng(seed)
     k, b, bs, p = 2, 6, 5, 7
     a = rng.standard_normal((b, p))
@@ -673,7 +673,7 @@ def test_unfixed_factored_bounds_the_unfixed_entries_changes(seed: int, eps: flo
     <= its bound per row, J exact in float64, at random corners and after projected ascent on
     that sum; the ascent reaches more than 0.1 of the bound on some row (0.22 measured:
     per entry the worst d differs, and the bound takes each entry's own)."""
-    from lsa_models.engine.second import (
+    from lsa_models.engine.remainders.second_order import (
         _unfixed_factored,
         entry_bounds,
         hessian_rest_factored,

@@ -1,7 +1,8 @@
-"""The signed telescoped terms (lsa_models/engine/signed.py, docs/local-second-order.md "Signed
-adjoints"): the bound on G (D(x) - D(x0)) for LayerNorm against exact float64 gradients of
-G . LayerNorm(x) at points of the input box (corners included), with the adjoint known only
-to within its margin; and whole graphs against exact Jacobians at the corners of the ball."""
+"""The signed telescoped terms (lsa_models/engine/remainders/signed_adjoints.py,
+docs/local-second-order.md "Signed adjoints"): the bound on G (D(x) - D(x0)) for LayerNorm against
+exact float64 gradients of G . LayerNorm(x) at points of the input box (corners included), with the
+adjoint known only to within its margin; and whole graphs against exact Jacobians at the corners of
+the ball."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from torch import nn
 
 from lsa_models.empirical.local import local_lower_bound
 from lsa_models.engine import local_jacobian
-from lsa_models.engine.signed import layernorm_signed
+from lsa_models.engine.remainders.signed_adjoints import layernorm_signed
 from lsa_models.engine.values import Ball, LocalValue, enclose
 from lsa_models.onnx import load_onnx
 from lsa_models.onnx.loading import OnnxModel
@@ -143,7 +144,7 @@ def test_signed_layernorm_past_the_relational_cap_holds_at_every_corner(
     itself (signed(force=True)): the enclosure, rows and margins still hold at every corner,
     and are no tighter than with the relational form at the output only, which is no tighter
     than with it everywhere."""
-    from lsa_models.engine import signed as signed_mod
+    from lsa_models.engine.remainders import signed_adjoints as signed_mod
     x0 = np.random.default_rng(3).standard_normal((1, 2, 3))
     full = local_jacobian(two_norms, x0, eps, "inf", margins_of=0)
     monkeypatch.setattr(signed_mod, "RELATIONAL_MAX_ENTRIES", 0)
@@ -200,8 +201,8 @@ def test_softmax_signed_bounds_the_adjoint_row_change(
         seed: int, n: int, t: int, scale: float, eps: float, adj: float, norm: str) -> None:
     """l(e) = l0 + A e + B (e * e) / 2 on the ball (P = 4), p = softmax(l) over the last axis:
     the signed bound on |G (S(p(e)) - S(p(0)))| against the exact float64 values."""
-    from lsa_models.engine import primitives as pr
-    from lsa_models.engine.signed import SignedTerm
+    from lsa_models.engine.enclosure import primitives as pr
+    from lsa_models.engine.remainders.signed_adjoints import SignedTerm
     rng = np.random.default_rng(seed)
     p = 4
     l0 = rng.standard_normal((t, n)) * scale
@@ -240,8 +241,8 @@ def test_matmul_signed_bounds_the_adjoint_weights(
     """A(e), B(e) = c + M e + Q (e * e) / 2 (P = 4), y = A @ B: the signed weights of the
     term on J_A (sum_m G_nm dB_km) and on J_B (sum_n G_nm dA_nk) against exact values, the
     same with the adjoint rows taken one at a time."""
-    from lsa_models.engine import primitives as pr
-    from lsa_models.engine.signed import SignedTerm
+    from lsa_models.engine.enclosure import primitives as pr
+    from lsa_models.engine.remainders.signed_adjoints import SignedTerm
     rng = np.random.default_rng(seed)
     p = 4
     ball = Ball(np.zeros(p), eps, norm)

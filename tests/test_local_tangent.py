@@ -1,4 +1,4 @@
-"""The inf-ball constant from the tangent graph (lsa_models/engine/tangent.py): the tangent
+"""The inf-ball constant from the tangent graph (lsa_models/engine/derived/tangent.py): the tangent
 graph must compute J_F(X) s exactly (against autodiff), and its affine-form bound on every
 row's l1 norm must never be below the exact float64 Jacobian's at points of the ball (random
 corners, sign ascent on each row); the pair symbols' product rule must enclose every
@@ -19,10 +19,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from lsa_models.engine import affine, affine_rules, constant_routes
-from lsa_models.engine.affine import Aff
-from lsa_models.engine.local import certify_local
-from lsa_models.engine.tangent import NoTangent, TangentGraph
+from lsa_models.engine.affine import form as affine
+from lsa_models.engine.affine import walk as affine_rules
+from lsa_models.engine.affine.form import Aff
+from lsa_models.engine.derived.tangent import NoTangent, TangentGraph
+from lsa_models.engine.routes import constant as constant_routes
+from lsa_models.engine.routes.certify import certify_local
 from lsa_models.engine.values import Ball
 from lsa_models.onnx import load_onnx
 from lsa_models.onnx.loading import OnnxModel

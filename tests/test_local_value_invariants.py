@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from lsa_models.engine.centre import Centre
-from lsa_models.engine.jacobian_walk import walk
-from lsa_models.engine.rules_more import gelu_tanh
-from lsa_models.engine.structured import alternatives
-from lsa_models.engine.telescope import Telescope, adjoint_rows
+from lsa_models.engine.drivers.centre import Centre
+from lsa_models.engine.drivers.jacobian_walk import walk
+from lsa_models.engine.enclosure.rules_more import gelu_tanh
+from lsa_models.engine.remainders.structured_norms import alternatives
+from lsa_models.engine.remainders.telescope import Telescope, adjoint_rows
 from lsa_models.engine.values import Ball, LocalValue, center_margin, input_value
 from lsa_models.onnx import load_onnx
 from tests.jacobians import ball_points

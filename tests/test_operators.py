@@ -16,9 +16,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lsa_models.engine import affine, affine_rules
-from lsa_models.engine import primitives as pr
-from lsa_models.engine.tangent import _Builder
+from lsa_models.engine.affine import form as affine
+from lsa_models.engine.affine import walk as affine_rules
+from lsa_models.engine.derived.tangent import _Builder
+from lsa_models.engine.enclosure import primitives as pr
 from lsa_models.engine.values import Ball, LocalNotCertified, enclose
 from lsa_models.operators import ACTIVATIONS, ModeNotImplemented, activation
 from lsa_models.operators.activation import Activation

@@ -20,10 +20,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
-from lsa_models.engine import affine, affine_rules
-from lsa_models.engine import primitives as pr
-from lsa_models.engine.local import certify_local, robustness
-from lsa_models.engine.tangent import _Builder
+from lsa_models.engine.affine import form as affine
+from lsa_models.engine.affine import walk as affine_rules
+from lsa_models.engine.derived.tangent import _Builder
+from lsa_models.engine.enclosure import primitives as pr
+from lsa_models.engine.routes.certify import certify_local, robustness
 from lsa_models.engine.values import Ball, LocalNotCertified, enclose
 from lsa_models.onnx import load_onnx, load_onnx_model
 from lsa_models.operators import (

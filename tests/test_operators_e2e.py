@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from lsa_models.engine import fused
-from lsa_models.engine.local import certify_local, robustness
+from lsa_models.engine import elementwise_chains as fused
+from lsa_models.engine.routes.certify import certify_local, robustness
 from lsa_models.onnx import load_onnx, load_onnx_model
 from tests.jacobians import jacobian_norm
 from tests.margins import boundary_point

@@ -15,11 +15,12 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lsa_models.engine import affine, affine_norms
-from lsa_models.engine import primitives as pr
-from lsa_models.engine.forward_ball import PREC
-from lsa_models.engine.rules import layernorm as local_layernorm
-from lsa_models.engine.tangent import _Builder
+from lsa_models.engine.affine import form as affine
+from lsa_models.engine.affine import norms as affine_norms
+from lsa_models.engine.derived.tangent import _Builder
+from lsa_models.engine.enclosure import primitives as pr
+from lsa_models.engine.enclosure.rules import layernorm as local_layernorm
+from lsa_models.engine.rounding.forward_ball import PREC
 from lsa_models.engine.values import Ball, LocalNotCertified, enclose
 from lsa_models.operators import NORMS, OPERATORS, ModeNotImplemented, make
 from lsa_models.operators.normalization import LayerNormalization, decimal_attr

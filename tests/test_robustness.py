@@ -13,8 +13,11 @@ from typer.testing import CliRunner
 
 from bench.local_models import build, center, export, relu_mlp
 from lsa_models.empirical.local import _pgd, _targets, attack_radius
-from lsa_models.engine import local_jacobian, radius_search, routes, sweep, telescope
-from lsa_models.engine.local import robustness
+from lsa_models.engine import local_jacobian
+from lsa_models.engine.remainders import telescope
+from lsa_models.engine.routes import radius_search, sweep
+from lsa_models.engine.routes import table as routes
+from lsa_models.engine.routes.certify import robustness
 from lsa_models.onnx import OnnxModel, load_onnx
 from service.cli import app
 from tests.margins import boundary_point
@@ -103,8 +106,8 @@ def test_robustness_takes_the_larger_route_and_names_it(tmp_path: Path) -> None:
     (0.0659 against the sweep's 0.029): the radius is the larger,
     `certified_by` names it, and the affine radius's margins are positive when recomputed on
     that ball."""
-    from lsa_models.engine.driver import margin_lower_bounds
-    from lsa_models.engine.radius_search import QUAD_TOL
+    from lsa_models.engine.drivers.jacobian import margin_lower_bounds
+    from lsa_models.engine.routes.radius_search import QUAD_TOL
     om = load_onnx(export(build("tf1"), tmp_path / "tf1.onnx").read_bytes())
     x0 = center().numpy().astype(np.float64)
     f = om.module.with_dtype(torch.float64)
@@ -141,7 +144,7 @@ def test_sweep_stops_once_it_cannot_pass_the_other_routes_radius(mlp_path: Path)
     and stops later once the margins left, at the last certified ball's constants, cannot
     carry it past the floor: a floor beyond any reach stops it at the probe; a floor below
     every piece only costs the probe's run."""
-    from lsa_models.engine.sweep import _sweep
+    from lsa_models.engine.routes.sweep import _sweep
     om = load_onnx(mlp_path.read_bytes())
     x0 = center(5).numpy().astype(np.float64)
     logits = om.module.with_dtype(torch.float64)(torch.from_numpy(x0)).reshape(-1).detach()

@@ -1,4 +1,4 @@
-"""The route tables (lsa_models/engine/routes.py): each route once, in the order the tasks
+"""The route tables (lsa_models/engine/routes/table.py): each route once, in the order the tasks
 try them, and their errors: a route that does not apply (RouteNotApplicable and the engines'
 own "no rule" errors) leaves the other routes' numbers; a fault (KeyError, TypeError, ...)
 propagates out of certify_local and decide."""
@@ -14,11 +14,13 @@ import pytest
 import torch
 from torch import nn
 
-from lsa_models.engine import constant_routes, routes, sweep
-from lsa_models.engine.adjoint import NoAdjoint
-from lsa_models.engine.at_radius import decide
-from lsa_models.engine.local import certify_local
-from lsa_models.engine.route_errors import NOT_APPLICABLE, RouteNotApplicable
+from lsa_models.engine.derived.adjoint import NoAdjoint
+from lsa_models.engine.routes import constant as constant_routes
+from lsa_models.engine.routes import sweep
+from lsa_models.engine.routes import table as routes
+from lsa_models.engine.routes.at_radius import decide
+from lsa_models.engine.routes.certify import certify_local
+from lsa_models.engine.routes.errors import NOT_APPLICABLE, RouteNotApplicable
 from lsa_models.onnx import LoadOptions, OnnxModel, load_onnx
 
 

@@ -1,4 +1,4 @@
-"""Time budgets (lsa_models/engine/budget.py): a radius search or a verdict stopped by its
+"""Time budgets (lsa_models/engine/routes/budget.py): a radius search or a verdict stopped by its
 budget is a prefix of the unbudgeted one (its certified radius at most the unbudgeted one, a
 verdict it reaches the same), marked stopped_by_budget with the stage it kept from running; a
 budget that never runs out changes nothing; bad budgets are refused (library ValueError, CLI
@@ -21,11 +21,11 @@ import torch
 from typer.testing import CliRunner
 
 from bench.local_models import build, center, export
-from lsa_models.engine import budget as budget_mod
-from lsa_models.engine import routes
-from lsa_models.engine.at_radius import decide, decide_all
-from lsa_models.engine.budget import Budget, check_time_budget
-from lsa_models.engine.local import RobustnessResult, robustness
+from lsa_models.engine.routes import budget as budget_mod
+from lsa_models.engine.routes import table as routes
+from lsa_models.engine.routes.at_radius import decide, decide_all
+from lsa_models.engine.routes.budget import Budget, check_time_budget
+from lsa_models.engine.routes.certify import RobustnessResult, robustness
 from lsa_models.onnx import OnnxModel, load_onnx
 from service.cli import app
 from service.robustness.verdicts import verdict_json

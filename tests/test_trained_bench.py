@@ -15,8 +15,8 @@ import torch
 from bench.trained.models import IMAGE, N_TEST, N_TRAIN, digits, pgd, torch_encoder_vit, train
 from bench.trained.train import export, onnx_agreement
 from lsa_models.analysis import load_model_bytes
-from lsa_models.engine.at_radius import decide
-from lsa_models.engine.local import centre_margins
+from lsa_models.engine.routes.at_radius import decide
+from lsa_models.engine.routes.certify import centre_margins
 from service.bounds.local import model_image, model_input
 
 pytest.importorskip("sklearn")

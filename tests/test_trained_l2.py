@@ -14,7 +14,7 @@ import torch
 from bench.trained.models import digits, paper_l2_vit, train
 from bench.trained.train import export
 from lsa_models.analysis import load_model_bytes
-from lsa_models.engine.at_radius import decide
+from lsa_models.engine.routes.at_radius import decide
 from lsa_models.onnx import analyse, load_onnx
 from service.bounds.local import model_input
 

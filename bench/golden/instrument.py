@@ -1,6 +1,6 @@
 """Which route gave which number: the route functions of the engine, wrapped for the length
 of one call of `certify_local`, `robustness` or `decide_all`, each call's value and seconds
-recorded (the library is not edited: the route tables of lsa_models/engine/routes.py and
+recorded (the library is not edited: the route tables of lsa_models/engine/routes/table.py and
 module attributes are swapped and restored).
 
 A route is recorded only where it is called from the public function itself, not from inside
@@ -19,10 +19,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-LOCAL = "lsa_models.engine.local"
-AT_RADIUS = "lsa_models.engine.at_radius"
-ROUTES = "lsa_models.engine.routes"
-RADIUS_SEARCH = "lsa_models.engine.radius_search"
+LOCAL = "lsa_models.engine.routes.certify"
+AT_RADIUS = "lsa_models.engine.routes.at_radius"
+ROUTES = "lsa_models.engine.routes.table"
+RADIUS_SEARCH = "lsa_models.engine.routes.radius_search"
 
 
 def _finite(v: Any) -> float | None:
@@ -40,7 +40,7 @@ def _affine_name(kw: dict[str, Any]) -> str:
 
 
 def _adjoint_norms() -> tuple[str, ...]:
-    for mod in ("lsa_models.engine.sweep", LOCAL):
+    for mod in ("lsa_models.engine.routes.sweep", LOCAL):
         try:
             return tuple(importlib.import_module(mod).ADJOINT_NORMS)
         except (ImportError, AttributeError):

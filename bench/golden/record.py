@@ -114,7 +114,7 @@ def _local_lower(om: Any, x0: np.ndarray, norm: str) -> tuple[float | None, floa
 
 def local_item(case: Case, frozen: Frozen, om: Any, norm: str, force: bool
                ) -> dict[str, Any]:
-    from lsa_models.engine.local import certify_local
+    from lsa_models.engine.routes.certify import certify_local
 
     x0 = frozen.inputs[0]
     rec = Recorder()
@@ -122,7 +122,7 @@ def local_item(case: Case, frozen: Frozen, om: Any, norm: str, force: bool
     ran = {k.route for k in rec.calls}
     if force and err is None and norm == "inf":
         try:
-            from lsa_models.engine.driver import check_center
+            from lsa_models.engine.drivers.jacobian import check_center
 
             x = check_center(om, x0)
             for route in FORCEABLE:
@@ -139,7 +139,7 @@ def local_item(case: Case, frozen: Frozen, om: Any, norm: str, force: bool
 
 
 def radius_item(case: Case, frozen: Frozen, om: Any, norm: str) -> dict[str, Any]:
-    from lsa_models.engine.local import robustness
+    from lsa_models.engine.routes.certify import robustness
 
     rec = Recorder()
     x0, label = frozen.inputs[0], frozen.labels[0]
@@ -156,7 +156,7 @@ def radius_item(case: Case, frozen: Frozen, om: Any, norm: str) -> dict[str, Any
 
 
 def set_item(case: Case, frozen: Frozen, om: Any, norm: str) -> dict[str, Any]:
-    from lsa_models.engine.at_radius import decide_all
+    from lsa_models.engine.routes.at_radius import decide_all
 
     rec = Recorder()
     radius = float(frozen.meta["set_radius"][norm])

@@ -1,7 +1,7 @@
 """Per certification route, over a golden record (record.py): how often it gives the winning
 number, how often it wins by more than WIN_MARGIN over the best other route, how often it is
 the only route with a number, and its share of the seconds (the routes: the tables of
-lsa_models/engine/routes.py). Local constants: the smallest route number wins (global,
+lsa_models/engine/routes/table.py). Local constants: the smallest route number wins (global,
 enclosure, adjoint, tangent); certified radii: the largest (affine, affine-quad, affine-eig,
 sweep, sweep-adjoint); set verdicts: the route `decide` names as certifying. Ties go to the
 route called first (the cheaper one, in the engine's order). Optional routes the engine

@@ -3,12 +3,12 @@ run, on the same images and balls. Per model, the first K correctly classified t
 per image and norm (L_inf radii 0.005, 0.01, 0.02; L2 radii 0.05, 0.1, 0.25; the whole ball,
 not clipped to [0, 1], the set both certify):
 
-- lsa: `lsa_models.engine.at_radius.decide` (without the radius sweep, the set mode's
+- lsa: `lsa_models.engine.routes.at_radius.decide` (without the radius sweep, the set mode's
   faster route) at each radius, ascending, stopping at the first not certified (a larger
   ball is not certified where a smaller one is not; an attacked one is attacked); lsa's
   certified radius by a geometric bisection of decide's verdicts between the grid's largest
   certified and smallest not certified radius (to a ratio of 1 + BISECT_TOL; halving below
-  the grid). `lsa_models.engine.local.robustness`'s own radius search takes minutes per
+  the grid). `lsa_models.engine.routes.certify.robustness`'s own radius search takes minutes per
   image on these ViTs, so it is run (with --search) only within what is left of a model's
   time.
 - auto_LiRPA: bench/trained/alirpa.py in its own venv (bench/out/alirpa/venv), one
@@ -96,7 +96,7 @@ class LsaImage:
         self.calls: list[dict[str, Any]] = []
 
     def decide(self, radius: float) -> dict[str, Any]:
-        from lsa_models.engine.at_radius import decide
+        from lsa_models.engine.routes.at_radius import decide
 
         left = self.deadline - time.monotonic()
         if left <= 1:

@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..bounds.numerics import U
+from lsa_models.bounds.numerics import U
 
 # Relative margin on the centre values of every tensor: covers the rounding of the float64
 # forward pass at X0 (docs/local-rounding.md, "Rounding"). The smallest one used; a run whose
-# forward error is proven larger (forward_error.py) uses that proven one instead.
+# forward error is proven larger (rounding/forward_error.py) uses that proven one instead.
 FORWARD_MARGIN = 1e-9
 # Absolute floor of that margin, relative to the tensor's largest centre entry.
 FORWARD_FLOOR = 1e-9
@@ -62,12 +62,13 @@ class OpRemainder:
       - term: ga -> a nonnegative (K, P) bound on |R(G)| for any adjoint G (K, *S) with
         |G| <= ga (the telescope's G = d out / d T at X0; signed.bind's bound holds for its
         one G only). A signed.SignedTerm where the rule also has the signed form.
-      - parts: the same bound factored (structured.py): for |G| (K, *S), a list of
+      - parts: the same bound factored (remainders/structured_norms.py): for |G| (K, *S), a list of
         (c, jc_in, jr_in), c (K, n) >= 0, the op's input Jacobian jc_in +- jr_in (n, P),
         with |R(G)| <= sum_b c_kb |J_in,b(X)| row by row. None: not factored.
       - opnorm: G -> a float >= sup ||R(G)||_2 over a 2-ball for the signed adjoint G
-        (opnorm.py). None: no such rule.
-      - second: the op's second-order rule for the inf-ball's rows (second.py, SecondFn).
+        (remainders/operator_norms.py). None: no such rule.
+      - second: the op's second-order rule for the inf-ball's rows (remainders/second_order.py,
+      SecondFn).
         None: no such rule."""
 
     term: Term
@@ -87,26 +88,29 @@ class LocalValue:
     The rest are optional annotations, each valid exactly as stated below; None says nothing.
 
     `remainder` (OpRemainder, below): the op's remainder term and its other forms, set by the
-    rule that produced T (rules.py, primitives.py, rules_more.py) and read by the telescope
-    (telescope.py) when T is one of the ops summed over. None: the op is linear.
+    rule that produced T (enclosure/rules.py, enclosure/primitives.py, enclosure/rules_more.py) and
+    read by the telescope (remainders/telescope.py) when T is one of the ops summed over. None: the
+    op is linear.
 
     The 2-ball's norms, set where the walk tightens T (telescope.Telescope._norms, with
     opnorm.set_token_radius; jacobian_walk's affine forms and the integrated form narrow the
-    token radii) and read by the rules of the ops T feeds (opnorm.py, rules.py,
-    primitives.py); all per token t = a row of the last axis, shaped (*S[:-1], 1):
+    token radii) and read by the rules of the ops T feeds (remainders/operator_norms.py,
+    enclosure/rules.py, enclosure/primitives.py); all per token t = a row of the last axis, shaped
+    (*S[:-1], 1):
       - jnorm >= sup ||dT/dX (X)||_2 over the ball (a float);
       - tok_jn >= sup ||dT_t/dX (X)||_2;
       - tok_true >= ||T_t(X) - T_t(X0)||_2 (the true centre);
       - tok_rad >= ||T_t(X) - center_t||_2 (tok_true plus the centre's margin), and every
         entry of lo, hi within tok_rad of the centre.
 
-    The inf-ball's second-order annotations (second.py):
+    The inf-ball's second-order annotations (remainders/second_order.py):
       - nonlin: (eps, b), set where the walk tightens T with second-order rules
         (telescope.Telescope.tighten, second.value_radius): b (*S,) >=
         |T(X) - T(X0) - jc . (X - X0)| over the ball of radius eps, for jc as it is here;
       - jfac: (M (*S, B), dmb (B,), src (B, P), rest (*S, P)), set by elementwise ops and
-        carried through linear and layout ones (rules.py, primitives.py): for every X in the
-        ball, J(X) - jc = M diag(delta) src + R with |delta_b| <= dmb_b and |R| <= rest.
+        carried through linear and layout ones (enclosure/rules.py, enclosure/primitives.py): for
+        every X in the ball, J(X) - jc = M diag(delta) src + R with |delta_b| <= dmb_b and |R| <=
+        rest.
     """
 
     center: np.ndarray  # (*S,)

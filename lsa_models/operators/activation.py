@@ -32,7 +32,7 @@ _SQRT2 = math.sqrt(2.0)
 class Activation(Operator):
     """y = f(x) entrywise. `kind`: the name reports use ("activation:<kind>"); `bounds`: the
     range of f (value ranges are clipped to it); `fusable`: smooth with f'' enclosed, so it
-    joins elementwise chains (engine/fused.py)."""
+    joins elementwise chains (engine/elementwise_chains.py)."""
 
     kind: ClassVar[str] = ""
     bounds: ClassVar[tuple[float, float]] = (-math.inf, math.inf)
@@ -228,7 +228,7 @@ class Softplus(Smooth):
 
 class Gelu(Activation):
     """x Phi(x) (approximate="none"); the tanh approximation (opset 20) is evaluated and bounded
-    globally, and locally as the chain it stands for (engine/rules_more.py)."""
+    globally, and locally as the chain it stands for (engine/enclosure/rules_more.py)."""
 
     types = ("Gelu",)
     kind = "gelu"
@@ -308,7 +308,7 @@ def _outward(lo: np.ndarray, hi: np.ndarray, err_lo: np.ndarray, err_hi: np.ndar
 
 class Relu(Activation):
     """max(x, 0). Its derivative op is the step H(x) = [x > 0] (torch's convention at 0),
-    written `step` in the derived graphs (engine/internal_ops.py's ReluGrad)."""
+    written `step` in the derived graphs (engine/derivative_ops.py's ReluGrad)."""
 
     types = ("Relu",)
     kind = "relu"

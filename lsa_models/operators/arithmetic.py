@@ -41,7 +41,7 @@ def near_far(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 @dataclass(frozen=True)
 class Relaxation:
-    """f, f' and f'' at float64 points for the affine relaxation (engine/affine_elementwise.py),
+    """f, f' and f'' at float64 points for the affine relaxation (engine/affine/elementwise.py),
     each monotone on the open interval `domain`, so their ranges are their end values (the
     caller pads them). `value`: f's range where f is not monotone (x^2: from |x|'s nearest
     and farthest value); `exact_d2`: f'' is a constant, taken exactly (not padded)."""
@@ -192,7 +192,7 @@ class Reciprocal(Arithmetic):
         return lambda a: one / a
 
 
-# the exponents a fused elementwise chain takes (engine/fused.py; `Pow.chain_rule`)
+# the exponents a fused elementwise chain takes (engine/elementwise_chains.py; `Pow.chain_rule`)
 CHAIN_EXPONENTS = (2.0, 3.0)
 # the affine relaxation's exponents (RMSNorm's x.pow(2), x^0.5, 1/x, x^-1/2)
 _POW_RELAXATIONS = {2.0: SQUARE_RELAXATION, 0.5: SQRT_RELAXATION, -1.0: RECIPROCAL_RELAXATION,
@@ -203,7 +203,7 @@ class Pow(Arithmetic):
     """x^p by a constant exponent p (the graph's second input, given as the attribute
     "exponent"; 2 by default). The Jacobian enclosure takes p = 1, integers 2..16 on any
     interval and every other p on positive ones; the affine relaxation p = 2, 0.5, -1, -0.5;
-    the derived graphs p = 2; fused chains p = 2, 3 (engine/fused.py)."""
+    the derived graphs p = 2; fused chains p = 2, 3 (engine/elementwise_chains.py)."""
 
     types = ("Pow",)
     kind = "pow"
@@ -277,7 +277,7 @@ class Pow(Arithmetic):
     def chain_rule(self, iv: IntervalOps, a: Iv, da: Iv, dda: Iv | None = None
                    ) -> tuple[Iv, Iv, Iv | None]:
         """u^p, (u^p)' and, given u'' (`dda`), (u^p)'' over intervals, for u in a fused chain
-        (engine/fused.py, p = 2 or 3): (u^2)' = 2 u u', (u^2)'' = 2 (u'^2 + u u''),
+        (engine/elementwise_chains.py, p = 2 or 3): (u^2)' = 2 u u', (u^2)'' = 2 (u'^2 + u u''),
         (u^3)' = 3 u^2 u', (u^3)'' = 3 (2 u u'^2 + u^2 u'')."""
         if self.p == 2.0:
             v, d = iv.square(a), iv.mul(iv.mul(a, da), iv.k(2.0))

@@ -43,7 +43,7 @@ class ModeNotImplemented(Exception):
 
 
 class GraphBuilder(Protocol):
-    """What the derived graphs (engine/tangent.py's builder) offer an op: new nodes."""
+    """What the derived graphs (engine/derived/tangent.py's builder) offer an op: new nodes."""
 
     def op(self, op_type: str, inputs: list[str], attrs: dict | None = None,
            hint: str = "") -> str: ...
@@ -60,7 +60,8 @@ class GraphBuilder(Protocol):
 
 
 class ChainDiff(Protocol):
-    """Symbolic arithmetic inside a fused chain's derivative (engine/adjoint.py's `_Diff`)."""
+    """Symbolic arithmetic inside a fused chain's derivative (engine/derived/adjoint.py's
+    `_Diff`)."""
 
     @property
     def b(self) -> GraphBuilder: ...
@@ -71,8 +72,8 @@ class ChainDiff(Protocol):
 
 
 class IntervalOps(Protocol):
-    """The padded interval arithmetic of a fused elementwise chain (engine/fused.py): each
-    result widened outward for its rounding; `k(x)`: the constant x as an interval."""
+    """The padded interval arithmetic of a fused elementwise chain (engine/elementwise_chains.py):
+    each result widened outward for its rounding; `k(x)`: the constant x as an interval."""
 
     def mul(self, a: Iv, b: Iv) -> Iv: ...
 

@@ -11,8 +11,8 @@ output's rows (image columns) are not tokens: no radius. Only an input-dependent
 constant kernel and bias has a rule.
 
 The other modes live in the local engine today: the Jacobian enclosure and the affine forms
-(engine/rules_conv.py, engine/affine_linear.py), the tangent and adjoint graphs
-(engine/tangent.py, adjoint.py), the forward error (engine/forward_error.py).
+(engine/enclosure/rules_conv.py, engine/affine/linear.py), the tangent and adjoint graphs
+(engine/derived/tangent.py, adjoint.py), the forward error (engine/rounding/forward_error.py).
 """
 
 from __future__ import annotations

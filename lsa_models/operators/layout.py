@@ -17,9 +17,10 @@ each entry (factor) times: sqrt(factor) in the 2-norm, 1 in the inf-norm; rows p
 last axis is kept.
 
 The other modes live in the local engine today: the Jacobian enclosure and the affine forms
-move the enclosures with the entries (engine/rules.py, engine/affine_linear.py), the tangent
-and adjoint graphs (engine/tangent.py, adjoint.py), the forward error
-(engine/forward_error.py, `_LAYOUT`) and the ball arithmetic (engine/forward_ball.py).
+move the enclosures with the entries (engine/enclosure/rules.py, engine/affine/linear.py), the
+tangent and adjoint graphs (engine/derived/tangent.py, adjoint.py), the forward error
+(engine/rounding/forward_error.py, `_LAYOUT`) and the ball arithmetic
+(engine/rounding/forward_ball.py).
 """
 
 from __future__ import annotations

@@ -27,10 +27,10 @@ an isometry. Einsum is evaluated (weight arithmetic folds to constants; attentio
 contractions are the recognised layer's, onnx/attention.py) and refused on other
 input-dependent operands.
 
-The other modes live in the local engine today: the Jacobian enclosure (engine/rules.py,
-engine/affine_linear.py), the affine forms (engine/affine_linear.py, affine_rules.py), the
-tangent and adjoint graphs (engine/tangent.py, adjoint.py), the forward error
-(engine/forward_error.py) and the ball arithmetic (engine/forward_ball.py).
+The other modes live in the local engine today: the Jacobian enclosure (engine/enclosure/rules.py,
+engine/affine/linear.py), the affine forms (engine/affine/linear.py, affine_rules.py), the
+tangent and adjoint graphs (engine/derived/tangent.py, adjoint.py), the forward error
+(engine/rounding/forward_error.py) and the ball arithmetic (engine/rounding/forward_ball.py).
 """
 
 from __future__ import annotations

@@ -11,9 +11,9 @@ comparisons, logic and Trilu are step functions or mask builders: on input-depen
 operands they have no rule outside a recognised pattern (attention's masks, NaN guards).
 
 The other modes live in the local engine today: the Jacobian enclosure and the affine forms
-(engine/rules_more.py, engine/affine_masks.py), the tangent and adjoint
-graphs (engine/tangent.py, adjoint.py), the forward error (engine/forward_error.py) and the ball
-arithmetic (engine/forward_ball.py).
+(engine/enclosure/rules_more.py, engine/affine/masks.py), the tangent and adjoint
+graphs (engine/derived/tangent.py, adjoint.py), the forward error (engine/rounding/forward_error.py)
+and the ball arithmetic (engine/rounding/forward_ball.py).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ sigma = sqrt(||u||^2 / D + eps), z = u / sigma, y = gamma z + beta, and
 dz/dx = S(x) = (1/sigma) (P - z z^T / D), P = I - 1 1^T / D. Derivations: docs/operators.md,
 "Softmax and LayerNorm", and docs/local-enclosure.md ("LayerNorm directly").
 
-The engine's rules (engine/layernorm.py and rules.layernorm for the Jacobian enclosure,
+The engine's rules (engine/enclosure/layernorm.py and rules.layernorm for the Jacobian enclosure,
 affine_norms.layernorm, the tangent's recomputed chain) carry the engine's values and read
 their numbers here: epsilon as the engine reads it, sigma^2's range from a token's centred
 norm and radius, the interval of every entry of S and of z, S at the centre, the output's

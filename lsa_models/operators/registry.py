@@ -34,7 +34,7 @@ ACTIVATIONS: dict[str, type[Activation]] = {
     "LeakyRelu": act.LeakyRelu,
 }
 ACTIVATION_TYPES: tuple[str, ...] = tuple(ACTIVATIONS)
-# smooth activations with f'' enclosed: members of elementwise chains (engine/fused.py)
+# smooth activations with f'' enclosed: members of elementwise chains (engine/elementwise_chains.py)
 FUSABLE_ACTIVATIONS: tuple[str, ...] = tuple(t for t, c in ACTIVATIONS.items() if c.fusable)
 # the arithmetic elementwise functions (Pow's constant exponent as the attribute "exponent")
 ARITHMETIC: dict[str, type[Arithmetic]] = {

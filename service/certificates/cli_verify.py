@@ -278,8 +278,8 @@ def check_recomputed_radius(cert: Certificate, model: Path, at: Path | None) -> 
     same verdict under the robustness pass rule (service.certificates.service.robustness);
     exit 2 without `at`."""
     from lsa_models import __version__  # deferred: torch
-    from lsa_models.engine.driver import center_sha256, check_center
-    from lsa_models.engine.local import as_onnx
+    from lsa_models.engine.drivers.jacobian import center_sha256, check_center
+    from lsa_models.engine.routes.certify import as_onnx
 
     from ..cli.inputs import load_center, load_model
 

@@ -172,7 +172,7 @@ def robustness_body(radii: dict[str, Any], seq_len: int, min_radius: float, *,
                     cert_id: str | None = None) -> CertificateBody:
     """The robustness certificate of `radii` (service.robustness.verdicts.robustness_of's
     object) against `min_radius`."""
-    from lsa_models.engine.local import METHOD  # deferred: torch
+    from lsa_models.engine.routes.certify import METHOD  # deferred: torch
 
     # radii stored before the sweep's runs were named so call them bisection_steps
     section = {k: radii[k] if k in radii or k != "sweep_runs" else radii["bisection_steps"]
@@ -197,7 +197,7 @@ def certified_accuracy_body(out: dict[str, Any], seq_len: int, min_radius: float
                             cert_id: str | None = None) -> CertificateBody:
     """The certified-accuracy certificate of a set's verdicts
     (service.robustness.verdicts.set_json's object) at `min_radius` against `min_accuracy`."""
-    from lsa_models.engine.local import METHOD  # deferred: torch
+    from lsa_models.engine.routes.certify import METHOD  # deferred: torch
 
     section = {"radius": min_radius, "n": out["n"], "counts": out["counts"],
                "certified_accuracy": out["certified_accuracy"],

@@ -84,7 +84,7 @@ def robustness_json(path: Path, at: Path, label: int, norm: str,
 def verdict_one_json(path: Path, at: Path, label: int, norm: str, radius: float,
                      flips: list[Any] | None = None,
                      time_budget: float | None = None) -> dict[str, Any]:
-    from lsa_models.engine.at_radius import decide
+    from lsa_models.engine.routes.at_radius import decide
 
     from ..bounds.local import model_image
     from .verdicts import verdict_json

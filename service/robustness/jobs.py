@@ -169,7 +169,7 @@ class RobustnessSetJobParams(BaseModel):
 
 
 def run_robustness_set(ctx: JobContext) -> dict[str, Any]:
-    """Every input decided at min_radius (lsa_models.engine.at_radius; progress: "k/n inputs
+    """Every input decided at min_radius (lsa_models.engine.routes.at_radius; progress: "k/n inputs
     decided", in any order), each within the time budget (an input it stopped is unknown,
     its reason saying so), stored once per (model, inputs, labels, norm, radius, budget), then the
     certified-accuracy certificate, signed and stored (its id derived from the job's: a

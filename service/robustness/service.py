@@ -130,8 +130,8 @@ def check_label(runtime: Runtime, model: ModelRef, x0: np.ndarray, label: int) -
     and `label` against the model's outputs; InvalidRequest naming the field otherwise."""
     import torch  # deferred: seconds at start-up
 
-    from lsa_models.engine.driver import center_sha256, check_center
-    from lsa_models.engine.local import GraphAt, as_onnx
+    from lsa_models.engine.drivers.jacobian import center_sha256, check_center
+    from lsa_models.engine.routes.certify import GraphAt, as_onnx
 
     loaded = load_model(runtime, model)
     try:
@@ -180,7 +180,8 @@ async def robustness_certificate(runtime: Runtime, model: ModelRef, at: list[Any
 
 
 # ---- certified accuracy of a set: POST /certify with inputs, labels, min_radius,
-# min_certified_accuracy (a `robustness_set` job; lsa_models.engine.at_radius) ---------------
+# min_certified_accuracy (a `robustness_set` job; lsa_models.engine.routes.at_radius)
+# ---------------
 
 
 async def set_inputs(runtime: Runtime, model: ModelRef, inputs: list[Any]) -> np.ndarray:

@@ -1,5 +1,5 @@
 """Deciding a set of inputs in worker processes: the execution policy of the service's set
-jobs (LSA_SET_WORKERS) and the CLI's `--workers`. The library (lsa_models.engine.at_radius)
+jobs (LSA_SET_WORKERS) and the CLI's `--workers`. The library (lsa_models.engine.routes.at_radius)
 decides serially and purely (`decide`, `decide_all`); this module chooses processes and how
 they start, and gives the same SetReport: each input's verdict is the one `decide` gives
 alone (the attack is seeded per input), so the verdicts do not depend on the workers.
@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from lsa_models.engine import at_radius
-from lsa_models.engine.at_radius import SetReport, Verdict, gather_set, prepare_set
-from lsa_models.engine.budget import check_time_budget
+from lsa_models.engine.routes import at_radius
+from lsa_models.engine.routes.at_radius import SetReport, Verdict, gather_set, prepare_set
+from lsa_models.engine.routes.budget import check_time_budget
 from lsa_models.onnx.loading import OnnxModel
 
 # The modules a forkserver imports once, before it forks the workers: a worker starts in
@@ -35,7 +35,7 @@ def decide_all(model: Any, inputs: np.ndarray, labels: np.ndarray, norm: str, ra
                seed: int = 0, sweep: bool = True, workers: int = 1,
                decided: Callable[[int, int], None] | None = None,
                time_budget: float | None = None) -> SetReport:
-    """lsa_models.engine.at_radius.decide_all, with `workers` > 1 deciding the inputs in that
+    """lsa_models.engine.routes.at_radius.decide_all, with `workers` > 1 deciding the inputs in that
     many processes (`start_method`: forked from a single-threaded caller, else from a
     forkserver); for one input, one worker, or where no process can be started, the
     library's serial loop. `progress(i, n, verdict)` in the inputs' order; `decided(k, n)`

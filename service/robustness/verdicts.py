@@ -25,7 +25,7 @@ def robustness_of(loaded: Any, sha256: str, x0: np.ndarray, label: int, norm: st
     radius is then the largest certified in time, at most the unbudgeted one).
     `progress(stage, fraction)` hears each step of the search. Raises ValueError for a bad
     input, label or budget."""
-    from lsa_models.engine.local import robustness  # deferred: torch
+    from lsa_models.engine.routes.certify import robustness  # deferred: torch
     from lsa_models.engine.values import LocalNotCertified
 
     if norm not in ("2", "inf"):
@@ -55,7 +55,7 @@ def robustness_of(loaded: Any, sha256: str, x0: np.ndarray, label: int, norm: st
 
 
 def verdict_json(v: Any) -> dict[str, Any]:
-    """One input's verdict at a radius (lsa_models.engine.at_radius.Verdict) as JSON."""
+    """One input's verdict at a radius (lsa_models.engine.routes.at_radius.Verdict) as JSON."""
     return {"label": v.label, "predicted": v.predicted, "status": v.status,
             "certified_by": v.certified_by, "margin_lower": v.margin_lower,
             "flip_distance": v.flip_distance, "flip_class": v.flip_class,
@@ -80,7 +80,7 @@ def decide_set(loaded: Any, inputs: np.ndarray, labels: np.ndarray, norm: str,
                decided: Callable[[int, int], None] | None = None,
                time_budget: float | None = None) -> Any:
     """Every (inputs[i], labels[i]) decided at `radius` (certified / attacked / unknown /
-    misclassified): lsa_models.engine.at_radius's SetReport, its attacked verdicts carrying
+    misclassified): lsa_models.engine.routes.at_radius's SetReport, its attacked verdicts carrying
     their flips in the graph's layout (`flips_of` puts them back into the inputs'). The
     inputs are as the graph takes them (a pixel upload's images cut: the CLI's `load_set`,
     the service's `set_inputs`). `workers` > 1: that many processes (the CLI's --workers,
@@ -108,7 +108,7 @@ def decide_set(loaded: Any, inputs: np.ndarray, labels: np.ndarray, norm: str,
 def set_json(sha256: str, rep: Any) -> dict[str, Any]:
     """A SetReport (`decide_set`) as the JSON object `lsa robustness --inputs --labels
     --radius --json` prints."""
-    from lsa_models.engine.at_radius import STATUSES  # deferred: torch
+    from lsa_models.engine.routes.at_radius import STATUSES  # deferred: torch
 
     return {
         "model_sha256": sha256, "norm": rep.norm, "radius": rep.radius,

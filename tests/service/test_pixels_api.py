@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from typer.testing import CliRunner
 
 from lsa_models.analysis import load_model_bytes
-from lsa_models.engine.driver import center_sha256
+from lsa_models.engine.drivers.jacobian import center_sha256
 from service.bounds.local import model_input
 from service.cli import app as cli
 
@@ -138,7 +138,7 @@ def test_pixels_robustness_request_is_queued_on_the_patches(
     while (job := client.get(r.json()["url"]).json())["status"] in ("queued", "running"):
         assert time.monotonic() < deadline, job
         time.sleep(0.1)
-    # the local engine's Conv rule (lsa_models/engine/rules_conv.py) certifies the patch
+    # the local engine's Conv rule (lsa_models/engine/enclosure/rules_conv.py) certifies the patch
     # embedding: the job succeeds on the patches' centre
     assert job["status"] == "succeeded", job
     rob = job["result"]["robustness"]

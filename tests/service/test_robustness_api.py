@@ -421,7 +421,7 @@ def test_certified_accuracy_certificate_is_a_job_that_signs_the_verdicts(
         client: TestClient, mlp_onnx: Path, tmp_path: Path) -> None:
     """POST /certify with inputs, labels, min_radius, min_certified_accuracy: a
     `robustness_set` job (progress per input) whose result is a signed certificate: the
-    counts and statuses of lsa_models.engine.at_radius.decide_all (the CLI's set mode gives
+    counts and statuses of lsa_models.engine.routes.at_radius.decide_all (the CLI's set mode gives
     the same), passed iff certified_accuracy >= the threshold; it verifies, any altered field
     does not; `lsa verify` checks it, and with --recompute --inputs --labels decides the set
     again: a forged but signed certificate, or another set, is invalid."""
@@ -668,7 +668,7 @@ def test_certified_accuracy_job_decides_in_worker_processes_and_a_cancel_ends_th
     server's threads are never forked), with the serial verdicts; a job cancelled while its
     inputs are being decided ends its worker processes (idle ones shut down, busy ones
     killed: tests/service/test_set_pool.py pins that on slower inputs) and stores nothing."""
-    from lsa_models.engine import at_radius
+    from lsa_models.engine.routes import at_radius
     from lsa_models.onnx import load_onnx
     from service.robustness import set_pool
 

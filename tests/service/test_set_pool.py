@@ -1,5 +1,5 @@
 """Deciding a set in worker processes (service.robustness.set_pool): the verdicts are the library's
-serial ones (lsa_models.engine.at_radius.decide_all), forked from a single-threaded caller or
+serial ones (lsa_models.engine.routes.at_radius.decide_all), forked from a single-threaded caller or
 from a forkserver beside other threads; a consumer that stops early ends the workers."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from bench.local_models import build, center, export
-from lsa_models.engine import at_radius
-from lsa_models.engine.at_radius import decide_all
+from lsa_models.engine.routes import at_radius
+from lsa_models.engine.routes.at_radius import decide_all
 from lsa_models.onnx import OnnxModel, load_onnx
 from service.robustness import set_pool
 from service.tasks import SET_WORKERS_PRELOAD
@@ -40,7 +40,7 @@ def test_the_forkserver_preloads_the_pool_module() -> None:
 
 
 def test_the_library_decides_a_set_serially() -> None:
-    """lsa_models.engine.at_radius keeps no execution policy: no worker count, no pool."""
+    """lsa_models.engine.routes.at_radius keeps no execution policy: no worker count, no pool."""
     import inspect
 
     assert "workers" not in inspect.signature(decide_all).parameters

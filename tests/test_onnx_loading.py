@@ -488,9 +488,9 @@ def test_loading_mismatch_with_onnxruntime_on_large_weights_is_an_error(
     """A torch op that misreads a large weight is still caught: onnxruntime computes with
     the file's weights, not with what the op made of them."""
     from lsa_models.onnx import ops
-    from lsa_models.onnx.ops.linear import MatMulOp
+    from lsa_models.onnx.ops.linear import LinearOp
 
-    class Transposed(MatMulOp):  # reads W^T instead of W
+    class Transposed(LinearOp):  # reads W^T instead of W
         def run(self, node, ins, ctx):  # type: ignore[no-untyped-def]
             return super().run(node, [ins[0], ins[1].transpose(-1, -2)], ctx)
 

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from lsa_models.bounds.layer_graph.families import rmsnorm_bound
 from lsa_models.onnx import analyse, load_onnx
-from lsa_models.onnx.ops import rmsnorm_bound
 
 from .jacobians import jacobian_norm
 from .onnx_export import export_to

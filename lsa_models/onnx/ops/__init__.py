@@ -13,27 +13,21 @@ is complete whenever `OPS` is reachable.
 
 from __future__ import annotations
 
+from ...operators.layout import FLOAT_TYPES
+from ...operators.normalization import decimal_attr
 from . import activation, arithmetic, constant, conv, layout, linear, normalization, reduce
 from .base import (
-    FLOAT_TYPES,
     OPS,
-    SOFTMAX_LIPSCHITZ,
-    Arg,
     Flow,
     Node,
     NotCertified,
-    Op,
     RunContext,
-    UnsupportedOnnxError,
-    register,
     supported_op_types,
     tensor_from_proto,
-    torch_dtype,
     unsupported_ops,
 )
 from .conv import patchwise_reason
 from .linear import gemm_epilogue
-from .normalization import decimal_attr, layernorm_flow, rmsnorm_bound, rmsnorm_flow
 
 FAMILIES = (activation, arithmetic, constant, conv, layout, linear, normalization, reduce)
 
@@ -41,23 +35,14 @@ __all__ = [
     "FAMILIES",
     "FLOAT_TYPES",
     "OPS",
-    "SOFTMAX_LIPSCHITZ",
-    "Arg",
     "Flow",
     "Node",
     "NotCertified",
-    "Op",
     "RunContext",
-    "UnsupportedOnnxError",
     "decimal_attr",
     "gemm_epilogue",
-    "layernorm_flow",
     "patchwise_reason",
-    "register",
-    "rmsnorm_bound",
-    "rmsnorm_flow",
     "supported_op_types",
     "tensor_from_proto",
-    "torch_dtype",
     "unsupported_ops",
 ]

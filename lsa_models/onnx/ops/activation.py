@@ -10,17 +10,9 @@ from torch import Tensor
 from ...bounds.numerics import mul_up
 from ...operators import ACTIVATION_TYPES, ModeNotImplemented, activation
 from ...operators.activation import Activation
+from ...operators.linear import row_width
 from ...operators.softmax import Softmax
-from .base import (
-    Arg,
-    Flow,
-    Node,
-    NotCertified,
-    Op,
-    RunContext,
-    _row_width,
-    register,
-)
+from .base import Arg, Flow, Node, NotCertified, Op, RunContext, register
 
 # ---- activations: every mode in lsa_models/operators/activation.py --------------------------
 
@@ -39,7 +31,7 @@ class ActivationOp(Op):
         assert isinstance(a, Flow)
         op = _op(node)
         try:
-            radius = op.token_radius(a.radius, _row_width(a.shape))
+            radius = op.token_radius(a.radius, row_width(a.shape))
             return [Flow(mul_up(a.lip, op.global_factor()), radius, out_shapes[0])]
         except ModeNotImplemented as e:
             raise NotCertified(f"{node.op_type} node {node.name}: {e}") from None
@@ -64,7 +56,5 @@ class SoftmaxOp(Op):
         a = args[0]
         assert isinstance(a, Flow)
         op = Softmax(node.op_type, node.attrs)  # operators/softmax.py
-        radius = op.token_radius(a.radius, _row_width(a.shape), len(a.shape))
+        radius = op.token_radius(a.radius, row_width(a.shape), len(a.shape))
         return [Flow(mul_up(a.lip, op.global_factor()), radius, out_shapes[0])]
-
-

@@ -24,14 +24,9 @@ import torch
 from torch import Tensor
 
 from ...bounds.layer_graph.values import Value
-from ...bounds.numerics import SILU_LIPSCHITZ  # noqa: F401  (re-exported for the ops)
 from ...operators.constants import from_proto
-from ...operators.layout import FLOAT_TYPES, element_dtype  # noqa: F401  (re-exported)
 from ...operators.linear import GlobalOperator, Refused, Unevaluable
-from ...operators.linear import ints as _ints  # noqa: F401  (the ops' shape arguments)
-from ...operators.linear import row_width as _row_width  # noqa: F401  (the ops' token widths)
 from ...operators.registry import global_operator
-from ...operators.softmax import LIPSCHITZ as SOFTMAX_LIPSCHITZ  # noqa: F401  (Softmax's own)
 
 
 @dataclass
@@ -61,20 +56,12 @@ class NotCertified(Exception):
     """An op (or its use) for which no certified bound is available."""
 
 
-class UnsupportedOnnxError(ValueError):
-    """Base class of the ONNX loading errors (bad files, unsupported content)."""
-
-
 @dataclass
 class RunContext:
     float_dtype: torch.dtype = torch.float32
 
 
 Arg = Flow | np.ndarray
-
-
-def torch_dtype(onnx_type: int, ctx: RunContext) -> torch.dtype:
-    return element_dtype(onnx_type, ctx.float_dtype)
 
 
 def tensor_from_proto(t: onnx.TensorProto, ctx: RunContext) -> Tensor:

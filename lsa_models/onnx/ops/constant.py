@@ -11,14 +11,4 @@ from .base import RegistryOp, register
 
 @register
 class ConstantOp(RegistryOp):
-    types = tuple(CONSTANTS)
-
-
-@register
-class MaskOp(RegistryOp):
-    types = tuple(MASKS)
-
-
-@register
-class EinsumOp(RegistryOp):
-    types = ("Einsum",)
+    types = (*CONSTANTS, *MASKS, "Einsum")

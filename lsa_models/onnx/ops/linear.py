@@ -10,13 +10,8 @@ from .base import Node, RegistryOp, register
 
 
 @register
-class MatMulOp(RegistryOp):
-    types = ("MatMul",)
-
-
-@register
-class GemmOp(RegistryOp):
-    types = ("Gemm",)
+class LinearOp(RegistryOp):
+    types = ("MatMul", "Gemm")
 
 
 def gemm_epilogue(node: Node, product: Tensor, ins: list[Tensor | None]) -> Tensor:

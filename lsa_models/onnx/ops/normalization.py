@@ -1,6 +1,5 @@
-"""LayerNormalization (its modes: lsa_models/operators/normalization.py), the LayerNorm flow
-shared with the decomposed pattern, and RMSNorm's bound (the decomposed LLaMA/Qwen form is
-recognised in patterns.py)."""
+"""LayerNormalization (its modes: lsa_models/operators/normalization.py); the decomposed
+LayerNorm and RMSNorm are recognised in patterns.py and bounded as the engine's Norm layers."""
 
 from __future__ import annotations
 
@@ -8,25 +7,11 @@ import numpy as np
 from torch import Tensor
 
 from ...bounds.formulas import linear_bound
-from ...bounds.layer_graph.families import rmsnorm_bound as _rmsnorm_bound
-from ...bounds.numerics import (
-    add_up,
-    mul_up,
-    sqrt_up,
-)
+from ...bounds.numerics import add_up, mul_up, sqrt_up
 from ...operators import ModeNotImplemented
+from ...operators.linear import row_width
 from ...operators.normalization import LayerNormalization
-from ...operators.normalization import decimal_attr as decimal_attr  # read through onnx/ops
-from .base import (
-    Arg,
-    Flow,
-    Node,
-    NotCertified,
-    Op,
-    RunContext,
-    _row_width,
-    register,
-)
+from .base import Arg, Flow, Node, NotCertified, Op, RunContext, register
 
 
 @register
@@ -56,10 +41,11 @@ class LayerNormOp(Op):
 
 def layernorm_flow(a: Flow, gamma: np.ndarray, beta: np.ndarray | None, eps: float, norm: str,
                    shape: tuple[int, ...]) -> Flow:
-    """Shared by the LayerNormalization op and the decomposed pattern (native rule's numbers)."""
-    width = _row_width(shape)
+    """The native Norm layer's numbers: the op's global factor, output tokens below
+    `sqrt(D) max|gamma| + ||beta||`."""
+    width = row_width(shape)
     g = np.broadcast_to(np.asarray(gamma, dtype=np.float64), (width,))
-    try:  # the op's global factor (operators/normalization.py)
+    try:
         upper = LayerNormalization("LayerNormalization").lipschitz(g, norm, eps)
     except ModeNotImplemented:
         raise NotCertified("LayerNorm with epsilon <= 0 is not Lipschitz") from None
@@ -69,23 +55,3 @@ def layernorm_flow(a: Flow, gamma: np.ndarray, beta: np.ndarray | None, eps: flo
     radius = add_up(mul_up(sqrt_up(width), gmax), b)
     return Flow(mul_up(a.lip, upper), radius, shape)
 
-
-
-
-def rmsnorm_bound(gamma: np.ndarray, eps: float, norm: str) -> float:
-    """RMSNorm's constant (the bound engine's norm family, docs/bounds.md "RMSNorm"):
-    `max|g| / sqrt(eps)` in the 2-norm, `max|g| (1 + sqrt(D)) / sqrt(eps)` in the inf-norm,
-    rounded up."""
-    if eps <= 0:
-        raise NotCertified("RMSNorm with epsilon <= 0 is not Lipschitz")
-    return _rmsnorm_bound(gamma, eps, norm)
-
-
-def rmsnorm_flow(a: Flow, gamma: np.ndarray, eps: float, norm: str,
-                 shape: tuple[int, ...]) -> Flow:
-    """The RMSNorm composite's flow: output tokens have 2-norm below `sqrt(D) max|g|`."""
-    width = _row_width(shape)
-    g = np.broadcast_to(np.asarray(gamma, dtype=np.float64), (width,))
-    upper = rmsnorm_bound(g, eps, norm)
-    radius = mul_up(sqrt_up(width), float(np.abs(g).max()))
-    return Flow(mul_up(a.lip, upper), radius, shape)

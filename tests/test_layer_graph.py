@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from lsa_models import L2MHA, DotProductMHA, Transformer, TransformerConfig, certify
-from lsa_models.bounds import Analyzer, register_rule
+from lsa_models.bounds import Analyzer
 from lsa_models.bounds.formulas import layernorm_bound, linear_bound
 from lsa_models.bounds.layer_graph import (
     CertifiedResidual,
@@ -24,7 +24,6 @@ from lsa_models.bounds.layer_graph import (
     Layer,
     LayerGraph,
     Linear,
-    ModuleRule,
     Norm,
     Refused,
     Residual,
@@ -34,15 +33,14 @@ from lsa_models.bounds.layer_graph import (
     run,
 )
 from lsa_models.bounds.numerics import add_up, mul_up
-from lsa_models.bounds.report import Domain, LayerBound, NormName
-from lsa_models.bounds.rules import compose
+from lsa_models.bounds.report import NormName
 from tests.engine_golden import tighter_by_rounding
 from tests.jacobians import jacobian_norm
 from tests.profile import at_most
 
 
 def _ctx(norm: NormName = "2", bounded: bool = False) -> Context:
-    return Context(norm, "fold", Verdicts(), bounded, 4)
+    return Context(norm, "fold", Verdicts(), bounded)
 
 
 def test_verdicts_not_lipschitz_outranks_an_earlier_not_certified() -> None:
@@ -136,38 +134,6 @@ def test_post_norm_block_passes_its_radius_on_after_a_refused_attention() -> Non
     assert attn["blocks.1.attn"].kind == "dp_mha_radius" and attn["blocks.1.attn"].upper
 
 
-class _Scaled(nn.Module):
-    def __init__(self, inner: nn.Module, c: float) -> None:
-        super().__init__()
-        self.inner, self.c = inner, c
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c * self.inner(x)
-
-
-@register_rule(_Scaled)
-class _ScaledRule:
-    """A rule in the older `bound` style: children through the analyzer, `compose`."""
-
-    def bound(self, module: _Scaled, name: str, norm: str, domain: Domain,
-              analyzer: Analyzer):  # type: ignore[no-untyped-def]
-        from lsa_models.bounds import Bound
-
-        inner = analyzer.bound(module.inner, f"{name}.inner", domain)
-        scale = Bound(module.c, "certified", None, [LayerBound(name, "scale", module.c)])
-        return compose([inner, scale])
-
-
-def test_bound_style_rules_still_register_and_compose() -> None:
-    torch.manual_seed(0)
-    lin = nn.Linear(4, 4)
-    res = certify(nn.Sequential(_Scaled(lin, 3.0), nn.Tanh()), "2", 3)
-    assert res.verdict == "certified"
-    w = linear_bound(lin.weight, "2")
-    assert res.upper == mul_up(mul_up(w, 3.0), 1.0)
-    assert [lb.kind for lb in res.layers] == ["linear", "scale", "activation:tanh"]
-
-
 def _leaves(layer: Layer) -> list[Layer]:
     if isinstance(layer, Series):
         return [leaf for part in layer.body for leaf in _leaves(part)]
@@ -185,7 +151,6 @@ def test_lowering_bounds_every_native_lm_with_engine_families(attention: str) ->
                                     seq_len=6, attention=attention))  # type: ignore[arg-type]
     root = Analyzer("2").lower(lm.continuous_part().eval(), "", 6)
     leaves = _leaves(root)
-    assert not any(isinstance(leaf, ModuleRule) for leaf in leaves)
     assert [leaf.name for leaf in leaves[-2:]] == ["ln_f", "head"]
     blocks = [leaf for leaf in leaves if isinstance(leaf, CertifiedResidual)]
     assert len(blocks) == (4 if attention == "contractive_l2" else 0)

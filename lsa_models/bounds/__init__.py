@@ -4,12 +4,11 @@ the native front end (`rules`: one lowering rule per module type; `analyzer.cert
 
 from .analyzer import Analyzer, certify
 from .report import BoundResult, Domain, LayerBound, Verdict
-from .rules import RULES, Bound, UnsupportedModuleError, register_rule
+from .rules import RULES, UnsupportedModuleError, register_rule
 
 __all__ = [
     "RULES",
     "Analyzer",
-    "Bound",
     "BoundResult",
     "Domain",
     "LayerBound",

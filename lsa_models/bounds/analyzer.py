@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .layer_graph import Bound, Context, Layer, ModuleRule, Value, Verdicts
+from .layer_graph import Bound, Context, Layer, Value, Verdicts
 from .report import BoundResult, Domain, NormName
 from .rules import UnsupportedModuleError, rule_for
 
@@ -22,31 +22,25 @@ class _Lowering:
         rule = rule_for(module)
         if rule is None:
             raise UnsupportedModuleError(name, module)
-        if hasattr(rule, "lower"):
-            return rule.lower(module, name, self)
-        return ModuleRule(name, module=module, rule=rule)  # a `bound`-style rule
+        return rule.lower(module, name, self)
 
 
 class Analyzer:
     """Bounds native modules: `bound(module, name, domain)` lowers the module to one layer
-    and runs the engine on it from the domain's radius (what `bound`-style rules call for
-    their children)."""
+    and runs the engine on it from the domain's radius."""
 
     def __init__(self, norm: NormName) -> None:
         if norm not in ("2", "inf"):
             raise ValueError(f"unknown norm {norm!r}; use '2' or 'inf'")
         self.norm: NormName = norm
-        self.input_bounded: bool | None = None  # set by the first (outermost) call
 
     def lower(self, module: nn.Module, name: str, seq_len: int) -> Layer:
         return _Lowering(seq_len)(module, name)
 
     def bound(self, module: nn.Module, name: str, domain: Domain) -> Bound:
-        if self.input_bounded is None:
-            self.input_bounded = domain.radius is not None
         root = self.lower(module, name, domain.seq_len)
         acc = Verdicts()
-        ctx = Context(self.norm, "fold", acc, self.input_bounded, domain.seq_len, self)
+        ctx = Context(self.norm, "fold", acc, domain.radius is not None)
         value = ctx.local(root, Value(1.0, domain.radius))
         return Bound.of(value, acc)
 

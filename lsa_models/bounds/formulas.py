@@ -70,13 +70,6 @@ def _two_norm_weights(wq: ArrayLike, wv: ArrayLike, wo: ArrayLike) -> float:
     return mul_up(inv_sqrt_up(d), sqrt_up(add_up(*terms)), spectral_norm_upper(wo))
 
 
-def l2_mha_two_bound(wq: ArrayLike, wv: ArrayLike, wo: ArrayLike, n: int) -> float:
-    """Theorem 3.2, 2-norm, unmasked, N >= 2 (corrected, see `_two_norm_weights`):
-    `sqrt(N)/sqrt(d) (4 phi^{-1}(N-1) + 1)
-    sqrt(sum_h ||W^{Q,h}||_2^4 ||W^{V,h}||_2^2) ||W^O||_2`."""
-    return mul_up(_two_norm_lead(max(int(n), 2)), _two_norm_weights(wq, wv, wo))
-
-
 def _gamma_up(k: int) -> float:
     """`gamma_k = k u / (1 - k u)` rounded up: the relative error of a k-term dot product."""
     return div_up(mul_up(float(k), U), math.nextafter(1.0 - k * U, 0.0))
@@ -211,11 +204,12 @@ def _stacked_upper(parts: _L2Parts, p: str) -> float:
 
 def _theorem_3_2(wq: ArrayLike, wv: ArrayLike, wo: ArrayLike, n: int, norm: str,
                  causal: bool) -> float:
+    """Theorem 3.2 (2-norm corrected, see `_two_norm_weights`): `g_lipschitz`'s lead times
+    the weight term, `sqrt(N)/sqrt(d) (4 phi^{-1}(N-1) + 1) sqrt(sum_h ||W^{Q,h}||_2^4
+    ||W^{V,h}||_2^2) ||W^O||_2` unmasked."""
     if norm == "inf":
         return l2_mha_inf_bound(wq, wv, wo, n)
-    if not causal:
-        return l2_mha_two_bound(wq, wv, wo, n)
-    return mul_up(g_lipschitz(n, "2", 1, True), _two_norm_weights(wq, wv, wo))
+    return mul_up(g_lipschitz(n, "2", 1, causal), _two_norm_weights(wq, wv, wo))
 
 
 def l2_mha_bound(
@@ -251,8 +245,7 @@ def layernorm_bound(gamma: ArrayLike, eps: float, norm: str) -> float:
 
     For D = 1 the output is the constant beta, so the constant is 0.
     """
-    g = np.abs(np.asarray(gamma.detach().double().cpu() if isinstance(gamma, torch.Tensor)
-                          else gamma, dtype=np.float64))
+    g = np.abs(_as_float64(gamma))
     if not eps > 0:
         raise ValueError("LayerNorm with eps <= 0 is not Lipschitz")
     dim = g.size
@@ -288,9 +281,12 @@ class _DpNorms:
 
 
 def _dp_head_terms(norms: _DpNorms, n: int, radius: float, scale: float,
-                   bq: ArrayLike | None) -> list[float]:
+                   bq: ArrayLike | None, bk: ArrayLike | None, replaced: bool) -> list[float]:
     """Per-head `sqrt(N)||W^V|| + s (||W^V|| R) ||W^K|| (R ||W^Q|| + sqrt(N) Qmax)`,
-    `Qmax = R ||W^Q|| + ||b^Q||` (docs/bounds.md, "Dot-product attention on a ball")."""
+    `Qmax = R ||W^Q|| + ||b^Q||` (docs/bounds.md, "Dot-product attention on a ball"); with
+    logits replaced by constants on a fixed set of entries, `sqrt(N)||W^V|| + s (||W^V|| R)
+    (||W^Q|| Kmax + sqrt(N) Qmax ||W^K||)`, `Kmax = R ||W^K|| + ||b^K||` (docs/bounds.md,
+    "Logits replaced by a constant")."""
     heads = len(norms.q)
     root_n = sqrt_up(n)
     terms = []
@@ -299,35 +295,18 @@ def _dp_head_terms(norms: _DpNorms, n: int, radius: float, scale: float,
         bq_norm = 0.0 if bq is None else frobenius_upper(_head_bias(bq, h, heads))
         q_max = add_up(mul_up(sq, radius), bq_norm)
         sigma_v = mul_up(sv, radius)
-        logit = mul_up(scale, sigma_v, sk, add_up(mul_up(radius, sq), mul_up(root_n, q_max)))
-        terms.append(add_up(mul_up(root_n, sv), logit))
-    return terms
-
-
-def _dp_head_terms_replaced(norms: _DpNorms, n: int, radius: float, scale: float,
-                            bq: ArrayLike | None, bk: ArrayLike | None) -> list[float]:
-    """Per-head `sqrt(N)||W^V|| + s (||W^V|| R) (||W^Q|| Kmax + sqrt(N) Qmax ||W^K||)`,
-    `Qmax = R ||W^Q|| + ||b^Q||`, `Kmax = R ||W^K|| + ||b^K||`: logits replaced by constants
-    on a fixed set of entries (docs/bounds.md, "Logits replaced by a constant")."""
-    heads = len(norms.q)
-    root_n = sqrt_up(n)
-    terms = []
-    for h in range(heads):
-        sq, sk, sv = norms.q[h], norms.k[h], norms.v[h]
-        bq_norm = 0.0 if bq is None else frobenius_upper(_head_bias(bq, h, heads))
-        bk_norm = 0.0 if bk is None else frobenius_upper(_head_bias(bk, h, heads))
-        q_max = add_up(mul_up(sq, radius), bq_norm)
-        k_max = add_up(mul_up(sk, radius), bk_norm)
-        sigma_v = mul_up(sv, radius)
-        logit = mul_up(scale, sigma_v, add_up(mul_up(sq, k_max), mul_up(root_n, q_max, sk)))
+        if replaced:
+            bk_norm = 0.0 if bk is None else frobenius_upper(_head_bias(bk, h, heads))
+            k_max = add_up(mul_up(sk, radius), bk_norm)
+            logit = mul_up(scale, sigma_v, add_up(mul_up(sq, k_max), mul_up(root_n, q_max, sk)))
+        else:
+            logit = mul_up(scale, sigma_v, sk, add_up(mul_up(radius, sq), mul_up(root_n, q_max)))
         terms.append(add_up(mul_up(root_n, sv), logit))
     return terms
 
 
 def _head_bias(b: ArrayLike, h: int, heads: int) -> np.ndarray:
-    arr = np.asarray(b.detach().double().cpu() if isinstance(b, torch.Tensor) else b,
-                     dtype=np.float64)
-    return arr.reshape(heads, -1)[h]
+    return _as_float64(b).reshape(heads, -1)[h]
 
 
 def dp_mha_ball(wq: ArrayLike, wk: ArrayLike, wv: ArrayLike, wo: ArrayLike, n: int,
@@ -361,7 +340,7 @@ def dp_mha_radius_bound(wq: ArrayLike, wk: ArrayLike, wv: ArrayLike, wo: ArrayLi
     Weights (H, D, d) and `W^O` (D, D) in the row-vector convention; `scale` defaults to
     1/sqrt(d). `replaced`: some logits are replaced by input-independent constants
     (`masked_fill` with a finite value) on a fixed set of entries; the key bias `bk` then
-    counts (`_dp_head_terms_replaced`). Derivation: docs/bounds.md.
+    counts (`_dp_head_terms`). Derivation: docs/bounds.md.
     """
     _check_radius(radius)
     return _dp_lip(_DpNorms.of(wq, wk, wv, wo), wq.shape, n, radius, norm, scale, bq, bk,
@@ -373,10 +352,7 @@ def _dp_lip(norms: _DpNorms, shape: tuple[int, ...], n: int, radius: float, norm
             replaced: bool = False) -> float:
     heads, dim, d = shape
     s = inv_sqrt_up(d) if scale is None else abs(float(scale))
-    if replaced:
-        terms = _dp_head_terms_replaced(norms, max(int(n), 1), float(radius), s, bq, bk)
-    else:
-        terms = _dp_head_terms(norms, max(int(n), 1), float(radius), s, bq)
+    terms = _dp_head_terms(norms, max(int(n), 1), float(radius), s, bq, bk, replaced)
     lip2 = mul_up(norms.o, sqrt_up(add_up(*(mul_up(t, t) for t in terms))))
     if norm == "2":
         return lip2
@@ -402,5 +378,4 @@ def _dp_out_radius(v_norms: list[float], o_norm: float, radius: float, bv: Array
                       0.0 if bv is None else frobenius_upper(_head_bias(bv, h, heads)))
         per_head.append(mul_up(vmax, vmax))
     out = mul_up(o_norm, sqrt_up(add_up(*per_head)))
-    return add_up(out, 0.0 if bo is None else frobenius_upper(
-        np.asarray(bo.detach().double().cpu() if isinstance(bo, torch.Tensor) else bo)))
+    return add_up(out, 0.0 if bo is None else frobenius_upper(bo))

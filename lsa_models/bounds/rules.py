@@ -4,25 +4,19 @@ One lowering rule per module type, in a registry keyed by type (`RULES`, `regist
 rule's `lower(module, name, lowering)` returns the module as one layer of the graph: a leaf
 (linear, layernorm, activation, attention with its weights, a refusal) or a `Series` /
 `Residual` of its children, each lowered with `lowering(child, name)`. The engine's families
-bound the layers; nothing here computes a number.
-
-Rules written for the older interface (a `bound(module, name, norm, domain, analyzer)` method
-returning a `Bound`, composing children with `analyzer.bound` and `compose`) still register
-with `register_rule` (the extension point for user rules; the library's own rules, here and in
-lm.py and invertible/rules.py, all lower): the module becomes a `ModuleRule` layer whose
-family calls that method.
+bound the layers; nothing here computes a number. `register_rule` is the extension point for
+user rules too (lm.py and invertible/rules.py register the library's others).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from torch import nn
 
 from .layer_graph import (
     Activation,
-    Bound,
     DPAttention,
     Identity,
     L2Attention,
@@ -33,14 +27,9 @@ from .layer_graph import (
     Residual,
     Series,
 )
-from .numerics import mul_up
-from .report import Domain, NormName
 
-if TYPE_CHECKING:
-    from .analyzer import Analyzer
-
-__all__ = ["RULES", "Bound", "Lowering", "LoweringRule", "Rule", "UnsupportedModuleError",
-           "compose", "register_rule", "rule_for"]
+__all__ = ["RULES", "Lowering", "LoweringRule", "UnsupportedModuleError", "register_rule",
+           "rule_for"]
 
 
 class UnsupportedModuleError(TypeError, ValueError):
@@ -65,17 +54,11 @@ class Lowering(Protocol):
     def __call__(self, module: nn.Module, name: str) -> Layer: ...
 
 
-class Rule(Protocol):
-    def bound(self, module: Any, name: str, norm: NormName, domain: Domain,
-              analyzer: Analyzer) -> Bound: ...
-
-
 RULES: dict[type[nn.Module], Any] = {}
 
 
 def register_rule(*types: type[nn.Module]) -> Callable[[type], type]:
-    """Register a rule class for these module types: one with `lower` (preferred) or one with
-    the older `bound` method."""
+    """Register a lowering rule class (one with `lower`) for these module types."""
 
     def deco(cls: type) -> type:
         for t in types:
@@ -97,18 +80,6 @@ class LoweringRule:
 
     def lower(self, module: Any, name: str, lowering: Lowering) -> Layer:
         raise NotImplementedError
-
-
-def compose(bounds: list[Bound]) -> Bound:
-    """Sequential composition of `Bound`s (for `bound`-style rules): `Lip(f o g) <= Lip(f)
-    Lip(g)`, the worst verdict wins (a proven non-Lipschitz part first)."""
-    layers = [lb for b in bounds for lb in b.layers]
-    for status in ("not_lipschitz", "not_certified"):
-        for b in bounds:
-            if b.status == status:
-                return Bound(None, b.status, None, layers, b.reason)
-    return Bound(mul_up(*(b.upper or 0.0 for b in bounds)) if bounds else 1.0, "certified",
-                 bounds[-1].out_radius if bounds else None, layers)
 
 
 def _join(prefix: str, name: str) -> str:

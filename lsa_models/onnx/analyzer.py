@@ -35,9 +35,9 @@ from ..bounds.layer_graph.families import Family, register_family
 from ..bounds.report import BoundResult, LayerBound, NormName, Verdict
 from ..loaded import fixed_seq_len
 from ..operators import ACTIVATIONS
-from .attention_rotary import ROTARY_NOTE
+from .errors import DynamicSeqLenError
 from .graph import GraphInfo
-from .loading import DynamicSeqLenError, OnnxModel
+from .loading import OnnxModel
 from .ops import OPS, Flow, Node, NotCertified
 from .patterns import Composite, find_composites
 
@@ -84,7 +84,7 @@ def analyse(model: OnnxModel, norm: NormName, seq_len: int | None = None,
                          f"{' '.join(str(exc).split())[:300]}") from None
     graph, hints = lower(info)
     acc = Verdicts()
-    ctx = Context(norm, "mul_up", acc, input_bounded=radius is not None, seq_len=n)
+    ctx = Context(norm, "mul_up", acc, input_bounded=radius is not None)
     values = run(graph, ctx, Value(1.0, radius, info.shape(graph.input)))
     out = graph.output
     reason = acc.first("not_lipschitz")
@@ -178,8 +178,7 @@ def _attention(c: Composite, io: dict[str, Any]) -> Layer:
                            notes=list(a.notes),
                            # logits replaced by constants (masked_fill) or a rotated key
                            # bias: the bound without row centring, where the key bias counts
-                           bk=a.bk, replaced=a.replaced or a.rotated_key_bias,
-                           rotary=ROTARY_NOTE in a.notes, **io)
+                           bk=a.bk, replaced=a.replaced or a.rotated_key_bias, **io)
     return L2Attention(name, a.wq, a.wv, a.wo, a.n, a.causal,
                        notes=list(a.notes), **io)
 

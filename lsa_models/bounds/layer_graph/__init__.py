@@ -8,7 +8,6 @@ into a `LayerGraph`. `families.py` bounds each layer kind, `driver.py` composes 
 """
 
 from .driver import Context, run
-from .families import FAMILIES, Family, family_of, register_family, rmsnorm_bound
 from .layers import (
     Activation,
     CertifiedResidual,
@@ -18,7 +17,6 @@ from .layers import (
     Layer,
     LayerGraph,
     Linear,
-    ModuleRule,
     Norm,
     OpNode,
     Refused,
@@ -28,19 +26,16 @@ from .layers import (
 from .values import Bound, Value, Verdicts
 
 __all__ = [
-    "FAMILIES",
     "Activation",
     "Bound",
     "CertifiedResidual",
     "Context",
     "DPAttention",
-    "Family",
     "Identity",
     "L2Attention",
     "Layer",
     "LayerGraph",
     "Linear",
-    "ModuleRule",
     "Norm",
     "OpNode",
     "Refused",
@@ -48,8 +43,5 @@ __all__ = [
     "Series",
     "Value",
     "Verdicts",
-    "family_of",
-    "register_family",
-    "rmsnorm_bound",
     "run",
 ]

@@ -12,7 +12,6 @@ values. A native model is one root layer (`Context.local(root, x)`: its own cons
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from ..numerics import mul_up, up
 from ..report import NormName
@@ -29,8 +28,6 @@ class Context:
     # the domain's input has a radius: a dot-product attention whose input radius is lost on
     # the way is then not certified (it is not proven non-Lipschitz)
     input_bounded: bool
-    seq_len: int = 0  # N (native rules registered with bounds.register_rule read it)
-    analyzer: Any = None  # what such rules are handed to bound their children
 
     def compose(self, lip: float, f: float) -> float:
         if self.chain == "fold":

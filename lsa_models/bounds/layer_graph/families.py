@@ -25,7 +25,7 @@ from ..numerics import (
     mul_up,
     sqrt_up,
 )
-from ..report import Domain, LayerBound, Verdict
+from ..report import LayerBound, Verdict
 from .layers import (
     Activation,
     CertifiedResidual,
@@ -34,7 +34,6 @@ from .layers import (
     L2Attention,
     Layer,
     Linear,
-    ModuleRule,
     Norm,
     Refused,
     Residual,
@@ -254,19 +253,3 @@ class CertifiedResidualFamily(Family):
         ctx.acc.report(LayerBound(layer.name, layer.kind, upper, nodes=layer.nodes))
         return Value(upper, None, layer.shape)
 
-
-@register_family(ModuleRule)
-class ModuleRuleFamily(Family):
-    """A native module bounded by its registered rule's own `bound` (bounds.register_rule):
-    the rule's result (a `Bound`) enters the accumulator as it is."""
-
-    def local(self, layer: ModuleRule, x: Value, ctx: Context) -> Value | None:
-        b = layer.rule.bound(layer.module, layer.name, ctx.norm,
-                             Domain(ctx.seq_len, x.radius), ctx.analyzer)
-        for lb in b.layers:
-            ctx.acc.report(lb)
-        if b.status != "certified" or b.upper is None:
-            if b.status != "certified":
-                ctx.acc.fail(b.status, b.reason)
-            return Value(math.inf, b.out_radius, layer.shape)
-        return Value(b.upper, b.out_radius, layer.shape)

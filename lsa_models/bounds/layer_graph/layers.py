@@ -16,8 +16,6 @@ tensors it has):
   `block=True` also reports its own factor (a Transformer block);
 - `CertifiedResidual`: a residual block `x + g(x)` whose branch certifies its own 2-norm
   constant (the contractive blocks of `lsa_models.invertible`, scaled by that bound);
-- `ModuleRule`: a native module bounded by a rule registered with `bounds.register_rule`
-  in the older style (the rule's own `bound` runs; see rules.py);
 - `OpNode`: one ONNX node bounded by its op's rule (`onnx.ops`), the generic layer of graphs.
 
 `families.py` holds one bound class per kind, `driver.py` runs them.
@@ -83,9 +81,6 @@ class DPAttention(Layer):
     # replaced by a constant", "Rotary position embeddings")
     bk: ArrayLike | None = None
     replaced: bool = False
-    # queries/keys rotated per position (docs/bounds.md, "Rotary position embeddings"); the
-    # rotations' norm is folded into `scale`
-    rotary: bool = False
 
 
 @dataclass
@@ -123,12 +118,6 @@ class CertifiedResidual(Layer):
     # `lipschitz_upper(n)` is a certified bound on Lip_2 of its branch on n tokens
     block: Any
     n: int  # tokens the block sees
-
-
-@dataclass
-class ModuleRule(Layer):
-    module: Any  # nn.Module
-    rule: Any  # the registered rule object (has `bound`)
 
 
 @dataclass

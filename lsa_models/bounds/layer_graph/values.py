@@ -76,9 +76,8 @@ class Verdicts:
 
 @dataclass
 class Bound:
-    """What a whole scope (a native module) evaluates to: its constant and output radius (its
-    output `Value`, upper None when it failed) with its verdict and per-layer entries. The
-    result type of `bounds.register_rule` rules; the engine itself carries `Value`s."""
+    """What a whole native model evaluates to: its constant and output radius (its output
+    `Value`, upper None when it failed) with its verdict and per-layer entries."""
 
     upper: float | None
     status: Verdict

@@ -16,24 +16,21 @@ from ..bounds.analyzer import norm_name
 from ..bounds.report import NormName
 from ..loaded import LoadedModel, sha256_hex
 from .analyzer import analyse, resolve_seq_len
-from .export import export_onnx
-from .graph import GraphModule, GraphSpec
-from .loading import (
+from .errors import (
     DynamicSeqLenError,
-    LoadOptions,
     OnnxCheckError,
     OnnxExternalDataError,
     OnnxInputError,
     OnnxLoadError,
     OnnxMismatchError,
-    OnnxModel,
     OnnxParseError,
     OnnxShapeError,
     OnnxTooLargeError,
     UnsupportedOpsError,
-    is_onnx,
-    load_onnx,
 )
+from .export import export_onnx
+from .graph import GraphModule, GraphSpec
+from .loading import LoadOptions, OnnxModel, is_onnx, load_onnx
 from .ops import OPS, supported_op_types
 
 

@@ -14,6 +14,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..empirical.local import jacobian_norm
+from ..empirical.search import project
 from .loading import OnnxModel, ort_run
 
 MAX_JACOBIAN_SIZE = 4096  # N * D; beyond it use matrix-free estimators
@@ -25,12 +27,6 @@ class OnnxLowerBound:
     witness: np.ndarray  # (N, D)
     norm: str
     seed: int
-
-
-def _jac_norm(jac: Tensor, norm: str) -> Tensor:
-    if norm == "2":
-        return torch.linalg.matrix_norm(jac, 2)
-    return jac.abs().sum(dim=1).max()
 
 
 def lower_bound(model: OnnxModel, norm: str, seq_len: int, radius: float | None = None,
@@ -54,11 +50,11 @@ def lower_bound(model: OnnxModel, norm: str, seq_len: int, radius: float | None 
     for _ in range(restarts):
         x = torch.randn(seq_len, d, generator=gen, dtype=torch.float64)
         if radius is not None:
-            x = _project(x * radius, radius)
+            x = project(x * radius, radius)
         x.requires_grad_(True)
         for step in range(steps + 1):
             jac = torch.autograd.functional.jacobian(f, x, create_graph=step < steps)
-            val = _jac_norm(jac.reshape(-1, seq_len * d), norm)
+            val = jacobian_norm(jac.reshape(-1, seq_len * d), norm)
             value = float(val.detach())
             if value > best:
                 best, best_x = value, x.detach().clone()
@@ -68,21 +64,16 @@ def lower_bound(model: OnnxModel, norm: str, seq_len: int, radius: float | None 
             with torch.no_grad():
                 x += lr * g / (g.norm() + 1e-12) * max(float(x.norm()), 1.0)
                 if radius is not None:
-                    x.copy_(_project(x, radius))
+                    x.copy_(project(x, radius))
     assert best_x is not None
     return OnnxLowerBound(best, best_x.numpy(), norm, seed)
-
-
-def _project(x: Tensor, radius: float) -> Tensor:
-    norms = x.norm(dim=-1, keepdim=True).clamp_min(1e-30)
-    return x * torch.clamp(radius / norms, max=1.0)
 
 
 def jacobian_norm_torch(model: OnnxModel, x: np.ndarray, norm: str) -> float:
     f64 = model.module.with_dtype(torch.float64)
     xt = torch.from_numpy(np.asarray(x, dtype=np.float64))
     jac = torch.autograd.functional.jacobian(lambda z: f64(z[None]).reshape(-1), xt)
-    return float(_jac_norm(jac.reshape(-1, xt.numel()), norm))
+    return float(jacobian_norm(jac.reshape(-1, xt.numel()), norm))
 
 
 def replay_on_onnxruntime(model: OnnxModel, x: np.ndarray, norm: str,

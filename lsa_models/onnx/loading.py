@@ -20,11 +20,9 @@ import torch
 from google.protobuf.message import DecodeError
 
 from .errors import (
-    DynamicSeqLenError,
     OnnxCheckError,
     OnnxExternalDataError,
     OnnxInputError,
-    OnnxLoadError,
     OnnxMismatchError,
     OnnxParseError,
     OnnxShapeError,
@@ -35,13 +33,6 @@ from .graph import GraphModule, GraphSpec
 from .light import check_and_infer, ort_light_model, raw_weight_views
 from .ops import FLOAT_TYPES, Node, patchwise_reason, unsupported_ops
 from .rewrite import canonical_layouts
-
-__all__ = [  # the error classes live in errors.py; re-exported for callers of this module
-    "DynamicSeqLenError", "LoadOptions", "OnnxCheckError", "OnnxExternalDataError",
-    "OnnxInputError", "OnnxLoadError", "OnnxMismatchError", "OnnxModel", "OnnxParseError",
-    "OnnxShapeError", "OnnxTooLargeError", "UnsupportedOpsError", "is_onnx", "load_onnx",
-    "ort_run", "compare_with_onnxruntime",
-]
 
 ZIP_MAGIC = b"PK\x03\x04"
 MIN_OPSET, MAX_OPSET = 13, onnx.defs.onnx_opset_version()

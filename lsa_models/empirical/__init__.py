@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from ..attention import DotProductMHA
-from .jacobian import JacobianConfig, JacobianNorm, check_norm, inf_norm_rows, jacobian_norm
+from .jacobian import check_norm, jacobian_norm
 from .search import SearchConfig, SearchResult, lower_bound, search
 from .witness import Growth, GrowthConfig, dp_growth, growth_direction, witness_input
 
@@ -206,17 +206,10 @@ def ratio(upper: float | None, lower: float | None) -> float | None:
 
 __all__ = [
     "EmpiricalResult",
-    "Growth",
     "GrowthConfig",
-    "JacobianConfig",
-    "JacobianNorm",
-    "SearchConfig",
-    "SearchResult",
     "dp_growth",
     "estimate",
     "growth_direction",
-    "has_dot_product",
-    "inf_norm_rows",
     "jacobian_norm",
     "lower_bound",
     "ratio",

@@ -9,10 +9,6 @@ norm; inf: largest absolute row sum). In general a pixel lies in at most
 `sqrt(m) max_g ||K_g||_2`; the inf-norm constant is still the largest absolute row sum. The
 output's rows (image columns) are not tokens: no radius. Only an input-dependent image with a
 constant kernel and bias has a rule.
-
-The other modes live in the local engine today: the Jacobian enclosure and the affine forms
-(engine/enclosure/rules_conv.py, engine/affine/linear.py), the tangent and adjoint graphs
-(engine/derived/tangent.py, adjoint.py), the forward error (engine/rounding/forward_error.py).
 """
 
 from __future__ import annotations

@@ -15,12 +15,6 @@ GatherElements likewise with m the most copies of one entry, no radius. Concat:
 the squared radii and the constants' row norms), along another the largest. Expand repeats
 each entry (factor) times: sqrt(factor) in the 2-norm, 1 in the inf-norm; rows pass when the
 last axis is kept.
-
-The other modes live in the local engine today: the Jacobian enclosure and the affine forms
-move the enclosures with the entries (engine/enclosure/rules.py, engine/affine/linear.py), the
-tangent and adjoint graphs (engine/derived/tangent.py, adjoint.py), the forward error
-(engine/rounding/forward_error.py, `_LAYOUT`) and the ball arithmetic
-(engine/rounding/forward_ball.py).
 """
 
 from __future__ import annotations

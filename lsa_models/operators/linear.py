@@ -26,11 +26,6 @@ in both norms and tokens have norm <= R_a R_b (docs/bounds.md, "Gated MLPs (SwiG
 an isometry. Einsum is evaluated (weight arithmetic folds to constants; attention's
 contractions are the recognised layer's, onnx/attention.py) and refused on other
 input-dependent operands.
-
-The other modes live in the local engine today: the Jacobian enclosure (engine/enclosure/rules.py,
-engine/affine/linear.py), the affine forms (engine/affine/linear.py, affine_rules.py), the
-tangent and adjoint graphs (engine/derived/tangent.py, adjoint.py), the forward error
-(engine/rounding/forward_error.py) and the ball arithmetic (engine/rounding/forward_ball.py).
 """
 
 from __future__ import annotations

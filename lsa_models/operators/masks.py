@@ -9,11 +9,6 @@ or a branch broadcast to the output, has no rule. Max/Min of an input-dependent 
 constants of no larger shape clips each entry: 1-Lipschitz in both norms, no radius. The
 comparisons, logic and Trilu are step functions or mask builders: on input-dependent
 operands they have no rule outside a recognised pattern (attention's masks, NaN guards).
-
-The other modes live in the local engine today: the Jacobian enclosure and the affine forms
-(engine/enclosure/rules_more.py, engine/affine/masks.py), the tangent and adjoint
-graphs (engine/derived/tangent.py, adjoint.py), the forward error (engine/rounding/forward_error.py)
-and the ball arithmetic (engine/rounding/forward_ball.py).
 """
 
 from __future__ import annotations

@@ -4,14 +4,8 @@ sigma = sqrt(||u||^2 / D + eps), z = u / sigma, y = gamma z + beta, and
 dz/dx = S(x) = (1/sigma) (P - z z^T / D), P = I - 1 1^T / D. Derivations: docs/operators.md,
 "Softmax and LayerNorm", and docs/local-enclosure.md ("LayerNorm directly").
 
-The engine's rules (engine/enclosure/layernorm.py and rules.layernorm for the Jacobian enclosure,
-affine_norms.layernorm, the tangent's recomputed chain) carry the engine's values and read
-their numbers here: epsilon as the engine reads it, sigma^2's range from a token's centred
-norm and radius, the interval of every entry of S and of z, S at the centre, the output's
-range from the input's, the derived graphs' formulas, the ball arithmetic, evaluation and
-the global factor. RMSNorm is no ONNX op: the engines recognise its decomposed form
-(onnx/patterns.py) and bound it as its chain (affine_norms.norm_parts without centring);
-its global factor stays with that pattern (onnx/ops/normalization.py).
+RMSNorm is no ONNX op: its decomposed form is recognised (onnx/patterns.py); its global factor is
+the Norm layer's (bounds/layer_graph/families.py, `rmsnorm_bound`).
 """
 
 from __future__ import annotations

@@ -3,11 +3,6 @@
 A mean or a max of m entries is 1-Lipschitz in both norms; a sum of m entries is sqrt(m) in
 the 2-norm and m in the inf-norm (m: the input's entries per output entry). The reduced
 tensor's rows are not the input's tokens: no radius.
-
-The other modes live in the local engine today: the Jacobian enclosure (engine/enclosure/rules.py),
-the affine forms (engine/affine/walk.py, engine/heads/final_layernorm.py), the tangent and adjoint
-graphs (engine/derived/tangent.py, adjoint.py), the forward error (engine/rounding/forward_error.py)
-and the ball arithmetic (engine/rounding/forward_ball.py).
 """
 
 from __future__ import annotations

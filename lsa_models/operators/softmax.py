@@ -2,12 +2,8 @@
 J = diag(p) - p p^T per row. Derivations: docs/operators.md, "Softmax and LayerNorm", and
 docs/local-enclosure.md.
 
-The engine's rules (engine/primitives.softmax, affine_norms.softmax, second.softmax_second)
-carry the engine's values (LocalValue, affine forms) and read their numbers from here: the
-probability ranges of logit ranges, the Jacobian at the centre and the radius of its entries
-over the ranges, the derived graphs' product and the ball arithmetic. Every range works on
-the last axis (the rules move the softmax axis there); `axis` is the node's, normalised by
-the caller where a graph is built from it.
+Every range works on the last axis (the engine's rules move the softmax axis there); `axis`
+is the node's, normalised by the caller where a graph is built from it.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .layer_graph import Bound, Context, Layer, Value, Verdicts
+from .layer_graph import Context, Layer, Value, Verdicts
+from .layer_graph.values import failed_value
 from .report import BoundResult, Domain, NormName
 from .rules import UnsupportedModuleError, rule_for
 
@@ -26,8 +27,7 @@ class _Lowering:
 
 
 class Analyzer:
-    """Bounds native modules: `bound(module, name, domain)` lowers the module to one layer
-    and runs the engine on it from the domain's radius."""
+    """Lowers native modules to one layer each (`lower`) for the engine, in one norm."""
 
     def __init__(self, norm: NormName) -> None:
         if norm not in ("2", "inf"):
@@ -36,13 +36,6 @@ class Analyzer:
 
     def lower(self, module: nn.Module, name: str, seq_len: int) -> Layer:
         return _Lowering(seq_len)(module, name)
-
-    def bound(self, module: nn.Module, name: str, domain: Domain) -> Bound:
-        root = self.lower(module, name, domain.seq_len)
-        acc = Verdicts()
-        ctx = Context(self.norm, "fold", acc, domain.radius is not None)
-        value = ctx.local(root, Value(1.0, domain.radius))
-        return Bound.of(value, acc)
 
 
 def norm_name(norm: NormName | float) -> NormName:
@@ -63,16 +56,12 @@ def certify(model: nn.Module, norm: NormName | float, seq_len: int,
     why there is none. `norm`: "2" or "inf", or 2 / float("inf") as in torch.linalg. Weights
     are read in float64; the model is not run."""
     norm = norm_name(norm)
-    domain = Domain(seq_len, radius)
+    Domain(seq_len, radius)  # validates both
+    acc = Verdicts()
     with torch.no_grad():
-        b = Analyzer(norm).bound(model, "", domain)
-    return BoundResult(
-        norm=norm,
-        seq_len=seq_len,
-        radius=radius,
-        verdict=b.status,
-        upper=b.upper,
-        layers=b.layers,
-        method=METHOD,
-        reason=b.reason,
-    )
+        root = Analyzer(norm).lower(model, "", seq_len)
+        value = Context(norm, "fold", acc, radius is not None).local(root, Value(1.0, radius))
+    verdict = acc.status()
+    upper = value.lip if verdict == "certified" and not failed_value(value) else None
+    return BoundResult(norm=norm, seq_len=seq_len, radius=radius, verdict=verdict, upper=upper,
+                       layers=acc.layers, method=METHOD, reason=acc.reason())

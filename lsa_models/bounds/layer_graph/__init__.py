@@ -23,11 +23,10 @@ from .layers import (
     Residual,
     Series,
 )
-from .values import Bound, Value, Verdicts
+from .values import Value, Verdicts
 
 __all__ = [
     "Activation",
-    "Bound",
     "CertifiedResidual",
     "Context",
     "DPAttention",

@@ -73,24 +73,3 @@ class Verdicts:
         status = self.status(since)
         return None if status == "certified" else self.first(status, since)
 
-
-@dataclass
-class Bound:
-    """What a whole native model evaluates to: its constant and output radius (its output
-    `Value`, upper None when it failed) with its verdict and per-layer entries."""
-
-    upper: float | None
-    status: Verdict
-    out_radius: float | None
-    layers: list[LayerBound] = field(default_factory=list)
-    reason: str | None = None
-
-    @staticmethod
-    def of(value: Value | None, acc: Verdicts, since: int = 0,
-           layers_from: int = 0) -> Bound:
-        status = acc.status(since)
-        if status != "certified" or failed_value(value):
-            radius = None if value is None else value.radius
-            return Bound(None, status, radius, acc.layers[layers_from:], acc.reason(since))
-        assert value is not None
-        return Bound(value.lip, "certified", value.radius, acc.layers[layers_from:])

@@ -1,25 +1,10 @@
-"""The operator interface: one class per op, one method per bound mode (docs/operators.md).
-
-An operator instance is made from a node's attributes (`registry.make`) and answers, for the
-function y = f(x) it stands for, every mode lsa bounds:
-
-- `evaluate`: the torch value (the ONNX reader's evaluator, float32 or float64);
-- `global_factor` / `token_radius`: the global Lipschitz factor of the op and the bound on
-  each token's 2-norm it passes on (the global analysis, onnx/ops);
-- `point`, `d1`: f and f' in float64 at points; `d1_range`, `value_range`: enclosures of f'
-  and f over an interval, entrywise (the Jacobian enclosure, the forward-error interval, the
-  elementwise chains);
-- `subgradient_range`, `d2_range`: the slopes and the curvature the affine relaxation takes;
-- `scaled_derivative`: g f'(x) as graph nodes (the tangent and adjoint graphs);
-- `chain_derivative`: f' from its output inside a fused elementwise chain (the adjoint of a
-  chain as one chain); Pow's `chain_rule`: its link's value, first and second derivative in a
-  chain's interval differentiation;
-- `arb`: f in ball arithmetic (the centre's forward error at 256 bits).
-
-A mode an op does not implement raises `ModeNotImplemented(op, mode)`; each front end turns it
-into its own refusal once, by name. Every enclosure is outward: the ranges returned here hold
-the exact function's values over the whole interval; the callers add their libm allowance.
-This package imports neither engine/ nor the onnx/ front ends (an import-linter contract).
+"""The operator interface: one class per op, one method per bound mode (docs/operators.md,
+"The modes", says who reads each). An instance is made from a node's attributes
+(`registry.make`). A mode an op does not implement raises `ModeNotImplemented(op, mode)`, which
+each reader turns into its own refusal, by name. Every enclosure is outward: the ranges
+returned hold the exact function's values over the whole interval; the callers add their libm
+allowance. This package imports neither engine/ nor the onnx/ front ends (an import-linter
+contract).
 """
 
 from __future__ import annotations

@@ -1,24 +1,8 @@
-"""The typed layer graph both front ends lower to.
-
-A `LayerGraph` is a list of layers in evaluation order; each layer reads the values named by
-`inputs` and writes the values named by `outputs` (value names are the front end's: ONNX
-tensor names; a native model is one root layer on the name "x"). Layer kinds, each with the
-weights its rule needs (float64 readings happen in the rules, so a front end hands over the
-tensors it has):
-
-- `Linear` (token map x -> x W^T + b), `Norm` (LayerNorm / RMSNorm with gamma, beta, eps),
-  `Activation` (a pointwise activation by name), `Identity` (dropout too);
-- `DPAttention` / `L2Attention`: a whole multi-head attention with its per-head weights, the
-  token count it sees and, for graphs, the float32 readings it relies on;
-- `Refused`: a layer the front end recognised but no theorem covers (untied L2 attention,
-  attention whose weights could not be read), with its verdict and the reason;
-- `Series` (sequential composition of its body), `Residual` (x + branch(x)); a `Series` with
-  `block=True` also reports its own factor (a Transformer block);
-- `CertifiedResidual`: a residual block `x + g(x)` whose branch certifies its own 2-norm
-  constant (the contractive blocks of `lsa_models.invertible`, scaled by that bound);
-- `OpNode`: one ONNX node bounded by its op's rule (`onnx.ops`), the generic layer of graphs.
-
-`families.py` holds one bound class per kind, `driver.py` runs them.
+"""The typed layer graph both front ends lower to: a `LayerGraph` is a list of layers in
+evaluation order, each reading the values named by `inputs` and writing those named by
+`outputs` (ONNX tensor names; a native model is one root layer on "x"). The kinds and what
+each carries: docs/engine.md, "Layer kinds"; float64 readings happen in the families, so a
+front end hands over the tensors it has. `families.py` bounds each kind, `driver.py` runs them.
 """
 
 from __future__ import annotations

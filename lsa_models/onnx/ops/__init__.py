@@ -1,14 +1,7 @@
-"""The ONNX op registry: for each op family, a torch implementation and a Lipschitz rule.
-
-One module per op family (auto_LiRPA's `operators/` layout): `linear` (MatMul, Gemm),
-`arithmetic` (Add/Sub/Mul/Div/Neg), `activation` (pointwise activations; Softmax),
-`normalization` (LayerNormalization), `conv` (Conv), `layout` (reshape, transpose, slice,
-gather, concat, ...), `reduce` (reductions), `constant` (constants, shapes, masks, Max/Min
-clips, Einsum). The activations', linear maps', layouts', reductions', masks' and constants'
-evaluation and global rule are their classes' in lsa_models/operators/ (docs/operators.md);
-`base.RegistryOp` reads them and names the node in their refusals. Each module registers its
-ops in `base.OPS` with `@register`; importing this package imports them all, so the registry
-is complete whenever `OPS` is reachable.
+"""The ONNX op registry (`OPS`): for each op type, a torch implementation and a Lipschitz rule,
+one module per family (`lsa supports` lists them by module). Most evaluation and global rules
+are the classes' in lsa_models/operators/ (docs/operators.md), read through `base.RegistryOp`,
+which names the node in their refusals; importing this package registers every family.
 """
 
 from __future__ import annotations

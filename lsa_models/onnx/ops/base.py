@@ -1,15 +1,10 @@
 """The op registry's base: decoded nodes, flows, the `Op` interface and the registry.
 
-The torch implementations evaluate a graph with autograd (graph.py). The rules bound the
-graph's generic nodes (analyzer.py lowers each to the bound engine's `OpNode` layer): every
-tensor that depends on the model input carries a `Flow` (the engine's `Value`), the
-Lipschitz constant of the map input -> tensor in the chosen norm (2: Frobenius norm of the
-whole tensor; inf: largest entry) and, on bounded domains, a bound on the 2-norm of each of
-its tokens (last-axis rows). Tensors that do not depend on the input are constants (float64
-arrays from a reference evaluation). A rule that cannot bound its op raises `NotCertified`.
-
-Composite patterns (attention, decomposed LayerNorm, the Erf form of GELU) are recognised
-before the rules run (attention.py, analyzer.py); their member nodes never reach the rules.
+`run` evaluates a node in torch (graph.py). `bound` bounds a generic node (analyzer.py lowers
+each to the engine's `OpNode`): input-dependent operands carry a `Flow` (the engine's `Value`:
+docs/engine.md, "The value type"), the others are float64 constants; an op without a rule for
+its use raises `NotCertified`. Recognised composites (attention, decomposed norms, written-out
+GELU) never reach the rules.
 """
 
 from __future__ import annotations

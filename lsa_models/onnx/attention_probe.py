@@ -18,8 +18,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..operators.linear import Gemm
 from .graph import GraphInfo
-from .ops import OPS, Node, gemm_epilogue
+from .ops import OPS, Node
 
 TOL = 1e-8  # relative tolerance of the read-out checks, far above float64 rounding
 FIT_MARGIN = 1e-12  # relative allowance for constants fitted by least squares in float64
@@ -228,7 +229,7 @@ def _gather_product(node: Node, ins: list[Tensor | None], info: GraphInfo) -> Te
     idx = rows.argmax(dim=1)
     out = w[idx] * (counts == 1).to(w.dtype)[:, None]
     out = out.reshape(*a.shape[:-1], w.shape[1])
-    return gemm_epilogue(node, out, ins) if gemm else out
+    return Gemm(node.op_type, node.attrs).epilogue(out, ins) if gemm else out
 
 
 def check_scale(linear: np.ndarray, bias: np.ndarray) -> float:

@@ -19,6 +19,7 @@ import onnx
 import torch
 from google.protobuf.message import DecodeError
 
+from ..operators.conv import Conv
 from .errors import (
     OnnxCheckError,
     OnnxExternalDataError,
@@ -31,7 +32,7 @@ from .errors import (
 )
 from .graph import GraphModule, GraphSpec
 from .light import check_and_infer, ort_light_model, raw_weight_views
-from .ops import FLOAT_TYPES, Node, patchwise_reason, unsupported_ops
+from .ops import FLOAT_TYPES, Node, unsupported_ops
 from .rewrite import canonical_layouts
 
 ZIP_MAGIC = b"PK\x03\x04"
@@ -284,7 +285,8 @@ def _patch_kernel(g: onnx.GraphProto, x: str, inits: dict[str, onnx.TensorProto]
             or users[0].input[1] not in inits:
         return None
     kernel = [int(d) for d in inits[users[0].input[1]].dims[2:]]
-    if len(kernel) != 2 or patchwise_reason(Node.from_proto(users[0], 0), kernel) is not None:
+    conv = Conv("Conv", Node.from_proto(users[0], 0).attrs)
+    if len(kernel) != 2 or conv.patchwise_reason(kernel) is not None:
         return None
     return kernel
 

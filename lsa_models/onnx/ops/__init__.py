@@ -19,8 +19,6 @@ from .base import (
     tensor_from_proto,
     unsupported_ops,
 )
-from .conv import patchwise_reason
-from .linear import gemm_epilogue
 
 FAMILIES = (activation, arithmetic, constant, conv, layout, linear, normalization, reduce)
 
@@ -33,8 +31,6 @@ __all__ = [
     "NotCertified",
     "RunContext",
     "decimal_attr",
-    "gemm_epilogue",
-    "patchwise_reason",
     "supported_op_types",
     "tensor_from_proto",
     "unsupported_ops",

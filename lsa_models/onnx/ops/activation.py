@@ -14,16 +14,17 @@ from ...operators.linear import row_width
 from ...operators.softmax import Softmax
 from .base import Arg, Flow, Node, NotCertified, Op, RunContext, register
 
-# ---- activations: every mode in lsa_models/operators/activation.py --------------------------
 
 @register
 class ActivationOp(Op):
-    types = ACTIVATION_TYPES
+    """The pointwise activations and Softmax: the class's global factor composed with the
+    input's constant, and the token radius it passes on."""
+
+    types = (*ACTIVATION_TYPES, "Softmax")
 
     def run(self, node: Node, ins: list[Tensor | None], ctx: RunContext) -> list[Tensor]:
-        x = ins[0]
-        assert x is not None
-        return [_op(node).evaluate(x)]
+        assert ins[0] is not None
+        return [_op(node).evaluate(ins[0])]
 
     def bound(self, node: Node, args: list[Arg | None], out_shapes: list[tuple[int, ...]],
               norm: str) -> list[Flow | None]:
@@ -31,30 +32,17 @@ class ActivationOp(Op):
         assert isinstance(a, Flow)
         op = _op(node)
         try:
-            radius = op.token_radius(a.radius, row_width(a.shape))
+            if isinstance(op, Softmax):
+                radius = op.token_radius(a.radius, row_width(a.shape), len(a.shape))
+            else:
+                radius = op.token_radius(a.radius, row_width(a.shape))
             return [Flow(mul_up(a.lip, op.global_factor()), radius, out_shapes[0])]
         except ModeNotImplemented as e:
             raise NotCertified(f"{node.op_type} node {node.name}: {e}") from None
 
 
-def _op(node: Node) -> Activation:
-    op = activation(node.op_type, node.attrs)
+def _op(node: Node) -> Activation | Softmax:
+    op = Softmax(node.op_type, node.attrs) if node.op_type == "Softmax" else activation(
+        node.op_type, node.attrs)
     assert op is not None
     return op
-
-
-@register
-class SoftmaxOp(Op):
-    types = ("Softmax",)
-
-    def run(self, node: Node, ins: list[Tensor | None], ctx: RunContext) -> list[Tensor]:
-        assert ins[0] is not None
-        return [Softmax(node.op_type, node.attrs).evaluate(ins[0])]
-
-    def bound(self, node: Node, args: list[Arg | None], out_shapes: list[tuple[int, ...]],
-              norm: str) -> list[Flow | None]:
-        a = args[0]
-        assert isinstance(a, Flow)
-        op = Softmax(node.op_type, node.attrs)  # operators/softmax.py
-        radius = op.token_radius(a.radius, row_width(a.shape), len(a.shape))
-        return [Flow(mul_up(a.lip, op.global_factor()), radius, out_shapes[0])]

@@ -25,15 +25,8 @@ from .blocks import Transformer
 from .bounds.layer_graph import Layer, Series
 from .bounds.rules import Lowering, LoweringRule, register_rule
 from .checkpoint import register_model_kind
-from .config import ATTENTION_NAMES, AttentionName, ConfigError, TransformerConfig, attention_name
+from .config import AttentionName, ConfigError, TransformerConfig, _positive_int, attention_name
 from .invertible import ContractiveTrunk, ContractiveTrunkConfig
-
-LM_ATTENTION_KINDS: tuple[str, ...] = ATTENTION_NAMES
-
-
-def _positive(name: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigError(name, f"must be a positive integer, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -54,7 +47,7 @@ class LMConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_heads", "n_layers", "d_ff", "seq_len"):
-            _positive(name, getattr(self, name))
+            _positive_int(name, getattr(self, name))
         # frozen: the canonical word (an alias translated) is what the checkpoint stores
         object.__setattr__(self, "attention", attention_name(self.attention))
         if not isinstance(self.norm_first, bool):
@@ -140,4 +133,4 @@ class LMContinuousRule(LoweringRule):
 
 register_model_kind("char_lm", CharTransformerLM, LMConfig)
 
-__all__ = ["LM_ATTENTION_KINDS", "CharTransformerLM", "LMConfig", "LMContinuous"]
+__all__ = ["CharTransformerLM", "LMConfig", "LMContinuous"]

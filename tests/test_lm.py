@@ -9,9 +9,9 @@ import torch
 
 import lsa_models
 from lsa_models import certify
-from lsa_models.config import ConfigError
+from lsa_models.config import ATTENTION_NAMES, ConfigError
 from lsa_models.invertible import ContractiveTrunk
-from lsa_models.lm import LM_ATTENTION_KINDS, CharTransformerLM, LMConfig
+from lsa_models.lm import CharTransformerLM, LMConfig
 
 
 def _model(kind: str, layers: int = 2, seed: int = 0) -> CharTransformerLM:
@@ -19,7 +19,7 @@ def _model(kind: str, layers: int = 2, seed: int = 0) -> CharTransformerLM:
     return CharTransformerLM(LMConfig(11, 8, 2, layers, 16, 6, kind)).eval()  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("kind", LM_ATTENTION_KINDS)
+@pytest.mark.parametrize("kind", ATTENTION_NAMES)
 def test_lm_logits_shape_and_causality(kind):
     model = _model(kind)
     idx = torch.randint(0, 11, (3, 6), generator=torch.Generator().manual_seed(1))
@@ -36,7 +36,7 @@ def test_lm_logits_shape_and_causality(kind):
         torch.testing.assert_close(model(idx[:, :3]), logits[:, :3], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("kind", LM_ATTENTION_KINDS)
+@pytest.mark.parametrize("kind", ATTENTION_NAMES)
 def test_lm_save_load_roundtrip(kind, tmp_path):
     model = _model(kind, seed=4)
     path = lsa_models.save(model, tmp_path / "lm.safetensors")

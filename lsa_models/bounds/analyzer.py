@@ -62,6 +62,6 @@ def certify(model: nn.Module, norm: NormName | float, seq_len: int,
         root = Analyzer(norm).lower(model, "", seq_len)
         value = Context(norm, "fold", acc, radius is not None).local(root, Value(1.0, radius))
     verdict = acc.status()
-    upper = value.lip if verdict == "certified" and not failed_value(value) else None
+    upper = None if value is None or failed_value(value) or verdict != "certified" else value.lip
     return BoundResult(norm=norm, seq_len=seq_len, radius=radius, verdict=verdict, upper=upper,
                        layers=acc.layers, method=METHOD, reason=acc.reason())

@@ -20,6 +20,7 @@ import torch
 from ..formulas import dp_mha_ball, l2_mha_bound, layernorm_bound, linear_bound
 from ..numerics import (
     LAYER_ACTIVATION_LIPSCHITZ,
+    _as_float64,
     add_up,
     inv_sqrt_up,
     mul_up,
@@ -74,16 +75,6 @@ def family_of(layer: Layer) -> Family:
     raise TypeError(f"no bound family for layer kind {type(layer).__name__}")
 
 
-def _abs_max(a: Any) -> float:
-    if isinstance(a, torch.Tensor):
-        return float(a.detach().abs().max())
-    return float(np.abs(np.asarray(a, dtype=np.float64)).max())
-
-
-def _size(a: Any) -> int:
-    return int(a.numel()) if isinstance(a, torch.Tensor) else int(np.asarray(a).size)
-
-
 def rmsnorm_bound(gamma: Any, eps: float, norm: str) -> float:
     """RMSNorm `y = g * x / sqrt(mean(x^2) + eps)` per token (docs/bounds.md, "RMSNorm"):
     `max|g| / sqrt(eps)` in the 2-norm, `max|g| (1 + sqrt(D)) / sqrt(eps)` in the inf-norm,
@@ -116,7 +107,8 @@ class LinearFamily(Family):
 @register_family(Norm)
 class NormFamily(Family):
     def local(self, layer: Norm, x: Value, ctx: Context) -> Value | None:
-        dim, gmax = _size(layer.gamma), _abs_max(layer.gamma)
+        g = np.abs(_as_float64(layer.gamma))
+        dim, gmax = g.size, float(g.max())
         if layer.rms:  # docs/bounds.md, "RMSNorm": output tokens below sqrt(D) max|g|
             upper = rmsnorm_bound(layer.gamma, layer.eps, ctx.norm)
             out_r = mul_up(sqrt_up(dim), gmax)

@@ -15,7 +15,7 @@ from ..bounds import BoundResult
 from ..bounds.analyzer import norm_name
 from ..bounds.report import NormName
 from ..loaded import LoadedModel, sha256_hex
-from .analyzer import analyse, resolve_seq_len
+from .analyzer import analyse
 from .errors import (
     DynamicSeqLenError,
     OnnxCheckError,
@@ -29,7 +29,6 @@ from .errors import (
     UnsupportedOpsError,
 )
 from .export import export_onnx
-from .graph import GraphModule, GraphSpec
 from .loading import LoadOptions, OnnxModel, is_onnx, load_onnx
 from .ops import OPS, supported_op_types
 
@@ -81,8 +80,6 @@ def _numel(t: Any) -> int:  # an onnx TensorProto
 __all__ = [
     "OPS",
     "DynamicSeqLenError",
-    "GraphModule",
-    "GraphSpec",
     "LoadOptions",
     "OnnxCheckError",
     "OnnxExternalDataError",
@@ -100,6 +97,5 @@ __all__ = [
     "is_onnx",
     "load_onnx",
     "load_onnx_model",
-    "resolve_seq_len",
     "supported_op_types",
 ]

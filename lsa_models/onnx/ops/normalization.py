@@ -35,23 +35,15 @@ class LayerNormOp(Op):
         if int(node.attrs.get("axis", -1)) % len(a.shape) != len(a.shape) - 1:
             raise NotCertified(f"LayerNormalization node {node.name} normalises over more "
                                "than the last axis")
-        eps = LayerNormalization(node.op_type, node.attrs).eps
-        return [layernorm_flow(a, gamma, beta, eps, norm, out_shapes[0])]
-
-
-def layernorm_flow(a: Flow, gamma: np.ndarray, beta: np.ndarray | None, eps: float, norm: str,
-                   shape: tuple[int, ...]) -> Flow:
-    """The native Norm layer's numbers: the op's global factor, output tokens below
-    `sqrt(D) max|gamma| + ||beta||`."""
-    width = row_width(shape)
-    g = np.broadcast_to(np.asarray(gamma, dtype=np.float64), (width,))
-    try:
-        upper = LayerNormalization("LayerNormalization").lipschitz(g, norm, eps)
-    except ModeNotImplemented:
-        raise NotCertified("LayerNorm with epsilon <= 0 is not Lipschitz") from None
-    gmax = float(np.abs(g).max())
-    b = 0.0 if beta is None else linear_bound(
-        np.broadcast_to(np.asarray(beta, dtype=np.float64), (width,))[None, :], "2")
-    radius = add_up(mul_up(sqrt_up(width), gmax), b)
-    return Flow(mul_up(a.lip, upper), radius, shape)
-
+        # the native Norm layer's numbers: the op's global factor, output tokens below
+        # sqrt(D) max|gamma| + ||beta||
+        width = row_width(out_shapes[0])
+        g = np.broadcast_to(np.asarray(gamma, dtype=np.float64), (width,))
+        try:
+            upper = LayerNormalization(node.op_type, node.attrs).lipschitz(g, norm)
+        except ModeNotImplemented:
+            raise NotCertified("LayerNorm with epsilon <= 0 is not Lipschitz") from None
+        b = 0.0 if beta is None else linear_bound(
+            np.broadcast_to(np.asarray(beta, dtype=np.float64), (width,))[None, :], "2")
+        radius = add_up(mul_up(sqrt_up(width), float(np.abs(g).max())), b)
+        return [Flow(mul_up(a.lip, upper), radius, out_shapes[0])]

@@ -14,9 +14,9 @@ from typing import Any
 
 from .bounds import BoundResult, certify
 from .bounds.report import NormName
-from .checkpoint import CheckpointError, from_bytes, read_metadata
-from .loaded import DEFAULT_SEQ_LEN, LoadedModel, sha256_hex
-from .onnx import OnnxLoadedModel, is_onnx, load_onnx_model
+from .checkpoint import from_bytes, read_metadata
+from .loaded import LoadedModel, sha256_hex
+from .onnx import is_onnx, load_onnx_model
 
 
 class ModelFormatError(ValueError):
@@ -85,15 +85,5 @@ def load_model_bytes(data: bytes, filename: str = "") -> LoadedModel:
                            ".zip of an .onnx with its external data")
 
 
-__all__ = [
-    "DEFAULT_SEQ_LEN",
-    "LOADERS",
-    "CheckpointError",
-    "LoadedModel",
-    "ModelFormatError",
-    "NativeModel",
-    "OnnxLoadedModel",
-    "load_model_bytes",
-    "load_native",
-    "sha256_hex",
-]
+__all__ = ["LOADERS", "ModelFormatError", "NativeModel", "load_model_bytes", "load_native",
+           "sha256_hex"]

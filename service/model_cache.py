@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from lsa_models.analysis import LoadedModel
+    from lsa_models.loaded import LoadedModel
 
 _threads_lock = threading.Lock()
 _threads_set = False

@@ -35,7 +35,7 @@ from ..runtime import Runtime
 from ..tables import BoundResultRow, UploadedModel
 
 if TYPE_CHECKING:
-    from lsa_models.analysis import LoadedModel
+    from lsa_models.loaded import LoadedModel
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,8 @@ Where, guards); their entry points are re-exported here."""
 from __future__ import annotations
 
 import math
+import threading
+import weakref
 from collections.abc import Callable
 
 import numpy as np
@@ -94,10 +96,43 @@ def step(node: Node, args: list, centers: list[np.ndarray | None], ball: Ball,
     overflowed (the caller falls back to the interval of the enclosure, or stops)."""
     with np.errstate(over="ignore", invalid="ignore"):
         out = _step(node, args, centers, ball, ranges_of, chain, consts)
+    # a layout op's coefficients are its inputs' (and zeros): finite when those are
+    moved = node.op_type in LAYOUT and chain is None and all(
+        _known_finite(v.a) for v in args if isinstance(v, Aff))
     for f in out:
-        if f is not None and not (_finite(f.o) and _finite(f.a) and _finite(f.b)):
+        if f is None:
+            continue
+        if not (_finite(f.o) and _finite(f.b) and (moved or _known_finite(f.a)
+                                                   or _finite(f.a))):
             raise NotAffine(f"{node.op_type} node {node.name}: a form overflowed")
+        _note_finite(f.a)
     return out
+
+
+# the coefficient arrays `step` found (or made from arrays it found) finite, by identity,
+# held weakly: a form's arrays are never written in place, so an input's array passed on
+# as an output (a form plus a constant keeps its coefficients; a layout op's views and
+# gathers) is not summed again
+_FINITE: weakref.WeakValueDictionary[int, np.ndarray] = weakref.WeakValueDictionary()
+_FINITE_LOCK = threading.Lock()  # the service walks in several threads at once
+
+
+def _known_finite(v: np.ndarray) -> bool:
+    if reference():
+        return False
+    with _FINITE_LOCK:
+        return _FINITE.get(id(v)) is v
+
+
+def _note_finite(v: np.ndarray) -> None:
+    if not reference() and v.size >= _NOTE_MIN:
+        with _FINITE_LOCK:
+            _FINITE[id(v)] = v
+
+
+# coefficient arrays below this many entries are summed again rather than held (a sum of
+# them costs less than the bookkeeping)
+_NOTE_MIN = 1 << 16
 
 
 def _finite(v: np.ndarray) -> bool:

@@ -89,6 +89,51 @@ class Softmax(Operator):
         sr = np.maximum(np.maximum(smax - sc, sc - smin), 0.0) * (1 + 1e-12) + FLOOR
         return plo, phi, sr
 
+    def difference_probability_ranges(self, dlo: np.ndarray, dhi: np.ndarray) -> Iv:
+        """Probability ranges from ranges of the logits' differences, dlo_ij <= z_j - z_i <=
+        dhi_ij (..., n, n), row i (the diagonal read as 0): p_i = 1 / sum_j e^(z_j - z_i), so
+        1 / sum_j e^dhi_ij <= p_i <= 1 / sum_j e^dlo_ij. Shared terms of the logits cancel in
+        their differences, so these are narrower than the box's wherever the logits move
+        together."""
+        n = dlo.shape[-1]
+        eye = np.eye(n, dtype=bool)
+        with np.errstate(over="ignore"):
+            shi = np.exp(np.where(eye, 0.0, dhi)).sum(axis=-1)
+            slo = np.exp(np.where(eye, 0.0, dlo)).sum(axis=-1)
+        # the same allowance for exp's and the sum's roundings as `probability_ranges`
+        plo = np.clip((1.0 / shi) * (1 - 8 * (n + 4) * 1e-16) - 1e-300, 0.0, 1.0)
+        phi = np.clip((1.0 / slo) * (1 + 8 * (n + 4) * 1e-16) + 1e-300, 0.0, 1.0)
+        return plo, phi
+
+    def jacobian_midpoints(self, plo: np.ndarray, phi: np.ndarray
+                           ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """A Jacobian to expand about when the probabilities only lie in [plo, phi] (..., n):
+        (sc, off, full, resid). Off the diagonal sc_ij is the midpoint of
+        J_ij = -p_i p_j in [-phi_i phi_j, -plo_i plo_j] and `off` (zero on the diagonal) its
+        radius; sc_ii closes the row's sum (J's rows sum to 0), `full` adds the diagonal's
+        radius about it (J_ii = p_i - p_i^2 is concave); resid >= |sum_j sc_ij| (the row sum
+        as the floats hold it). Every radius with 4u of its terms' magnitudes for the
+        roundings of the products and differences."""
+        n = plo.shape[-1]
+        eye = np.eye(n, dtype=bool)
+        lo2 = plo[..., :, None] * plo[..., None, :]
+        hi2 = phi[..., :, None] * phi[..., None, :]
+        sc = np.where(eye, 0.0, -0.5 * (lo2 + hi2))
+        diag = -sc.sum(axis=-1)
+        sc = sc + diag[..., :, None] * eye
+        u4 = 4 * 2.0**-53
+        off = np.maximum(sc + hi2, -lo2 - sc) * (1 + u4) + u4 * (np.abs(sc) + hi2)
+        off = np.where(eye, 0.0, np.maximum(off, 0.0) + FLOOR)
+        q = lambda x: x - x * x  # noqa: E731
+        dmax = np.where((plo <= 0.5) & (phi >= 0.5), 0.25, np.maximum(q(plo), q(phi)))
+        dmin = np.minimum(q(plo), q(phi))
+        rdiag = np.maximum(np.maximum(dmax - diag, diag - dmin), 0.0) * (1 + u4) \
+            + u4 * (np.abs(diag) + 1.0) + FLOOR
+        full = np.where(eye, rdiag[..., :, None], off)
+        asum = np.abs(sc).sum(axis=-1)
+        resid = np.abs(sc.sum(axis=-1)) + 2 * (n + 2) * 2.0**-53 * asum * (1 + 1e-12) + FLOOR
+        return sc, off, full, resid
+
     def scaled_derivative(self, b: GraphBuilder, g: str, x: str, y: str,
                           derivative_first: bool) -> str:
         """J g = y (g - sum(y g)) along the axis (J symmetric: the tangent's and the adjoint's

@@ -123,9 +123,14 @@ def softmax(x: Aff, axis: int, out_c: np.ndarray, ball: Ball, xlo: np.ndarray | 
     inv = elementwise(tot, RECIPROCAL, ball, tlo, np.full(tot.shape, np.inf))
     p = product(e, inv, ball, matmul=False, out_c=oc, out_m=center_margin(oc))
     lo, hi = ranges(x, ball)
-    if np.all(np.isfinite(lo)) and np.all(np.isfinite(hi)):
-        p = select(p, _softmax_taylor(x, oc, ball, lo, hi), ball)
     plo, phi = SOFTMAX.probability_ranges(lo, hi, oc)
+    dd = difference_dev(x, ball)
+    if dd is not None:
+        plo, phi = _difference_ranges(x, dd, oc, plo, phi)
+    if np.all(np.isfinite(lo)) and np.all(np.isfinite(hi)):
+        taylor = _softmax_taylor(x, oc, ball, lo, hi) if dd is None else \
+            _softmax_midpoint(x, oc, ball, plo, phi, dd)
+        p = select(p, taylor, ball)
     p = narrow(p, plo, phi, ball)
     if ax != x.c.ndim - 1:
         return Aff(out_c, np.moveaxis(p.m, -1, ax), np.moveaxis(p.o, -1, ax),
@@ -148,15 +153,87 @@ def _softmax_taylor(x: Aff, oc: np.ndarray, ball: Ball, lo: np.ndarray, hi: np.n
     _, _, sr = SOFTMAX.jacobian_ranges(lo, hi, oc, sc)
     dlo, dhi = dev(x, ball)
     dmax = np.maximum(np.abs(dlo), np.abs(dhi))
+    err = _up(np.einsum("...ij,...j->...i", sr, dmax), n + 2) + TINY
+    return _jacobian_form(x, sc, oc, ball, err)
+
+
+def _jacobian_form(x: Aff, sc: np.ndarray, oc: np.ndarray, ball: Ball, err: np.ndarray
+                   ) -> Aff:
+    """The change sc D of the logits' form through a matrix sc (..., n, n) row by row, with
+    its roundings in the box and `err` (>= the remainder) as new symbols; centre oc."""
+    n = x.shape[-1]
     o = np.einsum("...ij,...j->...i", sc, x.o)
     a = np.einsum("...ij,...jp->...ip", sc, x.a)
     asc = np.abs(sc)
     g = gamma(n + 2)
     b = _up(np.einsum("...ij,...j->...i", asc, x.b + g * (np.abs(x.o) + rough_lin(x, ball)))
             + g * np.abs(o), n + 4)
-    err = _up(np.einsum("...ij,...j->...i", sr, dmax), n + 2) + TINY
     a, b = fresh(a, b, err)
     return Aff(oc, center_margin(oc), o, a, b)
+
+
+# the logits' pairwise differences cost rows n^2 W sums (n the softmax width, W the form's
+# columns), n times the softmax's own products: skipped past this many
+DIFFERENCE_ENTRIES = 1_000_000_000
+# block size (entries) of one pass over the differences
+_DIFF_BLOCK = 1 << 22
+
+
+def difference_dev(x: Aff, ball: Ball) -> np.ndarray | None:
+    """dd (..., n, n) >= |D_j - D_i| over the ball, D the form's change along the last axis
+    (row i): |o_j - o_i| + ||a_in,j - a_in,i||_dual eps + ||a_sym,j - a_sym,i||_1 + b_i + b_j.
+    Symbols both entries hold cancel, which the entries' own ranges cannot see. None where
+    it would cost more than DIFFERENCE_ENTRIES."""
+    n, w, p = x.shape[-1], x.a.shape[-1], ball.size
+    rows = int(np.prod(x.shape[:-1], dtype=np.int64))
+    if rows * n * n * w > DIFFERENCE_ENTRIES:
+        return None
+    a = x.a.reshape(rows, n, w)
+    out = np.empty((rows, n, n))
+    step = max(1, _DIFF_BLOCK // max(1, n * w))
+    for r in range(rows):
+        for i0 in range(0, n, step):
+            d = a[r, None, :, :] - a[r, i0:i0 + step, None, :]  # (k, n, w): row i, entry j
+            if ball.norm == "inf":
+                li = np.abs(d[..., :p]).sum(axis=-1)
+            else:
+                li = np.sqrt(_up(np.square(d[..., :p]).sum(axis=-1), p + 2)) * (1 + 4 * U)
+            out[r, i0:i0 + step] = ball.eps * li + np.abs(d[..., p:]).sum(axis=-1)
+    o = x.o.reshape(rows, n)
+    bx = x.b.reshape(rows, n)
+    out += np.abs(o[:, None, :] - o[:, :, None]) + bx[:, None, :] + bx[:, :, None]
+    # each difference of floats rounds within u of its value, each sum within gamma
+    return _up(out, w + 6).reshape(*x.shape, n)
+
+
+def _difference_ranges(x: Aff, dd: np.ndarray, oc: np.ndarray, plo: np.ndarray,
+                       phi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[plo, phi] narrowed by the ranges of the logits' differences: z_j - z_i lies within
+    (c_j - c_i) +- (m_i + m_j + dd_ij) (the centre within m of the true value); kept
+    around the computed centre oc."""
+    cd = x.c[..., None, :] - x.c[..., :, None]
+    rad = x.m[..., None, :] + x.m[..., :, None] + dd
+    pad = _REL * (np.abs(x.c[..., None, :]) + np.abs(x.c[..., :, None]) + rad) + TINY
+    qlo, qhi = SOFTMAX.difference_probability_ranges(cd - rad - pad, cd + rad + pad)
+    return np.minimum(np.maximum(plo, qlo), oc), np.maximum(np.minimum(phi, qhi), oc)
+
+
+def _softmax_midpoint(x: Aff, oc: np.ndarray, ball: Ball, plo: np.ndarray, phi: np.ndarray,
+                      dd: np.ndarray) -> Aff:
+    """Softmax by the mean value theorem about the midpoints of its Jacobian's ranges: for
+    xi on the segment from z0 to z (its probabilities in [plo, phi], its differences in
+    theirs), p_i(z) - p_i(z0) = sum_j J_ij(xi) D_j = sc_i . D + sum_j E_ij D_j, E = J(xi) - sc.
+    J's rows sum to 0, so sum_j E_ij D_j = sum_{j != i} E_ij (D_j - D_i) - (sum_j sc_ij) D_i:
+    the remainder is at most sum_{j != i} off_ij dd_ij + resid_i |D_i|, and also
+    sum_j full_ij |D_j| (`Softmax.jacobian_midpoints`); the smaller per entry."""
+    n = x.shape[-1]
+    sc, off, full, resid = SOFTMAX.jacobian_midpoints(plo, phi)
+    dlo, dhi = dev(x, ball)
+    dmax = np.maximum(np.abs(dlo), np.abs(dhi))
+    by_diff = np.einsum("...ij,...ij->...i", off, dd) + resid * dmax
+    by_entry = np.einsum("...ij,...j->...i", full, dmax)
+    err = _up(np.minimum(by_diff, by_entry), n + 2) + TINY
+    return _jacobian_form(x, sc, oc, ball, err)
 
 
 def _divide(args: list, var: list[int], c0: np.ndarray, m0: np.ndarray, ball: Ball,

@@ -15,6 +15,8 @@ from typing import Any, Protocol
 
 from torch import nn
 
+from ..attention import L2MHA, DotProductMHA, _head_columns
+from ..blocks import FeedForward, Transformer, TransformerBlock
 from .layer_graph import (
     Activation,
     DPAttention,
@@ -128,56 +130,54 @@ class SequentialRule(LoweringRule):
                              for child_name, child in module.named_children()])
 
 
-def _register_lsa_rules() -> None:
-    from ..attention import L2MHA, DotProductMHA, _head_columns
-    from ..blocks import FeedForward, Transformer, TransformerBlock
-
-    @register_rule(L2MHA)
-    class L2MHARule(LoweringRule):
-        def lower(self, module: L2MHA, name: str, lowering: Lowering) -> Layer:
-            cfg = module.config
-            if not cfg.tied:
-                return Refused(name, "l2_mha_untied", "not_certified", (
-                    f"{name or 'attention'}: L2 attention with untied query/key weights is not "
-                    "covered by Theorem 3.2 (it is not Lipschitz in general); retrain with "
-                    "attention='l2' (tied) to get a certificate"))
-            return L2Attention(name, module.query_weights(), module.value_weights(),
-                               module.output_weight(), lowering.seq_len, cfg.causal)
-
-    @register_rule(DotProductMHA)
-    class DotProductRule(LoweringRule):
-        def lower(self, module: DotProductMHA, name: str, lowering: Lowering) -> Layer:
-            h = module.config.n_heads
-            wq, wk, wv = (_head_columns(lin.weight, h)
-                          for lin in (module.q_proj, module.k_proj, module.v_proj))
-            return DPAttention(name, wq, wk, wv, module.out_proj.weight.T, lowering.seq_len,
-                               bo=module.out_proj.bias)
-
-    @register_rule(FeedForward)
-    class FeedForwardRule(LoweringRule):
-        def lower(self, module: FeedForward, name: str, lowering: Lowering) -> Layer:
-            return _series(module, name, lowering, ["fc1", "act", "fc2"])
-
-    @register_rule(TransformerBlock)
-    class BlockRule(LoweringRule):
-        def lower(self, module: TransformerBlock, name: str, lowering: Lowering) -> Layer:
-            ln1, attn, ln2, ffn = (lowering(getattr(module, s), _join(name, s))
-                                   for s in ("ln1", "attn", "ln2", "ffn"))
-            if module.config.norm_first:  # x + attn(ln1(x)), then x + ffn(ln2(x))
-                body: list[Layer] = [Residual(name, Series(name, [ln1, attn])),
-                                     Residual(name, Series(name, [ln2, ffn]))]
-            else:  # ln1(x + attn(x)), then ln2(x + ffn(x))
-                body = [Residual(name, attn), ln1, Residual(name, ffn), ln2]
-            return Series(name, body, block=True)
-
-    @register_rule(Transformer)
-    class TransformerRule(LoweringRule):
-        def lower(self, module: Transformer, name: str, lowering: Lowering) -> Layer:
-            parts = [lowering(blk, _join(name, f"blocks.{i}"))
-                     for i, blk in enumerate(module.blocks)]
-            if module.final_norm is not None:
-                parts.append(lowering(module.final_norm, _join(name, "final_norm")))
-            return Series(name, parts)
+@register_rule(L2MHA)
+class L2MHARule(LoweringRule):
+    def lower(self, module: L2MHA, name: str, lowering: Lowering) -> Layer:
+        cfg = module.config
+        if not cfg.tied:
+            return Refused(name, "l2_mha_untied", "not_certified", (
+                f"{name or 'attention'}: L2 attention with untied query/key weights is not "
+                "covered by Theorem 3.2 (it is not Lipschitz in general); retrain with "
+                "attention='l2' (tied) to get a certificate"))
+        return L2Attention(name, module.query_weights(), module.value_weights(),
+                           module.output_weight(), lowering.seq_len, cfg.causal)
 
 
-_register_lsa_rules()
+@register_rule(DotProductMHA)
+class DotProductRule(LoweringRule):
+    def lower(self, module: DotProductMHA, name: str, lowering: Lowering) -> Layer:
+        h = module.config.n_heads
+        wq, wk, wv = (_head_columns(lin.weight, h)
+                      for lin in (module.q_proj, module.k_proj, module.v_proj))
+        return DPAttention(name, wq, wk, wv, module.out_proj.weight.T, lowering.seq_len,
+                           bo=module.out_proj.bias)
+
+
+@register_rule(FeedForward)
+class FeedForwardRule(LoweringRule):
+    def lower(self, module: FeedForward, name: str, lowering: Lowering) -> Layer:
+        return _series(module, name, lowering, ["fc1", "act", "fc2"])
+
+
+@register_rule(TransformerBlock)
+class BlockRule(LoweringRule):
+    def lower(self, module: TransformerBlock, name: str, lowering: Lowering) -> Layer:
+        ln1, attn, ln2, ffn = (lowering(getattr(module, s), _join(name, s))
+                               for s in ("ln1", "attn", "ln2", "ffn"))
+        if module.config.norm_first:  # x + attn(ln1(x)), then x + ffn(ln2(x))
+            body: list[Layer] = [Residual(name, Series(name, [ln1, attn])),
+                                 Residual(name, Series(name, [ln2, ffn]))]
+        else:  # ln1(x + attn(x)), then ln2(x + ffn(x))
+            body = [Residual(name, attn), ln1, Residual(name, ffn), ln2]
+        return Series(name, body, block=True)
+
+
+@register_rule(Transformer)
+class TransformerRule(LoweringRule):
+    def lower(self, module: Transformer, name: str, lowering: Lowering) -> Layer:
+        parts = [lowering(blk, _join(name, f"blocks.{i}"))
+                 for i, blk in enumerate(module.blocks)]
+        if module.final_norm is not None:
+            parts.append(lowering(module.final_norm, _join(name, "final_norm")))
+        return Series(name, parts)
+

@@ -8,14 +8,12 @@ blocks".
 
 from __future__ import annotations
 
+from . import rules  # noqa: F401  (registers the blocks' lowering rules)
 from .blocks import ContractiveFFNBlock, ContractiveL2Block, DPResidualBlock, frozen_scales
 from .common import ContractiveFFNConfig, ContractiveL2Config, NonFiniteWeightsError
 from .inverse import NotInvertibleError, banach_iterations, fixed_point_inverse
 from .logdet import logdet_estimate
-from .rules import _register_rules
 from .trunk import ContractiveTrunk, ContractiveTrunkConfig, trunk_logdet_estimate
-
-_register_rules()
 
 __all__ = [
     "ContractiveFFNBlock",

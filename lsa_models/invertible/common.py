@@ -15,7 +15,7 @@ from torch import Tensor
 
 from ..bounds.formulas import _two_norm_lead
 from ..bounds.numerics import ACTIVATION_LIPSCHITZ
-from ..config import AttentionConfig, ConfigError
+from ..config import AttentionConfig, ConfigError, _positive_int
 
 # The float32 scale is taken this much below c / U so that rounding c/U to float32 and then
 # re-multiplying in upward-rounded float64 still certifies `<= c`.
@@ -89,9 +89,7 @@ class ContractiveL2Config:
 
     def __post_init__(self) -> None:
         AttentionConfig(self.d_model, self.n_heads, "l2", True, self.causal)  # validates
-        if not isinstance(self.max_len, int) or isinstance(self.max_len, bool) \
-                or self.max_len < 1:
-            raise ConfigError("max_len", f"must be a positive integer, got {self.max_len!r}")
+        _positive_int("max_len", self.max_len)
         _check_c(self.c)
 
 
@@ -103,10 +101,8 @@ class ContractiveFFNConfig:
     activation: Literal["relu", "gelu", "tanh", "sigmoid"] = "relu"
 
     def __post_init__(self) -> None:
-        for name in ("d_model", "d_ff"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ConfigError(name, f"must be a positive integer, got {v!r}")
+        _positive_int("d_model", self.d_model)
+        _positive_int("d_ff", self.d_ff)
         if self.activation not in ACTIVATION_LIPSCHITZ:
             raise ConfigError("activation", f"unknown activation {self.activation!r}; use one "
                               f"of {', '.join(ACTIVATION_LIPSCHITZ)}")

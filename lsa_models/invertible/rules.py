@@ -10,19 +10,17 @@ from .blocks import ContractiveFFNBlock, ContractiveL2Block, ResidualBlock
 from .trunk import ContractiveTrunk
 
 
-def _register_rules() -> None:
-    """Let `bounds.certify` read the certificates of these blocks."""
+@register_rule(ContractiveL2Block, ContractiveFFNBlock)
+class ContractiveBlockRule(LoweringRule):
+    def lower(self, module: ResidualBlock, name: str, lowering: Lowering) -> Layer:
+        kind = ("contractive_l2_block" if isinstance(module, ContractiveL2Block)
+                else "contractive_ffn_block")
+        return CertifiedResidual(name, kind, module, lowering.seq_len)
 
-    @register_rule(ContractiveL2Block, ContractiveFFNBlock)
-    class ContractiveBlockRule(LoweringRule):
-        def lower(self, module: ResidualBlock, name: str, lowering: Lowering) -> Layer:
-            kind = ("contractive_l2_block" if isinstance(module, ContractiveL2Block)
-                    else "contractive_ffn_block")
-            return CertifiedResidual(name, kind, module, lowering.seq_len)
 
-    @register_rule(ContractiveTrunk)
-    class ContractiveTrunkRule(LoweringRule):
-        def lower(self, module: ContractiveTrunk, name: str, lowering: Lowering) -> Layer:
-            prefix = f"{name}." if name else ""
-            return Series(name, [lowering(b, f"{prefix}blocks.{i}")
-                                 for i, b in enumerate(module.blocks)])
+@register_rule(ContractiveTrunk)
+class ContractiveTrunkRule(LoweringRule):
+    def lower(self, module: ContractiveTrunk, name: str, lowering: Lowering) -> Layer:
+        prefix = f"{name}." if name else ""
+        return Series(name, [lowering(b, f"{prefix}blocks.{i}")
+                             for i, b in enumerate(module.blocks)])

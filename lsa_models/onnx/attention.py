@@ -24,6 +24,7 @@ import numpy as np
 from torch import Tensor
 
 from ..bounds.numerics import inv_sqrt_up, mul_up
+from ..operators.layout import FLOAT_TYPES
 from .attention_l2 import finish_l2
 from .attention_mask import (
     Found,
@@ -45,7 +46,7 @@ from .attention_probe import (
 )
 from .attention_rotary import ROTARY_NOTE, unrotate
 from .graph import GraphInfo
-from .ops import FLOAT_TYPES, Node
+from .ops import Node
 
 __all__ = ["AttentionLayer", "recognise"]
 

@@ -20,6 +20,7 @@ import torch
 from google.protobuf.message import DecodeError
 
 from ..operators.conv import Conv
+from ..operators.layout import FLOAT_TYPES
 from .errors import (
     OnnxCheckError,
     OnnxExternalDataError,
@@ -32,7 +33,7 @@ from .errors import (
 )
 from .graph import GraphModule, GraphSpec
 from .light import check_and_infer, ort_light_model, raw_weight_views
-from .ops import FLOAT_TYPES, Node, unsupported_ops
+from .ops import Node, unsupported_ops
 from .rewrite import canonical_layouts
 
 ZIP_MAGIC = b"PK\x03\x04"

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..operators.normalization import decimal_attr
 from .attention import AttentionLayer, recognise
 from .graph import GraphInfo
-from .ops import Node, decimal_attr
+from .ops import Node
 
 
 @dataclass

@@ -6,6 +6,7 @@ which names the node in their refusals; importing this package registers every f
 
 from __future__ import annotations
 
+# FLOAT_TYPES and decimal_attr: read through this package by lsa_models/engine
 from ...operators.layout import FLOAT_TYPES
 from ...operators.normalization import decimal_attr
 from . import activation, arithmetic, constant, conv, layout, linear, normalization, reduce

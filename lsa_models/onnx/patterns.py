@@ -122,6 +122,29 @@ def _silu_patterns(info: GraphInfo) -> list[Composite]:
     return out
 
 
+def _downstream(info: GraphInfo, t: str, depth: int) -> list[str]:
+    """The input-dependent tensors up to `depth` consumer steps below t, nearest first."""
+    cands: list[str] = []
+    frontier = [t]
+    for _ in range(depth):
+        frontier = [c.outputs[0] for u in frontier for c in info.consumers.get(u, [])
+                    if c.outputs and c.outputs[0] in info.var]
+        cands.extend(frontier)
+    return list(dict.fromkeys(cands))
+
+
+def _region_eps(info: GraphInfo, nodes: list[Node]) -> float | None:
+    """The epsilon of the region's one Add of a scalar constant (read by `decimal_attr`);
+    None without exactly one such Add or when it is <= 0."""
+    adds = [n for n in nodes if n.op_type == "Add"
+            and any(i not in info.var and info.env[i].numel() == 1 for i in n.inputs)]
+    if len(adds) != 1:
+        return None
+    eps_t = next(i for i in adds[0].inputs if i not in info.var)
+    eps = decimal_attr(float(info.env[eps_t].reshape(())))
+    return None if eps <= 0 else eps
+
+
 def _layernorm_patterns(info: GraphInfo) -> list[Composite]:
     out = []
     for r in info.nodes:
@@ -130,27 +153,14 @@ def _layernorm_patterns(info: GraphInfo) -> list[Composite]:
         x = r.inputs[0]
         xv = info.env[x].to(torch.float64)
         width = xv.shape[-1]
-        cands: list[str] = []
-        frontier = [r.outputs[0]]
-        for _ in range(10):
-            nxt = [c.outputs[0] for t in frontier for c in info.consumers.get(t, [])
-                   if c.outputs and c.outputs[0] in info.var]
-            cands.extend(nxt)
-            frontier = nxt
-        for t in reversed(list(dict.fromkeys(cands))):
+        for t in reversed(_downstream(info, r.outputs[0], 10)):
             if info.shape(t) != tuple(xv.shape):
                 continue
             nodes = info.region(x, t)
             if nodes is None or r.name not in {n.name for n in nodes}:
                 continue
-            eps_nodes = [n for n in nodes if n.op_type == "Add"
-                         and any(i not in info.var and info.env[i].numel() == 1
-                                 for i in n.inputs)]
-            if len(eps_nodes) != 1:
-                continue
-            eps_t = next(i for i in eps_nodes[0].inputs if i not in info.var)
-            eps = decimal_attr(float(info.env[eps_t].reshape(())))
-            if eps <= 0:
+            eps = _region_eps(info, nodes)
+            if eps is None:
                 continue
             z = torch.nn.functional.layer_norm(xv, (width,), eps=eps)
             with torch.no_grad():
@@ -208,13 +218,8 @@ def _rms_candidate(info: GraphInfo, r: Node, x: str, t: str,
     if nodes is None or r.name not in {n.name for n in nodes} or \
             avoid & {n.name for n in nodes}:
         return None
-    eps_nodes = [n for n in nodes if n.op_type == "Add"
-                 and any(i not in info.var and info.env[i].numel() == 1 for i in n.inputs)]
-    if len(eps_nodes) != 1:
-        return None
-    eps_t = next(i for i in eps_nodes[0].inputs if i not in info.var)
-    eps = decimal_attr(float(info.env[eps_t].reshape(())))
-    if eps <= 0:
+    eps = _region_eps(info, nodes)
+    if eps is None:
         return None
 
     def rms(z: torch.Tensor) -> torch.Tensor:  # (..., D)
@@ -250,14 +255,7 @@ def _rmsnorm_patterns(info: GraphInfo, avoid: set[str]) -> list[Composite]:
         x = _squared_input(info, r)
         if x is None:
             continue
-        cands: list[str] = []
-        frontier = [r.outputs[0]]
-        for _ in range(8):
-            nxt = [c.outputs[0] for t in frontier for c in info.consumers.get(t, [])
-                   if c.outputs and c.outputs[0] in info.var]
-            cands.extend(nxt)
-            frontier = nxt
-        for t in reversed(list(dict.fromkeys(cands))):
+        for t in reversed(_downstream(info, r.outputs[0], 8)):
             comp = _rms_candidate(info, r, x, t, avoid)
             if comp is not None:
                 out.append(comp)

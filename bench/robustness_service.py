@@ -35,7 +35,7 @@ def predicted(model: torch.nn.Module, x0: np.ndarray) -> int:
 
 
 def run_kind(c: Any, kind: str, root: Path) -> dict[str, Any]:
-    from service.cli.inputs import load_model
+    from service.kit.inputs import load_model
     from service.robustness.verdicts import robustness_of
 
     net = build(kind, seed=0)

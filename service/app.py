@@ -19,12 +19,14 @@ from fastapi import FastAPI
 from . import tasks
 from .bounds import routes as bounds_routes
 from .certificates import routes as certificates_routes
+from .certify import routes as certify_routes
 from .db import ensure_migrated, upgrade
 from .docs import install_docs
 from .errors import BodyLimitMiddleware, install_error_handlers
 from .jobs import routes as jobs_routes
 from .metrics import Metrics, MetricsMiddleware
 from .models import routes as models_routes
+from .robustness import routes as robustness_routes
 from .routes import health
 from .runtime import Runtime
 from .settings import Settings
@@ -98,8 +100,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.metrics = metrics
     install_error_handlers(app)
     install_docs(app)
-    for module in (models_routes, bounds_routes, certificates_routes, jobs_routes, training_routes,
-                   health):
+    # Every domain's router, assembled here at the top (no domain imports the app). The order
+    # is the OpenAPI document's.
+    for module in (models_routes, bounds_routes, certify_routes, certificates_routes,
+                   robustness_routes, jobs_routes, training_routes, health):
         app.include_router(module.router)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_upload_bytes + UPLOAD_OVERHEAD,
                        max_json_bytes=settings.max_json_bytes)

@@ -12,12 +12,12 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from .artifacts import ArtifactStore
 from .broker import JobQueue
-from .certificates.service import load_or_create_signing_key
 from .compute import ComputePool
 from .db import make_engine, make_read_session_factory, make_session_factory
 from .metrics import Metrics
 from .model_cache import LRU, ModelCache
 from .settings import Settings
+from .signing_key import load_or_create_signing_key
 
 # Entries, not bytes: a model snapshot is a few hundred bytes, a report a few kilobytes.
 MODEL_REF_CACHE_SIZE = 4096

@@ -20,9 +20,10 @@ from api_schemas.certificates import Certificate
 from api_schemas.ci import CertifyReport
 from lsa_models import L2MHA, DotProductMHA, save
 from service.bounds.files import compute_report
-from service.certificates.cli_certify import StageProgress
-from service.certificates.service import load_or_create_signing_key, verify_certificate
+from service.certificates.service import verify_certificate
+from service.certify.cli_certify import StageProgress
 from service.cli import app
+from service.signing_key import load_or_create_signing_key
 
 runner = CliRunner()
 

@@ -20,13 +20,9 @@ from typer.testing import CliRunner
 
 from api_schemas.certificates import Certificate
 from lsa_models import L2MHA, save
-from service.certificates.service import (
-    load_or_create_signing_key,
-    new_certificate_body,
-    public_key_pem,
-    sign_certificate,
-)
+from service.certificates.service import new_certificate_body, public_key_pem, sign_certificate
 from service.cli import app
+from service.signing_key import load_or_create_signing_key
 
 runner = CliRunner()
 
@@ -191,7 +187,7 @@ def test_verify_recompute_rejects_an_inconsistent_verdict(issued: dict[str, Path
 
 
 def test_verify_recompute_tolerance_is_relative_1e_9() -> None:
-    from service.certificates.cli_verify import same_bound
+    from service.certify.cli_verify import same_bound
 
     assert same_bound(100.0, 100.0 * (1 + 5e-10))
     assert not same_bound(100.0, 100.0 * (1 + 2e-9))
@@ -259,7 +255,7 @@ def robust_issued(issued: dict[str, Path], tmp_path_factory: pytest.TempPathFact
                               "--label", "0", "--json"])
     assert res.exit_code == 0, res.output
     label = int(json.loads(res.stdout)["predicted"])
-    from service.cli.inputs import load_model
+    from service.kit.inputs import load_model
 
     radii = robustness_of(load_model(model), hashlib.sha256(model.read_bytes()).hexdigest(),
                           x0, label, "2")

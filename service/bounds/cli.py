@@ -14,8 +14,8 @@ from rich.table import Table
 
 from api_schemas import BoundReport
 
-from ..cli.common import app, fail, set_threads
-from .files import EmpiricalOptions, compute_report
+from ..kit.console import fail, set_threads
+from .files import EmpiricalOptions, compute_report, local_report
 
 NormOpt = Annotated[str, typer.Option("--norm", help="Input/output norm: 2 (Frobenius) or inf")]
 
@@ -72,7 +72,6 @@ def render_table(report: BoundReport, console: Console) -> None:
         console.print(f"||J|| along the Theorem 3.1 inputs (s: norm): {pairs}")
 
 
-@app.command()
 def bound(
     path: Annotated[Path, typer.Argument(help="Model file: native .safetensors or .onnx/.zip")],
     norm: NormOpt = "2",
@@ -108,8 +107,6 @@ def bound(
             if radius is not None:
                 raise ValueError("--radius and --at exclude each other: the ball around "
                                  "--at already bounds the input")
-            from ..robustness.cli import local_report
-
             report = local_report(path, norm, at, eps, empirical=options)
         else:
             with progress_bar(empirical) as progress:

@@ -1,6 +1,7 @@
 """Reports of a model file, as `lsa bound`, `lsa certify` and `lsa verify --recompute` compute
-them: load the bytes, certify, and with `EmpiricalOptions` search a lower bound too. Below the
-CLI modules of every domain (each imports it; it imports none of them).
+them: load the bytes, certify (globally: `compute_report`; on the ball around one input:
+`local_report`), and with `EmpiricalOptions` search a lower bound too. Below the CLI modules
+of every domain (each imports it; it imports none of them).
 """
 
 from __future__ import annotations
@@ -62,3 +63,21 @@ def compute_report(path: Path, norm: str, seq_len: int | None,
     except RuntimeError as exc:  # the model itself failed on a search input
         raise ValueError(f"{path.name}: the empirical search failed: {exc}") from exc
     return with_empirical(report, est)
+
+
+def local_report(path: Path, norm: str, at: Path, eps: float | None, *,
+                 empirical: EmpiricalOptions | None = None) -> BoundReport:
+    """The bound on the ball {X : ||X - X0||_norm <= eps}; `upper` is the local constant.
+    With `empirical` (EmpiricalOptions), the in-ball projected-ascent lower bound too."""
+    # Deferred: the ball's code imports the service's storage (SQLAlchemy), which `lsa bound`
+    # without --at does not need.
+    from ..kit.inputs import check_eps, load_center, load_model
+    from .local import local_report_of, model_input
+
+    if norm not in ("2", "inf"):
+        raise ValueError(f"--norm must be 2 or inf, got {norm!r}")
+    e = check_eps(eps)
+    x0 = load_center(at)
+    loaded = load_model(path)
+    x0 = model_input(loaded, x0, field="--at")
+    return local_report_of(loaded, loaded.sha256, x0, e, norm, empirical=empirical)

@@ -11,9 +11,10 @@ from api_schemas.requests import EmpiricalParams
 
 from ..jobs.context import JobContext
 from ..jobs.registry import JobKind, register_job_kind
+from ..models.service import ModelRef
 from ..tables import UploadedModel
 from .local import local_report_of
-from .service import ModelRef, analytic_report, find_result, load_model, store_result
+from .service import analytic_report, find_result, load_model, store_result
 
 
 class BoundJobParams(BaseModel):

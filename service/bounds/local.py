@@ -24,9 +24,9 @@ from api_schemas.requests import center_shape
 from ..compute import ComputeBusy
 from ..db import transaction
 from ..errors import InvalidRequest, PayloadTooLarge
+from ..models.service import ModelRef
 from ..runtime import Runtime
 from .service import (
-    ModelRef,
     check_sync_size,
     load_model,
     request_key,
@@ -117,7 +117,7 @@ def local_report_of(loaded: Any, sha256: str, x0: np.ndarray, eps: float, norm: 
         import torch  # deferred: seconds at start-up
 
         from lsa_models.empirical.local import local_lower_bound
-        from lsa_models.engine.drivers.jacobian import check_center
+        from lsa_models.engine.drivers.centre import check_center
         from lsa_models.engine.routes.certify import as_onnx
 
         om = as_onnx(loaded, x0.shape[-2])
@@ -175,7 +175,7 @@ async def model_center(runtime: Runtime, model: ModelRef, at: list[Any]) -> np.n
 def ball_key(model: ModelRef, norm: str, x0: np.ndarray, eps: float,
              empirical: dict[str, Any] | None = None) -> tuple[str, int]:
     """The request key of a local bound (the centre's sha256 and eps in it) and N."""
-    from lsa_models.engine.drivers.jacobian import center_sha256  # deferred: torch
+    from lsa_models.engine.drivers.centre import center_sha256  # deferred: torch
 
     n = x0.shape[-2]
     ball = {"center_sha256": center_sha256(x0.reshape(1, *x0.shape[-2:])), "eps": float(eps)}

@@ -25,12 +25,11 @@ from ..deps import RuntimeDep, WriteAccess
 from ..errors import InvalidRequest, responses
 from ..jobs.routes import accepted_response
 from ..jobs.runner import submit_keyed_job
-from ..models.service import find_model
+from ..models.service import ModelRef, find_model
 from ..routes.kinds import mark_inferred
 from ..runtime import Runtime
 from .local import ball_key, local_report_json, model_center
 from .service import (
-    ModelRef,
     check_empirical_size,
     report_json,
     request_key,

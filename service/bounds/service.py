@@ -1,6 +1,6 @@
-"""Bounds as the service computes and stores them: the model snapshot requests work on,
-request keys, the size limits, the one report computation, idempotent storage (identical
-requests are answered from the stored result), and the Lipschitz certificate of a report.
+"""Bounds as the service computes and stores them: request keys, the size limits, the one
+report computation, idempotent storage (identical requests are answered from the stored
+result), and the Lipschitz certificate of a report.
 
 - `get_or_compute_report` / `report_json`: the stored report of a request, or compute and
   store it (in the server: on the compute pool, off the request threads).
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from sqlalchemy import select
@@ -28,44 +27,13 @@ from ..certificates.service import issue, lipschitz_body
 from ..compute import ComputeBusy
 from ..db import transaction
 from ..errors import InvalidModel, InvalidRequest, ModelTooLarge
-
-# Re-exported: service.training.service loads trained models through `load_bytes` here.
-from ..model_cache import load_bytes as load_bytes
+from ..model_cache import load_bytes
+from ..models.service import ModelRef
 from ..runtime import Runtime
-from ..tables import BoundResultRow, UploadedModel
+from ..tables import BoundResultRow
 
 if TYPE_CHECKING:
     from lsa_models.loaded import LoadedModel
-
-
-@dataclass(frozen=True)
-class ModelRef:
-    """What requests need of an uploaded model. Rows never change once stored (the bytes are
-    content-addressed), so a snapshot may be cached."""
-
-    id: str
-    sha256: str
-    format: str
-    filename: str
-    parameters: int | None
-    d_model: int | None
-    default_seq_len: int
-    fixed_seq_len: int | None
-    ort_verified: bool
-    # The upload's input layout (summary "layout"): "pixels" means `at` is an image that is
-    # cut into the patches the graph takes (service.bounds.local.model_input).
-    layout: str | None = None
-    # A fixed graph also answers to the tokens its attention sees (summary "seq_len_choices")
-    seq_len_choices: tuple[int, ...] = ()
-
-    @classmethod
-    def of(cls, row: UploadedModel) -> ModelRef:
-        return cls(id=row.id, sha256=row.sha256, format=row.format, filename=row.filename,
-                   parameters=row.parameters, d_model=row.d_model,
-                   default_seq_len=row.default_seq_len, fixed_seq_len=row.fixed_seq_len,
-                   ort_verified=row.ort_verified_at is not None,
-                   layout=(row.summary or {}).get("layout"),
-                   seq_len_choices=tuple((row.summary or {}).get("seq_len_choices") or ()))
 
 
 def resolve_seq_len(model: ModelRef, seq_len: int | None) -> int:

@@ -17,8 +17,9 @@ is what the kind's rule gives on the signed figures, so the server (POST
 /certificates/verify) and `lsa verify` judge every kind alike, and a certificate signed
 locally (`lsa certify`, `lsa robustness --certificate`) is built by the same functions.
 
-The private key is a PEM file created (mode 0600) on first use if none exists. Verification
-needs only the public key, so anyone can re-check a certificate without the server.
+The private key is a PEM file created (mode 0600) on first use if none exists
+(service.signing_key). Verification needs only the public key, so anyone can re-check a
+certificate without the server.
 """
 
 from __future__ import annotations
@@ -26,10 +27,8 @@ from __future__ import annotations
 import base64
 import binascii
 import math
-import os
 import uuid
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cryptography.exceptions import InvalidSignature
@@ -50,6 +49,7 @@ from api_schemas.certificates import (
 
 from ..db import after_commit, transaction
 from ..errors import NotFound
+from ..signing_key import SigningKeyError
 from ..tables import CertificateRow
 
 if TYPE_CHECKING:
@@ -172,7 +172,7 @@ def robustness_body(radii: dict[str, Any], seq_len: int, min_radius: float, *,
                     cert_id: str | None = None) -> CertificateBody:
     """The robustness certificate of `radii` (service.robustness.verdicts.robustness_of's
     object) against `min_radius`."""
-    from lsa_models.engine.routes.certify import METHOD  # deferred: torch
+    from lsa_models.engine.routes.constant import METHOD  # deferred: torch
 
     # radii stored before the sweep's runs were named so call them bisection_steps
     section = {k: radii[k] if k in radii or k != "sweep_runs" else radii["bisection_steps"]
@@ -197,7 +197,7 @@ def certified_accuracy_body(out: dict[str, Any], seq_len: int, min_radius: float
                             cert_id: str | None = None) -> CertificateBody:
     """The certified-accuracy certificate of a set's verdicts
     (service.robustness.verdicts.set_json's object) at `min_radius` against `min_accuracy`."""
-    from lsa_models.engine.routes.certify import METHOD  # deferred: torch
+    from lsa_models.engine.routes.constant import METHOD  # deferred: torch
 
     section = {"radius": min_radius, "n": out["n"], "counts": out["counts"],
                "certified_accuracy": out["certified_accuracy"],
@@ -332,34 +332,6 @@ def verify_certificate(cert: Certificate | dict[str, Any],
 
 
 # ---- keys ---------------------------------------------------------------------------------
-
-
-class SigningKeyError(ValueError):
-    """A key file cannot be read or is not an Ed25519 key."""
-
-
-def load_or_create_signing_key(path: Path) -> Ed25519PrivateKey:
-    path = Path(path)
-    if path.exists():
-        try:
-            key = serialization.load_pem_private_key(path.read_bytes(), password=None)
-        except (ValueError, TypeError) as exc:
-            raise SigningKeyError(f"{path}: not a PEM private key ({exc})") from None
-        if not isinstance(key, Ed25519PrivateKey):
-            raise SigningKeyError(f"{path}: not an Ed25519 private key")
-        return key
-    path.parent.mkdir(parents=True, exist_ok=True)
-    key = Ed25519PrivateKey.generate()
-    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                            serialization.NoEncryption())
-    # O_EXCL: two processes starting at once must not overwrite each other's key.
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        return load_or_create_signing_key(path)
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(pem)
-    return key
 
 
 def public_key_pem(key: Ed25519PrivateKey | Ed25519PublicKey) -> str:

@@ -10,7 +10,8 @@ from pydantic import ValidationError
 from service.db import current_revision, downgrade, head_revision, make_engine, upgrade
 from service.settings import Settings
 
-from .common import app, fail, settings_error
+from ..kit.console import fail, settings_error
+from .common import app
 
 db_app = typer.Typer(help="Database schema migrations (LSA_DATABASE_URL).",
                      no_args_is_help=True)

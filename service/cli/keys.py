@@ -13,7 +13,8 @@ from service.auth import api_keys, new_api_key, revoke_api_key
 from service.db import NotMigratedError, ensure_migrated, make_engine, make_session_factory
 from service.settings import Settings
 
-from .common import app, fail, settings_error
+from ..kit.console import fail, settings_error
+from .common import app
 
 keys_app = typer.Typer(help="API keys for the REST API.", no_args_is_help=True)
 app.add_typer(keys_app, name="keys")

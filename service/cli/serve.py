@@ -13,7 +13,8 @@ from service.db import NotMigratedError
 from service.runtime import Runtime
 from service.settings import Settings
 
-from .common import app, fail, settings_error
+from ..kit.console import fail, settings_error
+from .common import app
 
 
 @app.command()

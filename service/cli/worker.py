@@ -15,7 +15,8 @@ from service.db import NotMigratedError, ensure_migrated
 from service.runtime import Runtime
 from service.settings import Settings
 
-from .common import app, fail, set_threads, settings_error
+from ..kit.console import fail, set_threads, settings_error
+from .common import app
 
 
 @app.command()

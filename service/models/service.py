@@ -5,18 +5,19 @@ and shape the response.
   agreement recorded so later loads skip it).
 - `find_model` / `get_model` / `models_page`: reads (the snapshot requests work on, a row, a
   page).
+- `ModelRef`: that snapshot, what every domain's requests need of an uploaded model.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import func, select
 
 from ..artifacts import Staged, store_once
-from ..bounds.service import ModelRef
 from ..db import transaction
 from ..errors import InvalidModel, NotFound
 from ..model_cache import load_bytes
@@ -24,6 +25,36 @@ from ..runtime import Runtime
 from ..tables import UploadedModel, utcnow
 
 log = logging.getLogger("lsa.service")
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """What requests need of an uploaded model. Rows never change once stored (the bytes are
+    content-addressed), so a snapshot may be cached."""
+
+    id: str
+    sha256: str
+    format: str
+    filename: str
+    parameters: int | None
+    d_model: int | None
+    default_seq_len: int
+    fixed_seq_len: int | None
+    ort_verified: bool
+    # The upload's input layout (summary "layout"): "pixels" means `at` is an image that is
+    # cut into the patches the graph takes (service.bounds.local.model_input).
+    layout: str | None = None
+    # A fixed graph also answers to the tokens its attention sees (summary "seq_len_choices")
+    seq_len_choices: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, row: UploadedModel) -> ModelRef:
+        return cls(id=row.id, sha256=row.sha256, format=row.format, filename=row.filename,
+                   parameters=row.parameters, d_model=row.d_model,
+                   default_seq_len=row.default_seq_len, fixed_seq_len=row.fixed_seq_len,
+                   ort_verified=row.ort_verified_at is not None,
+                   layout=(row.summary or {}).get("layout"),
+                   seq_len_choices=tuple((row.summary or {}).get("seq_len_choices") or ()))
 
 
 def find_model(runtime: Runtime, model_id: str) -> ModelRef:

@@ -1,7 +1,6 @@
 """`lsa robustness MODEL --at X0.npy --label Y`: certified and attack radii (with --radius,
-the verdict at one radius; with --inputs, a set's: cli_set.py); and the local (ball)
-report of `lsa bound --at X0.npy --eps E`, which shares its input handling
-(service/cli/inputs.py)."""
+the verdict at one radius; with --inputs, a set's: cli_set.py). Its input handling is
+service/kit/inputs.py, shared with `lsa bound --at` and `lsa verify --recompute`."""
 
 from __future__ import annotations
 
@@ -14,18 +13,17 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from api_schemas import BoundReport
 from api_schemas.requests import (
     DEFAULT_DECIDE_BUDGET_S,
     DEFAULT_RADIUS_BUDGET_S,
     MAX_TIME_BUDGET_S,
 )
 
-from ..bounds.local import local_report_of, model_input
+from ..bounds.local import model_input
 from ..certificates.service import certified_accuracy
-from ..cli.common import EXIT_FAILED, app, fail, set_threads
-from ..cli.gate_reports import counterexamples_npz, set_message, write_file
-from ..cli.inputs import check_eps, check_radius, load_center, load_model
+from ..kit.console import EXIT_FAILED, fail, set_threads
+from ..kit.gate_reports import counterexamples_npz, set_message, write_file
+from ..kit.inputs import check_radius, load_center, load_model
 from ..settings import default_set_workers
 from .cli_set import (
     certificate_set,
@@ -38,19 +36,6 @@ from .cli_set import (
     verdicts_server,
 )
 from .verdicts import robustness_of
-
-
-def local_report(path: Path, norm: str, at: Path, eps: float | None, *,
-                 empirical: Any = None) -> BoundReport:
-    """The bound on the ball {X : ||X - X0||_norm <= eps}; `upper` is the local constant.
-    With `empirical` (EmpiricalOptions), the in-ball projected-ascent lower bound too."""
-    if norm not in ("2", "inf"):
-        raise ValueError(f"--norm must be 2 or inf, got {norm!r}")
-    e = check_eps(eps)
-    x0 = load_center(at)
-    loaded = load_model(path)
-    x0 = model_input(loaded, x0, field="--at")
-    return local_report_of(loaded, loaded.sha256, x0, e, norm, empirical=empirical)
 
 
 def time_budget_of(text: str | None, mode: str) -> float | None:
@@ -113,7 +98,6 @@ def _print_radius(out: dict[str, Any]) -> None:
             + (f" ({out['reason']})" if out.get("reason") else ""))
 
 
-@app.command("robustness")
 def robustness_cmd(
     path: Annotated[Path, typer.Argument(help="Model file: .onnx/.zip or native .safetensors")],
     at: Annotated[Path | None, typer.Option("--at", help="The input: .npy of shape (N, D) or "

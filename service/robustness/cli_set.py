@@ -13,9 +13,27 @@ import numpy as np
 import typer
 from rich.console import Console
 
-from ..cli.common import fail
-from ..cli.gate_reports import append_summary, set_junit_xml, set_summary_markdown, write_file
-from ..cli.inputs import check_radius, load_center, load_labels, load_model, load_set
+from ..bounds.local import model_input
+from ..kit.console import fail
+from ..kit.gate_reports import append_summary, set_junit_xml, set_summary_markdown, write_file
+from ..kit.inputs import check_radius, load_center, load_labels, load_model
+
+
+def load_set(loaded: Any, inputs: Path, labels: Path
+             ) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
+    """(the inputs as the graph takes them, stacked: each as given, a pixel upload's image cut
+    into its patches, exactly as a server takes them; the labels; the shape the inputs were
+    given in). ValueError naming the option or input at fault."""
+    xs = load_center(inputs, "--inputs", "the inputs stacked along a first axis")
+    ys = load_labels(labels)
+    if xs.ndim >= 1 and xs.shape[0] == 0:
+        raise ValueError(f"--inputs holds no inputs (shape {tuple(xs.shape)}): give at least "
+                         "one input")
+    if xs.ndim < 2 or xs.shape[0] != ys.shape[0]:
+        raise ValueError(f"--inputs holds shape {tuple(xs.shape)} and --labels {ys.shape[0]} "
+                         "labels: give the inputs stacked along a first axis, one label each")
+    return np.stack([model_input(loaded, xs[i], field=f"inputs[{i}]")
+                     for i in range(xs.shape[0])]), ys, tuple(xs.shape)
 
 
 def verdicts_json(path: Path, inputs: Path, labels: Path, norm: str, radius: float,
@@ -135,19 +153,15 @@ def sign_set_here(out: dict[str, Any], radius: float, gate: float, key_path: Pat
     """The certified-accuracy certificate of the set mode's JSON, signed with the local key
     as the server's (service.certificates.service: the same body and the certified_accuracy pass
     rule)."""
-    from service.certificates.service import (
-        SigningKeyError,
-        certified_accuracy_body,
-        load_or_create_signing_key,
-        sign,
-    )
+    from service.certificates.service import certified_accuracy_body, sign
+    from service.signing_key import SigningKeyError, load_or_create_signing_key
 
-    from ..certificates.cli_certify import CertifyError, default_key_path
+    from ..kit.console import local_key_path
 
     try:
-        path = key_path if key_path is not None else default_key_path()
+        path = key_path if key_path is not None else local_key_path()
         signing_key = load_or_create_signing_key(path)
-    except (SigningKeyError, OSError, CertifyError) as exc:
+    except (SigningKeyError, OSError, ValueError) as exc:
         raise ValueError(f"signing key: {exc}; pass --key FILE (an Ed25519 PEM private key, "
                          "created if missing)") from None
     return sign(certified_accuracy_body(out, int(out["seq_len"]), radius, gate,

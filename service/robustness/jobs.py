@@ -21,9 +21,10 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import select
 
-from ..bounds.service import ModelRef, load_model
+from ..bounds.service import load_model
 from ..jobs.context import JobContext
 from ..jobs.registry import JobKind, register_job_kind
+from ..models.service import ModelRef
 from ..runtime import Runtime
 from ..tables import CertificateRow, Job, UploadedModel
 from .service import (

@@ -26,11 +26,12 @@ from api_schemas.certificates import Certificate, Counterexamples
 from api_schemas.jobs import JobAccepted
 
 from ..bounds.local import model_center, run_counted
-from ..bounds.service import ModelRef, load_model
+from ..bounds.service import load_model
 from ..certificates.service import certified_accuracy_body, issue, robustness_body, stored
 from ..db import transaction
 from ..errors import InvalidRequest, NotFound, PayloadTooLarge
 from ..jobs.runner import submit_keyed_job
+from ..models.service import ModelRef
 from ..runtime import Runtime
 from ..tables import RobustnessResultRow, RobustnessSetResultRow
 from .verdicts import inputs_sha256
@@ -130,7 +131,7 @@ def check_label(runtime: Runtime, model: ModelRef, x0: np.ndarray, label: int) -
     and `label` against the model's outputs; InvalidRequest naming the field otherwise."""
     import torch  # deferred: seconds at start-up
 
-    from lsa_models.engine.drivers.jacobian import center_sha256, check_center
+    from lsa_models.engine.drivers.centre import center_sha256, check_center
     from lsa_models.engine.routes.certify import GraphAt, as_onnx
 
     loaded = load_model(runtime, model)

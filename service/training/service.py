@@ -23,10 +23,10 @@ from sqlalchemy.orm import Session
 from api_schemas.training import ArtifactLink, TrainingResult, TrainingSpec
 
 from ..artifacts import Staged, store_artifact, store_once
-from ..bounds.service import load_bytes
 from ..certificates.service import issue, training_body
 from ..db import transaction
 from ..errors import InvalidRequest, NotFound, Unprocessable
+from ..model_cache import load_bytes
 from ..settings import Settings
 from ..tables import Artifact, Corpus, UploadedModel
 

@@ -23,7 +23,6 @@ from service.app import create_app
 from service.certificates.service import (
     RULE_TEXT,
     kind_of,
-    load_or_create_signing_key,
     new_certificate_body,
     sign_certificate,
     verdict,
@@ -31,6 +30,7 @@ from service.certificates.service import (
 )
 from service.cli import app as cli
 from service.settings import Settings
+from service.signing_key import load_or_create_signing_key
 
 from .conftest import tiny_model_bytes, upload
 from .test_robustness_api import predicted_label, wait_job

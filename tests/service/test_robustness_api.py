@@ -370,8 +370,8 @@ def test_robustness_job_rerun_after_a_crash_returns_its_certificate(
 
 def test_robustness_certificate_of_a_job_is_stored_once(client: TestClient,
                                                         mlp_onnx: Path) -> None:
-    from service.bounds.service import ModelRef
-    from service.cli.inputs import load_model
+    from service.kit.inputs import load_model
+    from service.models.service import ModelRef
     from service.robustness.service import issue_robustness_certificate
     from service.robustness.verdicts import robustness_of
     from service.tables import UploadedModel
@@ -477,11 +477,8 @@ def test_certified_accuracy_certificate_is_a_job_that_signs_the_verdicts(
                                      "--labels", str(tmp_path / "ys2.npy")])
     assert other.exit_code == 1 and "the certificate is for the set" in other.stdout
     # a correctly signed certificate whose statuses are not what the inputs get
-    from service.certificates.service import (
-        certified_accuracy_body,
-        load_or_create_signing_key,
-        sign,
-    )
+    from service.certificates.service import certified_accuracy_body, sign
+    from service.signing_key import load_or_create_signing_key
 
     key = load_or_create_signing_key(tmp_path / "k.pem")
     n = len(rs["statuses"])

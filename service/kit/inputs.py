@@ -79,22 +79,3 @@ def load_labels(path: Path) -> np.ndarray:
         raise ValueError(f"{path}: labels must be a 1-D array (one per input), got shape "
                          f"{tuple(y.shape)}")
     return y
-
-
-def load_set(loaded: Any, inputs: Path, labels: Path
-             ) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
-    """(the inputs as the graph takes them, stacked: each as given, a pixel upload's image cut
-    into its patches, exactly as a server takes them; the labels; the shape the inputs were
-    given in). ValueError naming the option or input at fault."""
-    from ..bounds.local import model_input
-
-    xs = load_center(inputs, "--inputs", "the inputs stacked along a first axis")
-    ys = load_labels(labels)
-    if xs.ndim >= 1 and xs.shape[0] == 0:
-        raise ValueError(f"--inputs holds no inputs (shape {tuple(xs.shape)}): give at least "
-                         "one input")
-    if xs.ndim < 2 or xs.shape[0] != ys.shape[0]:
-        raise ValueError(f"--inputs holds shape {tuple(xs.shape)} and --labels {ys.shape[0]} "
-                         "labels: give the inputs stacked along a first axis, one label each")
-    return np.stack([model_input(loaded, xs[i], field=f"inputs[{i}]")
-                     for i in range(xs.shape[0])]), ys, tuple(xs.shape)

@@ -20,25 +20,19 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from pydantic import ValidationError
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from api_schemas.bounds import BoundReport
 from api_schemas.certificates import Certificate
 from api_schemas.ci import CertifyReport, Outcome
-from service.certificates.service import (
-    SigningKeyError,
-    lipschitz_body,
-    load_or_create_signing_key,
-    sign,
-)
+from service.certificates.service import lipschitz_body, sign
 from service.client import ClientConfig, ClientError, LSAClient
-from service.settings import Settings
+from service.signing_key import SigningKeyError, load_or_create_signing_key
 
 from ..bounds.files import compute_report
-from ..cli.common import EXIT_ERROR, EXIT_FAILED, EXIT_OK, app, set_threads
-from ..cli.gate_reports import append_summary, junit_bytes, junit_suite, md_cell, write_file
+from ..kit.console import EXIT_ERROR, EXIT_FAILED, EXIT_OK, local_key_path, set_threads
+from ..kit.gate_reports import append_summary, junit_bytes, junit_suite, md_cell, write_file
 
 LOCAL_STEPS = ("loading and bounding the model", "signing the certificate")
 SERVER_STEPS = ("uploading the model", "computing the bound", "issuing the certificate")
@@ -159,12 +153,10 @@ def certify_local(req: Request, key_path: Path | None, progress: StageProgress
 def default_key_path() -> Path:
     """The service settings' signing key (LSA_SIGNING_KEY_PATH), so a local certificate is
     signed with the same key a server on this machine uses."""
-
-
     try:
-        return Settings().signing_key_path
-    except ValidationError as exc:
-        raise CertifyError(f"settings: {exc.errors()[0]['msg']}") from None
+        return local_key_path()
+    except ValueError as exc:
+        raise CertifyError(str(exc)) from None
 
 
 def certify_server(req: Request, server: str, api_key: str | None, timeout_s: float,
@@ -317,7 +309,6 @@ def run_certify(req: Request, *, server: str | None, api_key: str | None, key_pa
     return code
 
 
-@app.command()
 def certify(
     model: Annotated[Path, typer.Argument(help="Model file: .safetensors (lsa_models.save), "
                                           ".onnx, or a .zip of an .onnx with external data")],

@@ -19,12 +19,10 @@ from typing import Annotated, Any
 import typer
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from pydantic import ValidationError
 
 from api_schemas.certificates import Certificate
 from service.bounds.local import model_input
 from service.certificates.service import (
-    SigningKeyError,
     certified_accuracy,
     lipschitz,
     load_public_key,
@@ -33,10 +31,10 @@ from service.certificates.service import (
 )
 from service.client import ClientConfig, ClientError, LSAClient
 from service.robustness.verdicts import robustness_of
-from service.settings import Settings
+from service.signing_key import SigningKeyError
 
 from ..bounds.files import compute_report
-from ..cli.common import EXIT_FAILED, EXIT_OK, app, fail, set_threads
+from ..kit.console import EXIT_FAILED, EXIT_OK, fail, local_key_path, set_threads
 
 REL_TOL = 1e-9
 
@@ -95,10 +93,7 @@ def server_public_key(server: str, api_key: str | None) -> Any:
 
 
 def local_public_key() -> Any:
-    try:
-        path = Settings().signing_key_path
-    except ValidationError as exc:
-        raise ValueError(f"settings: {exc.errors()[0]['msg']}") from None
+    path = local_key_path()
     if not path.is_file():
         raise ValueError(f"no key given and no local signing key at {path}: pass "
                          f"--public-key FILE or --server URL")
@@ -113,7 +108,6 @@ def same_bound(certified: float | None, recomputed: float | None) -> bool:
     return abs(certified - recomputed) <= REL_TOL * max(abs(certified), abs(recomputed))
 
 
-@app.command()
 def verify(
     certificate: Annotated[Path, typer.Argument(
         help="Certificate JSON (from the server, or an `lsa certify --json` report)")],
@@ -278,10 +272,10 @@ def check_recomputed_radius(cert: Certificate, model: Path, at: Path | None) -> 
     same verdict under the robustness pass rule (service.certificates.service.robustness);
     exit 2 without `at`."""
     from lsa_models import __version__  # deferred: torch
-    from lsa_models.engine.drivers.jacobian import center_sha256, check_center
+    from lsa_models.engine.drivers.centre import center_sha256, check_center
     from lsa_models.engine.routes.certify import as_onnx
 
-    from ..cli.inputs import load_center, load_model
+    from ..kit.inputs import load_center, load_model
 
     assert cert.robustness is not None
     if at is None:
@@ -337,7 +331,8 @@ def check_recomputed_set(cert: Certificate, model: Path, inputs: Path | None,
     (certified_accuracy >= threshold); exit 2 without them."""
     from lsa_models import __version__  # deferred: torch
 
-    from ..cli.inputs import load_model, load_set
+    from ..kit.inputs import load_model
+    from ..robustness.cli_set import load_set
     from ..robustness.verdicts import decide_set, inputs_sha256, set_json
     from ..settings import default_set_workers
 

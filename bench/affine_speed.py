@@ -255,8 +255,9 @@ def _summarise(results: dict[str, Any]) -> None:
     results["all_identical"] = all(r.get("identical", False) for r in rows)
 
 
-# the last commit before the fast paths of the affine walk
-BASE_REV = "b810245"
+# the last commit before the linear and layout ops' fast paths (a baseline must have the
+# engine's sub-package layout: the worker imports drivers/ and routes/)
+BASE_REV = "959cc08"
 
 if __name__ == "__main__":
     main()

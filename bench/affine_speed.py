@@ -1,4 +1,4 @@
-"""Seconds per affine walk (lsa_models.engine.drivers.jacobian.margin_lower_bounds) on the trained
+"""Seconds per affine walk (lsa_models.engine.drivers.margins.margin_lower_bounds) on the trained
 digits ViTs of bench/trained/, this tree beside a baseline revision in the same run, and the
 margins' lower bounds of both compared: a faster walk must give every margin a lower bound at least
 the baseline's (equal where the change only restructures the arithmetic).
@@ -45,7 +45,8 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     from bench.trained.models import digits
     from lsa_models.analysis import load_model_bytes
-    from lsa_models.engine.drivers.jacobian import Centre, margin_lower_bounds
+    from lsa_models.engine.drivers.centre import Centre
+    from lsa_models.engine.drivers.margins import margin_lower_bounds
     from lsa_models.engine.routes.certify import centre_margins
     from service.bounds.local import model_input
 

@@ -25,7 +25,7 @@ from torch.autograd import forward_ad
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.local_models import build, center, export  # noqa: E402
-from lsa_models.engine.drivers.jacobian import check_center  # noqa: E402
+from lsa_models.engine.drivers.centre import check_center  # noqa: E402
 from lsa_models.engine.drivers.jacobian_walk import walk  # noqa: E402
 from lsa_models.engine.remainders.telescope import Telescope  # noqa: E402
 from lsa_models.engine.values import Ball, LocalValue  # noqa: E402

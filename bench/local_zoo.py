@@ -24,8 +24,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lsa_models.empirical.local import local_lower_bound  # noqa: E402
-from lsa_models.engine import LocalNotCertified, local_jacobian  # noqa: E402
+from lsa_models.engine.drivers.jacobian import local_jacobian  # noqa: E402
 from lsa_models.engine.routes.certify import certify_local  # noqa: E402
+from lsa_models.engine.values import LocalNotCertified  # noqa: E402
 from lsa_models.onnx import load_onnx  # noqa: E402
 from tests.zoo.cases import CASES  # noqa: E402
 from tests.zoo.harness import export  # noqa: E402

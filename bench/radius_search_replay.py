@@ -25,7 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.local_models import build, center, export  # noqa: E402
-from lsa_models.engine.drivers.jacobian import Centre, margin_lower_bounds  # noqa: E402
+from lsa_models.engine.drivers.centre import Centre  # noqa: E402
+from lsa_models.engine.drivers.margins import margin_lower_bounds  # noqa: E402
 from lsa_models.engine.routes import radius_search  # noqa: E402
 from lsa_models.onnx import load_onnx  # noqa: E402
 

@@ -20,7 +20,7 @@ from lsa_models.engine.affine import form as affine
 from lsa_models.engine.affine import products as affine_products
 from lsa_models.engine.affine.form import Aff
 from lsa_models.engine.affine.quadform import quad_size
-from lsa_models.engine.drivers.jacobian import margin_lower_bounds
+from lsa_models.engine.drivers.margins import margin_lower_bounds
 from lsa_models.engine.values import Ball
 from lsa_models.onnx import load_onnx
 

@@ -210,7 +210,7 @@ def test_local_bound_on_an_x_transformers_classifier_is_tight_with_the_balls(
     pytest.importorskip("x_transformers")
     from x_transformers import ContinuousTransformerWrapper, Encoder
 
-    from lsa_models.engine import local_jacobian
+    from lsa_models.engine.drivers.jacobian import local_jacobian
 
     class Classifier(nn.Module):
         def __init__(self) -> None:

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from lsa_models.engine.affine.form import Aff
-from lsa_models.engine.derived.adjoint import AdjointGraph, l1_sup, l2_sup
+from lsa_models.engine.derived.adjoint import AdjointGraph
+from lsa_models.engine.derived.dual_norms import l1_sup, l2_sup
 from lsa_models.engine.routes import sweep
 from lsa_models.engine.routes.certify import certify_local, robustness
 from lsa_models.engine.values import Ball

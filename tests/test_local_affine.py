@@ -24,8 +24,8 @@ from lsa_models.engine.affine import form as affine
 from lsa_models.engine.affine import linear as affine_linear
 from lsa_models.engine.affine import walk as affine_rules
 from lsa_models.engine.affine.form import Aff
-from lsa_models.engine.drivers.jacobian import margin_lower_bounds
 from lsa_models.engine.drivers.jacobian_walk import fused_chains
+from lsa_models.engine.drivers.margins import margin_lower_bounds
 from lsa_models.engine.values import Ball, box_to_two, dual_row_norms
 from lsa_models.onnx import load_onnx
 from lsa_models.onnx.ops import Node

@@ -19,11 +19,9 @@ from torch import Tensor, nn
 from lsa_models.empirical.local import local_lower_bound
 from lsa_models.engine.affine import walk as affine_rules
 from lsa_models.engine.affine.form import Aff
-from lsa_models.engine.drivers.jacobian import (
-    graph_input_shape,
-    local_jacobian,
-    margin_lower_bounds,
-)
+from lsa_models.engine.drivers.centre import graph_input_shape
+from lsa_models.engine.drivers.jacobian import local_jacobian
+from lsa_models.engine.drivers.margins import margin_lower_bounds
 from lsa_models.engine.enclosure import primitives as pr
 from lsa_models.engine.enclosure.rules import LOCAL_RULES
 from lsa_models.engine.routes.certify import certify_local, robustness

@@ -19,7 +19,8 @@ from torch import nn
 from lsa_models.engine.affine import form as affine
 from lsa_models.engine.affine import walk as affine_rules
 from lsa_models.engine.drivers import margins
-from lsa_models.engine.drivers.jacobian import Centre, margin_lower_bounds
+from lsa_models.engine.drivers.centre import Centre
+from lsa_models.engine.drivers.margins import margin_lower_bounds
 from lsa_models.engine.heads import final_layernorm as deferred
 from lsa_models.engine.values import Ball
 from lsa_models.onnx import load_onnx

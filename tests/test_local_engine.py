@@ -14,12 +14,12 @@ from hypothesis import strategies as st
 
 from bench.local_models import N, build, center, export, relu_mlp
 from lsa_models.empirical.local import jacobian_norm, local_lower_bound
-from lsa_models.engine import LocalValue, local_jacobian
+from lsa_models.engine.drivers.jacobian import local_jacobian
 from lsa_models.engine.drivers.jacobian_walk import walk
 from lsa_models.engine.remainders.telescope import Telescope
 from lsa_models.engine.rounding import forward_error
 from lsa_models.engine.routes.certify import certify_local
-from lsa_models.engine.values import Ball
+from lsa_models.engine.values import Ball, LocalValue
 from lsa_models.onnx import OnnxModel, load_onnx
 from tests.margins import boundary_point
 from tests.profile import at_most

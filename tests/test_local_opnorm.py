@@ -15,14 +15,14 @@ from hypothesis import strategies as st
 
 from bench.local_models import build, center, export
 from lsa_models.empirical.local import local_lower_bound
-from lsa_models.engine import LocalValue, local_jacobian
 from lsa_models.engine import elementwise_chains as fused
+from lsa_models.engine.drivers.jacobian import local_jacobian
 from lsa_models.engine.drivers.jacobian_walk import chain_consts, fused_chains
 from lsa_models.engine.enclosure.layernorm import token_radius
 from lsa_models.engine.enclosure.rules import ln_block_norms
 from lsa_models.engine.remainders import operator_norms as op
 from lsa_models.engine.remainders.telescope import adjoint_rows
-from lsa_models.engine.values import Ball, LocalNotCertified, enclose, widen_up
+from lsa_models.engine.values import Ball, LocalNotCertified, LocalValue, enclose, widen_up
 from lsa_models.onnx import load_onnx
 from tests.profile import at_most
 

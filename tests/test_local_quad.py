@@ -20,13 +20,13 @@ from hypothesis import strategies as st
 
 from bench.local_models import build, center, export
 from lsa_models.empirical.local import local_lower_bound
-from lsa_models.engine import local_jacobian
 from lsa_models.engine.affine import form as affine
 from lsa_models.engine.affine import products as affine_products
 from lsa_models.engine.affine import walk as affine_rules
 from lsa_models.engine.affine.form import Aff, quad_size
-from lsa_models.engine.drivers.jacobian import margin_lower_bounds
+from lsa_models.engine.drivers.jacobian import local_jacobian
 from lsa_models.engine.drivers.jacobian_walk import fused_chains
+from lsa_models.engine.drivers.margins import margin_lower_bounds
 from lsa_models.engine.routes.certify import robustness
 from lsa_models.engine.values import Ball, LocalNotCertified
 from lsa_models.onnx import OnnxModel, load_onnx

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from lsa_models.empirical.local import local_lower_bound
-from lsa_models.engine import local_jacobian
+from lsa_models.engine.drivers.jacobian import local_jacobian
 from lsa_models.engine.enclosure.rules_more import (
     NEG_MASK,
     CompareRule,

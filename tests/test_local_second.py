@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from lsa_models.empirical.local import local_lower_bound
-from lsa_models.engine import local_jacobian
+from lsa_models.engine.drivers.jacobian import local_jacobian
 from lsa_models.engine.remainders import second_order as second_mod
 from lsa_models.onnx import load_onnx
 from lsa_models.onnx.loading import OnnxModel
@@ -331,7 +331,7 @@ class _RowNet(nn.Module):
        scale=st.sampled_from([0.3, 1.0, 3.0]), kind=st.sampled_from(["layernorm", "softmax"]))
 def test_second_rule_bounds_the_row_op_term_at_points_of_the_ball(
         seed: int, eps: float, scale: float, kind: str) -> None:
-    """The LayerNorm rule (signed.layernorm_signed's `second`) and the softmax rule
+    """The LayerNorm rule (signed_adjoints.layernorm_rules' `second`) and the softmax rule
     (second.softmax_second): |T(X) - H . d| <= r with T(X) = g (D_op(x(X)) - D_op(x(X0)))
     J_x(X), exact in float64, at corners and inside points."""
     model = _RowNet(kind, seed % 89, scale).double()

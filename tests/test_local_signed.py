@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from lsa_models.empirical.local import local_lower_bound
-from lsa_models.engine import local_jacobian
-from lsa_models.engine.remainders.signed_adjoints import layernorm_signed
+from lsa_models.engine.drivers.jacobian import local_jacobian
+from lsa_models.engine.remainders.signed_adjoints import layernorm_rules
 from lsa_models.engine.values import Ball, LocalValue, enclose
 from lsa_models.onnx import load_onnx
 from lsa_models.onnx.loading import OnnxModel
@@ -72,7 +72,7 @@ def test_layernorm_signed_bounds_the_adjoint_row_change(
     k = 2
     g = rng.standard_normal((k, t, d))
     ga = np.abs(g) * (1 + adj) + adj * np.abs(g).max()
-    c = layernorm_signed(v, gam, ln_eps, np.zeros((t, d)), ball)(g, ga).reshape(k, t, d)
+    c = layernorm_rules(v, gam, ln_eps, np.zeros((t, d)), ball)[0](g, ga).reshape(k, t, d)
     assert np.all(c >= 0)
     for _ in range(12):
         e = _ball_point(rng, norm, p, eps)

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from bench.local_models import build, center, export, relu_mlp
 from lsa_models.empirical.local import _pgd, _targets, attack_radius
-from lsa_models.engine import local_jacobian
+from lsa_models.engine.drivers.jacobian import local_jacobian
 from lsa_models.engine.remainders import telescope
 from lsa_models.engine.routes import radius_search, sweep
 from lsa_models.engine.routes import table as routes
@@ -106,7 +106,7 @@ def test_robustness_takes_the_larger_route_and_names_it(tmp_path: Path) -> None:
     (0.0659 against the sweep's 0.029): the radius is the larger,
     `certified_by` names it, and the affine radius's margins are positive when recomputed on
     that ball."""
-    from lsa_models.engine.drivers.jacobian import margin_lower_bounds
+    from lsa_models.engine.drivers.margins import margin_lower_bounds
     from lsa_models.engine.routes.radius_search import QUAD_TOL
     om = load_onnx(export(build("tf1"), tmp_path / "tf1.onnx").read_bytes())
     x0 = center().numpy().astype(np.float64)

@@ -122,7 +122,7 @@ def local_item(case: Case, frozen: Frozen, om: Any, norm: str, force: bool
     ran = {k.route for k in rec.calls}
     if force and err is None and norm == "inf":
         try:
-            from lsa_models.engine.drivers.jacobian import check_center
+            from lsa_models.engine.drivers.centre import check_center
 
             x = check_center(om, x0)
             for route in FORCEABLE:

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from typer.testing import CliRunner
 
 from lsa_models.analysis import load_model_bytes
-from lsa_models.engine.drivers.jacobian import center_sha256
+from lsa_models.engine.drivers.centre import center_sha256
 from service.bounds.local import model_input
 from service.cli import app as cli
 

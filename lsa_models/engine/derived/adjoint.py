@@ -28,32 +28,25 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from lsa_models.engine import elementwise_chains as fused
-from lsa_models.engine.affine import walk as affine_rules
+from lsa_models.engine import elementwise_chains
 from lsa_models.engine.affine.form import Aff
+from lsa_models.engine.affine.walk import walk
 from lsa_models.engine.derivative_ops import GUARDS
 from lsa_models.engine.derived.dual_norms import l1_sup, l2_sup
 from lsa_models.engine.derived.tangent import (
     LayerNormHook,
     NoTangent,
     _Builder,
-    _derivative,
     ln_chain,
     run_nodes,
+    smooth,
 )
-from lsa_models.engine.rounding.forward_error import check as forward_check
-from lsa_models.engine.values import FORWARD_MARGIN, MARGIN, PROVEN, Ball, array_key
+from lsa_models.engine.rounding.forward_error import Proven
+from lsa_models.engine.values import Ball
 from lsa_models.onnx.loading import OnnxModel
 from lsa_models.onnx.ops import Node
-from lsa_models.operators import (
-    ACTIVATION_TYPES,
-    ARITHMETIC_TYPES,
-    ModeNotImplemented,
-    activation,
-    make,
-)
+from lsa_models.operators import make
 from lsa_models.operators.normalization import LayerNormalization
-from lsa_models.operators.softmax import Softmax
 
 SEED = "__adjoint_seed"
 
@@ -255,12 +248,6 @@ def _reduce(b: _Builder, node: Node, dep: list[int], gy: str, ln: LN) -> dict[in
     return {0: g}
 
 
-def _elementwise(b: _Builder, node: Node, dep: list[int], gy: str, ln: LN) -> dict[int, str]:
-    if dep != [0]:
-        raise NoAdjoint(f"{node.op_type} with an input-dependent exponent")
-    return {0: b.op("Mul", [gy, _derivative(b, node)])}
-
-
 def _where(b: _Builder, node: Node, dep: list[int], gy: str, ln: LN) -> dict[int, str]:
     """Where(cond, x, y) for a constant condition (attention masks): gy where the branch was
     taken, 0 elsewhere, summed back to the branch's shape."""
@@ -270,25 +257,6 @@ def _where(b: _Builder, node: Node, dep: list[int], gy: str, ln: LN) -> dict[int
     zero = b.const(0.0, "zero")
     return {i: _reduce_to(b, b.op("Where", [cond, gy, zero] if i == 1 else [cond, zero, gy]),
                           b.shape(node.inputs[i])) for i in dep if i != 0}
-
-
-def _activation(b: _Builder, node: Node, dep: list[int], gy: str, ln: LN) -> dict[int, str]:
-    """dx = f'(x) dy (the Jacobian is diagonal): the activation's own graph
-    (lsa_models/operators/; Relu's: internal_ops.RELU_GRAD)."""
-    op = activation(node.op_type, node.attrs)
-    assert op is not None
-    try:
-        return {0: op.scaled_derivative(b, gy, node.inputs[0], node.outputs[0], False)}
-    except ModeNotImplemented as e:
-        raise NoAdjoint(str(e)) from None
-
-
-def _softmax(b: _Builder, node: Node, dep: list[int], gy: str, ln: LN) -> dict[int, str]:
-    """dz = y (dy - sum(dy y)) along the axis (operators/softmax.py)."""
-    y = node.outputs[0]
-    ax = int(node.attrs.get("axis", -1)) % len(b.shape(y))
-    return {0: Softmax("Softmax", {"axis": ax}).scaled_derivative(b, gy, node.inputs[0], y,
-                                                                  False)}
 
 
 def _layernorm(b: _Builder, node: Node, dep: list[int], gy: str, ln: LN) -> dict[int, str]:
@@ -308,18 +276,18 @@ RULES: dict[str, Rule] = {
     "Transpose": _transpose, "Expand": _expand, "Concat": _concat, "Slice": _slice,
     "Gather": _gather, "Add": _add_sub,
     "Sub": _add_sub, "Neg": _neg, "Mul": _mul, "MatMul": _matmul, "Div": _div, "Gemm": _gemm,
-    "ReduceMean": _reduce, "ReduceSum": _reduce, "Softmax": _softmax,
-    "LayerNormalization": _layernorm, "Where": _where,
-    **dict.fromkeys(ACTIVATION_TYPES, _activation),
-    **dict.fromkeys(ARITHMETIC_TYPES, _elementwise),
+    "ReduceMean": _reduce, "ReduceSum": _reduce, "LayerNormalization": _layernorm,
+    "Where": _where,
 }
 
 
 def _adjoints(b: _Builder, node: Node, dep: list[int], gy: str, ln: LN) -> dict[int, str]:
-    """The adjoints of the node's input-dependent inputs (by position) from its output's gy."""
+    """The adjoints of the node's input-dependent inputs (by position) from its output's gy
+    (an op without a rule here: the registry's, `tangent.smooth`: f' is diagonal, or
+    symmetric for Softmax)."""
     rule = RULES.get(node.op_type)
     if rule is None:
-        raise NoAdjoint(f"{node.op_type} node {node.name}: no adjoint rule")
+        return {0: smooth(b, node, dep, gy, False)}
     return rule(b, node, dep, gy, ln)
 
 
@@ -363,21 +331,21 @@ class _Diff:
             return self.add(da, rest[0][1], t == "Sub")
         if t == "Mul":
             return self.add(self.mul(da, rest[0][0]), self.mul(a, rest[0][1]))
-        if t == "Div":  # by a constant (fused.find_chains)
+        if t == "Div":  # by a constant (elementwise_chains.find_chains)
             return self.mul(da, 1.0 / float(rest[0][0]))
         if t == "Neg":
             return self.mul(da, -1.0)
         # a fusable activation, f' from its output where it can; or Pow by 2 or 3
-        # (fused.find_chains)
+        # (elementwise_chains.find_chains)
         op = make(t, {"exponent": float(rest[0][0])} if t == "Pow" else None)
         d = None if op is None else op.chain_derivative(self, a, v)
         return None if d is None else self.mul(d, da)
 
 
-def _chain_derivative(b: _Builder, chain: fused.Chain) -> str | None:
+def _chain_derivative(b: _Builder, chain: elementwise_chains.Chain) -> str | None:
     """f'(x) of a fused elementwise chain y = f(x) as a new chain of fusable ops from a copy
-    of x (an Identity: `fused.find_chains` groups by root), so the walk bounds it as one
-    elementwise function; None where a link's derivative is not fusable (Erf: exp)."""
+    of x (an Identity: `elementwise_chains.find_chains` groups by root), so the walk bounds it
+    as one elementwise function; None where a link's derivative is not fusable (Erf: exp)."""
     diff = _Diff(b)
     root = b.op("Identity", [chain.root], hint="droot")
     val: dict[str, str] = {chain.root: root}
@@ -440,7 +408,7 @@ def _reverse(b: _Builder, forward: list[Node], inp: str, out: str, ln: LN) -> st
         return g
     # the forward graph's elementwise chains (GELU written out): one adjoint each,
     # g_x = g_y f'(x), its f' a chain of its own (`_chain_derivative`)
-    fchains, _ = fused.find_chains(forward, b.env, dynamic, {out})
+    fchains, _ = elementwise_chains.find_chains(forward, b.env, dynamic, {out})
     sinks = {c.sink: c for c in fchains.values()}
     grads: dict[str, list[str]] = {out: [SEED]}
     fused_done: set[str] = set()  # a chain's inner tensors: adjoint through its sink only
@@ -495,7 +463,7 @@ class AdjointGraph:
         # every elementwise chain of the whole graph (the forward's and the derivatives'),
         # walked as one function each
         variable = {inp, SEED} | {o for nd in b.nodes for o in nd.outputs if o}
-        self.chains, self.inside = fused.find_chains(b.nodes, env, variable, {gx})
+        self.chains, self.inside = elementwise_chains.find_chains(b.nodes, env, variable, {gx})
         # the nodes the seed does not reach (the forward graph, its LayerNorm chains and the
         # chains' derivatives: the same for every c, `primal_forms`) and the rest
         seeded = {SEED}
@@ -517,11 +485,7 @@ class AdjointGraph:
         self.primal_needed = {i for nd in self.adjoint_nodes for i in nd.inputs
                               if i and i in made}
         self.variance, self.centred = b.variance, b.centred
-        errors: dict[str, np.ndarray] = {}
-        self.proven, self.detail = forward_check(self.nodes, inp, x, env, errors)
-        self.known: dict = {} if self.proven is None else {
-            array_key(env[n].detach().numpy()): (None, e) for n, e in errors.items()
-            if n in env}
+        self.margin = Proven(self.nodes, inp, x, env)
 
     def vjp(self, x: np.ndarray) -> np.ndarray:
         """J_F(x)^T c through the adjoint graph in float64 (for tests: it must agree with
@@ -533,18 +497,13 @@ class AdjointGraph:
         """The forms of the nodes the seed does not reach, and the symbols they use: the same
         for every graph of one model and centre (`grad_form`'s `primal`)."""
         ball = Ball(self.x, float(eps), norm)
-        tokens = (MARGIN.set(FORWARD_MARGIN if self.proven is None else self.proven),
-                  PROVEN.set(self.known))
         known = dict(self.known_ranges)
         hook = LayerNormHook(self.variance, self.centred, self.env, known, ball)
         space: list[int] = []
-        try:
-            forms = affine_rules.walk(self.primal_nodes, self.model.spec.input_name, self.env,
-                                      ball, self.chains, self.inside, everything=True,
-                                      known=known, hook=hook, space=space)
-        finally:
-            PROVEN.reset(tokens[1])
-            MARGIN.reset(tokens[0])
+        with self.margin:
+            forms = walk(self.primal_nodes, self.model.spec.input_name, self.env, ball,
+                         self.chains, self.inside, everything=True, known=known, hook=hook,
+                         space=space)
         return forms, space[1] if len(space) > 1 else 0
 
     def grad_form(self, eps: float, norm: str,
@@ -558,17 +517,12 @@ class AdjointGraph:
         z = np.zeros(self.seed_value.shape)
         seed = Aff(self.seed_value.copy(), z.copy(), z.copy(),
                    np.zeros((*self.seed_value.shape, ball.size)), z.copy())
-        tokens = (MARGIN.set(FORWARD_MARGIN if self.proven is None else self.proven),
-                  PROVEN.set(self.known))
         seeds = {k: v for k, v in forms.items() if k != self.model.spec.input_name}
         seeds[SEED] = seed
-        try:
-            out = affine_rules.walk(self.adjoint_nodes, self.model.spec.input_name, self.env,
-                                    ball, self.chains, self.inside, self.output,
-                                    everything=False, seeds=seeds, symbols=used)
-        finally:
-            PROVEN.reset(tokens[1])
-            MARGIN.reset(tokens[0])
+        with self.margin:
+            out = walk(self.adjoint_nodes, self.model.spec.input_name, self.env, ball,
+                       self.chains, self.inside, self.output, everything=False, seeds=seeds,
+                       symbols=used)
         return out.get(self.output)
 
     def dual_norm_bound(self, eps: float, norm: str,
@@ -583,5 +537,3 @@ class AdjointGraph:
             v = l1_sup(f, ball) if norm == "inf" else l2_sup(f, ball)
         return v if math.isfinite(v) else None
 
-
-__all__ = ["AdjointGraph", "NoAdjoint", "RULES", "l1_sup", "l2_sup"]

@@ -8,8 +8,8 @@ import numpy as np
 
 from lsa_models.bounds.numerics import U
 from lsa_models.engine.affine import form as affine
-from lsa_models.engine.affine import walk as affine_rules
 from lsa_models.engine.affine.form import Aff
+from lsa_models.engine.affine.linear import weighted_sum
 from lsa_models.engine.values import Ball, widen_up
 
 
@@ -31,7 +31,7 @@ def l1_sup(f: Aff, ball: Ball) -> float:
     k = f.c.size
     flat = Aff(f.c.reshape(1, k), f.m.reshape(1, k), f.o.reshape(1, k),
                f.a.reshape(1, k, -1), f.b.reshape(1, k))
-    s = affine_rules.weighted_sum(flat, lam.reshape(1, k), ball)
+    s = weighted_sum(flat, lam.reshape(1, k), ball)
     _, shi = affine.ranges(s, ball)
     relaxed = float(widen_up(np.asarray(float(shi.reshape(-1)[0]) + float(mu.sum())), k + 4))
     return min(plain, relaxed)
@@ -47,5 +47,3 @@ def l2_sup(f: Aff, ball: Ball) -> float:
     mn = float(np.sqrt(widen_up(np.square(f.m).sum(), k + 2)))
     return float(widen_up(np.asarray(r + mn + 4 * U * (r + mn)), 2))
 
-
-__all__ = ["l1_sup", "l2_sup"]

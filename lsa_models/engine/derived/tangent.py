@@ -26,23 +26,16 @@ import torch
 
 from lsa_models.bounds.numerics import U
 from lsa_models.engine.affine import form as affine
-from lsa_models.engine.affine import walk as affine_rules
 from lsa_models.engine.affine.form import PAIRS, Aff
+from lsa_models.engine.affine.walk import variance, walk
 from lsa_models.engine.derivative_ops import GUARDS, RELU_GRAD, run_op
 from lsa_models.engine.heads.final_layernorm import find_tail, tail_matrix
-from lsa_models.engine.rounding.forward_error import check as forward_check
-from lsa_models.engine.values import FORWARD_MARGIN, MARGIN, PROVEN, Ball, array_key, widen_up
+from lsa_models.engine.rounding.forward_error import Proven
+from lsa_models.engine.values import Ball, widen_up
 from lsa_models.onnx.loading import OnnxModel
 from lsa_models.onnx.ops import Node, RunContext
-from lsa_models.operators import (
-    ACTIVATION_TYPES,
-    ARITHMETIC_TYPES,
-    ModeNotImplemented,
-    activation,
-    arithmetic,
-)
+from lsa_models.operators import OPERATORS, ModeNotImplemented, make
 from lsa_models.operators.normalization import LayerNormalization
-from lsa_models.operators.softmax import Softmax
 
 CTX = RunContext(torch.float64)
 
@@ -58,7 +51,7 @@ class _Builder:
     tan: dict[str, str] = field(default_factory=dict)  # tensor -> its tangent's name
     consts: dict[str, torch.Tensor] = field(default_factory=dict)
     k: int = 0
-    # ranges some tensors are known to lie in over any ball (`affine_rules.walk`'s `known`)
+    # ranges some tensors are known to lie in over any ball (`affine.walk.walk`'s `known`)
     known: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     # a LayerNorm's mean node -> (its input x, its variance v = mean (x - mean x)^2 + eps, eps)
     variance: dict[str, tuple[str, str, float]] = field(default_factory=dict)
@@ -252,27 +245,26 @@ def _reduce(b: _Builder, node: Node, dep: list[int], tx: dict[int, str]) -> str:
     return b.op(node.op_type, [tx[0]] + node.inputs[1:], node.attrs)
 
 
-def _derivative(b: _Builder, node: Node) -> str:
-    """f'(x) of an arithmetic elementwise node y = f(x) (lsa_models/operators/arithmetic.py),
-    from y where it can (the activations': `_activation`)."""
-    attrs: dict = {}
+def smooth(b: _Builder, node: Node, dep: list[int], g: str, derivative_first: bool) -> str:
+    """g f'(x) for an elementwise or row-wise op of the registry (operators/registry.py), by
+    the op's own graph: `scaled_derivative`, Pow's constant exponent its attribute, an axis
+    normalised (Relu's derivative is the step: derivative_ops.RELU_GRAD)."""
+    if node.op_type not in OPERATORS:
+        raise NoTangent(f"{node.op_type} node {node.name}: no rule")
+    if dep != [0]:
+        raise NoTangent(f"{node.op_type} with an input-dependent exponent")
+    attrs = {**node.attrs, "axis": _axis(node, b.env[node.outputs[0]].dim())}
     if node.op_type == "Pow":  # by a constant exponent
         p = b.env[node.inputs[1]].detach().double().reshape(-1)
         if p.numel() != 1:
             raise NoTangent(f"Pow node {node.name}: a tangent only for the exponent 2")
         attrs = {"exponent": float(p[0])}
-    op = arithmetic(node.op_type, attrs)
+    op = make(node.op_type, attrs)
     assert op is not None
     try:
-        return op.derivative_graph(b, node.inputs[0], node.outputs[0])
+        return op.scaled_derivative(b, g, node.inputs[0], node.outputs[0], derivative_first)
     except ModeNotImplemented as e:
         raise NoTangent(f"{node.op_type} node {node.name}: {e}") from None
-
-
-def _elementwise(b: _Builder, node: Node, dep: list[int], tx: dict[int, str]) -> str:
-    if dep != [0]:
-        raise NoTangent(f"{node.op_type} with an input-dependent exponent")
-    return b.op("Mul", [_derivative(b, node), tx[0]])
 
 
 def _where(b: _Builder, node: Node, dep: list[int], tx: dict[int, str]) -> str:
@@ -282,24 +274,6 @@ def _where(b: _Builder, node: Node, dep: list[int], tx: dict[int, str]) -> str:
         raise NoTangent("Where with an input-dependent condition")
     zero = b.const(0.0, "zero")
     return b.op("Where", [node.inputs[0], tx.get(1, zero), tx.get(2, zero)])
-
-
-def _activation(b: _Builder, node: Node, dep: list[int], tx: dict[int, str]) -> str:
-    """dy = f'(x) dx, the activation's own graph (lsa_models/operators/; Relu's derivative is
-    the step: internal_ops.RELU_GRAD)."""
-    op = activation(node.op_type, node.attrs)
-    assert op is not None
-    try:
-        return op.scaled_derivative(b, tx[0], node.inputs[0], node.outputs[0], True)
-    except ModeNotImplemented as e:
-        raise NoTangent(str(e)) from None
-
-
-def _softmax(b: _Builder, node: Node, dep: list[int], tx: dict[int, str]) -> str:
-    """dy = y (dz - sum(y dz)) along the axis (operators/softmax.py)."""
-    y = node.outputs[0]
-    ax = int(node.attrs.get("axis", -1)) % b.env[y].dim()
-    return Softmax("Softmax", {"axis": ax}).scaled_derivative(b, tx[0], node.inputs[0], y, True)
 
 
 def _layernorm_rule(b: _Builder, node: Node, dep: list[int], tx: dict[int, str]) -> str:
@@ -313,9 +287,7 @@ RULES: dict[str, Rule] = {
                      "Slice", "Gather", "Expand", "Dropout", "Tile", "Cast"), _layout),
     "Concat": _concat, "Add": _add_sub, "Sub": _add_sub, "Neg": _neg, "Mul": _product,
     "MatMul": _product, "Div": _div, "Gemm": _gemm, "ReduceMean": _reduce,
-    "ReduceSum": _reduce, "Softmax": _softmax, "LayerNormalization": _layernorm_rule,
-    "Where": _where, **dict.fromkeys(ACTIVATION_TYPES, _activation),
-    **dict.fromkeys(ARITHMETIC_TYPES, _elementwise),
+    "ReduceSum": _reduce, "LayerNormalization": _layernorm_rule, "Where": _where,
 }
 
 
@@ -336,10 +308,8 @@ def _split(b: _Builder, node: Node, dep: list[int]) -> None:
 
 
 def _rule(b: _Builder, node: Node, dep: list[int]) -> str:
-    """The tangent of one node's output."""
-    rule = RULES.get(node.op_type)
-    if rule is None:
-        raise NoTangent(f"{node.op_type} node {node.name}: no tangent rule")
+    """The tangent of one node's output (an op without a rule here: the registry's, `smooth`)."""
+    rule = RULES.get(node.op_type, lambda b, node, dep, tx: smooth(b, node, dep, tx[0], True))
     if len([o for o in node.outputs if o]) != 1:
         raise NoTangent(f"{node.op_type} node {node.name}: several outputs")
     if node.op_type == "Cast" and not b.env[node.outputs[0]].is_floating_point():
@@ -365,8 +335,8 @@ def run_nodes(nodes: list[Node], env: dict[str, torch.Tensor], feed: dict[str, n
 
 
 class LayerNormHook:
-    """`affine_rules.walk`'s hook for the LayerNorm chains of `ln_chain`: the variance by its
-    expansion (`affine_rules.variance`) and its range from the tokens' radii."""
+    """`affine.walk.walk`'s hook for the LayerNorm chains of `ln_chain`: the variance by its
+    expansion (`affine.walk.variance`) and its range from the tokens' radii."""
 
     def __init__(self, variance: dict[str, tuple[str, str, float]], centred: dict[str, str],
                  env: dict[str, torch.Tensor], known: dict[str, tuple[np.ndarray, np.ndarray]],
@@ -380,8 +350,8 @@ class LayerNormHook:
         P the mean-removing projection (norm <= 1), rho_t >= ||x_t(X) - x_t(X0)||_2."""
         vin = node.inputs[0] if node.inputs else ""
         if vin in self.centred and vin in forms and self.centred[vin] in forms:
-            # the variance by its expansion around the centre (affine_rules.variance)
-            forms[vin] = affine.select(forms[vin], affine_rules.variance(
+            # the variance by its expansion around the centre (affine.walk.variance)
+            forms[vin] = affine.select(forms[vin], variance(
                 forms[self.centred[vin]], forms[vin], self.ball), self.ball)
         spec = self.variance.get(node.outputs[0])
         if spec is None or spec[0] not in forms:
@@ -447,11 +417,7 @@ class TangentGraph:
         self.nodes, self.env, self.known_ranges = b.nodes, env, b.known
         self.variance, self.centred = b.variance, b.centred
         self.widest = max(int(env[nd.outputs[0]].numel()) for nd in b.nodes)
-        errors: dict[str, np.ndarray] = {}
-        self.proven, self.detail = forward_check(self.nodes, inp, x, env, errors)
-        self.known: dict = {} if self.proven is None else {
-            array_key(env[n].detach().numpy()): (None, e) for n, e in errors.items()
-            if n in env}
+        self.margin = Proven(self.nodes, inp, x, env)
 
     def jvp(self, x: np.ndarray, s: np.ndarray, deferred: bool = False) -> np.ndarray:
         """J_F(x) s, evaluated through the tangent graph in float64 (for tests: it must agree
@@ -475,22 +441,20 @@ class TangentGraph:
         seed = Aff(z, z.copy(), z.copy(),
                    np.concatenate([np.zeros((p, p)), np.eye(p)], axis=1).reshape(*shape, 2 * p),
                    z.copy())
-        tokens = (MARGIN.set(FORWARD_MARGIN if self.proven is None else self.proven),
-                  PROVEN.set(self.known), PAIRS.set((p, 2 * p) if pairs else None))
+        token = PAIRS.set((p, 2 * p) if pairs else None)
         known = dict(self.known_ranges)
 
         hook = LayerNormHook(self.variance, self.centred, self.env, known, ball)
         capture: dict[str, Aff | None] = {} if self.deferred is None else {
             self.deferred[0]: None, self.deferred[1]: None}
         try:
-            forms = affine_rules.walk(self.nodes, self.model.spec.input_name, self.env, ball,
-                                      {}, set(), self.output, everything=False,
-                                      seeds={SEED: seed}, symbols=reserved, known=known,
-                                      hook=hook, capture=capture, quad=quad)
+            with self.margin:
+                forms = walk(self.nodes, self.model.spec.input_name, self.env, ball, {}, set(),
+                             self.output, everything=False, seeds={SEED: seed},
+                             symbols=reserved, known=known, hook=hook, capture=capture,
+                             quad=quad)
         finally:
-            PAIRS.reset(tokens[2])
-            PROVEN.reset(tokens[1])
-            MARGIN.reset(tokens[0])
+            PAIRS.reset(token)
         self._captured = capture
         return forms.get(self.output)
 

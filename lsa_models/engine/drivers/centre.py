@@ -11,7 +11,6 @@ import numpy as np
 import torch
 
 from lsa_models.engine.rounding import forward_error
-from lsa_models.engine.values import FORWARD_MARGIN, MARGIN, PROVEN, array_key
 from lsa_models.onnx.loading import OnnxModel
 
 
@@ -56,7 +55,7 @@ def check_eps(eps: float) -> None:
 
 
 
-class Centre:
+class Centre(forward_error.Proven):
     """The float64 forward pass at X0 with its proven forward margin set (MARGIN, PROVEN) for
     the duration of a `with` block."""
 
@@ -64,20 +63,5 @@ class Centre:
         self.module = model.module.with_dtype(torch.float64)
         with torch.no_grad():
             self.env = self.module.run_env(torch.from_numpy(x))
-        errors: dict[str, np.ndarray] = {}
-        self.proven, self.detail = forward_error.check(
-            list(self.module.runtime_nodes), model.spec.input_name, x,  # type: ignore[arg-type]
-            self.env, errors)
-        self.known: dict = {} if self.proven is None else {
-            array_key(self.env[n].detach().numpy()): (None, e)
-            for n, e in errors.items() if n in self.env}
-
-    def __enter__(self) -> Centre:
-        self._tokens = (MARGIN.set(FORWARD_MARGIN if self.proven is None else self.proven),
-                        PROVEN.set(self.known))
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        PROVEN.reset(self._tokens[1])
-        MARGIN.reset(self._tokens[0])
-
+        super().__init__(list(self.module.runtime_nodes),  # type: ignore[arg-type]
+                         model.spec.input_name, x, self.env)

@@ -9,7 +9,7 @@ both computed with upward rounding (docs/local-enclosure.md).
 
 The walk is drivers/jacobian_walk.py, the telescoped remainder remainders/telescope.py, the centre's
 checks and forward pass drivers/centre.py; the margins from the affine forms alone (no enclosure)
-drivers/margins.py. Their entry points are re-exported here.
+drivers/margins.py.
 """
 
 from __future__ import annotations
@@ -27,26 +27,18 @@ from lsa_models.bounds.numerics import (
     inf_norm_upper,
     spectral_norm_upper,
 )
-from lsa_models.engine.drivers.centre import (
+from lsa_models.engine.drivers.centre import (  # service/ imports center_sha256 from here
     Centre,
-    center_sha256,
+    center_sha256,  # noqa: F401
     check_center,
     check_eps,
-    graph_input_shape,
 )
-from lsa_models.engine.drivers.jacobian_walk import CHECKPOINTS, MAX_JACOBIAN_ENTRIES, walk
-from lsa_models.engine.drivers.margins import margin_lower_bounds
+from lsa_models.engine.drivers.jacobian_walk import MAX_JACOBIAN_ENTRIES, walk
 from lsa_models.engine.enclosure.rules import exact
 from lsa_models.engine.remainders.structured_norms import Structured
 from lsa_models.engine.remainders.telescope import Telescope
 from lsa_models.engine.values import Ball, LocalNotCertified, LocalValue, Values, widen_up
 from lsa_models.onnx.loading import OnnxModel
-
-__all__ = [
-    "CHECKPOINTS", "HALVINGS", "MAX_JACOBIAN_ENTRIES", "Centre", "LocalJacobian", "LocalValue",
-    "center_sha256", "check_center", "graph_input_shape", "local_jacobian",
-    "margin_lower_bounds",
-]
 
 # Balls of radius eps/2, eps/4, ... walked before the ball itself (values by the integrated
 # mean value form); each costs one more walk. One halving tightens a Transformer's inf-ball

@@ -13,10 +13,12 @@ import numpy as np
 import torch
 
 from lsa_models.bounds.numerics import U, mul_up, sqrt_up
-from lsa_models.engine import elementwise_chains as fused
+from lsa_models.engine import elementwise_chains
 from lsa_models.engine.affine import form as affine
-from lsa_models.engine.affine import walk as affine_rules
-from lsa_models.engine.enclosure.primitives import LIBM_REL, elementwise
+from lsa_models.engine.affine.walk import release, step, uses
+from lsa_models.engine.elementwise_chains import Chain
+from lsa_models.engine.enclosure.elementwise_ranges import LIBM_REL
+from lsa_models.engine.enclosure.primitives import elementwise
 from lsa_models.engine.enclosure.rules import LOCAL_RULES, LocalRule
 from lsa_models.engine.remainders.operator_norms import integrated_tokens, set_token_radius
 from lsa_models.engine.remainders.telescope import Telescope
@@ -32,14 +34,14 @@ from lsa_models.engine.values import (
 )
 from lsa_models.onnx.loading import OnnxModel
 from lsa_models.onnx.ops import Node, decimal_attr
-from lsa_models.operators import ACTIVATION_TYPES, ModeNotImplemented, activation
+from lsa_models.operators import OPERATORS, ModeNotImplemented, activation
 
 # Jacobian entries the engine will hold for one tensor (float64): beyond it, the ball is
 # bounded by per-layer rules instead.
 MAX_JACOBIAN_ENTRIES = 40_000_000
-# Ops whose enclosures depend most on their input's range: their inputs are tightened.
-CHECKPOINTS = ("LayerNormalization", "Softmax", "Div", "Exp", "Sqrt", "Reciprocal", "Pow", "Mul",
-               "MatMul") + ACTIVATION_TYPES
+# Ops whose enclosures depend most on their input's range: their inputs are tightened (the
+# registry's nonlinear ops, and products of two input-dependent tensors).
+CHECKPOINTS = (*OPERATORS, "Mul", "MatMul", "Div")
 # Relational value ranges (affine/form.py) in lockstep with the enclosure: they keep the value
 # ranges from compounding through LayerNorm and attention (docs/local-affine.md, "Affine value
 # forms").
@@ -74,7 +76,7 @@ def walk(model: OnnxModel, module: torch.nn.Module, env: dict[str, torch.Tensor]
     layers: list[tuple[str, str, float, str]] = []
     chains, inside = fused_chains(model, module, env)
     nodes: list[Node] = list(module.runtime_nodes)  # type: ignore[arg-type]
-    forms = _Forms(ball, values, env, affine_rules.uses(nodes, chains, inside),
+    forms = _Forms(ball, values, env, uses(nodes, chains, inside),
                    model.spec.output_name) if ball.eps > 0 and AFFINE else None
     if forms is not None:
         forms.forms[model.spec.input_name] = affine.input_form(ball)
@@ -92,7 +94,7 @@ def walk(model: OnnxModel, module: torch.nn.Module, env: dict[str, torch.Tensor]
 
 def _walk_nodes(model: OnnxModel, module: torch.nn.Module, env: dict[str, torch.Tensor],
                 ball: Ball, tight: Telescope | None, half: Values | None, values: Values,
-                layers: list[tuple[str, str, float, str]], chains: dict[str, fused.Chain],
+                layers: list[tuple[str, str, float, str]], chains: dict[str, Chain],
                 inside: set[str], forms: _Forms | None) -> None:
     for node in module.runtime_nodes:  # type: ignore[union-attr]
         if node.name in inside:
@@ -172,7 +174,7 @@ class _Forms:
         set_token_radius(v, true if v.tok_true is None else np.minimum(v.tok_true, true))
 
     def step(self, node: Node, ins: list[str], outs: list[str],
-             chain: fused.Chain | None = None) -> None:
+             chain: Chain | None = None) -> None:
         args: list = []
         for i in ins:
             f = self._form(i) if i else None
@@ -186,12 +188,12 @@ class _Forms:
             v = self.values.get(ins[k])
             return (v.lo, v.hi) if isinstance(v, LocalValue) else None
         try:
-            res = affine_rules.step(node, args, centers, self.ball, ranges_of, chain,
+            res = step(node, args, centers, self.ball, ranges_of, chain,
                               chain_consts(chain, self.env) if chain is not None else None)
         except affine.NotAffine:
             return
         finally:
-            affine_rules.release(self.forms, self.count, ins, self.output)
+            release(self.forms, self.count, ins, self.output)
         for o, f in zip(outs, res, strict=False):
             v = self.values.get(o) if o else None
             if f is None or not isinstance(v, LocalValue) or f.shape != v.shape:
@@ -225,7 +227,7 @@ def _checkpoint(node: Node, values: Values, ball: Ball, tight: Telescope,
                 forms.tokens(i)
 
 
-def _walk_chain(node: Node, chain: fused.Chain, values: Values, env: dict[str, torch.Tensor],
+def _walk_chain(node: Node, chain: Chain, values: Values, env: dict[str, torch.Tensor],
                 ball: Ball, tight: Telescope | None) -> tuple[str, str, float, str]:
     """Bound a fused elementwise chain at its sink node; returns its reported factor."""
     root = values.get(chain.root)
@@ -235,49 +237,49 @@ def _walk_chain(node: Node, chain: fused.Chain, values: Values, env: dict[str, t
     if tight is not None:
         root = values[chain.root] = tight.tighten(chain.root, root, values, ball, tokens=True)
     values[chain.sink] = _fused(chain, root, env, ball)
-    dlo, dhi = fused.ranges(chain, chain_consts(chain, env), root.lo, root.hi)[1]
+    dlo, dhi = elementwise_chains.ranges(chain, chain_consts(chain, env), root.lo, root.hi)[1]
     f = float(np.max(np.maximum(np.abs(dlo), np.abs(dhi)))) * (1 + LIBM_REL) + 1e-300
     ops = "/".join(nd.op_type for nd in chain.nodes)
     return (node.name, "activation:fused", f,
             f"local elementwise chain ({ops}): largest slope over the input's range")
 
 
-def chain_consts(chain: fused.Chain, env: dict[str, torch.Tensor]) -> dict[str, float]:
+def chain_consts(chain: Chain, env: dict[str, torch.Tensor]) -> dict[str, float]:
     inner = {n.outputs[0] for n in chain.nodes}
     return {i: float(env[i].reshape(())) for nd in chain.nodes for i in nd.inputs
             if i and i in env and env[i].numel() == 1 and i != chain.root and i not in inner}
 
 
 def fused_chains(model: OnnxModel, module: torch.nn.Module, env: dict[str, torch.Tensor]
-            ) -> tuple[dict[str, fused.Chain], set[str]]:
+            ) -> tuple[dict[str, Chain], set[str]]:
     variable = {model.spec.input_name}
     nodes: list[Node] = list(module.runtime_nodes)  # type: ignore[arg-type]
     for nd in nodes:
         if nd.op_type not in ("Shape", "Size") and any(i in variable for i in nd.inputs if i):
             variable.update(o for o in nd.outputs if o)
-    return fused.find_chains(nodes, env, variable, {model.spec.output_name})
+    return elementwise_chains.find_chains(nodes, env, variable, {model.spec.output_name})
 
 
-def _fused(chain: fused.Chain, x: LocalValue, env: dict[str, torch.Tensor],
+def _fused(chain: Chain, x: LocalValue, env: dict[str, torch.Tensor],
            ball: Ball) -> LocalValue:
     """y = f(x) for a fused chain: elementwise with f' from interval differentiation."""
     consts = chain_consts(chain, env)
 
     def d(c: np.ndarray) -> np.ndarray:
-        lo, hi = fused.evaluate(chain, consts, c, c)[1]
+        lo, hi = elementwise_chains.evaluate(chain, consts, c, c)[1]
         return 0.5 * (lo + hi)
 
     def rng(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return fused.ranges(chain, consts, lo, hi)[1]
+        return elementwise_chains.ranges(chain, consts, lo, hi)[1]
 
     def curv(lo: np.ndarray, hi: np.ndarray) -> np.ndarray | None:
-        r = fused.second(chain, consts, lo, hi)
+        r = elementwise_chains.second(chain, consts, lo, hi)
         return None if r is None else np.maximum(np.abs(r[0]), np.abs(r[1]))
 
     def curv2(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-        return fused.second(chain, consts, lo, hi)
+        return elementwise_chains.second(chain, consts, lo, hi)
 
-    vals = fused.ranges(chain, consts, x.lo, x.hi)[0]
+    vals = elementwise_chains.ranges(chain, consts, x.lo, x.hi)[0]
     out = env[chain.sink].detach().numpy()
     return elementwise(x, "fused", out, ball, deriv=(d, rng), values=vals, curv=curv,
                        curv2=curv2)

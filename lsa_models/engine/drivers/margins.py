@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from lsa_models.engine.affine import form as affine
-from lsa_models.engine.affine import walk as affine_rules
+from lsa_models.engine.affine.walk import walk
 from lsa_models.engine.drivers.centre import Centre, check_center, check_eps
 from lsa_models.engine.drivers.jacobian_walk import fused_chains
 from lsa_models.engine.heads import final_layernorm as deferred
@@ -68,7 +68,7 @@ def _margin_lower_bounds(model: OnnxModel, x: np.ndarray, eps: float, norm: str,
                 capture = {relu[0].inputs[0]: None, relu[0].outputs[0]: None}
                 capture.update({name: None for name, _ in relu[2]})
         space: list[int] = []
-        forms = affine_rules.walk(nodes, model.spec.input_name, ctr.env, ball, chains, inside,
+        forms = walk(nodes, model.spec.input_name, ctr.env, ball, chains, inside,
                                   model.spec.output_name, everything=False, capture=capture,
                                   space=space, quad=quad)
         out = forms.get(model.spec.output_name)

@@ -76,6 +76,3 @@ def value_range(kind: Kind, lo: np.ndarray, hi: np.ndarray, exponent: float = 2.
     bounds = op.bounds
     a, b = np.maximum(a, bounds[0]), np.minimum(b, bounds[1])
     return a, b
-
-
-__all__ = ["LIBM_REL", "Deriv", "Kind", "derivative", "value_range"]

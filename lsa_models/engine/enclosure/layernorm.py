@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from lsa_models.bounds.numerics import U
 from lsa_models.engine.remainders.operator_norms import sigma_max_upper
 from lsa_models.engine.values import (
     FLOOR,
     PROVEN,
     Ball,
     LocalValue,
-    U,
     array_key,
     center_margin,
     gamma,

@@ -310,12 +310,6 @@ class Factored(tuple):
         return out
 
 
-def hessian_rest(terms: list, zr: np.ndarray, eps: float, cap: int = MAX_HESSIAN_ENTRIES
-                 ) -> tuple[np.ndarray, np.ndarray] | None:
-    got = hessian_rest_factored(terms, zr, eps, cap)
-    return None if got is None else (got[0], got[1])
-
-
 def hessian_rest_factored(terms: list, zr: np.ndarray, eps: float,
                           cap: int = MAX_HESSIAN_ENTRIES) -> tuple[
                               np.ndarray, np.ndarray, list[tuple[np.ndarray, np.ndarray]],

@@ -40,7 +40,7 @@ Term = Callable[[np.ndarray], np.ndarray]
 PartsFn = Callable[[np.ndarray], list[Parts]]
 SignedFn = Callable[[np.ndarray, np.ndarray], np.ndarray | list[np.ndarray]]
 
-# `gamma` is LayerNorm's scale inside layernorm_signed
+# `gamma` is LayerNorm's scale inside layernorm_rules
 _gamma_k = gamma
 
 # relative allowance per interval end formed with a few round-to-nearest float64 operations
@@ -105,12 +105,6 @@ RELATIONAL_MAX_ENTRIES = 10_000_000
 # in the same time (55 s), x-transformers 21.76 -> 21.30
 RELATIONAL_OUTPUT_MAX_ENTRIES = 20_000_000
 RELATIONAL_CAP: ContextVar[int | None] = ContextVar("relational_cap", default=None)
-
-
-def layernorm_signed(x: LocalValue, gamma: np.ndarray, ln_eps: float, margin: np.ndarray,
-                     ball: Ball | None = None) -> SignedFn:
-    """The signed bound for y = LayerNorm(x) (layernorm_rules' first rule)."""
-    return layernorm_rules(x, gamma, ln_eps, margin, ball)[0]
 
 
 def layernorm_rules(x: LocalValue, gamma: np.ndarray, ln_eps: float, margin: np.ndarray,

@@ -272,9 +272,9 @@ class Telescope:
 
     def _second_entries(self, name: str, values: Values, ball: Ball
                         ) -> tuple[np.ndarray, np.ndarray] | None:
-        """inf-ball: the entries' Hessians at X0 and rest (second.hessian_rest), from the ops'
-        second-order rules (remainders/second_order.py): |J_t(X) - jc_t - H[p] . d| <= r entrywise;
-        None where no op has one or they would not fit."""
+        """inf-ball: the entries' Hessians at X0 and rest (second.hessian_rest_factored), from
+        the ops' second-order rules: |J_t(X) - jc_t - H[p] . d| <= r entrywise; None where no
+        op has one or they would not fit."""
         z = self.zero.get(name)
         if not isinstance(z, LocalValue) or \
                 z.center.size * z.jc.shape[-1] ** 2 > second.MAX_TENSOR_HESSIAN_ENTRIES:
@@ -283,8 +283,9 @@ class Telescope:
         if terms is None:
             return None
         kept = [(g, ga, u, self.plain(u, ga)) for ga, u, g in terms if u.term is not None]
-        return second.hessian_rest(kept, self._rounding(name, None), ball.eps,
-                                   second.MAX_TENSOR_HESSIAN_ENTRIES)
+        got = second.hessian_rest_factored(kept, self._rounding(name, None), ball.eps,
+                                           second.MAX_TENSOR_HESSIAN_ENTRIES)
+        return None if got is None else (got[0], got[1])
 
     def _norms(self, name: str, v: LocalValue, values: Values, ball: Ball) -> None:
         """2-ball: v.jnorm = ||jc||_2 + the operator-norm remainder of the whole tensor, and

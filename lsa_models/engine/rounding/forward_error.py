@@ -26,8 +26,17 @@ import torch
 from lsa_models.engine.derivative_ops import GUARDS, RELU_GRAD
 from lsa_models.engine.enclosure.elementwise_ranges import value_range
 from lsa_models.engine.enclosure.primitives import SOFTMAX
+from lsa_models.engine.enclosure.rules import LayoutRule
 from lsa_models.engine.rounding import forward_ball
-from lsa_models.engine.values import FORWARD_FLOOR, FORWARD_MARGIN, gamma, widen_up
+from lsa_models.engine.values import (
+    FORWARD_FLOOR,
+    FORWARD_MARGIN,
+    MARGIN,
+    PROVEN,
+    array_key,
+    gamma,
+    widen_up,
+)
 from lsa_models.onnx.ops import OPS, Node, RunContext
 from lsa_models.operators import make
 from lsa_models.operators.normalization import LayerNormalization
@@ -36,8 +45,7 @@ CTX = RunContext(torch.float64)
 # A proven relative error above this means the interval evaluation is useless here: it is then
 # not used and FORWARD_MARGIN stays an assumption, reported (docs/local-rounding.md)
 PROVEN_CAP = 1e-3
-_LAYOUT = ("Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Slice",
-           "Gather", "Concat", "Split", "Expand", "Dropout", "Cast", "Tile")
+_LAYOUT = LayoutRule.types
 _LINEAR = ("Add", "Sub", "Neg", "Mul", "Div", "MatMul", "Gemm", "ReduceMean", "ReduceSum")
 Iv = tuple[np.ndarray, np.ndarray]
 
@@ -268,3 +276,26 @@ def _interval_errors(nodes: list[Node], input_name: str, x: np.ndarray,
         errs[name] = err
         iv[name] = (np.minimum(out[0], c), np.maximum(out[1], c))
     return errs, ""
+
+
+class Proven:
+    """A graph's float64 run at X0 with its forward margin (`check`: `proven`, None where not
+    proven, and `detail`) and every tensor's proven error (`known`), set as the run's margin
+    (values.MARGIN, values.PROVEN) for the duration of a `with` block."""
+
+    def __init__(self, nodes: list[Node], input_name: str, x: np.ndarray,
+                 env: dict[str, torch.Tensor]) -> None:
+        errors: dict[str, np.ndarray] = {}
+        self.proven, self.detail = check(nodes, input_name, x, env, errors)
+        self.known: dict = {} if self.proven is None else {
+            array_key(env[n].detach().numpy()): (None, e) for n, e in errors.items()
+            if n in env}
+
+    def __enter__(self) -> Proven:
+        self._tokens = (MARGIN.set(FORWARD_MARGIN if self.proven is None else self.proven),
+                        PROVEN.set(self.known))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        PROVEN.reset(self._tokens[1])
+        MARGIN.reset(self._tokens[0])

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from lsa_models.empirical.local import attack_at
-from lsa_models.engine.drivers.jacobian import Centre, center_sha256, check_center
+from lsa_models.engine.drivers.centre import Centre, center_sha256, check_center
 from lsa_models.engine.routes import table as routes
 from lsa_models.engine.routes.budget import Budget, check_time_budget
 from lsa_models.engine.routes.certify import GraphAt, as_onnx, centre_margins

@@ -22,10 +22,11 @@ import torch
 
 from lsa_models.bounds.report import BoundResult, LayerBound, NormName
 from lsa_models.empirical.local import attack_radius
-from lsa_models.engine.drivers.jacobian import LocalJacobian, center_sha256, check_center
+from lsa_models.engine.drivers.centre import center_sha256, check_center
+from lsa_models.engine.drivers.jacobian import LocalJacobian
 from lsa_models.engine.routes import table as routes
 from lsa_models.engine.routes.budget import Budget
-from lsa_models.engine.routes.constant import METHOD, use_quad
+from lsa_models.engine.routes.constant import use_quad
 from lsa_models.engine.routes.errors import NOT_APPLICABLE
 from lsa_models.engine.routes.radius_search import (
     AFFINE_SHARE,
@@ -37,9 +38,6 @@ from lsa_models.engine.routes.radius_search import (
 from lsa_models.engine.routes.sweep import SWEEP_CAP_TOL
 from lsa_models.onnx.export import export_onnx
 from lsa_models.onnx.loading import OnnxModel, load_onnx
-
-__all__ = ["METHOD", "RobustnessResult", "as_onnx", "centre_margins", "certify_local",
-           "robustness"]
 
 
 def as_onnx(model: Any, seq_len: int | None = None) -> OnnxModel:

@@ -12,7 +12,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from lsa_models.engine.drivers.jacobian import Centre, margin_lower_bounds
+from lsa_models.engine.drivers.centre import Centre
+from lsa_models.engine.drivers.margins import margin_lower_bounds
 from lsa_models.engine.routes.budget import Budget
 from lsa_models.engine.routes.errors import NOT_APPLICABLE
 from lsa_models.engine.routes.table import AFFINE_STAGES, plain_walk_seconds, timed_plain_walk

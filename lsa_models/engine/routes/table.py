@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from lsa_models.engine.drivers.jacobian import LocalJacobian, local_jacobian, margin_lower_bounds
+from lsa_models.engine.drivers.jacobian import LocalJacobian, local_jacobian
+from lsa_models.engine.drivers.margins import margin_lower_bounds
 from lsa_models.engine.routes.budget import Budget
 from lsa_models.engine.routes.constant import (
     ADJOINT_MAX_ROWS,
@@ -39,12 +40,8 @@ from lsa_models.engine.routes.constant import (
     tangent_bound,
     use_quad,
 )
-from lsa_models.engine.routes.errors import NOT_APPLICABLE, RouteNotApplicable
 from lsa_models.engine.routes.sweep import ADJOINT_NORMS, _sweep
 from lsa_models.onnx.loading import OnnxModel
-
-__all__ = ["NOT_APPLICABLE", "RouteNotApplicable", "Route", "LOCAL_ROUTES", "AFFINE_STAGES",
-           "SWEEP_PASSES"]
 
 BOTH: tuple[str, ...] = ("2", "inf")
 

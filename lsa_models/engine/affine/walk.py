@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from lsa_models.engine import elementwise_chains as fused
+from lsa_models.engine.affine.distances import square_sum_step, square_sums
 from lsa_models.engine.affine.elementwise import (
     EXP,
     RECIPROCAL,
@@ -316,6 +317,9 @@ def _walk(nodes: list[Node], forms: dict[str, Aff], env: dict[str, torch.Tensor]
           keep: str, known: dict[str, tuple[np.ndarray, np.ndarray]],
           hook: Callable[[Node, dict[str, Aff]], None] | None = None,
           capture: dict[str, Aff | None] | None = None) -> None:
+    # a square read only by a sum over the last axis: both as one rule (distances.py); the
+    # sum's node then finds no form to read and is passed
+    squares = square_sums(nodes, env, keep)
     for node in nodes:
         if node.name in inside and node.name not in chains:
             continue
@@ -329,9 +333,13 @@ def _walk(nodes: list[Node], forms: dict[str, Aff], env: dict[str, torch.Tensor]
                 (env[i].detach().numpy() if i in env else None) for i in ins]
         outs = [chain.sink] if chain is not None else node.outputs
         centers = [None if not o or o not in env else env[o].detach().numpy() for o in outs]
+        total = squares.get(node.name) if isinstance(args[0], Aff) else None
         try:
-            res = step(node, args, centers, ball, _known_of(known, ins), chain,
-                       fused_consts(chain, env) if chain is not None else None)
+            if total is not None:
+                outs, res = total.outputs, [square_sum_step(total, args[0], env, ball)]
+            else:
+                res = step(node, args, centers, ball, _known_of(known, ins), chain,
+                           fused_consts(chain, env) if chain is not None else None)
         except NotAffine:
             return
         for o, v in zip(outs, res, strict=False):

@@ -333,7 +333,9 @@ def _walk(nodes: list[Node], forms: dict[str, Aff], env: dict[str, torch.Tensor]
                 (env[i].detach().numpy() if i in env else None) for i in ins]
         outs = [chain.sink] if chain is not None else node.outputs
         centers = [None if not o or o not in env else env[o].detach().numpy() for o in outs]
-        total = squares.get(node.name) if isinstance(args[0], Aff) else None
+        # a masked difference (an attention mask's entries) takes the node's own rules
+        total = squares.get(node.name) if isinstance(args[0], Aff) and args[0].masked is None \
+            else None
         try:
             if total is not None:
                 outs, res = total.outputs, [square_sum_step(total, args[0], env, ball)]

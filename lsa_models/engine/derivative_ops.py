@@ -16,7 +16,7 @@ from lsa_models.onnx.ops import OPS, Node, RunContext
 RELU_GRAD = "ReluGrad"
 # model ops whose boolean output the derived graphs treat as a guard (SDPA's
 # Where(IsNaN(p), 0, p)): no tangent or adjoint of their own; the affine walk proves them
-# False where their input's form is finite (affine_masks._guard)
+# False where their input's form is finite (affine/masks.py, _guard)
 GUARDS = ("IsNaN", "IsInf")
 
 

@@ -90,7 +90,7 @@ class _Builder:
         return out
 
     def step(self, g: str, u: str) -> str:
-        """g H(u) (internal_ops.RELU_GRAD): the derivative op of the piecewise-linear
+        """g H(u) (derivative_ops.RELU_GRAD): the derivative op of the piecewise-linear
         activations."""
         return self.op(RELU_GRAD, [g, u])
 

@@ -13,8 +13,7 @@ from lsa_models.engine.affine import form as affine
 from lsa_models.engine.affine.walk import walk
 from lsa_models.engine.drivers.centre import Centre, check_center, check_eps
 from lsa_models.engine.drivers.jacobian_walk import fused_chains
-from lsa_models.engine.heads import final_layernorm as deferred
-from lsa_models.engine.heads import relu_head
+from lsa_models.engine.heads import final_layernorm, relu_head
 from lsa_models.engine.values import Ball
 from lsa_models.onnx.loading import OnnxModel
 from lsa_models.onnx.ops import Node
@@ -55,7 +54,7 @@ def _margin_lower_bounds(model: OnnxModel, x: np.ndarray, eps: float, norm: str,
         ball = Ball(x, float(eps), norm)
         chains, inside = fused_chains(model, ctr.module, ctr.env)
         nodes: list[Node] = list(ctr.module.runtime_nodes)  # type: ignore[arg-type]
-        tail = deferred.find_tail(nodes, model.spec.output_name, ctr.env, rms=True,
+        tail = final_layernorm.find_tail(nodes, model.spec.output_name, ctr.env, rms=True,
                                   input_name=model.spec.input_name) if DEFER else None
         capture: dict[str, affine.Aff | None] = {} if tail is None else {
             tail[0].inputs[0]: None}
@@ -118,7 +117,7 @@ def _margins_of_forms(nodes: list[Node], output: str, env: dict[str, torch.Tenso
     if tail is None or not all(v is not None for v in capture.values()):
         return res
     try:
-        low = deferred.margins(nodes, output, env, ball,
+        low = final_layernorm.margins(nodes, output, env, ball,
                                {k: v for k, v in capture.items() if v is not None},
                                out, label, tail)
     except (affine.NotAffine, FloatingPointError, ValueError, RuntimeError, KeyError,

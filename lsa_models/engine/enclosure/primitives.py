@@ -19,7 +19,7 @@ from lsa_models.engine.enclosure.elementwise_ranges import (
     derivative,
     value_range,
 )
-from lsa_models.engine.remainders import operator_norms as opnorm
+from lsa_models.engine.remainders import operator_norms
 from lsa_models.engine.remainders.second_order import (
     Curv2,
     elementwise_second,
@@ -115,7 +115,7 @@ def elementwise(v: LocalValue, kind: Kind, out_center: np.ndarray, ball: Ball,
         kap = None
         if curv is not None:  # |f''| over both x(X) and x(X0): the range and the centre's
             kap = curv(np.minimum(v.lo, v.center - mc), np.maximum(v.hi, v.center + mc))
-        op = opnorm.elementwise(dr + dr0, v.jc, v.jr, v.jnorm, kap, ball.eps)
+        op = operator_norms.elementwise(dr + dr0, v.jc, v.jr, v.jnorm, kap, ball.eps)
     out.remainder = OpRemainder(term, parts, op, sec)
     return out
 
@@ -226,24 +226,24 @@ def _product_rules(rem: OpRemainder, shape: tuple[int, ...], a: LocalValue | np.
             if ball.norm == "inf":
                 rem = replace(rem, second=matmul_second(a, b, ar2, br2, term))
     if ball.norm == "2":
-        fn = opnorm.matmul(a, b, shape, ball) if matmul else _mul_opnorm(a, b, shape)
+        fn = operator_norms.matmul(a, b, shape, ball) if matmul else _mul_opnorm(a, b, shape)
         if fn is not None:
             rem = replace(rem, opnorm=fn)
     return rem
 
 
 def _mul_opnorm(a: LocalValue | np.ndarray, b: LocalValue | np.ndarray,
-                shape: tuple[int, ...]) -> opnorm.OpNorm | None:
+                shape: tuple[int, ...]) -> operator_norms.OpNorm | None:
     """y = a * b entrywise, both of the output's shape (no broadcasting): D(X) - D(X0) maps
     (da, db) to da (b(X) - b(X0)) + (a(X) - a(X0)) db, diagonal scalings by changes bounded
-    entrywise by the other operand's radius plus its centre margin (opnorm.elementwise)."""
+    entrywise by the other operand's radius plus its centre margin (operator_norms.elementwise)."""
     fns = []
     for x, other in ((a, b), (b, a)):
         if not isinstance(x, LocalValue) or not isinstance(other, LocalValue):
             continue
         if x.shape != shape or other.shape != shape:
             return None
-        fns.append(opnorm.elementwise(other.rad + center_margin(other.center), x.jc, x.jr,
+        fns.append(operator_norms.elementwise(other.rad + center_margin(other.center), x.jc, x.jr,
                                       x.jnorm))
     if not fns:
         return None
@@ -402,8 +402,8 @@ def softmax(v: LocalValue, axis: int, out_center: np.ndarray, ball: Ball) -> Loc
         last = ax == len(v.shape) - 1
         if last:
             rows = np.minimum(rows, _softmax_derivative_block(v, ball))
-        rem = replace(rem, opnorm=opnorm.blockwise(float(rows.max()), v.jc, v.jr, known=v.jnorm,
-                                                   blocks=rows if last else None))
+        rem = replace(rem, opnorm=operator_norms.blockwise(
+            float(rows.max()), v.jc, v.jr, known=v.jnorm, blocks=rows if last else None))
     out.remainder = rem
     return out
 
@@ -419,7 +419,7 @@ def _softmax_derivative_block(v: LocalValue, ball: Ball) -> np.ndarray:
     ||dz||_2 <= the row's token radius (telescoped in the operator norm, Telescope.tighten) or
     its group radius."""
     rad = v.tok_rad if v.tok_rad is not None else \
-        opnorm.group_radius(v, ball, 1)[..., None]
+        operator_norms.group_radius(v, ball, 1)[..., None]
     return widen_up(rad[..., 0] * (math.sqrt(0.5) * (1 + 1e-15)), 2)
 
 
@@ -432,7 +432,7 @@ def _softmax_block(plo: np.ndarray, phi: np.ndarray, srs: np.ndarray) -> np.ndar
     dp = widen_up(phi - plo, 2)
     analytic = widen_up(dp.max(axis=-1) + 2 * np.sqrt(widen_up(np.square(dp).sum(axis=-1), n))
                         * (1 + 4 * U), 2)
-    return np.minimum(analytic, opnorm.nonneg_block_norms(srs)) * (1 + 4 * U)
+    return np.minimum(analytic, operator_norms.nonneg_block_norms(srs)) * (1 + 4 * U)
 
 
 def _softmax_signed(out: LocalValue, ax: int, pc: np.ndarray, srs: np.ndarray, ball: Ball

@@ -13,8 +13,7 @@ import numpy as np
 import torch
 
 from lsa_models.bounds.numerics import U, add_up, spectral_norm_upper
-from lsa_models.engine.remainders import second_order as second
-from lsa_models.engine.remainders import signed_adjoints as signed
+from lsa_models.engine.remainders import second_order, signed_adjoints
 from lsa_models.engine.remainders.operator_norms import rows_bound, set_token_radius
 from lsa_models.engine.remainders.structured_norms import (
     Structured,
@@ -71,7 +70,7 @@ class Telescope:
         """(|G| with its margin, the op's value, G) per op with a remainder term, G the
         adjoint of `name` (or of combos @ name) w.r.t. the op's output at X0. The last two
         answers are kept: tighten, the margins and structured ask for the same terms, and the
-        signed forms (signed.bind) are the hot path."""
+        signed forms (signed_adjoints.bind) are the hot path."""
         z = self.zero.get(name)
         if not isinstance(z, LocalValue) or name not in self.env:
             return None
@@ -98,12 +97,12 @@ class Telescope:
         ts = [self.env[t] for t in names]
         # the output's own rows may use the signed forms' larger budget
         # (remainders/signed_adjoints.py)
-        cap = signed.RELATIONAL_CAP.set(
-            signed.RELATIONAL_OUTPUT_MAX_ENTRIES if name == self.output else None)
+        cap = signed_adjoints.RELATIONAL_CAP.set(
+            signed_adjoints.RELATIONAL_OUTPUT_MAX_ENTRIES if name == self.output else None)
         try:
             out = self._bound_terms(names, ts, rows, values, combos)
         finally:
-            signed.RELATIONAL_CAP.reset(cap)
+            signed_adjoints.RELATIONAL_CAP.reset(cap)
         self.terms_memo = [(memo_key, vals, out), *self.terms_memo[:1]]
         return out
 
@@ -140,7 +139,7 @@ class Telescope:
             u = values[t]
             assert isinstance(u, LocalValue) and u.term is not None
             # the signed form where a rule has one
-            b = signed.bind(u, g, ga) if self.signed_terms else u
+            b = signed_adjoints.bind(u, g, ga) if self.signed_terms else u
             out.append((ga, b, g))
         return out
 
@@ -212,12 +211,12 @@ class Telescope:
         # (remainders/signed_adjoints.py)
         rem = self.remainder(name, values, ball, combos)
         v = values.get(name)
-        st = signed.signed_rows(st, tl, zr, v, combos, rem, ball.norm)
+        st = signed_adjoints.signed_rows(st, tl, zr, v, combos, rem, ball.norm)
         if ball.norm != "inf" or not isinstance(v, LocalValue) or not kept:
             return st
         # and the rows' Hessians at X0 from the ops' second-order rules (remainders/second_order.py)
-        jcm, jrr, err = signed.row_enclosure(v, combos, rem)
-        return second.second_rows(st, [(g, ga, u, b) for (ga, u, g), (b, _) in
+        jcm, jrr, err = signed_adjoints.row_enclosure(v, combos, rem)
+        return second_order.second_rows(st, [(g, ga, u, b) for (ga, u, g), (b, _) in
                                        zip(kept, tl, strict=True)],
                                   widen_up(zr + err, 2), jcm, jrr, ball.eps)
 
@@ -232,12 +231,12 @@ class Telescope:
         if ball.norm == "inf":  # the entries' second-order enclosure (remainders/second_order.py)
             got = self._second_entries(name, values, ball)
             if got is not None:
-                hrow, rest = second.hessian_rows(np.abs(got[0])), got[1]
-                h = second.entry_bounds(hrow, rest, ball.eps)
+                hrow, rest = second_order.hessian_rows(np.abs(got[0])), got[1]
+                h = second_order.entry_bounds(hrow, rest, ball.eps)
                 if np.all(np.isfinite(h)):
                     jr = np.minimum(jr, h.reshape(v.jr.shape))
-                # and the values' (second.value_radius)
-                rad, nl = second.value_radius(hrow, rest, v.jc, ball.eps)
+                # and the values' (second_order.value_radius)
+                rad, nl = second_order.value_radius(hrow, rest, v.jc, ball.eps)
                 if np.all(np.isfinite(rad)):
                     rad = widen_up(rad.reshape(v.center.shape) + center_margin(v.center), 2)
                     lo, hi = np.maximum(lo, v.center - rad), np.minimum(hi, v.center + rad)
@@ -272,19 +271,19 @@ class Telescope:
 
     def _second_entries(self, name: str, values: Values, ball: Ball
                         ) -> tuple[np.ndarray, np.ndarray] | None:
-        """inf-ball: the entries' Hessians at X0 and rest (second.hessian_rest_factored), from
+        """inf-ball: the entries' Hessians at X0 and rest (second_order.hessian_rest_factored), from
         the ops' second-order rules: |J_t(X) - jc_t - H[p] . d| <= r entrywise; None where no
         op has one or they would not fit."""
         z = self.zero.get(name)
         if not isinstance(z, LocalValue) or \
-                z.center.size * z.jc.shape[-1] ** 2 > second.MAX_TENSOR_HESSIAN_ENTRIES:
+                z.center.size * z.jc.shape[-1] ** 2 > second_order.MAX_TENSOR_HESSIAN_ENTRIES:
             return None
         terms = self._terms(name, values, None)
         if terms is None:
             return None
         kept = [(g, ga, u, self.plain(u, ga)) for ga, u, g in terms if u.term is not None]
-        got = second.hessian_rest_factored(kept, self._rounding(name, None), ball.eps,
-                                           second.MAX_TENSOR_HESSIAN_ENTRIES)
+        got = second_order.hessian_rest_factored(kept, self._rounding(name, None), ball.eps,
+                                           second_order.MAX_TENSOR_HESSIAN_ENTRIES)
         return None if got is None else (got[0], got[1])
 
     def _norms(self, name: str, v: LocalValue, values: Values, ball: Ball) -> None:

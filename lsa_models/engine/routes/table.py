@@ -10,7 +10,7 @@ is sound on its own, the best one stands (the order is one of time only).
   then sweep and sweep-adjoint (the radius sweep without and with the adjoint graph's
   constants, routes/sweep.py).
 
-A route that does not apply raises (or passes on) one of route_errors.NOT_APPLICABLE: its
+A route that does not apply raises (or passes on) one of routes/errors.py's NOT_APPLICABLE: its
 callers then keep the other routes' numbers; any other exception propagates.
 """
 
@@ -104,7 +104,7 @@ AFFINE_STAGES: tuple[Route, ...] = (
           margin_lower_bounds),
     Route("affine-quad", "affine (second order)", QUAD_NORMS,
           "graphs with attention whose widest form with second-order symbols fits "
-          "(constant_routes.use_quad)", f"{QUAD_WALK_COST} plain walks", _LOWER,
+          "(constant.use_quad)", f"{QUAD_WALK_COST} plain walks", _LOWER,
           margin_lower_bounds, {"quad": True}, QUAD_WALK_COST),
     Route("affine-eig", "affine (eigenvalues)", EIG_NORMS, "where affine-quad applies",
           f"{EIG_WALK_COST} second-order walks", _LOWER, margin_lower_bounds,

@@ -27,12 +27,7 @@ from lsa_models.bounds.numerics import (
     inf_norm_upper,
     spectral_norm_upper,
 )
-from lsa_models.engine.drivers.centre import (  # service/ imports center_sha256 from here
-    Centre,
-    center_sha256,  # noqa: F401
-    check_center,
-    check_eps,
-)
+from lsa_models.engine.drivers.centre import Centre, check_center, check_eps
 from lsa_models.engine.drivers.jacobian_walk import MAX_JACOBIAN_ENTRIES, walk
 from lsa_models.engine.enclosure.rules import exact
 from lsa_models.engine.remainders.structured_norms import Structured

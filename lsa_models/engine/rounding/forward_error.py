@@ -20,6 +20,8 @@ refused.
 
 from __future__ import annotations
 
+from typing import Self
+
 import numpy as np
 import torch
 
@@ -291,7 +293,7 @@ class Proven:
             array_key(env[n].detach().numpy()): (None, e) for n, e in errors.items()
             if n in env}
 
-    def __enter__(self) -> Proven:
+    def __enter__(self) -> Self:
         self._tokens = (MARGIN.set(FORWARD_MARGIN if self.proven is None else self.proven),
                         PROVEN.set(self.known))
         return self

@@ -48,6 +48,10 @@ EPS = (1e-3, 1e-2, 1e-1)
 # pure-Python packages auto_LiRPA imports (its setup.py pins torch < 2.9 and test tools, so it
 # is installed with --no-deps beside them)
 ALIRPA_DEPS = ("numpy", "packaging", "appdirs", "pyyaml", "tqdm", "graphviz")
+# what bench/trained/alirpa.py needs besides: the digits models' weights and libraries (timm
+# imports torchvision, which goes in with --no-deps as in the Makefile)
+TRAINED_DEPS = ("safetensors", "scikit-learn", "timm", "x-transformers")
+TORCHVISION = "torchvision==0.28.0"
 
 
 def _pip(python: Path, *args: str) -> None:
@@ -90,6 +94,10 @@ def ensure_alirpa(src: Path, venv: Path = ALIRPA / "venv") -> tuple[Path | None,
         _pip(python, f"torch=={torch.__version__.split('+')[0]}")
         _pip(python, "--no-deps", str(source))
         _pip(python, *ALIRPA_DEPS)
+        constraint = venv / "constraints.txt"
+        constraint.write_text(f"torch=={torch.__version__.split('+')[0]}\n")
+        _pip(python, "-c", str(constraint), *TRAINED_DEPS)
+        _pip(python, "--no-deps", TORCHVISION)
     except (OSError, subprocess.SubprocessError) as exc:
         err = getattr(exc, "stderr", "") or ""
         return None, f"auto_LiRPA venv not built ({exc}; {str(err)[-300:]}): baseline skipped"

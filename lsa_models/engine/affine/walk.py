@@ -334,11 +334,12 @@ def _walk(nodes: list[Node], forms: dict[str, Aff], env: dict[str, torch.Tensor]
         outs = [chain.sink] if chain is not None else node.outputs
         centers = [None if not o or o not in env else env[o].detach().numpy() for o in outs]
         # a masked difference (an attention mask's entries) takes the node's own rules
-        total = squares.get(node.name) if isinstance(args[0], Aff) and args[0].masked is None \
+        first = args[0]
+        total = squares.get(node.name) if isinstance(first, Aff) and first.masked is None \
             else None
         try:
-            if total is not None:
-                outs, res = total.outputs, [square_sum_step(total, args[0], env, ball)]
+            if total is not None and isinstance(first, Aff):
+                outs, res = total.outputs, [square_sum_step(total, first, env, ball)]
             else:
                 res = step(node, args, centers, ball, _known_of(known, ins), chain,
                            fused_consts(chain, env) if chain is not None else None)

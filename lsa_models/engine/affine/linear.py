@@ -180,13 +180,14 @@ def _row_sums(a: np.ndarray, dims: tuple[int, ...], keep: bool, mean: bool
     axis strided: four partial sums p_k = x_k + x_{k+4} + ... from 0, the n mod 4 last terms
     onto p_0, then ((p_0 + p_1) + p_2) + p_3; a mean divided by n after), as whole slices of
     a; None outside the layouts tests/test_affine_fast.py pins against vmap (the last entry
-    axis, at most ROW_SUM_MAX terms, more than one sum per column: elsewhere torch iterates
-    the axes after it innermost, another order)."""
+    axis, at most ROW_SUM_MAX terms, more than one sum per column, more than one column:
+    elsewhere torch iterates the axes after it innermost, another order, and with one
+    column the summed axis is contiguous, which torch sums vectorised)."""
     if dims != (a.ndim - 2,):
         return None
     ax = dims[0]
     n = a.shape[ax]
-    if not 1 <= n <= ROW_SUM_MAX or a.size // (n * a.shape[-1]) < 2:
+    if not 1 <= n <= ROW_SUM_MAX or a.shape[-1] < 2 or a.size // (n * a.shape[-1]) < 2:
         return None
     xs = np.moveaxis(a, ax, 0)  # a view: xs[i] is the i-th term of every sum
     quads = n // 4

@@ -69,6 +69,8 @@ CASES = dict(seed=st.integers(0, 10**6), rows=st.integers(1, 3), n=st.integers(2
              norm=st.sampled_from(["inf", "2"]))
 
 
+# each example checks every sampled point in long double (seconds each): 120 examples
+# cover the shapes and shared-symbol mixes; the full profile's count would only repeat them
 @settings(max_examples=120, deadline=None)
 @given(**CASES)
 def test_difference_dev_holds(seed: int, rows: int, n: int, p: int, q: int, shared: float,
@@ -81,6 +83,8 @@ def test_difference_dev_holds(seed: int, rows: int, n: int, p: int, q: int, shar
         assert np.all(np.abs(diff) <= dd), float((np.abs(diff) - dd).max())
 
 
+# each example checks every sampled point in long double (seconds each): 120 examples
+# cover the shapes and shared-symbol mixes; the full profile's count would only repeat them
 @settings(max_examples=120, deadline=None)
 @given(**CASES)
 def test_difference_probability_ranges_hold(seed: int, rows: int, n: int, p: int, q: int,
@@ -98,6 +102,8 @@ def test_difference_probability_ranges_hold(seed: int, rows: int, n: int, p: int
         assert np.all(plo <= pz) and np.all(pz <= phi)
 
 
+# each example checks every sampled point in long double (seconds each): 80 examples
+# cover the shapes and shared-symbol mixes; the full profile's count would only repeat them
 @settings(max_examples=80, deadline=None)
 @given(**CASES)
 def test_jacobian_midpoints_bound_the_jacobian(seed: int, rows: int, n: int, p: int, q: int,
@@ -119,6 +125,8 @@ def test_jacobian_midpoints_bound_the_jacobian(seed: int, rows: int, n: int, p: 
         assert np.all(np.abs(jac - sc)[..., ~eye] <= off[..., ~eye])
 
 
+# each example checks every sampled point in long double (seconds each): 80 examples
+# cover the shapes and shared-symbol mixes; the full profile's count would only repeat them
 @settings(max_examples=80, deadline=None)
 @given(**CASES)
 def test_softmax_form_holds(seed: int, rows: int, n: int, p: int, q: int, shared: float,

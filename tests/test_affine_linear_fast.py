@@ -5,33 +5,20 @@ summed): the same coefficients, bit for bit, with the fast path taken."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lsa_models.engine.affine import form as affine
 from lsa_models.engine.affine import linear as affine_linear
 from lsa_models.engine.affine import walk as affine_walk
 from lsa_models.engine.affine.form import Aff, NotAffine
 from lsa_models.engine.values import Ball, center_margin
 from lsa_models.onnx.ops import Node
 from tests.profile import at_most
+from tests.test_affine_fast import _reference
 
 BALL = Ball(np.zeros(3), 0.05, "inf")
-
-
-@contextmanager
-def _reference(on: bool) -> Iterator[None]:
-    saved = affine.REFERENCE
-    affine.REFERENCE = on
-    try:
-        yield
-    finally:
-        affine.REFERENCE = saved
 
 
 def _form(rng: np.random.Generator, shape: tuple[int, ...], width: int) -> Aff:
